@@ -1,0 +1,1 @@
+"""Rotations applied to K/V (and weights) before quantization: Hadamard constructions and fitted sets."""
