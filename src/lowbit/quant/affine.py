@@ -1,0 +1,194 @@
+"""Group-wise affine (uniform) quantization along the last dim.
+
+Every scheme here -- asymmetric, symmetric, clipped or not -- dequantizes with ONE formula,
+the one every kernel implements:
+
+    x_hat = codes * scale + zero          # codes uint8 in [0, 2**bits - 1]
+
+`zero` is a float offset in x units (not an integer zero-point). For asymmetric groups the grid
+spans the group's [min, max]; for symmetric groups it spans [-amax, amax] with
+`zero = -mid * scale`, `mid = (2**bits - 1) / 2`, so the codes are centered on `mid` and the
+levels are +-scale/2, +-3*scale/2, ... (no level wasted, none exactly at 0).
+
+Clip ratio r in (0, 1]: the group's range is shrunk toward its center by r before the grid is
+laid out. Asymmetric: [min, max] -> [c - r*h, c + r*h] with c = (min+max)/2, h = (max-min)/2.
+Symmetric: amax -> r*amax (center 0). So r = 0.92 means the grid covers the central 92% of
+the group's observed range (4% trimmed off each end of the span, not 4% of the samples);
+values outside are clamped to the end levels. r = 1 is plain min/max. It is a range ratio, not
+a sample quantile: no sort is needed, so it is cheap on the KV write path.
+
+All math runs in float32 whatever the input dtype. scale/zero are returned in float32 by
+default or in `scale_dtype` (fp16/bf16, what the KV cache stores). In that case the scale is
+rounded to that dtype first (upward, so the grid still spans the range), the zero is derived
+from the rounded scale (grid centered on the range, then rounded), and the codes are computed
+against the rounded scale/zero -- so the stored values reconstruct as well as the dtype allows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.errors import LowbitError
+
+BITS = (2, 3, 4, 8)
+DEFAULT_CLIP_RATIOS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.82, 0.78, 0.74, 0.70)
+_SCALE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class AffineQuantized:
+    """Quantized tensor. x_hat = codes * scale + zero (scale/zero broadcast over each group).
+
+    codes: uint8 [..., D]; scale, zero: [..., D // group] (float32, or the requested scale_dtype).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    bits: int
+    group: int
+    symmetric: bool
+    clip_ratio: float = 1.0
+
+
+def check_bits(bits: int) -> int:
+    if bits not in BITS:
+        raise LowbitError(f"unsupported bit width {bits!r} for affine quantization; use one of {BITS}")
+    return int(bits)
+
+
+def check_group(dim: int, group: int | None) -> int:
+    """Return the group size for a last dim of `dim` (None -> the whole dim)."""
+    if group is None:
+        return dim
+    if not isinstance(group, int) or group <= 0:
+        raise LowbitError(f"group must be a positive integer, got {group!r}")
+    if dim % group != 0:
+        # Prefer power-of-two divisors below the asked group (what kernels like), then any.
+        below = [d for d in range(min(group, dim), 0, -1) if dim % d == 0]
+        divisors = ([d for d in below if d & (d - 1) == 0 and d > 1] + below)[:2]
+        divisors = list(dict.fromkeys(divisors))
+        hint = " or ".join(str(d) for d in divisors)
+        raise LowbitError(f"group {group} does not divide dim {dim}; pick a divisor such as {hint}")
+    return group
+
+
+def _check_clip(clip_ratio: float) -> float:
+    r = float(clip_ratio)
+    if not (0.0 < r <= 1.0):
+        raise LowbitError(f"clip ratio {clip_ratio!r} is outside (0, 1]; use 1.0 for no clipping")
+    return r
+
+
+def _round_up(t32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round a positive float32 tensor to `dtype`, never below its float32 value."""
+    r = t32.to(dtype)
+    low = r.float() < t32
+    if low.any():
+        r = torch.where(low, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
+    return r
+
+
+def quantize(
+    x: torch.Tensor,
+    bits: int,
+    group: int | None,
+    *,
+    symmetric: bool = False,
+    clip_ratio: float = 1.0,
+    scale_dtype: torch.dtype = torch.float32,
+) -> AffineQuantized:
+    """Quantize x [..., D] in groups of `group` consecutive elements of the last dim.
+
+    bits in {2, 3, 4, 8}; group must divide D (None = whole dim); clip_ratio in (0, 1] (see
+    module docstring); scale_dtype float32 / float16 / bfloat16 for the returned scale and zero.
+    Constant groups reconstruct exactly (scale 1, codes 0, zero = the value). Returns
+    AffineQuantized(codes uint8 [..., D], scale [..., D//group], zero [..., D//group]).
+    """
+    bits = check_bits(bits)
+    r = _check_clip(clip_ratio)
+    if not torch.is_floating_point(x):
+        raise LowbitError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise LowbitError("quantize expects at least one dim (groups run along the last dim)")
+    if scale_dtype not in _SCALE_DTYPES:
+        raise LowbitError(f"scale_dtype {scale_dtype} unsupported; use one of {_SCALE_DTYPES}")
+    D = x.shape[-1]
+    g = check_group(D, group)
+    qmax = (1 << bits) - 1
+
+    xg = x.float().reshape(*x.shape[:-1], D // g, g)  # [..., G, g]
+    if symmetric:
+        amax = xg.abs().amax(dim=-1)  # [..., G]
+        center = torch.zeros_like(amax)
+        half = amax * r
+    else:
+        lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # [..., G]
+        center = (lo + hi) * 0.5
+        half = (hi - lo) * (0.5 * r)
+    if not torch.isfinite(half).all() or not torch.isfinite(center).all():
+        raise LowbitError("quantize got inf or NaN values in x; clean the input before quantizing")
+
+    live = half > 0  # zero-range groups get scale 1, zero = value, codes 0 -> exact
+    scale = torch.where(live, half * (2.0 / qmax), torch.ones_like(half))
+    if scale_dtype != torch.float32:
+        scale = _round_up(scale, scale_dtype).float()
+    # Grid centered on the (clipped) range; with a rounded-up scale it spans a bit more.
+    zero = torch.where(live, center - scale * (qmax * 0.5), center)
+    if scale_dtype != torch.float32:
+        scale_s, zero_s = scale.to(scale_dtype), zero.to(scale_dtype)
+        if not (torch.isfinite(scale_s).all() and torch.isfinite(zero_s).all()):
+            raise LowbitError(
+                f"scale/zero overflow {scale_dtype}; values too large for it, use scale_dtype=torch.float32"
+            )
+        zero = zero_s.float()
+    else:
+        scale_s, zero_s = scale, zero
+
+    codes = torch.round((xg - zero.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, qmax)
+    codes = codes.to(torch.uint8).reshape(x.shape)
+    return AffineQuantized(codes, scale_s, zero_s, bits, g, bool(symmetric), r)
+
+
+def dequantize(q: AffineQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x_hat [..., D] = codes * scale + zero, computed in float32 and cast to `dtype`."""
+    D = q.codes.shape[-1]
+    cg = q.codes.float().reshape(*q.codes.shape[:-1], D // q.group, q.group)  # [..., G, g]
+    x = cg * q.scale.float().unsqueeze(-1) + q.zero.float().unsqueeze(-1)
+    return x.reshape(q.codes.shape).to(dtype)
+
+
+def fake_quantize(x: torch.Tensor, bits: int, group: int | None, **kw) -> torch.Tensor:
+    """dequantize(quantize(x, ...)) in x's dtype."""
+    return dequantize(quantize(x, bits, group, **kw), x.dtype)
+
+
+def quant_mse(x: torch.Tensor, bits: int, group: int | None, **kw) -> float:
+    """Mean squared reconstruction error (float32) of quantize -> dequantize."""
+    xh = dequantize(quantize(x, bits, group, **kw))
+    return float((xh - x.float()).pow(2).mean())
+
+
+def mse_clip_search(
+    x: torch.Tensor,
+    bits: int,
+    group: int | None,
+    *,
+    symmetric: bool = False,
+    ratios=DEFAULT_CLIP_RATIOS,
+    scale_dtype: torch.dtype = torch.float32,
+) -> float:
+    """The clip ratio from `ratios` with the smallest reconstruction MSE on x (one for all of x).
+
+    1.0 (no clip) is always a candidate, so the result never does worse than no clipping on x;
+    ties go to the larger ratio. Returns a float in (0, 1].
+    """
+    cands = sorted({_check_clip(r) for r in ratios} | {1.0}, reverse=True)
+    best_r, best = 1.0, float("inf")
+    for r in cands:
+        err = quant_mse(x, bits, group, symmetric=symmetric, clip_ratio=r, scale_dtype=scale_dtype)
+        if err < best:
+            best_r, best = r, err
+    return best_r
