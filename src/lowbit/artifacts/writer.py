@@ -1,0 +1,228 @@
+"""Writing artifacts: atomically into a new directory (ArtifactWriter), or pinning existing files (pin).
+
+Atomic means a reader sees either no `out_dir` or a complete one with its manifest: files are
+staged in a sibling `.<name>.tmp-<pid>` directory (same filesystem, so os.rename is atomic) and
+renamed into place only after manifest.json is written and synced. An existing `out_dir` is
+never overwritten: artifacts are immutable, a new result goes to a new directory.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Self
+
+from lowbit.artifacts.manifest import (
+    MANIFEST_NAME,
+    FileEntry,
+    Manifest,
+    check_class,
+    library_versions,
+    sha256_file,
+)
+from lowbit.errors import LowbitError
+
+
+def list_files(root: Path) -> tuple[list[str], list[str]]:
+    """Walk `root` recursively without following links. Returns (regular files, others) as sorted
+    relative POSIX paths, excluding the top-level manifest.json; "others" are symlinks (to files or
+    dirs) and special files (fifos, sockets, devices), which an artifact may not contain."""
+    files, others = [], []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        rel_dir = Path(dirpath).relative_to(root)
+        linked_dirs = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        for name in filenames + linked_dirs:
+            rel = (rel_dir / name).as_posix()
+            if rel == MANIFEST_NAME:
+                continue
+            mode = os.lstat(os.path.join(dirpath, name)).st_mode
+            (files if stat.S_ISREG(mode) else others).append(rel)
+    return sorted(files), sorted(others)
+
+
+def _hash_entries(root: Path) -> tuple[FileEntry, ...]:
+    files, others = list_files(root)
+    if others:
+        # An artifact must be self-contained: a link's target can change without the manifest noticing.
+        raise LowbitError(
+            f"{root} contains symlinks or special files ({', '.join(others[:3])}); copy the real files in instead"
+        )
+    return tuple(FileEntry(p, (root / p).stat().st_size, sha256_file(root / p)) for p in files)
+
+
+def _check_dict(name: str, value: Any) -> dict:
+    if not isinstance(value, dict):
+        raise LowbitError(f"artifact {name} must be a dict, got {type(value).__name__}")
+    return value
+
+
+def _fsync_path(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_manifest_file(path: Path, text: str) -> None:
+    with open(path, "x", encoding="utf-8") as f:  # "x": never clobber an existing file
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class ArtifactWriter:
+    """Write an artifact atomically into a new directory.
+
+        with ArtifactWriter(out, kind="kv-eval", artifact_class="fake-quant-eval",
+                            inputs={"model": name, "weights_sha256": sha}, recipe=recipe_dict) as w:
+            torch.save(t, w.path / "codes.pt")        # any files, any sub-directories
+            w.counts = {"layers": 30, "quantized_modules": 60, "skipped": 0}
+        w.manifest  # the written Manifest; out now exists with manifest.json
+
+    `w.inputs`, `w.recipe`, `w.counts` may be reassigned inside the block (plain JSON dicts).
+    On an exception inside the block the staging dir is removed and the exception propagates.
+    Refuses an existing out_dir (at enter and again just before the rename).
+    """
+
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        *,
+        kind: str,
+        artifact_class: str,
+        inputs: dict[str, Any],
+        recipe: dict[str, Any],
+    ):
+        if not isinstance(kind, str) or not kind:
+            raise LowbitError(f"artifact kind must be a non-empty string, got {kind!r}")
+        self.out_dir = Path(out_dir)
+        if not self.out_dir.name or self.out_dir.name in (".", ".."):
+            raise LowbitError(f"artifact output {out_dir!s} must name a new directory")
+        self.kind = kind
+        self.artifact_class = check_class(artifact_class)
+        self.inputs = _check_dict("inputs", inputs)
+        self.recipe = _check_dict("recipe", recipe)
+        self.counts: dict[str, Any] = {}
+        self.manifest: Manifest | None = None
+        self._staging: Path | None = None
+
+    @property
+    def path(self) -> Path:
+        """The staging directory to write files into (valid only inside the `with` block)."""
+        if self._staging is None:
+            raise LowbitError("ArtifactWriter.path is only available inside `with ArtifactWriter(...) as w:`")
+        return self._staging
+
+    def _refuse_existing(self) -> None:
+        if os.path.lexists(self.out_dir):
+            raise LowbitError(
+                f"{self.out_dir} already exists; artifacts are never overwritten: choose a new output directory"
+            )
+
+    def __enter__(self) -> Self:
+        if self._staging is not None or self.manifest is not None:
+            raise LowbitError("an ArtifactWriter writes one artifact once; create a new writer")
+        self._refuse_existing()
+        parent = self.out_dir.parent
+        parent.mkdir(parents=True, exist_ok=True)
+        staging = parent / f".{self.out_dir.name}.tmp-{os.getpid()}"
+        try:
+            staging.mkdir()
+        except FileExistsError:
+            raise LowbitError(
+                f"staging directory {staging} exists (another writer to {self.out_dir} is running, or a crashed "
+                f"one left it): wait for it, or delete {staging}"
+            ) from None
+        self._staging = staging
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        staging, self._staging = self._staging, None
+        if exc_type is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+            return False  # propagate
+        try:
+            self.manifest = self._finish(staging)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+        return False
+
+    def _finish(self, staging: Path) -> Manifest:
+        if os.path.lexists(staging / MANIFEST_NAME):
+            raise LowbitError(f"{MANIFEST_NAME} is written by ArtifactWriter itself; do not write a file of that name")
+        manifest = Manifest(
+            kind=self.kind,
+            artifact_class=self.artifact_class,
+            inputs=_check_dict("inputs", self.inputs),
+            recipe=_check_dict("recipe", self.recipe),
+            versions=library_versions(),
+            counts=_check_dict("counts", self.counts),
+            files=_hash_entries(staging),
+        )
+        _write_manifest_file(staging / MANIFEST_NAME, manifest.to_json())
+        self._refuse_existing()
+        # os.rename would silently replace an existing *empty* directory, hence the check just above;
+        # a non-empty one makes it fail, which we report the same way.
+        try:
+            os.rename(staging, self.out_dir)
+        except OSError as e:
+            if os.path.lexists(self.out_dir):
+                self._refuse_existing()
+            raise LowbitError(f"could not move {staging} to {self.out_dir}: {e.strerror}") from None
+        _fsync_path(self.out_dir.parent)  # make the rename itself durable
+        return replace(manifest, root=self.out_dir)
+
+
+def pin(
+    directory: str | os.PathLike,
+    kind: str = "files",
+    artifact_class: str = "generic",
+    *,
+    inputs: dict[str, Any] | None = None,
+    recipe: dict[str, Any] | None = None,
+    counts: dict[str, Any] | None = None,
+) -> Manifest:
+    """Write manifest.json for a directory of existing files (every file, recursively).
+
+    Refuses a directory that already has a manifest (pinning again would bless whatever changed
+    since; run verify instead). The manifest appears atomically: written to a hidden temp file,
+    then hard-linked into place (which fails rather than overwrites if one appeared meanwhile).
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise LowbitError(f"cannot pin {root}: not a directory")
+    if not isinstance(kind, str) or not kind:
+        raise LowbitError(f"artifact kind must be a non-empty string, got {kind!r}")
+    check_class(artifact_class)
+    target = root / MANIFEST_NAME
+    if os.path.lexists(target):
+        raise LowbitError(f"{root} is already pinned ({MANIFEST_NAME} exists); run `lowbit verify {root}` instead")
+    manifest = Manifest(
+        kind=kind,
+        artifact_class=artifact_class,
+        inputs=_check_dict("inputs", inputs or {}),
+        recipe=_check_dict("recipe", recipe or {}),
+        versions=library_versions(),
+        counts=_check_dict("counts", counts or {}),
+        files=_hash_entries(root),  # listed before the temp file exists, so it is never included
+        root=root,
+    )
+    text = manifest.to_json()
+    tmp = root / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
+    _write_manifest_file(tmp, text)
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        raise LowbitError(f"{root} was pinned by someone else meanwhile; run `lowbit verify {root}`") from None
+    except OSError:
+        # Filesystems without hard links: exclusive create still never overwrites, only the
+        # all-or-nothing visibility of the content is lost.
+        _write_manifest_file(target, text)
+    finally:
+        tmp.unlink()
+    return manifest
