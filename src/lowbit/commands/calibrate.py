@@ -1,0 +1,141 @@
+"""`lowbit calibrate`: post-RoPE Q/K/V sufficient statistics per layer and KV head -> a calibration artifact."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+
+NAME = "calibrate"
+HELP = "capture post-RoPE Q/K/V statistics (KᵀK, VᵀV, QᵀQ per KV head) over N tokens into a calibration artifact"
+
+DEFAULT_TOKENS = 32768
+DEFAULT_SEQ_LEN = 1024
+DEFAULT_SKIP = 64
+# A D x D covariance needs well over D samples to be estimated; fewer than this many tokens per
+# layer (after the skipped sink positions) is refused rather than fitted into a noisy rotation.
+MIN_TOKENS_PER_DIM = 8
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF dir")
+    p.add_argument("--data", default="stdlib", help="stdlib | wikitext2 | PATH to a text file (default stdlib)")
+    p.add_argument("--tokens", type=int, default=DEFAULT_TOKENS, help=f"tokens to feed (default {DEFAULT_TOKENS})")
+    p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
+    p.add_argument("--skip", type=int, default=DEFAULT_SKIP, help="leading positions per sequence left out of the "
+                   f"statistics: the cache's sink, never quantized (default {DEFAULT_SKIP})")
+    p.add_argument("--no-score-weighted", action="store_true", help="skip the attention-weighted V covariance (faster)")
+    p.add_argument("--out", required=True, help="new artifact directory")
+
+
+def min_tokens(geometry_dims: list[int], seq_len: int, skip: int) -> int:
+    """Smallest --tokens accepted: MIN_TOKENS_PER_DIM x the widest head_dim after skipping the sink positions."""
+    need_stats = MIN_TOKENS_PER_DIM * max(geometry_dims)
+    per_seq = seq_len - skip
+    n_seq = -(-need_stats // per_seq)
+    return n_seq * seq_len
+
+
+def windows_from_ids(ids: torch.Tensor, tokens: int, seq_len: int, source: str) -> torch.Tensor:
+    """Cut the first `tokens` ids into [tokens // seq_len, seq_len] windows; refuse too little text."""
+    if tokens % seq_len:
+        raise LowbitError(f"--tokens {tokens} is not a multiple of --seq-len {seq_len}: pick e.g. {tokens // seq_len * seq_len or seq_len}")
+    if ids.numel() < tokens:
+        raise LowbitError(
+            f"calibration data {source} has only {ids.numel()} tokens, {tokens} requested: lower --tokens or give more text"
+        )
+    return ids[:tokens].reshape(tokens // seq_len, seq_len)
+
+
+@torch.no_grad()
+def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_weighted: bool = True, sample_per_seq: int = 16,
+            progress=None):
+    """Feed windows [N, T] (one sequence per forward, no cache) through `model` under the capture.
+
+    Returns the StatsCollector. Raises LowbitError unless every attention layer saw N*T tokens.
+    """
+    from lowbit.calib.capture import attention_layers, capture_attention
+    from lowbit.calib.stats import StatsCollector
+
+    layers = [m.layer_idx for m in attention_layers(model)]
+    col = StatsCollector(skip=skip, sample_per_seq=sample_per_seq, score_weighted=score_weighted)
+    with capture_attention(model, col):
+        for n, w in enumerate(windows):
+            # logits_to_keep=1: the lm_head over every position is wasted work for calibration
+            model(w[None], use_cache=False, logits_to_keep=1)
+            if progress:
+                progress(n + 1, len(windows))
+    col.check_tokens(layers, windows.numel())
+    return col
+
+
+def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_len: int, skip: int,
+              score_weighted: bool = True) -> dict:
+    """Tokenize `text`, collect statistics with `loaded.model`, write the artifact. Returns counts."""
+    geo = loaded.geometry
+    if seq_len <= skip:
+        raise LowbitError(f"--seq-len {seq_len} must exceed --skip {skip}")
+    dims = [max(lg.head_dim_k, lg.head_dim_v) for lg in geo.layers]
+    need = min_tokens(dims, seq_len, skip)
+    if tokens < need:
+        raise LowbitError(
+            f"too few calibration tokens: {tokens} gives fewer than {MIN_TOKENS_PER_DIM} x head_dim ({max(dims)}) "
+            f"statistics tokens per layer after skipping {skip} per sequence; use --tokens {need} or more"
+        )
+    ids = loaded.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
+    windows = windows_from_ids(ids, tokens, seq_len, data_spec)
+    t0 = time.time()
+    col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted)
+    seconds = time.time() - t0
+    inputs = {
+        "model": loaded.name,
+        "weights_sha256": loaded.weights_sha256,
+        "data": data_spec,
+        "data_sha256": hashlib.sha256(text.encode()).hexdigest(),
+    }
+    counts = write_calibration(col, out, geo, inputs, tokens=tokens, seq_len=seq_len)
+    return {**counts, "seconds": round(seconds, 1)}
+
+
+def write_calibration(col, out: Path, geo, inputs: dict, *, tokens: int, seq_len: int) -> dict:
+    """Write a collector's statistics as a calibration artifact (atomic; nothing left on error)."""
+    from lowbit.artifacts import ArtifactWriter
+
+    if sorted(col.layers) != [lg.index for lg in geo.layers]:
+        raise LowbitError(f"captured attention layers {sorted(col.layers)}, the model has {geo.num_layers}: "
+                          "some layers bypassed the capture")
+    recipe = {"tokens": tokens, "seq_len": seq_len, "skip": col.skip, "score_weighted": col.score_weighted}
+    n_seq = tokens // seq_len
+    with ArtifactWriter(out, kind="calibration", artifact_class="generic", inputs=inputs, recipe=recipe) as w:
+        col.save(w.path, {**inputs, **recipe, "geometry": _geometry_doc(geo)})
+        w.counts = {"layers": len(col.layers), "tokens": tokens, "sequences": n_seq,
+                    "stats_tokens_per_layer": tokens - col.skip * n_seq}
+    return dict(w.counts)
+
+
+def _geometry_doc(geo) -> list[dict]:
+    return [
+        {"index": lg.index, "attention": lg.attention, "window": lg.window, "num_q_heads": lg.num_q_heads,
+         "num_kv_heads": lg.num_kv_heads, "head_dim_k": lg.head_dim_k, "head_dim_v": lg.head_dim_v}
+        for lg in geo.layers
+    ]
+
+
+def run(args) -> int:
+    from lowbit.calib.corpora import load_text
+    from lowbit.models import load
+
+    out = Path(args.out)
+    if out.exists():
+        raise LowbitError(f"{out} already exists; artifacts are never overwritten: choose a new --out")
+    loaded = load(args.model)
+    text = load_text(args.data)
+    counts = calibrate(loaded, args.data, text, out, tokens=args.tokens, seq_len=args.seq_len, skip=args.skip,
+                       score_weighted=not args.no_score_weighted)
+    print(f"calibration of {loaded.name} on {args.data}: {counts['tokens']} tokens in {counts['sequences']} sequences, "
+          f"{counts['layers']} layers, {counts['seconds']} s -> {out}")
+    return 0
