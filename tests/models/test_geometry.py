@@ -40,7 +40,7 @@ def test_roundtrip_dict():
 
 
 def _cfg(**kw):
-    base = dict(model_type="toy", num_hidden_layers=3, num_attention_heads=6, hidden_size=66)
+    base = {"model_type": "toy", "num_hidden_layers": 3, "num_attention_heads": 6, "hidden_size": 66}
     base.update(kw)
     return base
 

@@ -62,3 +62,15 @@ def test_bad_arguments():
         tiny_model("smollm2-135m", num_layers=0)
     with pytest.raises(LowbitError, match="built-ins are smollm2-135m, gemma3-270m"):
         tiny_model("llama-7b")
+
+
+def test_tiny_tokenizer_roundtrip(tmp_path):
+    from transformers import AutoTokenizer
+
+    from lowbit.models.tiny import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    assert tok("the cat sat on a zebra .")["input_ids"] == [4, 5, 6, 7, 9, 0, 14]  # zebra -> <unk>
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id, len(tok)) == (1, 2, 3, 16)
+    tok.save_pretrained(tmp_path)
+    assert AutoTokenizer.from_pretrained(tmp_path)("dog ran")["input_ids"] == [10, 11]

@@ -7,6 +7,7 @@
 """
 
 from lowbit.models.geometry import LayerGeometry, ModelGeometry
+from lowbit.models.load import LoadedModel, load
 from lowbit.models.registry import BUILTINS, BuiltinModel, get_builtin
 
-__all__ = ["BUILTINS", "BuiltinModel", "LayerGeometry", "ModelGeometry", "get_builtin"]
+__all__ = ["BUILTINS", "BuiltinModel", "LayerGeometry", "LoadedModel", "ModelGeometry", "get_builtin", "load"]

@@ -86,7 +86,7 @@ class BuiltinModel:
         spec = importlib.util.find_spec(self.module)
         if spec is None or not spec.submodule_search_locations:
             raise LowbitError(f"package {self.distribution} has no folder: run `{self.pip_command}`")
-        return Path(list(spec.submodule_search_locations)[0])
+        return Path(next(iter(spec.submodule_search_locations)))
 
 
 BUILTINS: dict[str, BuiltinModel] = {

@@ -67,3 +67,20 @@ def tiny_tokenizer_free_inputs(
     """Random token ids [batch_size, seq_len] (int64) in [0, vocab_size), deterministic per seed."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, config.vocab_size, (batch_size, seq_len), generator=g)
+
+
+TINY_WORDS = ("the", "cat", "sat", "on", "mat", "a", "dog", "ran", "and", "to", ".", ",")
+
+
+def tiny_tokenizer():
+    """A word-level fast tokenizer (whitespace/punctuation split) for tests that need text:
+    ids 0-3 are <unk>, <pad>, <bos>, <eos>, then TINY_WORDS in order (16 ids in all), so it
+    fits any tiny model with vocab_size >= 16. Saves/loads like any HF tokenizer."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ("<unk>", "<pad>", "<bos>", "<eos>", *TINY_WORDS)
+    tk = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", pad_token="<pad>",
+                                   bos_token="<bos>", eos_token="<eos>")

