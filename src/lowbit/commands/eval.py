@@ -1,0 +1,73 @@
+"""`lowbit eval`: chunked teacher-forced PPL / KL / top-1 of KV schemes and peers, side by side.
+
+    lowbit eval --model smollm2-135m --kv bf16,int8,int4,int2 --peers hf-quanto-int2,kivi2 \\
+        --data wikitext2 --windows 8 --json r.json --markdown r.md --plot r.png
+
+Every row runs over the same windows, fed through its cache --chunk tokens at a time, so later
+chunks attend to quantized history as in serving. See lowbit.eval for the protocol.
+"""
+
+from __future__ import annotations
+
+from lowbit.eval.peers import PEERS
+from lowbit.eval.runner import DEFAULT_CHUNK, DEFAULT_SEQ_LEN, DEFAULT_WINDOWS, DTYPES, EvalOptions, run_eval
+
+NAME = "eval"
+HELP = "perplexity, KL and top-1 of KV-cache schemes and peers on the same windows (table, JSON, markdown, PNG)"
+
+
+def add_kv_flags(parser) -> None:
+    """The KV options every command shares (as in `lowbit generate`); they apply to every --kv name."""
+    g = parser.add_argument_group("KV scheme options (apply to every --kv scheme name)")
+    g.add_argument("--group", type=int, default=None, help="channels per quantization group (default 128 or head_dim)")
+    g.add_argument("--sink", type=int, default=None, help="tokens kept unquantized at the start (default 64)")
+    g.add_argument("--recent", type=int, default=None,
+                   help="recent tokens kept unquantized (default 256; also the HF peers' residual length)")
+    g.add_argument("--page", type=int, default=None, help="tokens moved from the recent ring to the middle at once")
+    g.add_argument("--clip", default=None, help="clip ratio, one value or K,V (e.g. 0.96,0.92)")
+    g.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels instead of a uniform grid")
+    g.add_argument("--rotation", default=None, help="none | hadamard | RotationSet directory (default none)")
+
+
+def kv_flags(args) -> dict:
+    return {"group": args.group, "sink": args.sink, "recent": args.recent, "page": args.page, "clip": args.clip,
+            "lloyd_max": bool(args.lloyd_max) or None, "rotation": args.rotation}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF directory")
+    parser.add_argument("--kv", default="bf16",
+                        help="comma list of schemes: bf16 (the DynamicCache reference, always run), int8, int4, int3, "
+                             "int2, kXvY, kivi2, kivi4, NAME@hadamard, or recipe .json/.toml files")
+    parser.add_argument("--peers", default=None, help=f"comma list of peers: {', '.join(PEERS)}")
+    parser.add_argument("--data", default="wikitext2", help="wikitext2 (default) | stdlib | PATH of a UTF-8 text file")
+    parser.add_argument("--seq-len", type=int, default=None,
+                        help=f"tokens per window (default {DEFAULT_SEQ_LEN}, capped by the model context)")
+    parser.add_argument("--chunk", type=int, default=DEFAULT_CHUNK,
+                        help=f"tokens fed through the cache per forward (default {DEFAULT_CHUNK})")
+    parser.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
+                        help=f"consecutive windows to score (default {DEFAULT_WINDOWS})")
+    parser.add_argument("--weights", default=None, help="compressed-tensors checkpoint directory to evaluate instead")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="model dtype (default bf16)")
+    parser.add_argument("--cache-dir", default=None, help="cache root for built-in models (default ~/.cache/lowbit)")
+    parser.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
+    parser.add_argument("--markdown", dest="markdown_out", default=None, help="write a markdown report here")
+    parser.add_argument("--plot", dest="plot_out", default=None, help="write a PNG of ΔPPL vs bits/elt here")
+    parser.add_argument("--no-full-window", action="store_true",
+                        help="skip the plain full-window forward that checks the bf16 chunked PPL")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add_kv_flags(parser)
+
+
+def options_from_args(args) -> EvalOptions:
+    return EvalOptions(
+        model=args.model, kv=args.kv, peers=args.peers, data=args.data, seq_len=args.seq_len, chunk=args.chunk,
+        windows=args.windows, weights=args.weights, dtype=args.dtype, cache_dir=args.cache_dir,
+        json_out=args.json_out, markdown_out=args.markdown_out, plot_out=args.plot_out,
+        full_window=not args.no_full_window, progress=not args.no_progress, kv_flags=kv_flags(args),
+    )
+
+
+def run(args) -> int:
+    run_eval(options_from_args(args))
+    return 0

@@ -1,0 +1,234 @@
+"""Reports of an evaluation: the results list (JSON), a rich table, markdown, and a PNG of ΔPPL vs bits.
+
+The JSON is the record: `protocol` (windows, tokens, chunk, scored positions), `model`, `data`,
+`versions`, `full_window` (the bf16 chunked-vs-plain-forward check) and `results`, one entry per row:
+    scheme, kind, status ("ok" or "cannot run: <reason>"), config, ppl, delta_ppl_pct, kl, top1,
+    bits_per_elt (quantized tier; null when nothing is quantized), avg_bits_per_elt (all tiers),
+    quantized_rows, seconds, time_vs_bf16, tokens_scored
+Numbers are null where a row could not run; nothing is printed that was not measured.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import math
+import platform
+from pathlib import Path
+
+from lowbit.errors import LowbitError
+
+SCHEMA_VERSION = 1
+RESULT_KEYS = ("scheme", "kind", "status", "config", "ppl", "delta_ppl_pct", "kl", "top1", "bits_per_elt",
+               "avg_bits_per_elt", "quantized_rows", "seconds", "time_vs_bf16", "tokens_scored")
+
+
+def _finite(x) -> float | None:
+    if x is None:
+        return None
+    x = float(x)
+    return x if math.isfinite(x) else None
+
+
+def result_rows(results) -> list[dict]:
+    """EntryResults (lowbit.eval.harness) -> JSON-ready dicts with RESULT_KEYS."""
+    ref_s = results[0].seconds if results else 0.0
+    rows = []
+    for r in results:
+        ok = r.ok
+        a = r.accounting
+        rows.append({
+            "scheme": r.name,
+            "kind": r.kind,
+            "status": "ok" if ok else f"cannot run: {r.cannot_run}",
+            "config": r.config,
+            "ppl": _finite(r.scores.ppl) if ok else None,
+            "delta_ppl_pct": _finite(r.delta_ppl_pct) if ok else None,
+            "kl": _finite(r.scores.mean_kl) if ok else None,
+            "top1": _finite(r.scores.top1_pct) if ok else None,
+            "bits_per_elt": _finite(a.bits_per_elt) if ok else None,
+            "avg_bits_per_elt": _finite(a.avg_bits_per_elt) if ok else None,
+            "quantized_rows": int(a.quantized_rows) if ok else None,
+            "seconds": round(r.seconds, 3) if ok else None,
+            "time_vs_bf16": round(r.seconds / ref_s, 3) if ok and ref_s > 0 else None,
+            "tokens_scored": int(r.scores.n) if ok else None,
+        })
+    return rows
+
+
+def versions() -> dict:
+    out = {"python": platform.python_version()}
+    for dist in ("lowbit", "torch", "transformers", "optimum-quanto", "hqq"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def build_report(*, protocol: dict, model: dict, data: dict, results, full_window: dict | None) -> dict:
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "kind": "lowbit.eval",
+        "protocol": protocol,
+        "model": model,
+        "data": data,
+        "versions": versions(),
+        "full_window": full_window,
+        "results": result_rows(results),
+    }
+
+
+def write_json(report: dict, path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    return p
+
+
+# ------------------------------------------------------------------ formatting
+def _f(x, fmt: str, none: str = "-") -> str:
+    return none if x is None else format(x, fmt)
+
+
+def _cells(row: dict) -> list[str]:
+    if row["status"] != "ok":
+        return [row["scheme"], row["status"]] + [""] * 8
+    d = row["delta_ppl_pct"]
+    return [
+        row["scheme"],
+        _f(row["bits_per_elt"], ".2f"),
+        _f(row["avg_bits_per_elt"], ".2f"),
+        _f(row["ppl"], ".3f"),
+        "ref" if row["kind"] == "reference" else _f(d, "+.2f"),
+        _f(row["kl"], ".4f"),
+        _f(row["top1"], ".1f"),
+        f"{row['quantized_rows']:,}",
+        _f(row["seconds"], ".1f"),
+        _f(row["time_vs_bf16"], ".2f") + "x" if row["time_vs_bf16"] is not None else "-",
+    ]
+
+
+HEADERS = ["scheme", "bits/elt (quant tier)", "avg bits/elt", "PPL", "ΔPPL %", "KL", "top-1 %",
+           "quantized rows", "wall s", "vs bf16"]
+
+
+def protocol_line(report: dict) -> str:
+    p, m, d = report["protocol"], report["model"], report["data"]
+    return (f"{m['name']} ({m.get('dtype')}) on {d['name']}: {p['windows']} windows x {p['seq_len']} tokens, "
+            f"chunk {p['chunk']}, {p['scored_per_window']} scored positions per window ({p['scored_positions']})")
+
+
+def full_window_line(report: dict) -> str | None:
+    fw = report.get("full_window")
+    if not fw:
+        return None
+    verdict = "ok" if fw["ok"] else "MISMATCH"
+    return (f"bf16 through the cache {fw['chunked_ppl']:.4f} vs plain full-window forward {fw['ppl']:.4f}: "
+            f"{fw['diff_pct']:+.3f}% ({verdict}, tolerance {fw['tolerance_pct']}%)")
+
+
+def print_table(report: dict, console=None) -> None:
+    """The results as a rich table, with the protocol and the full-window check under it."""
+    from rich.console import Console
+    from rich.table import Table
+
+    console = console or Console()
+    table = Table(title=f"lowbit eval: {report['model']['name']}", title_justify="left")
+    for i, h in enumerate(HEADERS):
+        table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for row in report["results"]:
+        cells = _cells(row)
+        if row["status"] != "ok":
+            table.add_row(cells[0], f"[yellow]{cells[1]}[/yellow]", *cells[2:])
+        else:
+            table.add_row(*cells)
+    console.print(table)
+    console.print(protocol_line(report))
+    line = full_window_line(report)
+    if line:
+        console.print(line if report["full_window"]["ok"] else f"[bold red]{line}[/bold red]")
+
+
+def to_markdown(report: dict) -> str:
+    """A markdown page: protocol, versions, the table, the full-window check, row configs."""
+    out = [f"# lowbit eval: {report['model']['name']}", "", protocol_line(report), ""]
+    v = report["versions"]
+    out.append("versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + "")
+    out.append("")
+    out.append("| " + " | ".join(HEADERS) + " |")
+    out.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADERS))) + "|")
+    for row in report["results"]:
+        if row["status"] != "ok":
+            out.append(f"| {row['scheme']} | {row['status']} |" + " |" * (len(HEADERS) - 2))
+        else:
+            out.append("| " + " | ".join(_cells(row)) + " |")
+    out.append("")
+    line = full_window_line(report)
+    if line:
+        out += [line, ""]
+    out.append("Rows:")
+    for row in report["results"]:
+        desc = row["config"].get("describe") or json.dumps(row["config"], sort_keys=True)
+        out.append(f"- `{row['scheme']}`: {desc}")
+    out.append("")
+    return "\n".join(out)
+
+
+def write_markdown(report: dict, path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(to_markdown(report), encoding="utf-8")
+    return p
+
+
+_KIND_COLORS = {"reference": "black", "lowbit": "tab:blue", "lowbit-peer": "tab:green", "hf-quantized": "tab:orange"}
+_KIND_LABELS = {"reference": "bf16 reference", "lowbit": "lowbit", "lowbit-peer": "KIVI-style (lowbit)",
+                "hf-quantized": "HF QuantizedCache"}
+
+
+def write_plot(report: dict, path) -> Path:
+    """PNG of ΔPPL % (symlog) against bits/elt: filled marker = quantized tier, hollow = average over
+    all tiers (sink and recent included), joined per scheme. The bf16 reference sits at (16, 0)."""
+    p = Path(path)
+    if p.suffix.lower() != ".png":
+        raise LowbitError(f"--plot {p}: the plot is a PNG; give a path ending in .png")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    for row in report["results"]:
+        if row["status"] != "ok" or row["delta_ppl_pct"] is None:
+            continue
+        y = row["delta_ppl_pct"]
+        xq, xa = row["bits_per_elt"], row["avg_bits_per_elt"]
+        color = _KIND_COLORS.get(row["kind"], "tab:gray")
+        if xq is None:
+            xq = xa
+        if xq is None:
+            continue
+        ax.plot([xq], [y], "o", color=color)
+        if xa is not None and xa != xq:
+            ax.plot([xa], [y], "o", mfc="none", color=color)
+            ax.plot([xq, xa], [y, y], "-", lw=0.6, color=color, alpha=0.5)
+        ax.annotate(row["scheme"], (xq, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_yscale("symlog", linthresh=1.0)
+    ax.axhline(0.0, color="grey", lw=0.5)
+    ax.set_xlabel("bits per element (filled: quantized tier; hollow: average over all tiers)")
+    ax.set_ylabel("ΔPPL vs bf16 (%)")
+    pr = report["protocol"]
+    ax.set_title(f"{report['model']['name']} on {report['data']['name']}: {pr['windows']} x {pr['seq_len']} tokens, "
+                 f"chunk {pr['chunk']}", fontsize=9)
+    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+    from matplotlib.lines import Line2D
+
+    ax.legend(handles=[Line2D([], [], marker="o", ls="", color=c, label=lbl) for c, lbl in
+                       ((c, _KIND_LABELS[k]) for k, c in _KIND_COLORS.items())],
+              fontsize=8, loc="upper right")
+    fig.tight_layout()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(p)
+    plt.close(fig)
+    return p

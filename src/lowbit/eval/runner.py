@@ -1,0 +1,226 @@
+"""`lowbit eval` end to end: check the input, load, cut windows, run every row, write the reports.
+
+Order matters: everything a user can get wrong (scheme or peer names, data path, window vs model
+context, corpus length, output paths) is checked before the model is loaded or run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.eval.plan import plan_peers, plan_schemes
+
+DEFAULT_SEQ_LEN = 2048
+DEFAULT_CHUNK = 128
+DEFAULT_WINDOWS = 4
+FULL_WINDOW_TOLERANCE_PCT = 0.5
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+SCORED_POSITIONS = "positions 0..L-2 of each window predict tokens 1..L-1 (L-1 per window; token 0 is never a target)"
+
+
+@dataclass
+class EvalOptions:
+    """Everything `lowbit eval` takes. kv_flags go to parse_kv_scheme for every --kv name."""
+
+    model: str
+    kv: str = "bf16"
+    peers: str | None = None
+    data: str = "wikitext2"
+    seq_len: int | None = None
+    chunk: int = DEFAULT_CHUNK
+    windows: int = DEFAULT_WINDOWS
+    weights: str | None = None
+    dtype: str = "bf16"
+    cache_dir: str | None = None
+    json_out: str | None = None
+    markdown_out: str | None = None
+    plot_out: str | None = None
+    full_window: bool = True
+    progress: bool = True
+    kv_flags: dict = field(default_factory=dict)
+
+
+def model_context(model: str) -> int | None:
+    """max_position_embeddings of a built-in (from its stored config) or a local HF dir, else None."""
+    from lowbit.models.registry import BUILTINS
+
+    if model in BUILTINS:
+        cfg = BUILTINS[model].config_dict()
+    else:
+        p = Path(model).expanduser() / "config.json"
+        if not p.is_file():
+            return None
+        cfg = json.loads(p.read_text())
+    cfg = cfg.get("text_config", cfg) or cfg
+    n = cfg.get("max_position_embeddings")
+    return int(n) if isinstance(n, int) and n > 0 else None
+
+
+def check_options(o: EvalOptions):
+    """Validate everything that needs no model; returns (schemes, peers, seq_len). Raises LowbitError."""
+    if o.dtype not in DTYPES:
+        raise LowbitError(f"--dtype {o.dtype!r} unknown; use one of {', '.join(DTYPES)}")
+    if o.windows < 1:
+        raise LowbitError(f"--windows must be >= 1, got {o.windows}")
+    if o.chunk < 1:
+        raise LowbitError(f"--chunk must be >= 1, got {o.chunk}")
+    schemes = plan_schemes(o.kv, o.kv_flags)
+    peers = plan_peers(o.peers)
+    clash = sorted({s.label for s in schemes} & set(peers))
+    if clash:
+        raise LowbitError(f"{', '.join(clash)} is given both in --kv and --peers; list it once")
+    ctx = model_context(o.model)
+    if o.seq_len is None:
+        seq_len = DEFAULT_SEQ_LEN if ctx is None else min(DEFAULT_SEQ_LEN, ctx)
+    else:
+        seq_len = int(o.seq_len)
+        if seq_len < 2:
+            raise LowbitError(f"--seq-len must be >= 2 (one token of context and one target), got {seq_len}")
+        if ctx is not None and seq_len > ctx:
+            raise LowbitError(f"--seq-len {seq_len} is longer than the context of {o.model} ({ctx} tokens); "
+                              f"use --seq-len {min(DEFAULT_SEQ_LEN, ctx)} or less")
+    if str(o.data) not in ("stdlib", "wikitext2") and not Path(o.data).is_file():
+        raise LowbitError(f"--data {o.data}: no such file; use wikitext2, stdlib or the path of a UTF-8 text file")
+    if o.weights is not None and not Path(o.weights).is_dir():
+        raise LowbitError(f"--weights {o.weights}: no such directory; pass a compressed-tensors checkpoint directory")
+    if o.plot_out is not None and Path(o.plot_out).suffix.lower() != ".png":
+        raise LowbitError(f"--plot {o.plot_out}: the plot is a PNG; give a path ending in .png")
+    for what, p in (("--json", o.json_out), ("--markdown", o.markdown_out), ("--plot", o.plot_out)):
+        if p is not None and Path(p).is_dir():
+            raise LowbitError(f"{what} {p} is a directory; give a file path")
+    return schemes, peers, seq_len
+
+
+def _bytes_bound_check(text: str, seq_len: int, windows: int) -> None:
+    """Cheap early refusal: a byte-level tokenizer makes at most one token per UTF-8 byte."""
+    n_bytes = len(text.encode("utf-8"))
+    if n_bytes < seq_len * windows:
+        raise LowbitError(f"corpus has {n_bytes} bytes, fewer than the {windows} x {seq_len} tokens asked; "
+                          "use fewer/shorter windows or a longer text")
+
+
+def _early_tokenizer(model: str, cache_dir):
+    """The model's tokenizer without loading weights, when that is cheap (cached built-in or local dir)."""
+    from transformers import AutoTokenizer
+
+    from lowbit.models.load import cache_path, is_cached
+    from lowbit.models.registry import BUILTINS
+
+    try:
+        if model in BUILTINS:
+            return AutoTokenizer.from_pretrained(cache_path(model, cache_dir)) if is_cached(model, cache_dir) else None
+        p = Path(model).expanduser()
+        if p.is_dir() and any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
+            return AutoTokenizer.from_pretrained(p)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def _load_model(o: EvalOptions):
+    """(model, tokenizer, info dict). --weights loads a compressed-tensors checkpoint through
+    lowbit.weights.load_quantized (the tokenizer still comes from --model)."""
+    from lowbit.models import load
+
+    dtype = DTYPES[o.dtype]
+    lm = load(o.model, cache_dir=o.cache_dir, dtype=dtype)
+    info = {"name": lm.name, "weights_sha256": lm.weights_sha256, "dtype": o.dtype, "path": str(lm.path),
+            "geometry": lm.geometry.summary(), "weights": None}
+    model, geometry = lm.model, lm.geometry
+    if o.weights is not None:
+        try:
+            from lowbit.weights import load_quantized
+        except ImportError:
+            raise LowbitError("--weights needs lowbit.weights.load_quantized, which this lowbit does not provide yet; "
+                              "evaluate without --weights") from None
+        loaded = load_quantized(o.weights)
+        model = getattr(loaded, "model", loaded)
+        model = model.to(dtype).eval()
+        info["weights"] = {"dir": str(Path(o.weights).resolve()),
+                           "sha256": getattr(loaded, "weights_sha256", None)}
+        from lowbit.models.geometry import ModelGeometry
+
+        geometry = ModelGeometry.from_config(model.config)
+    return model, lm.tokenizer, geometry, info
+
+
+def build_entries(schemes, peers, geometry, recent: int):
+    """Entries in table order: reference, --kv schemes, then peers. Each lowbit scheme is validated
+    against the geometry here (before any forward)."""
+    from lowbit.eval.peers import hf_quantized_entry, lowbit_entry, reference_entry
+    from lowbit.recipe import parse_kv_scheme
+
+    entries = []
+    for s in schemes:
+        entries.append(reference_entry() if s.scheme is None else lowbit_entry(s.label, s.scheme, geometry))
+    for p in peers:
+        if p.startswith("hf-"):
+            entries.append(hf_quantized_entry(p, geometry, recent))
+        else:  # kivi2 / kivi4: fixed lowbit recipes, the shared flags do not apply
+            entries.append(lowbit_entry(p, parse_kv_scheme(p), geometry, kind="lowbit-peer"))
+    return entries
+
+
+def run_eval(o: EvalOptions, console=None) -> dict:
+    """Run an evaluation and write the requested outputs; returns the report dict."""
+    from rich.console import Console
+
+    from lowbit.calib.corpora import load_text, token_windows
+    from lowbit.eval import report as rep
+    from lowbit.eval.harness import evaluate
+    from lowbit.eval.perplexity import full_window_ppl
+
+    console = console or Console(stderr=False)
+    schemes, peers, seq_len = check_options(o)
+    text = load_text(o.data)
+    _bytes_bound_check(text, seq_len, o.windows)
+    tok = _early_tokenizer(o.model, o.cache_dir)
+    windows = token_windows(tok, text, seq_len, o.windows) if tok is not None else None
+
+    t0 = time.perf_counter()
+    model, tokenizer, geometry, model_info = _load_model(o)
+    console.print(f"loaded {model_info['name']} ({o.dtype}) in {time.perf_counter() - t0:.1f} s")
+    if windows is None:
+        if tokenizer is None:
+            raise LowbitError(f"{o.model} has no tokenizer; add tokenizer files to the model directory")
+        windows = token_windows(tokenizer, text, seq_len, o.windows)
+    recent = next((s.scheme.recent for s in schemes if s.scheme is not None), None)
+    if recent is None:
+        from lowbit.recipe import DEFAULT_RECENT
+
+        recent = o.kv_flags.get("recent") or DEFAULT_RECENT
+    entries = build_entries(schemes, peers, geometry, recent)
+
+    results = evaluate(model, windows, entries, chunk=o.chunk, progress=o.progress)
+    full = None
+    if o.full_window:
+        fw = full_window_ppl(model, windows)
+        chunked = results[0].scores.ppl
+        diff = 100.0 * (chunked / fw - 1.0)
+        full = {"ppl": fw, "chunked_ppl": chunked, "diff_pct": diff, "tolerance_pct": FULL_WINDOW_TOLERANCE_PCT,
+                "ok": abs(diff) <= FULL_WINDOW_TOLERANCE_PCT}
+    protocol = {
+        "windows": int(windows.shape[0]), "seq_len": int(windows.shape[1]), "chunk": o.chunk,
+        "scored_positions": SCORED_POSITIONS, "scored_per_window": int(windows.shape[1]) - 1,
+        "tokens_scored": int(windows.shape[0]) * (int(windows.shape[1]) - 1),
+        "windows_from": "the first N non-overlapping windows of the corpus tokenized as a whole, no special tokens",
+        "reference": "bf16 = transformers DynamicCache fed the same chunks; KL(ref || row) and top-1 against it",
+        "seconds": "wall time of each row's own forward calls (cache work included, scoring excluded)",
+        "threads": torch.get_num_threads(),
+    }
+    data = {"name": str(o.data), "chars": len(text)}
+    report = rep.build_report(protocol=protocol, model=model_info, data=data, results=results, full_window=full)
+    rep.print_table(report, console)
+    if o.json_out:
+        console.print(f"wrote {rep.write_json(report, o.json_out)}")
+    if o.markdown_out:
+        console.print(f"wrote {rep.write_markdown(report, o.markdown_out)}")
+    if o.plot_out:
+        console.print(f"wrote {rep.write_plot(report, o.plot_out)}")
+    return report
