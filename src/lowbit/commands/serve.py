@@ -1,0 +1,103 @@
+"""`lowbit serve MODEL_OR_ARTIFACT`: an OpenAI-compatible HTTP server with lowbit's KV cache (and weights)."""
+
+from __future__ import annotations
+
+from lowbit.errors import LowbitError
+
+NAME = "serve"
+HELP = ("OpenAI-compatible server (/v1/completions, /v1/chat/completions, SSE streaming, /health, /metrics) "
+        "on the transformers runtime with lowbit's KV cache")
+
+
+def add_kv_flags(p) -> None:
+    """The KV scheme flags every command shares (see lowbit.recipe.parse_kv_scheme)."""
+    try:
+        from lowbit.recipe import add_kv_arguments
+    except ImportError:
+        add_kv_arguments = None
+    if add_kv_arguments is not None:
+        add_kv_arguments(p)
+        return
+    p.add_argument("--kv", default=None, help="KV scheme: bf16, int8, int4, int3, int2, kXvY (k4v2), kivi2, kivi4 "
+                   "(default: the artifact's sidecar scheme, else bf16)")
+    p.add_argument("--recipe", default=None, help="KV recipe file (JSON or TOML) instead of --kv and its flags")
+    p.add_argument("--group", type=int, default=None, help="channels per quantization group (default 128 or head_dim)")
+    p.add_argument("--sink", type=int, default=None, help="first tokens kept exact (default 64)")
+    p.add_argument("--recent", type=int, default=None, help="last tokens kept exact (default 256)")
+    p.add_argument("--page", type=int, default=None, help="tokens moved to the middle tier at once (default 16)")
+    p.add_argument("--clip", default=None, help="clip ratio, one for both or K,V (e.g. .96,.92)")
+    p.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels instead of a uniform grid")
+    p.add_argument("--rotation", default=None, help="none | hadamard | PATH of a RotationSet")
+
+
+def kv_scheme_from_args(args):
+    """KVScheme from the shared flags, or None when neither --kv nor --recipe was given."""
+    try:
+        from lowbit.recipe import kv_scheme_from_args as shared
+    except ImportError:
+        shared = None
+    if shared is not None:
+        return shared(args)
+    from lowbit.recipe import load_recipe, parse_kv_scheme
+
+    flags = [f for f in ("group", "sink", "recent", "page", "clip", "rotation") if getattr(args, f) is not None]
+    if args.lloyd_max:
+        flags.append("lloyd_max")
+    if args.recipe is not None:
+        if args.kv is not None or flags:
+            raise LowbitError("--recipe holds the whole KV scheme; drop --kv and the other KV flags")
+        return load_recipe(args.recipe)
+    if args.kv is None:
+        if flags:
+            raise LowbitError(f"--{flags[0].replace('_', '-')} needs --kv SCHEME")
+        return None
+    return parse_kv_scheme(args.kv, group=args.group, sink=args.sink, recent=args.recent, clip=args.clip,
+                           lloyd_max=args.lloyd_max, rotation=args.rotation, page=args.page)
+
+
+def add_arguments(p) -> None:
+    p.add_argument("model", metavar="MODEL_OR_ARTIFACT",
+                   help="built-in name (smollm2-135m, gemma3-270m), HF model dir, or a `lowbit export` directory")
+    add_kv_flags(p)
+    p.add_argument("--weights", default=None, metavar="DIR",
+                   help="compressed-tensors checkpoint from `lowbit quantize` to serve instead of the model's weights")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1, loopback only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default 8000; 0 = any free port)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the model's name)")
+    p.add_argument("--max-context", type=int, default=None,
+                   help="tokens per request, prompt + completion (default: the model's max positions)")
+    p.add_argument("--max-active", type=int, default=16,
+                   help="requests generated concurrently (interleaved token by token); the rest wait (default 16)")
+    p.add_argument("--prefill-chunk", type=int, default=256,
+                   help="prompt tokens fed per scheduling round, so long prompts do not stall others (default 256)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="model dtype (default float32: fastest on most CPUs)")
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+
+
+def run(args) -> int:
+    import logging
+
+    import torch
+
+    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.server import bind, build, serve_forever, url_of
+
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    # bind first: a port in use fails in a second, not after loading the model
+    sock = bind(args.host, args.port)
+    try:
+        scheme = kv_scheme_from_args(args)
+        rt = load_runtime(args.model, kv=scheme, weights=args.weights, dtype=getattr(torch, args.dtype),
+                          max_context=args.max_context, name=args.served_model_name)
+        engine, app = build(rt, max_active=args.max_active, prefill_chunk=args.prefill_chunk)
+    except BaseException:
+        sock.close()
+        raise
+    s = engine.factory.scheme
+    print(f"lowbit serve: {rt.name} | KV {s.describe()} | cache {engine.factory.cache_class} | "
+          f"context {rt.max_context} | weights {'quantized: ' + rt.weights['path'] if rt.weights else 'model'}",
+          flush=True)
+    print(f"listening on {url_of(sock)} (OpenAI base_url {url_of(sock)}/v1)", flush=True)
+    serve_forever(engine, app, sock, log_level=args.log_level)
+    return 0

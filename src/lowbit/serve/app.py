@@ -1,0 +1,272 @@
+"""The HTTP side of `lowbit serve`: an OpenAI-compatible FastAPI app over one Engine.
+
+    GET  /v1/models, /v1/models/{id}   the served model, its context and the KV scheme actually served
+    POST /v1/completions                prompt (text or token ids) -> text; stream=true for SSE
+    POST /v1/chat/completions           messages through the model's chat template; stream=true for SSE
+    GET  /health                        200 while the engine's worker is alive, else 503
+    GET  /metrics                       JSON (or ?format=prometheus): KV bytes held, quantized
+                                        tokens, tokens/s, requests, queue depth
+
+Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: malformed JSON and
+invalid fields -> 400, unknown model -> 404, a prompt that does not fit the context -> 400.
+Each response carries the served scheme in `system_fingerprint` and, as an extension field
+`lowbit`, how many of its tokens sat quantized in its cache when it finished.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from jinja2 import TemplateError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from lowbit import __version__
+from lowbit.serve import engine as eng
+from lowbit.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, unsupported
+
+# OpenAI's default for /v1/completions; chat defaults to the rest of the context, capped here.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+DEFAULT_CHAT_MAX_TOKENS = 512
+
+
+@dataclass
+class ServedModel:
+    """What the app needs besides the engine: the model id clients send, its scheme, its context."""
+
+    id: str
+    scheme: dict  # kvcache.served_scheme(...)
+    max_context: int
+    weights: dict | None = None  # the weight quantization served, if any
+    created: int = 0
+
+
+class ClientError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def _validation_message(exc: RequestValidationError) -> str:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request"
+    e = errs[0]
+    if e.get("type") == "json_invalid":
+        return f"request body is not valid JSON: {e.get('ctx', {}).get('error', e.get('msg'))}"
+    loc = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
+    return f"{loc or 'body'}: {e.get('msg')}" + (f" (got {e['input']!r})" if "input" in e and loc else "")
+
+
+def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
+    app = FastAPI(title="lowbit serve", version=__version__)
+    tok = engine.tokenizer
+    fingerprint = f"lowbit-{__version__}-kv-{served.scheme['name']}"
+    served.created = served.created or int(time.time())
+
+    def err(status: int, message: str, param=None, code=None) -> JSONResponse:
+        engine.metrics.client_error()
+        type_ = "invalid_request_error" if status < 500 else "server_error"
+        return JSONResponse(error_body(message, type_=type_, param=param, code=code), status_code=status)
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_request(request: Request, exc: RequestValidationError):
+        return err(400, _validation_message(exc))
+
+    @app.exception_handler(ClientError)
+    async def _client_error(request: Request, exc: ClientError):
+        return err(exc.status, exc.message, exc.param, exc.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return err(exc.status_code, str(exc.detail))
+
+    # ------------------------------------------------------------ info
+    def model_card() -> dict:
+        return {"id": served.id, "object": "model", "created": served.created, "owned_by": "lowbit",
+                "max_model_len": served.max_context,
+                "lowbit": {"kv_scheme": served.scheme, "weights": served.weights}}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != served.id:
+            raise ClientError(404, f"model {model_id!r} not found; this server serves {served.id!r}", "model",
+                              "model_not_found")
+        return model_card()
+
+    @app.get("/health")
+    async def health():
+        if not engine.alive:
+            return JSONResponse({"status": "engine stopped"}, status_code=503)
+        return {"status": "ok", "model": served.id, "kv_scheme": served.scheme["name"]}
+
+    @app.get("/metrics")
+    async def metrics(format: str = "json"):
+        if format == "prometheus":
+            return PlainTextResponse(engine.metrics.prometheus())
+        if format != "json":
+            raise ClientError(400, f"format {format!r} unknown; use json or prometheus", "format")
+        return {"model": served.id, **engine.metrics.snapshot()}
+
+    # ------------------------------------------------------ validation
+    def check_common(req) -> None:
+        if req.model != served.id:
+            raise ClientError(404, f"model {req.model!r} not found; this server serves {served.id!r}", "model",
+                              "model_not_found")
+        msg = unsupported(req)
+        if msg:
+            raise ClientError(400, msg)
+
+    def check_fit(n_prompt: int, max_tokens: int) -> None:
+        if n_prompt == 0:
+            raise ClientError(400, "the prompt is empty; send at least one token", "prompt")
+        if n_prompt + max_tokens > served.max_context:
+            raise ClientError(
+                400,
+                f"this model's context is {served.max_context} tokens, but the request needs {n_prompt + max_tokens} "
+                f"({n_prompt} in the prompt, {max_tokens} to generate); shorten the prompt or lower max_tokens",
+                "max_tokens" if n_prompt < served.max_context else "prompt",
+                "context_length_exceeded",
+            )
+
+    def prompt_ids(req: CompletionRequest) -> list[int]:
+        p = req.prompt
+        if isinstance(p, list) and p and isinstance(p[0], (str, list)):
+            if len(p) != 1:
+                raise ClientError(400, f"prompt is a batch of {len(p)}; send one prompt per request", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            return list(tok.encode(p))
+        vocab = engine.model.config.vocab_size
+        bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ClientError(400, f"prompt token id {bad[0]!r} is outside the vocabulary [0, {vocab})", "prompt")
+        return list(p)
+
+    def chat_ids(req: ChatCompletionRequest) -> list[int]:
+        if not getattr(tok, "chat_template", None):
+            raise ClientError(400, f"model {served.id!r} has no chat template; use /v1/completions", "messages")
+        try:
+            msgs = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+        except ValueError as e:
+            raise ClientError(400, str(e), "messages") from None
+        try:
+            text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        except (ValueError, TypeError, TemplateError) as e:  # e.g. a template that refuses a role order
+            raise ClientError(400, f"the chat template rejected the messages: {e}", "messages") from None
+        # the template writes the special tokens itself
+        return list(tok.encode(text, add_special_tokens=False))
+
+    # ---------------------------------------------------------- running
+    async def run(ids: list[int], req, max_tokens: int, kind: str, stream: bool):
+        engine.metrics.request(kind)
+        params = eng.GenParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                               stop=req.stop_list(), seed=req.seed)
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def emit(what, payload):
+            try:
+                loop.call_soon_threadsafe(events.put_nowait, (what, payload))
+            except RuntimeError:  # the event loop is gone (shutdown)
+                pass
+
+        handle = engine.submit(eng.Request(prompt_ids=ids, params=params, emit=emit))
+        rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + handle.id
+        created = int(time.time())
+        if stream:
+            return StreamingResponse(
+                _sse(events, handle, rid, created, kind, req.include_usage()),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+            )
+        parts = []
+        try:
+            while True:
+                what, payload = await events.get()
+                if what == "delta":
+                    parts.append(payload)
+                elif what == "error":
+                    return err(500, payload)
+                else:
+                    break
+        finally:
+            handle.cancel()  # no-op once done; drops the request if this handler was cancelled
+        text = "".join(parts)
+        choice = ({"index": 0, "text": text, "logprobs": None, "finish_reason": payload["finish_reason"]}
+                  if kind == "completions" else
+                  {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": payload["finish_reason"]})
+        return {"id": rid, "object": "text_completion" if kind == "completions" else "chat.completion",
+                "created": created, "model": served.id, "system_fingerprint": fingerprint,
+                "choices": [choice], "usage": payload["usage"],
+                "lowbit": {"kv_scheme": served.scheme["name"], "quantized_tokens": payload["quantized_tokens"]}}
+
+    async def _sse(events, handle, rid, created, kind, include_usage):
+        obj = "text_completion" if kind == "completions" else "chat.completion.chunk"
+
+        def chunk(delta_text=None, finish=None, role=False):
+            if kind == "completions":
+                choice = {"index": 0, "text": delta_text or "", "logprobs": None, "finish_reason": finish}
+            else:
+                delta = {}
+                if role:
+                    delta["role"] = "assistant"
+                if delta_text is not None:
+                    delta["content"] = delta_text
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            body = {"id": rid, "object": obj, "created": created, "model": served.id,
+                    "system_fingerprint": fingerprint, "choices": [choice]}
+            return f"data: {json.dumps(body)}\n\n"
+
+        try:
+            if kind == "chat":
+                yield chunk("", role=True)
+            while True:
+                what, payload = await events.get()
+                if what == "delta":
+                    yield chunk(payload)
+                elif what == "error":
+                    yield f"data: {json.dumps(error_body(payload, type_='server_error'))}\n\n"
+                    break
+                else:
+                    yield chunk(None, finish=payload["finish_reason"])
+                    if include_usage:
+                        body = {"id": rid, "object": obj, "created": created, "model": served.id,
+                                "system_fingerprint": fingerprint, "choices": [], "usage": payload["usage"],
+                                "lowbit": {"kv_scheme": served.scheme["name"],
+                                           "quantized_tokens": payload["quantized_tokens"]}}
+                        yield f"data: {json.dumps(body)}\n\n"
+                    break
+            yield "data: [DONE]\n\n"
+        finally:
+            handle.cancel()  # client gone mid-stream: the worker drops the request and its cache
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        check_common(req)
+        ids = prompt_ids(req)
+        max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
+        check_fit(len(ids), max_tokens)
+        return await run(ids, req, max_tokens, "completions", req.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatCompletionRequest):
+        check_common(req)
+        ids = chat_ids(req)
+        max_tokens = req.max_completion_tokens or req.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, served.max_context - len(ids)))
+        check_fit(len(ids), max_tokens)
+        return await run(ids, req, max_tokens, "chat", req.stream)
+
+    return app

@@ -1,0 +1,119 @@
+"""Load what `lowbit serve` serves: model + tokenizer + KV scheme (+ quantized weights).
+
+MODEL_OR_ARTIFACT is a built-in name (smollm2-135m), a Hugging Face model directory, or a
+directory written by `lowbit export --for vllm` (it carries lowbit_kv.json, the KV sidecar,
+whose scheme is used unless --kv is given; the sidecar is checked against the model). A
+directory whose config.json has a `quantization_config` (a compressed-tensors checkpoint from
+`lowbit quantize`) and `--weights DIR` are loaded through lowbit.weights.load_quantized.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+
+log = logging.getLogger("lowbit.serve")
+
+
+@dataclass
+class Runtime:
+    model: object
+    tokenizer: object
+    geometry: object
+    name: str
+    scheme: object  # KVScheme
+    weights: dict | None  # what weight quantization is served (None: the model's own weights)
+    max_context: int
+    eos_token_ids: list[int]
+
+
+def _is_quantized_checkpoint(path: Path) -> bool:
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(cfg.get("quantization_config"), dict)
+
+
+def _load_weights(path: Path, dtype):
+    """A compressed-tensors checkpoint through lowbit's loader (lowbit.weights.load_quantized)."""
+    try:
+        from lowbit.weights import load_quantized
+    except ImportError:
+        raise LowbitError(
+            f"{path} holds quantized weights but this lowbit has no lowbit.weights.load_quantized; "
+            "serve the unquantized model instead"
+        ) from None
+    loaded = load_quantized(path)
+    model = getattr(loaded, "model", loaded)
+    model = model.to(dtype) if dtype is not None and hasattr(model, "to") else model
+    tok = getattr(loaded, "tokenizer", None)
+    cfg = json.loads((path / "config.json").read_text())
+    info = {"path": str(path), "quantization_config": cfg.get("quantization_config")}
+    return model, tok, info
+
+
+def _eos_ids(model, tokenizer) -> list[int]:
+    ids = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
+        e = getattr(src, "eos_token_id", None)
+        if isinstance(e, int):
+            ids.add(e)
+        elif isinstance(e, (list, tuple)):
+            ids.update(int(x) for x in e)
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return sorted(ids)
+
+
+def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None, dtype=torch.float32,
+                 max_context: int | None = None, name: str | None = None) -> Runtime:
+    """kv: a KVScheme, or None (the artifact's sidecar, else bf16)."""
+    from lowbit.models import load
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.recipe import parse_kv_scheme
+    from lowbit.vllm_plugin import sidecar
+
+    src = Path(model_or_artifact).expanduser()
+    side = sidecar.read(src) if src.is_dir() and sidecar.has_sidecar(src) else None
+    weights_info = None
+    if weights is not None or (src.is_dir() and _is_quantized_checkpoint(src)):
+        wdir = Path(weights).expanduser() if weights is not None else src
+        if not wdir.is_dir():
+            raise LowbitError(f"--weights {weights}: not a directory; pass a checkpoint written by `lowbit quantize`")
+        model, tok, weights_info = _load_weights(wdir, dtype)
+        if tok is None:
+            tok = load(model_or_artifact, dtype=dtype).tokenizer if weights is not None else None
+        geometry = ModelGeometry.from_config(model.config, name=name or src.name)
+        served_name = name or (src.name if src.is_dir() else str(model_or_artifact))
+    else:
+        loaded = load(model_or_artifact, dtype=dtype)
+        model, tok, geometry = loaded.model, loaded.tokenizer, loaded.geometry
+        served_name = name or loaded.name
+    if tok is None:
+        raise LowbitError(f"{model_or_artifact} has no tokenizer files; serve a model directory that includes them")
+    if side is not None:
+        sidecar.check_against(side, geometry)
+        side_scheme = sidecar.scheme_of(side, src)
+        if kv is None:
+            kv = side_scheme
+        elif kv != side_scheme:
+            log.warning("--kv %s overrides the artifact's sidecar scheme %s", kv.name, side_scheme.name)
+    if kv is None:
+        kv = parse_kv_scheme("bf16")
+    ctx = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
+    if max_context is not None:
+        if max_context < 2:
+            raise LowbitError(f"--max-context {max_context} is too small; give at least 2 tokens")
+        if max_context > ctx:
+            raise LowbitError(f"--max-context {max_context} exceeds the model's {ctx} positions; use at most {ctx}")
+        ctx = max_context
+    model.eval()
+    return Runtime(model=model, tokenizer=tok, geometry=geometry, name=served_name, scheme=kv,
+                   weights=weights_info, max_context=ctx, eos_token_ids=_eos_ids(model, tok))

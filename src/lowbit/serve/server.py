@@ -1,0 +1,130 @@
+"""Put it together and listen: Runtime -> Engine + FastAPI app -> uvicorn on a socket we bind ourselves.
+
+We bind the socket before handing it to uvicorn so that a port in use is a clear LowbitError
+(not a uvicorn log line and exit 1), and so port 0 can pick a free port whose number we know.
+`BackgroundServer` runs the same thing in a thread (tests, the load test).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import threading
+import time
+
+from lowbit.errors import LowbitError
+from lowbit.serve.app import ServedModel, build_app
+from lowbit.serve.engine import DEFAULT_MAX_ACTIVE, DEFAULT_PREFILL_CHUNK, Engine
+from lowbit.serve.kvcache import CacheFactory, served_scheme
+from lowbit.serve.metrics import Metrics
+
+log = logging.getLogger("lowbit.serve")
+
+
+def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    """(engine, app) for a lowbit.serve.runtime.Runtime; the engine is not started yet."""
+    if max_active < 1:
+        raise LowbitError(f"--max-active {max_active}: need at least 1")
+    if prefill_chunk < 1:
+        raise LowbitError(f"--prefill-chunk {prefill_chunk}: need at least 1")
+    factory = CacheFactory(runtime.model, runtime.scheme, runtime.geometry)
+    scheme = served_scheme(factory)
+    engine = Engine(runtime.model, runtime.tokenizer, factory, Metrics(scheme), max_context=runtime.max_context,
+                    eos_token_ids=runtime.eos_token_ids, max_active=max_active, prefill_chunk=prefill_chunk)
+    app = build_app(engine, ServedModel(id=runtime.name, scheme=scheme, max_context=runtime.max_context,
+                                        weights=runtime.weights))
+    return engine, app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A bound TCP socket on (host, port); port 0 picks a free one. Port in use -> LowbitError."""
+    if not 0 <= port <= 65535:
+        raise LowbitError(f"--port {port} is not a TCP port; use 1-65535, or 0 for any free port")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise LowbitError(f"--host {host!r} cannot be resolved ({e.strerror}); use e.g. 127.0.0.1") from None
+    family, _, _, _, addr = infos[0]
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    # REUSEADDR lets a restart bind over connections in TIME_WAIT; a live listener still refuses (Linux).
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise LowbitError(
+                f"port {port} on {host} is already in use; stop what holds it or pick another --port (0 = any free port)"
+            ) from None
+        if e.errno in (errno.EACCES, errno.EPERM):
+            raise LowbitError(f"not allowed to listen on {host}:{port}; use a port above 1024") from None
+        if e.errno == errno.EADDRNOTAVAIL:
+            raise LowbitError(f"--host {host} is not an address of this machine; use e.g. 127.0.0.1") from None
+        raise LowbitError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    if ":" in host:
+        host = f"[{host}]"
+    return f"http://{host}:{port}"
+
+
+def _uvicorn_server(app, log_level: str):
+    import uvicorn
+
+    config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", lifespan="off",
+                            timeout_graceful_shutdown=5)
+    return uvicorn.Server(config)
+
+
+def serve_forever(engine: Engine, app, sock: socket.socket, *, log_level: str = "warning") -> None:
+    """Run until interrupted (Ctrl-C / SIGTERM); stops the engine on the way out."""
+    server = _uvicorn_server(app, log_level)
+    engine.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        engine.stop()
+        sock.close()
+
+
+class BackgroundServer:
+    """`lowbit serve` in a background thread on 127.0.0.1 (port 0 = free): .url, .stop(). A context manager."""
+
+    def __init__(self, engine: Engine, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+        self.engine = engine
+        self.sock = bind(host, port)
+        self.url = url_of(self.sock)
+        self._server = _uvicorn_server(app, log_level)
+        self._server.install_signal_handlers = lambda: None  # not the main thread
+        self._thread = threading.Thread(target=self._run, name="lowbit-http", daemon=True)
+
+    def _run(self):
+        asyncio.run(self._server.serve(sockets=[self.sock]))
+
+    def start(self, timeout: float = 30.0) -> BackgroundServer:
+        self.engine.start()
+        self._thread.start()
+        t0 = time.time()
+        while not self._server.started:
+            if time.time() - t0 > timeout or not self._thread.is_alive():
+                raise LowbitError("the HTTP server did not start")
+            time.sleep(0.02)
+        return self
+
+    def stop(self) -> None:
+        self._server.should_exit = True
+        self._thread.join(10)
+        self.engine.stop()
+        self.sock.close()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
