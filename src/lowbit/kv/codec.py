@@ -1,0 +1,146 @@
+"""The middle-tier codec of one tensor (K or V) of one layer: the ONE quantizer of the KV cache.
+
+Every row that enters a middle tier -- whether it arrives in a prefill, a decode step, a page
+flush or on a sliding layer -- goes through `TensorCodec.encode` (quantize -> pack); every row
+read back goes through `TensorCodec.decode`. Rotation happens before, once, when a token enters
+the cache (QuantizedKVLayer._ingest), so every tier holds rotated K/V.
+
+Stored fields (what `encode` returns, per middle row block; T rows, D = head_dim):
+    bits < 16, axis "token":   codes uint8 [B, H, T, D * cbits // 8]  (lowbit.quant.packing "strided")
+                               scale, zero fp16 [B, H, T, D // group]
+    bits < 16, axis "channel": codes as above; scale, zero fp16 [B, H, T // page, D]
+                               (each channel over a block of `page` tokens: KIVI keys)
+    bits == 16:                dense [B, H, T, D] in the model dtype (no quantization)
+cbits is the container width: 3-bit codes are packed as 4-bit. Dequantization is always
+    x_hat = codes * scale + zero                    (uniform grid, lowbit.quant.affine)
+    x_hat = levels[codes] * scale + zero            (Lloyd-Max: scale = std, zero = mean)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.quant import affine, packing
+from lowbit.recipe import TensorQuant
+
+SCALE_DTYPE = torch.float16
+LAYOUT = "strided"
+
+
+class TensorCodec:
+    """Quantize/pack and unpack/dequantize middle rows of one tensor (K or V) of one layer.
+
+    tq: the TensorQuant; head_dim: D; page: tokens per channel block (axis "channel").
+    levels: Lloyd-Max levels float32 [2**bits] (default: Gaussian-optimal), ignored otherwise.
+    """
+
+    def __init__(self, tq: TensorQuant, head_dim: int, page: int, levels: torch.Tensor | None = None):
+        self.tq = tq
+        self.head_dim = int(head_dim)
+        self.page = int(page)
+        self.bits = tq.bits
+        self.cbits = tq.container_bits
+        self.group = tq.group_for(head_dim, page)
+        self.levels: torch.Tensor | None = None
+        if tq.quantized and tq.axis == "token" and head_dim % self.group:
+            raise LowbitError(f"group {self.group} does not divide head_dim {head_dim}; pick a divisor")
+        if tq.lloyd_max:
+            self.set_levels(levels)
+
+    @property
+    def quantized(self) -> bool:
+        return self.tq.quantized
+
+    def set_levels(self, levels: torch.Tensor | None) -> None:
+        """Lloyd-Max levels for this tensor of this layer (None = Gaussian-optimal for the bits)."""
+        from lowbit.quant import lloyd_max
+
+        if levels is None:
+            levels = lloyd_max.gaussian_levels(self.bits)
+        levels = torch.as_tensor(levels, dtype=torch.float32).flatten()
+        if levels.numel() != 1 << self.bits:
+            raise LowbitError(f"Lloyd-Max levels for {self.bits} bits need {1 << self.bits} values, got {levels.numel()}")
+        self.levels = levels
+
+    # The fields `encode` returns and their per-row widths (for allocation by the layer).
+    def fields(self) -> dict[str, int]:
+        """{name: last-dim width} of the stored tensors; scale rows are per page for axis 'channel'."""
+        D = self.head_dim
+        if not self.quantized:
+            return {"dense": D}
+        if self.tq.axis == "channel":
+            return {"codes": D * self.cbits // 8, "scale": D, "zero": D}
+        return {"codes": D * self.cbits // 8, "scale": D // self.group, "zero": D // self.group}
+
+    def rows_per_entry(self, name: str) -> int:
+        """Middle rows (tokens) covered by one row of field `name` (page for channel-axis scales)."""
+        return self.page if (self.quantized and self.tq.axis == "channel" and name != "codes") else 1
+
+    # ------------------------------------------------------------- encode
+    def encode(self, x: torch.Tensor, dense_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """x [B, H, T, D] (already rotated) -> stored fields (see module docstring).
+
+        For axis 'channel', T must be a multiple of the page (the layer flushes whole pages).
+        """
+        if not self.quantized:
+            return {"dense": x.to(dense_dtype)}
+        B, H, T, D = x.shape
+        tq = self.tq
+        if tq.axis == "channel":
+            if T % self.page:
+                raise LowbitError(f"channel-grouped rows come in pages of {self.page}, got {T}")
+            # [B,H,T,D] -> [B,H,T/page,D,page]: groups run over the page's tokens, one per channel
+            xt = x.reshape(B, H, T // self.page, self.page, D).transpose(-1, -2)
+            codes, scale, zero = self._quantize_last(xt, self.page)  # codes [B,H,T/p,D,p]; scale [B,H,T/p,D,1]
+            codes = codes.transpose(-1, -2).reshape(B, H, T, D)
+            scale, zero = scale.squeeze(-1), zero.squeeze(-1)  # [B,H,T/p,D]
+        else:
+            codes, scale, zero = self._quantize_last(x, self.group)  # [B,H,T,D], [B,H,T,D/g]
+        packed = codes if self.cbits == 8 else packing.pack(codes, self.cbits, LAYOUT)
+        return {"codes": packed, "scale": scale, "zero": zero}
+
+    def _quantize_last(self, x: torch.Tensor, group: int):
+        """Quantize along the last dim in groups; returns codes uint8, scale/zero SCALE_DTYPE [..., n/group]."""
+        tq = self.tq
+        if tq.lloyd_max:
+            from lowbit.quant import lloyd_max
+
+            xg = x
+            if tq.clip != 1.0:
+                xg = _clip_groups(x, group, tq.clip)
+            q = lloyd_max.encode(xg, self.levels.to(x.device), group)
+            return q.codes.to(torch.uint8), q.std.to(SCALE_DTYPE), q.mean.to(SCALE_DTYPE)
+        q = affine.quantize(
+            x, tq.bits, group, symmetric=tq.symmetric, clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE
+        )
+        return q.codes, q.scale, q.zero
+
+    # ------------------------------------------------------------- decode
+    def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Stored fields of T rows -> x_hat [B, H, T, D] in `dtype` (math in float32)."""
+        if not self.quantized:
+            return fields["dense"].to(dtype)
+        codes = fields["codes"]
+        c = codes if self.cbits == 8 else packing.unpack(codes, self.cbits, LAYOUT)  # [B,H,T,D]
+        B, H, T, D = c.shape
+        vals = self.levels.to(c.device)[c.long()] if self.tq.lloyd_max else c.float()
+        scale, zero = fields["scale"].float(), fields["zero"].float()
+        if self.tq.axis == "channel":
+            P = self.page
+            v = vals.reshape(B, H, T // P, P, D)
+            x = v * scale.unsqueeze(-2) + zero.unsqueeze(-2)  # scale [B,H,T/P,1,D]
+        else:
+            g = self.group
+            v = vals.reshape(B, H, T, D // g, g)
+            x = v * scale.unsqueeze(-1) + zero.unsqueeze(-1)
+        return x.reshape(B, H, T, D).to(dtype)
+
+
+def _clip_groups(x: torch.Tensor, group: int, ratio: float) -> torch.Tensor:
+    """Shrink each group's range toward its centre by `ratio` (clamp), as affine's clip does."""
+    shp = x.shape
+    xg = x.float().reshape(*shp[:-1], shp[-1] // group, group)
+    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
+    c, h = (lo + hi) * 0.5, (hi - lo) * (0.5 * ratio)
+    return torch.maximum(torch.minimum(xg, c + h), c - h).reshape(shp)

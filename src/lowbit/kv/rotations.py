@@ -1,0 +1,104 @@
+"""The rotations the KV cache applies: resolve a scheme's rotation per layer, rotate, fold into weights.
+
+Stored K is k @ R_k and stored V is v @ R_v in every tier; queries are rotated by the same R_k
+(q R_k (k R_k)^T = q k^T for orthogonal R_k) and the attention output is multiplied by R_v^T.
+R is [D, D] (one per layer) or [H_kv, D, D] (one per KV head, applied to that head's rows and to
+the query heads that read it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from lowbit.errors import LowbitError
+
+
+def layer_rotations(scheme, geometry) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
+    """[(R_k, R_v)] per layer, float32 on CPU, from scheme.rotation ('none' | 'hadamard' | RotationSet dir).
+
+    With scheme.fold_v_rotation, R_v is returned as None: V arrives already rotated from the
+    folded weights and the output needs no un-rotation.
+    """
+    rot = scheme.rotation
+    if rot == "none":
+        out = [(None, None) for _ in geometry.layers]
+    elif rot == "hadamard":
+        from lowbit.rotation.hadamard import hadamard
+
+        out = [(hadamard(g.head_dim_k), hadamard(g.head_dim_v)) for g in geometry.layers]
+    else:
+        from lowbit.rotation.rotation_set import RotationSet
+
+        rs = RotationSet.load(rot).validate_against(geometry)
+        out = [(rs.k[i].float(), rs.v[i].float()) for i in range(rs.num_layers)]
+    if scheme.fold_v_rotation:
+        out = [(rk, None) for rk, _ in out]
+    return out
+
+
+def rotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """x [B, H, T, D] @ r ([D, D], or [H, D, D] per head), computed in float32; r None = identity."""
+    if r is None:
+        return x
+    r = r.to(device=x.device, dtype=torch.float32)
+    if r.dim() == 3:
+        if r.shape[0] != x.shape[1]:
+            raise LowbitError(f"per-head rotation has {r.shape[0]} heads but the tensor has {x.shape[1]}")
+        return torch.matmul(x.float(), r.unsqueeze(0))  # [B,H,T,D] @ [1,H,D,D]
+    return torch.matmul(x.float(), r)
+
+
+def unrotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """x [B, H, T, D] @ r^T (inverse of `rotate` for orthogonal r)."""
+    if r is None:
+        return x
+    return rotate(x, r.transpose(-1, -2))
+
+
+def _attention_modules(model) -> dict[int, torch.nn.Module]:
+    mods = {}
+    for m in model.modules():
+        if hasattr(m, "layer_idx") and hasattr(m, "v_proj") and hasattr(m, "o_proj"):
+            mods[int(m.layer_idx)] = m
+    return mods
+
+
+@torch.no_grad()
+def fold_v_into_weights(model, scheme, geometry) -> None:
+    """Fold each layer's R_v into v_proj (V comes out as v @ R_v) and o_proj (takes o @ R_v back).
+
+    Only a single rotation per layer can be folded; the model is marked so a cache with
+    fold_v_rotation can check it was done (and done for this rotation). Runs once per model.
+    """
+    if not scheme.fold_v_rotation:
+        raise LowbitError("fold_v_into_weights needs a scheme with fold_v_rotation set")
+    marker = getattr(model, "_lowbit_v_folded", None)
+    if marker is not None:
+        raise LowbitError(f"V rotation {marker!r} is already folded into this model's weights; load a fresh model")
+    full = layer_rotations(replace(scheme, fold_v_rotation=False), geometry)
+    mods = _attention_modules(model)
+    for g in geometry.layers:
+        rv = full[g.index][1]
+        if rv is None:
+            continue
+        if rv.dim() != 2:
+            raise LowbitError("a per-KV-head V rotation cannot be folded into the weights; use a per-layer rotation")
+        m = mods.get(g.index)
+        if m is None:
+            raise LowbitError(f"layer {g.index}: no attention module with v_proj/o_proj found to fold V's rotation into")
+        if hasattr(m, "v_norm"):
+            raise LowbitError(f"layer {g.index} normalises V after v_proj; its V rotation cannot be folded into weights")
+        D, Hkv, Hq = g.head_dim_v, g.num_kv_heads, g.num_q_heads
+        wv = m.v_proj.weight  # [Hkv*D, hidden]: v_h = W_h x -> v_h R = (R^T W_h) x
+        r = rv.to(wv.device, torch.float32)
+        w = wv.float().view(Hkv, D, -1)
+        wv.copy_(torch.matmul(r.T, w).reshape_as(wv).to(wv.dtype))
+        if m.v_proj.bias is not None:
+            b = m.v_proj.bias
+            b.copy_((b.float().view(Hkv, D) @ r).reshape_as(b).to(b.dtype))
+        wo = m.o_proj.weight  # [hidden, Hq*D]: out = sum_j W_j o_j = sum_j (W_j R)(R^T o_j)... o_j' = o_j R
+        w = wo.float().view(wo.shape[0], Hq, D)
+        wo.copy_(torch.matmul(w, r).reshape_as(wo).to(wo.dtype))
+    model._lowbit_v_folded = scheme.rotation

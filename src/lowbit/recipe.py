@@ -1,0 +1,439 @@
+"""Recipes: frozen, versioned descriptions of how to quantize (KV cache here; weights alongside).
+
+KV part
+-------
+`KVScheme` says how a `lowbit.kv.QuantizedKVCache` holds K and V:
+
+    sink    first S tokens of every layer, model dtype (attention sinks stay exact)
+    middle  everything between sink and recent, packed codes + fp16 scale/zero per group
+    recent  the last R tokens (and up to page-1 more), model dtype
+    page    tokens leave the recent ring for the middle `page` at a time, so the quantizer runs
+            on a page of rows at once; sink and recent must be multiples of it.
+
+K and V each carry a `TensorQuant`: bits (2/3/4/8, or 16 = stored unquantized), symmetric,
+clip ratio, Lloyd-Max levels instead of a uniform grid, grouping axis and group size.
+  axis "token":   groups of `group` consecutive channels of one token (default group 128, or
+                  head_dim when smaller) -> scale/zero [B, Hkv, T, D // group].
+  axis "channel": KIVI-style keys: each channel grouped over a block of `page` tokens ->
+                  scale/zero [B, Hkv, T // page, D]; its group must equal the page.
+3-bit codes live in 4-bit containers (packing is 2/4/8 only), so int3 costs what int4 costs;
+bits_per_element says so.
+
+Defaults: sink 64, recent 256, group 128 (head_dim if smaller) as the design fixes them, and
+page 16: small enough that at most 15 extra tokens sit in high precision, large enough that the
+quantizer (and a KIVI channel block) works on 16 rows at a time instead of one per decode step.
+
+`parse_kv_scheme(name, ...)` turns the CLI's scheme strings (bf16, int8, int4, int3, int2, kXvY,
+kivi2, kivi4) plus flags into a KVScheme; `load_recipe(path)` reads the same fields from JSON or
+TOML. Errors that need no model are raised at construction; `validate(geometry)` checks the
+rest (group vs head_dim, attention types, rotation shapes) before any token is cached.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import tomllib
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from lowbit.errors import LowbitError
+
+KV_SCHEME_VERSION = 1
+KV_BITS = (2, 3, 4, 8, 16)
+LLOYD_MAX_BITS = (2, 3, 4)
+AXES = ("token", "channel")
+DEFAULT_SINK = 64
+DEFAULT_RECENT = 256
+DEFAULT_GROUP = 128
+DEFAULT_PAGE = 16
+# What every scale and zero costs in the middle tier (fp16 each).
+SCALE_BITS = 16
+SUPPORTED_ATTENTION = ("full", "sliding")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class TensorQuant:
+    """How one of K / V is stored in the middle tier.
+
+    bits: 2, 3, 4, 8, or 16 (unquantized, kept in the model dtype: the exactness setting).
+    group: token axis: channels per group (None = DEFAULT_GROUP, or head_dim when smaller);
+           channel axis: tokens per block, must equal the scheme's page (None = page).
+    clip: range ratio in (0, 1] (see lowbit.quant.affine); lloyd_max: non-uniform levels
+          (Gaussian-optimal per layer by default) with mean/std per group in place of zero/scale.
+    """
+
+    bits: int = 16
+    symmetric: bool = False
+    clip: float = 1.0
+    lloyd_max: bool = False
+    axis: str = "token"
+    group: int | None = None
+
+    def __post_init__(self):
+        if not _is_int(self.bits) or self.bits not in KV_BITS:
+            raise LowbitError(f"KV bits {self.bits!r} unsupported; use one of {KV_BITS} (16 = unquantized)")
+        if self.axis not in AXES:
+            raise LowbitError(f"KV grouping axis {self.axis!r} unknown; use 'token' or 'channel'")
+        try:
+            clip = float(self.clip)
+        except (TypeError, ValueError):
+            raise LowbitError(f"clip ratio {self.clip!r} is not a number; use a value in (0, 1]") from None
+        if not 0.0 < clip <= 1.0:
+            raise LowbitError(f"clip ratio {self.clip!r} is outside (0, 1]; use 1.0 for no clipping")
+        object.__setattr__(self, "clip", clip)
+        if self.group is not None and (not _is_int(self.group) or self.group <= 0):
+            raise LowbitError(f"group must be a positive integer, got {self.group!r}")
+        if self.lloyd_max and self.bits not in LLOYD_MAX_BITS:
+            raise LowbitError(f"Lloyd-Max levels need bits in {LLOYD_MAX_BITS}, got {self.bits}; drop --lloyd-max")
+        if self.lloyd_max and self.symmetric:
+            raise LowbitError("Lloyd-Max levels are symmetric around each group's mean already; drop 'symmetric'")
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    @property
+    def container_bits(self) -> int:
+        """Bits each code occupies once packed (3-bit codes use 4-bit containers)."""
+        return 4 if self.bits == 3 else self.bits
+
+    def group_for(self, head_dim: int, page: int) -> int:
+        """The group this tensor uses at `head_dim` (token axis) or over a page (channel axis)."""
+        if self.axis == "channel":
+            return page if self.group is None else self.group
+        return min(DEFAULT_GROUP, head_dim) if self.group is None else self.group
+
+    def bits_per_element(self, head_dim: int, page: int = DEFAULT_PAGE) -> float:
+        """Middle-tier bits per stored element, codes plus fp16 scale and zero per group."""
+        if not self.quantized:
+            return 16.0
+        return self.container_bits + 2 * SCALE_BITS / self.group_for(head_dim, page)
+
+    def describe(self) -> str:
+        if not self.quantized:
+            return "16-bit"
+        parts = [f"int{self.bits}"]
+        if self.bits == 3:
+            parts[0] += "(in 4-bit containers)"
+        if self.axis == "channel":
+            parts.append("per-channel over page-token blocks")
+        else:
+            parts += ["per-token", f"g{self.group}" if self.group is not None else "g<=128"]
+        parts.append("lloyd-max" if self.lloyd_max else ("sym" if self.symmetric else "asym"))
+        if self.clip != 1.0:
+            parts.append(f"clip {self.clip:g}")
+        return " ".join(parts)
+
+
+@dataclass(frozen=True)
+class KVScheme:
+    """How the KV cache holds every layer. Frozen and versioned: it goes into manifests as is.
+
+    rotation: "none", "hadamard" (per layer, hadamard(head_dim)) or the path of a RotationSet
+    directory (per layer [D, D] or per KV head [H_kv, D, D]).
+    fold_v_rotation: R_v is folded into v_proj / o_proj weights (V arrives already rotated and the
+    output needs no un-rotation); valid only for one rotation per layer.
+    """
+
+    name: str = "bf16"
+    k: TensorQuant = field(default_factory=TensorQuant)
+    v: TensorQuant = field(default_factory=TensorQuant)
+    sink: int = DEFAULT_SINK
+    recent: int = DEFAULT_RECENT
+    page: int = DEFAULT_PAGE
+    rotation: str = "none"
+    fold_v_rotation: bool = False
+    version: int = KV_SCHEME_VERSION
+
+    def __post_init__(self):
+        if self.version != KV_SCHEME_VERSION:
+            raise LowbitError(
+                f"KV scheme version {self.version!r} is not supported by this lowbit (it reads {KV_SCHEME_VERSION})"
+            )
+        for which in ("k", "v"):
+            if not isinstance(getattr(self, which), TensorQuant):
+                raise LowbitError(f"KVScheme.{which} must be a TensorQuant, got {type(getattr(self, which)).__name__}")
+        if not _is_int(self.page) or self.page <= 0:
+            raise LowbitError(f"page must be a positive integer, got {self.page!r}")
+        for what in ("sink", "recent"):
+            n = getattr(self, what)
+            if not _is_int(n) or n < 0:
+                raise LowbitError(f"{what} must be a non-negative integer, got {n!r}")
+            if n % self.page:
+                lo, hi = n // self.page * self.page, -(-n // self.page) * self.page
+                raise LowbitError(
+                    f"{what} {n} is not a multiple of the page ({self.page}); use {lo or hi} or {hi}, or change the page"
+                )
+        for which, t in (("K", self.k), ("V", self.v)):
+            if t.axis == "channel" and t.group is not None and t.group != self.page:
+                raise LowbitError(
+                    f"{which} is grouped per channel over blocks of the page ({self.page} tokens) but its group "
+                    f"is {t.group}; set the group to {self.page} or the page to {t.group}"
+                )
+        if not isinstance(self.rotation, str) or not self.rotation:
+            raise LowbitError(f"rotation must be 'none', 'hadamard' or a RotationSet path, got {self.rotation!r}")
+        if self.fold_v_rotation and self.rotation == "none":
+            raise LowbitError("fold_v_rotation needs a rotation to fold; set rotation or drop fold_v_rotation")
+
+    # ----------------------------------------------------------------- derived
+    @property
+    def quantized(self) -> bool:
+        return self.k.quantized or self.v.quantized
+
+    def bits_per_element(self, head_dim: int) -> tuple[float, float]:
+        """(K, V) middle-tier bits per element at this head_dim, fp16 scale + zero per group included."""
+        return self.k.bits_per_element(head_dim, self.page), self.v.bits_per_element(head_dim, self.page)
+
+    def describe(self) -> str:
+        """One line, e.g. 'int2: K int2 per-token g<=128 asym, V ... | sink 64, recent 256, page 16 | rotation none'."""
+        kv = f"K,V {self.k.describe()}" if self.k == self.v else f"K {self.k.describe()}, V {self.v.describe()}"
+        rot = f"rotation {self.rotation}" + (" (V folded into weights)" if self.fold_v_rotation else "")
+        return f"{self.name}: {kv} | sink {self.sink}, recent {self.recent}, page {self.page} | {rot}"
+
+    def to_dict(self) -> dict:
+        """JSON-ready form (manifests); `kv_scheme_from_dict` reads it back."""
+        return asdict(self)
+
+    # ------------------------------------------------------------- validation
+    def validate(self, geometry) -> KVScheme:
+        """Check this scheme against a model's geometry (lowbit.models.ModelGeometry); returns self.
+
+        Raises LowbitError for an unsupported attention type (named), a group that does not
+        divide a head_dim, a head_dim the packing cannot split, a Hadamard of an unsupported
+        order, a RotationSet whose layers / KV heads / dims do not match, or a per-head rotation
+        combined with folding V's rotation into the weights.
+        """
+        layers = list(getattr(geometry, "layers", []))
+        if not layers:
+            raise LowbitError("the model geometry has no layers; cannot build a KV cache for it")
+        for g in layers:
+            if g.attention not in SUPPORTED_ATTENTION:
+                raise LowbitError(
+                    f"layer {g.index}: attention type {g.attention!r} is not supported by the KV cache "
+                    f"(supported: {', '.join(SUPPORTED_ATTENTION)})"
+                )
+            if getattr(g, "storage", "mha") != "mha":
+                raise LowbitError(
+                    f"layer {g.index}: KV storage {g.storage!r} (e.g. MLA latent) is not supported by the KV cache"
+                )
+            for which, t, d in (("K", self.k, g.head_dim_k), ("V", self.v, g.head_dim_v)):
+                if not t.quantized:
+                    continue
+                if t.axis == "token":
+                    grp = t.group_for(d, self.page)
+                    if d % grp:
+                        divs = [x for x in (128, 64, 32, 16) if d % x == 0]
+                        hint = f"; use --group {divs[0]}" if divs else ""
+                        raise LowbitError(f"{which} group {grp} does not divide head_dim {d} of layer {g.index}{hint}")
+                per_byte = 8 // t.container_bits
+                if d % per_byte:
+                    raise LowbitError(
+                        f"layer {g.index}: {which} head_dim {d} is not a multiple of {per_byte} "
+                        f"({t.container_bits}-bit codes per byte); use 8 or 16 bits for this model"
+                    )
+        if self.rotation == "hadamard":
+            from lowbit.rotation.hadamard import is_supported_order
+
+            for g in layers:
+                for d in {g.head_dim_k, g.head_dim_v}:
+                    if not is_supported_order(d):
+                        raise LowbitError(
+                            f"layer {g.index}: no Hadamard matrix of order {d}; use rotation 'none' or a fitted RotationSet"
+                        )
+        elif self.rotation != "none":
+            from lowbit.rotation.rotation_set import RotationSet
+
+            rs = RotationSet.load(self.rotation)
+            rs.validate_against(geometry)
+            if self.fold_v_rotation and rs.per_head:
+                raise LowbitError(
+                    f"rotation {self.rotation} is per KV head (format v2); folding V's rotation into the weights "
+                    "needs one rotation per layer: drop fold_v_rotation or use a per-layer (v1) rotation"
+                )
+        return self
+
+
+# ---------------------------------------------------------------- parsing
+_KV_RE = re.compile(r"^k(\d+)v(\d+)$")
+_BITS_NAMES = {"bf16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2}
+SCHEME_NAMES = ("bf16", "int8", "int4", "int3", "int2", "kXvY (e.g. k4v2)", "kivi2", "kivi4")
+
+
+def _pair(value, what: str) -> tuple[Any, Any]:
+    """A per-K/V value given once (both) or as (K, V) / 'K,V'."""
+    if isinstance(value, str):
+        parts = [p.strip() for p in value.split(",")]
+        if len(parts) == 1:
+            return parts[0], parts[0]
+        if len(parts) == 2:
+            return parts[0], parts[1]
+        raise LowbitError(f"{what} {value!r}: give one value or two as K,V")
+    if isinstance(value, (tuple, list)):
+        if len(value) != 2:
+            raise LowbitError(f"{what} {value!r}: give one value or two as (K, V)")
+        return value[0], value[1]
+    return value, value
+
+
+def _float_pair(value, what: str) -> tuple[float, float]:
+    a, b = _pair(value, what)
+    try:
+        return float(a), float(b)
+    except (TypeError, ValueError):
+        raise LowbitError(f"{what} {value!r} is not a number or a K,V pair of numbers") from None
+
+
+def parse_kv_scheme(
+    name: str,
+    group: int | None = None,
+    sink: int | None = None,
+    recent: int | None = None,
+    clip=None,
+    lloyd_max: bool = False,
+    rotation: str | None = None,
+    *,
+    page: int | None = None,
+    symmetric: bool = False,
+    fold_v_rotation: bool = False,
+) -> KVScheme:
+    """Scheme string + flags -> KVScheme.
+
+    name: bf16 | int8 | int4 | int3 | int2 | kXvY (X, Y in 2/3/4/8/16) | kivi2 | kivi4.
+    kivi*: keys per channel over 32-token blocks, values per token in groups of 32, recent 128,
+    sink 0, page 32 (KIVI's recipe). clip: one ratio for both or (K, V) / "K,V".
+    Flags given override the scheme's defaults; None keeps them.
+    """
+    if not isinstance(name, str):
+        raise LowbitError(f"KV scheme must be a string, got {name!r}")
+    key = name.strip().lower()
+    k_axis = "token"
+    defaults = dict(sink=DEFAULT_SINK, recent=DEFAULT_RECENT, page=DEFAULT_PAGE)
+    k_group = v_group = group
+    if key in _BITS_NAMES:
+        kb = vb = _BITS_NAMES[key]
+    elif m := _KV_RE.match(key):
+        kb, vb = int(m.group(1)), int(m.group(2))
+        for b in (kb, vb):
+            if b not in KV_BITS:
+                raise LowbitError(f"KV scheme {name!r}: {b} bits unsupported; K and V bits must be in {KV_BITS}")
+    elif key in ("kivi2", "kivi4"):
+        kb = vb = int(key[-1])
+        k_axis = "channel"
+        defaults = dict(sink=0, recent=128, page=32)
+        k_group = None  # the page
+        v_group = 32 if group is None else group
+    else:
+        raise LowbitError(f"unknown KV scheme {name!r}; use one of {', '.join(SCHEME_NAMES)}")
+    kc, vc = _float_pair(1.0 if clip is None else clip, "clip")
+    if k_axis == "channel" and group is not None and page is None:
+        # --group on a KIVI scheme sets the key block: the block is the page.
+        defaults["page"] = group
+    try:
+        kq = TensorQuant(bits=kb, symmetric=symmetric, clip=kc, lloyd_max=bool(lloyd_max) and kb < 16,
+                         axis=k_axis, group=k_group if kb < 16 else None)
+        vq = TensorQuant(bits=vb, symmetric=symmetric, clip=vc, lloyd_max=bool(lloyd_max) and vb < 16,
+                         group=v_group if vb < 16 else None)
+    except LowbitError as e:
+        raise LowbitError(f"KV scheme {name!r}: {e}") from None
+    if lloyd_max and not (kq.lloyd_max or vq.lloyd_max):
+        raise LowbitError(f"--lloyd-max needs a quantized scheme; {name!r} stores K and V unquantized")
+    return KVScheme(
+        name=key,
+        k=kq,
+        v=vq,
+        sink=defaults["sink"] if sink is None else sink,
+        recent=defaults["recent"] if recent is None else recent,
+        page=defaults["page"] if page is None else page,
+        rotation="none" if rotation is None else str(rotation),
+        fold_v_rotation=bool(fold_v_rotation),
+    )
+
+
+# ---------------------------------------------------------------- files
+_TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group"}
+_FILE_FIELDS = {"scheme", "group", "sink", "recent", "page", "clip", "lloyd_max", "rotation", "symmetric",
+                "fold_v_rotation", "k", "v", "version", "name"}
+
+
+def read_recipe_file(path) -> dict:
+    """Parse a recipe file (.json, or .toml via tomllib) into a dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise LowbitError(f"recipe file {p} not found")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix.lower() == ".toml":
+            return tomllib.loads(text)
+        if p.suffix.lower() == ".json":
+            return json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise LowbitError(f"recipe file {p} is not valid {p.suffix[1:].upper()}: {e}") from None
+    raise LowbitError(f"recipe file {p}: unknown format {p.suffix!r}; use .json or .toml")
+
+
+def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
+    """KVScheme from recipe fields.
+
+    Either the CLI's fields (scheme = "int2", group, sink, recent, page, clip = [K, V],
+    lloyd_max, rotation, symmetric, fold_v_rotation) with optional per-tensor tables
+    `k = {bits, symmetric, clip, lloyd_max, axis, group}` / `v = {...}` overriding them, or the
+    `to_dict()` form. A relative rotation path is taken relative to `base_dir`.
+    """
+    if not isinstance(d, dict):
+        raise LowbitError(f"KV recipe must be a table/object, got {type(d).__name__}")
+    unknown = sorted(set(d) - _FILE_FIELDS)
+    if unknown:
+        raise LowbitError(f"KV recipe has unknown field(s) {', '.join(unknown)}; allowed: {', '.join(sorted(_FILE_FIELDS))}")
+    scheme_name = d.get("scheme", d.get("name"))
+    if scheme_name is None:
+        raise LowbitError("KV recipe needs a 'scheme' (e.g. scheme = \"int4\")")
+    rotation = d.get("rotation")
+    if rotation not in (None, "none", "hadamard") and base_dir is not None and not Path(rotation).is_absolute():
+        rotation = str((Path(base_dir) / rotation).resolve())
+    s = parse_kv_scheme(
+        str(scheme_name),
+        group=d.get("group") if not isinstance(d.get("k"), dict) else None,
+        sink=d.get("sink"),
+        recent=d.get("recent"),
+        clip=d.get("clip"),
+        lloyd_max=bool(d.get("lloyd_max", False)) and not isinstance(d.get("k"), dict),
+        rotation=rotation,
+        page=d.get("page"),
+        symmetric=bool(d.get("symmetric", False)) and not isinstance(d.get("k"), dict),
+        fold_v_rotation=bool(d.get("fold_v_rotation", False)),
+    )
+    if "group" in d and isinstance(d.get("k"), dict):
+        s = replace(s, k=replace(s.k, group=d["group"]) if s.k.quantized else s.k,
+                    v=replace(s.v, group=d["group"]) if s.v.quantized else s.v)
+    for which in ("k", "v"):
+        t = d.get(which)
+        if t is None:
+            continue
+        if not isinstance(t, dict):
+            raise LowbitError(f"KV recipe field {which!r} must be a table of {sorted(_TENSOR_FIELDS)}")
+        bad = sorted(set(t) - _TENSOR_FIELDS)
+        if bad:
+            raise LowbitError(f"KV recipe {which}: unknown field(s) {', '.join(bad)}; allowed: {', '.join(sorted(_TENSOR_FIELDS))}")
+        s = replace(s, **{which: replace(getattr(s, which), **t)})
+    if "version" in d and d["version"] != KV_SCHEME_VERSION:
+        raise LowbitError(f"KV recipe version {d['version']!r} is not supported (this lowbit reads {KV_SCHEME_VERSION})")
+    return s
+
+
+def load_recipe(path) -> KVScheme:
+    """KV scheme from a JSON or TOML recipe file: its [kv] table, or the top level without one."""
+    d = read_recipe_file(path)
+    if not isinstance(d, dict):
+        raise LowbitError(f"recipe {path}: expected a table/object at the top level")
+    # A [kv] table when the file also holds other parts (weights); else the top level itself.
+    kv = d["kv"] if "kv" in d else {k: v for k, v in d.items() if k != "weights"}
+    try:
+        return kv_scheme_from_dict(kv, base_dir=Path(path).parent)
+    except LowbitError as e:
+        raise LowbitError(f"recipe {path}: {e}") from None
