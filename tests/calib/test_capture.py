@@ -7,7 +7,7 @@ import torch
 
 from lowbit.calib.capture import attention_layers, capture_attention
 from lowbit.calib.stats import STATS_FILE, StatsCollector, load_calibration
-from lowbit.commands.calibrate import collect, min_tokens, windows_from_ids, write_calibration
+from lowbit.commands.calibrate import check_tokens_arg, collect, min_tokens, write_calibration
 from lowbit.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
@@ -130,10 +130,9 @@ def test_every_layer_must_see_the_tokens():
 def test_too_few_tokens_and_short_text_refused():
     assert min_tokens([64], 1024, 64) == 1024  # 512 stats tokens needed, 960 per sequence
     assert min_tokens([256], 512, 64) == 5 * 512
-    with pytest.raises(LowbitError, match="only 10 tokens"):
-        windows_from_ids(torch.arange(10), 64, 32, "x.txt")
+    assert check_tokens_arg(96, 32) == 3
     with pytest.raises(LowbitError, match="multiple of --seq-len"):
-        windows_from_ids(torch.arange(100), 65, 32, "x.txt")
+        check_tokens_arg(65, 32)
 
 
 def test_write_and_load_roundtrip_and_corruption(tmp_path):

@@ -8,7 +8,8 @@ k_proj would see pre-RoPE, pre-norm states, which are not what the cache quantiz
 `capture_attention(model, observer)` is a context manager: it registers a capturing attention
 implementation (and the matching sdpa mask builder), switches the model to it, and restores the
 previous implementation on exit. The capturing function calls `observer(module, q, k, v, mask,
-scaling, softcap)` and then plain sdpa, so the model's outputs are unchanged.
+scaling, softcap)` and then plain sdpa, so the model's outputs are unchanged -- unless the
+observer returns a tensor [B, T, Hq, Dv], which then replaces the attention output.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ def _capturing_attention(module, query, key, value, attention_mask, dropout=0.0,
             "restore the model's attention implementation (e.g. model.set_attn_implementation('sdpa'))"
         )
     scale = float(scaling) if scaling is not None else query.shape[-1] ** -0.5
-    _ACTIVE[-1](module, query, key, value, attention_mask, scale, kwargs.get("softcap"))
+    replaced = _ACTIVE[-1](module, query, key, value, attention_mask, scale, kwargs.get("softcap"))
+    if replaced is not None:
+        # an observer that returns [B, T, Hq, Dv] replaces the attention output (fake-quant evaluation)
+        return replaced.contiguous(), None
     if kwargs.get("softcap") is not None:
         # sdpa has no softcap; compute the capped softmax eagerly (rare: gemma2-style models)
         return _eager_softcap(query, key, value, attention_mask, scale, kwargs["softcap"])

@@ -87,9 +87,11 @@ class LayerStats:
     def sample(self, which: str) -> torch.Tensor:
         """The kept token sample [N, Hkv, D] (float32) of 'k' or 'v'."""
         rows = self.k_sample if which == "k" else self.v_sample
+        if isinstance(rows, torch.Tensor):  # loaded from disk
+            return rows
         if not rows:
             return torch.zeros(0, self.num_kv_heads, self.head_dim_k if which == "k" else self.head_dim_v)
-        return torch.cat(rows, dim=0) if isinstance(rows, list) else rows
+        return torch.cat(rows, dim=0)
 
 
 class StatsCollector:

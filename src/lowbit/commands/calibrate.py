@@ -40,15 +40,12 @@ def min_tokens(geometry_dims: list[int], seq_len: int, skip: int) -> int:
     return n_seq * seq_len
 
 
-def windows_from_ids(ids: torch.Tensor, tokens: int, seq_len: int, source: str) -> torch.Tensor:
-    """Cut the first `tokens` ids into [tokens // seq_len, seq_len] windows; refuse too little text."""
-    if tokens % seq_len:
-        raise LowbitError(f"--tokens {tokens} is not a multiple of --seq-len {seq_len}: pick e.g. {tokens // seq_len * seq_len or seq_len}")
-    if ids.numel() < tokens:
-        raise LowbitError(
-            f"calibration data {source} has only {ids.numel()} tokens, {tokens} requested: lower --tokens or give more text"
-        )
-    return ids[:tokens].reshape(tokens // seq_len, seq_len)
+def check_tokens_arg(tokens: int, seq_len: int) -> int:
+    """Number of sequences for --tokens/--seq-len; the tokens must fill whole sequences."""
+    if seq_len < 1 or tokens < 1 or tokens % seq_len:
+        raise LowbitError(f"--tokens {tokens} is not a positive multiple of --seq-len {seq_len}: "
+                          f"pick e.g. {max(1, tokens // max(seq_len, 1)) * seq_len}")
+    return tokens // seq_len
 
 
 @torch.no_grad()
@@ -86,8 +83,12 @@ def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_
             f"too few calibration tokens: {tokens} gives fewer than {MIN_TOKENS_PER_DIM} x head_dim ({max(dims)}) "
             f"statistics tokens per layer after skipping {skip} per sequence; use --tokens {need} or more"
         )
-    ids = loaded.tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids[0]
-    windows = windows_from_ids(ids, tokens, seq_len, data_spec)
+    from lowbit.calib.corpora import token_windows
+
+    try:
+        windows = token_windows(loaded.tokenizer, text, seq_len, check_tokens_arg(tokens, seq_len))
+    except LowbitError as e:
+        raise LowbitError(f"calibration data {data_spec}: {e}") from None
     t0 = time.time()
     col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted)
     seconds = time.time() - t0

@@ -1,0 +1,192 @@
+"""`lowbit layer-error`: per-layer attention-output error (dB) of rotation kinds vs the exact cache, table + heatmap."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+
+NAME = "layer-error"
+HELP = "per-layer attention-output error (dB) of each rotation (none, hadamard, fitted dirs) on held-out text"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="built-in name or local HF dir")
+    p.add_argument("--kv", default="int2", help="KV scheme: int2, int4, k4v2, kivi2, ... (default int2)")
+    p.add_argument("--rotations", default="none,hadamard", help="comma list of none | hadamard | rotation-set dirs")
+    p.add_argument("--data", default="wikitext2", help="held-out text: wikitext2 | stdlib | PATH (default wikitext2)")
+    p.add_argument("--windows", type=int, default=2, help="windows (default 2)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per window (default 1024)")
+    p.add_argument("--group", type=int, default=None, help="channels per group (token axis) / key block (kivi)")
+    p.add_argument("--sink", type=int, default=None)
+    p.add_argument("--recent", type=int, default=None)
+    p.add_argument("--page", type=int, default=None)
+    p.add_argument("--clip", default=None, help="clip ratio, one or K,V")
+    p.add_argument("--k-axis", choices=("token", "channel"), default=None,
+                   help="group keys per token or per channel over page-token blocks (KIVI)")
+    p.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels (Gaussian-optimal unless --levels-from)")
+    p.add_argument("--levels-from", default=None, help="calibration dir: fit Lloyd-Max levels per layer on its sample")
+    p.add_argument("--ppl", action="store_true", help="also the full-window fake-quant perplexity of every variant "
+                   "(errors compounding through the layers) and of the exact model")
+    p.add_argument("--out", default=None, help="new directory for table.md, layer_error.json, heatmap.png")
+
+
+def build_scheme(args):
+    from lowbit.recipe import parse_kv_scheme
+
+    s = parse_kv_scheme(args.kv, group=args.group, sink=args.sink, recent=args.recent, clip=args.clip,
+                        lloyd_max=args.lloyd_max, page=args.page)
+    if args.k_axis == "channel" and s.k.axis != "channel":
+        s = replace(s, k=replace(s.k, axis="channel", group=None))
+    elif args.k_axis == "token" and s.k.axis != "token":
+        s = replace(s, k=replace(s.k, axis="token", group=args.group))
+    return s
+
+
+def rotations_for(spec: str, geometry) -> tuple[str, dict]:
+    """(name, layer -> (R_k, R_v)) for 'none', 'hadamard' or a RotationSet directory checked against geometry."""
+    if spec == "none":
+        return "none", {}
+    if spec == "hadamard":
+        from lowbit.rotation.hadamard import hadamard
+
+        out = {}
+        for g in geometry.layers:
+            try:
+                out[g.index] = (hadamard(g.head_dim_k), hadamard(g.head_dim_v))
+            except LowbitError as e:
+                raise LowbitError(f"layer {g.index}: {e}") from None
+        return "hadamard", out
+    from lowbit.rotation.rotation_set import RotationSet
+
+    rs = RotationSet.load(spec)
+    rs.validate_against(geometry)
+    return Path(spec).name, {i: (rs.k[i], rs.v[i]) for i in range(rs.num_layers)}
+
+
+def fitted_levels(calib, rot: dict, scheme) -> dict:
+    """layer -> (levels_k, levels_v): Lloyd-Max codebooks fitted on the calibration sample as the cache
+    would see it (rotated, then standardized per group)."""
+    from lowbit.eval.layer_error import _rotate
+    from lowbit.quant.lloyd_max import fit_levels
+
+    out = {}
+    for i, st in calib.layers.items():
+        rk, rv = rot.get(i, (None, None))
+        pair = []
+        for which, tq, R in (("k", scheme.k, rk), ("v", scheme.v, rv)):
+            if not tq.lloyd_max:
+                pair.append(None)
+                continue
+            x = _rotate(st.sample(which).permute(1, 0, 2)[None], R)  # [1, H, N, D]
+            if tq.axis == "channel":
+                n = x.shape[2] // scheme.page * scheme.page
+                x = x[:, :, :n].reshape(1, x.shape[1], -1, scheme.page, x.shape[-1]).transpose(-1, -2)
+                pair.append(fit_levels(x, tq.bits, group=scheme.page))
+            else:
+                pair.append(fit_levels(x, tq.bits, group=tq.group_for(x.shape[-1], scheme.page)))
+        out[i] = tuple(pair)
+    return out
+
+
+def format_table(db: dict[str, dict[int, float]], ppl: dict[str, float] | None = None, ref_ppl: float | None = None) -> str:
+    names = list(db)
+    layers = sorted({i for d in db.values() for i in d})
+    lines = ["| layer | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for i in layers:
+        lines.append(f"| {i} | " + " | ".join(f"{db[n].get(i, float('nan')):.1f}" for n in names) + " |")
+    lines.append("| mean | " + " | ".join(f"{sum(db[n].values()) / len(db[n]):.1f}" for n in names) + " |")
+    if ppl:
+        lines.append("| PPL | " + " | ".join(f"{ppl[n]:.3f}" for n in names) + " |")
+        if ref_ppl:
+            lines.append("| ΔPPL | " + " | ".join(f"{100 * (ppl[n] / ref_ppl - 1):+.2f}%" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def heatmap(db: dict[str, dict[int, float]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(db)
+    layers = sorted({i for d in db.values() for i in d})
+    m = torch.tensor([[db[n].get(i, float("nan")) for i in layers] for n in names])
+    fig, ax = plt.subplots(figsize=(max(6, 0.32 * len(layers) + 2), 0.6 * len(names) + 1.6))
+    im = ax.imshow(m.numpy(), aspect="auto", cmap="viridis_r")
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xticks(range(len(layers)), [str(i) for i in layers], fontsize=7)
+    ax.set_xlabel("layer")
+    ax.set_title(title, fontsize=9)
+    for r in range(len(names)):
+        for c in range(len(layers)):
+            v = m[r, c].item()
+            if math.isfinite(v):
+                ax.text(c, r, f"{v:.0f}", ha="center", va="center", fontsize=6, color="w")
+    fig.colorbar(im, ax=ax, label="attention-output error (dB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args) -> int:
+    from lowbit.calib.corpora import load_text, token_windows
+    from lowbit.eval.layer_error import Variant, fake_quant_ppl, measure_layers
+    from lowbit.eval.perplexity import full_window_ppl
+    from lowbit.models import load
+
+    out = Path(args.out) if args.out else None
+    if out is not None and out.exists():
+        raise LowbitError(f"{out} already exists; choose a new --out")
+    scheme = build_scheme(args)
+    lm = load(args.model)
+    scheme.validate(lm.geometry) if scheme.rotation == "none" else None
+    if args.seq_len <= scheme.sink + scheme.recent:
+        raise LowbitError(f"--seq-len {args.seq_len} leaves no quantized middle after sink {scheme.sink} + "
+                          f"recent {scheme.recent}; use a longer window")
+    calib = None
+    if args.levels_from:
+        from lowbit.calib.stats import load_calibration
+
+        calib = load_calibration(args.levels_from)
+        if calib.model != lm.name:
+            raise LowbitError(f"--levels-from {args.levels_from} is a calibration of {calib.model!r}, not {lm.name!r}")
+        if not args.lloyd_max:
+            raise LowbitError("--levels-from fits Lloyd-Max levels: add --lloyd-max")
+    variants = []
+    for spec in [s.strip() for s in args.rotations.split(",") if s.strip()]:
+        name, rot = rotations_for(spec, lm.geometry)
+        levels = fitted_levels(calib, rot, scheme) if calib is not None else {}
+        variants.append(Variant(name, scheme, rot, levels))
+    windows = token_windows(lm.tokenizer, load_text(args.data), args.seq_len, args.windows)
+    db = measure_layers(lm.model, windows, variants)
+    ppl, ref = None, None
+    if args.ppl:
+        ref = full_window_ppl(lm.model, windows)
+        ppl = {v.name: fake_quant_ppl(lm.model, windows, v)[0] for v in variants}
+    title = f"{lm.name} {scheme.describe()} | {args.data} {args.windows}x{args.seq_len}"
+    table = format_table(db, ppl, ref)
+    print(title)
+    print(table)
+    if ref:
+        print(f"exact full-window PPL {ref:.3f}")
+    if out is not None:
+        from lowbit.artifacts import ArtifactWriter
+
+        inputs = {"model": lm.name, "weights_sha256": lm.weights_sha256, "data": args.data,
+                  "rotations": args.rotations, "levels_from": args.levels_from}
+        recipe = {"kv": scheme.to_dict(), "windows": args.windows, "seq_len": args.seq_len}
+        with ArtifactWriter(out, kind="layer-error", artifact_class="fake-quant-eval", inputs=inputs, recipe=recipe) as w:
+            (w.path / "table.md").write_text(f"{title}\n\n{table}\n")
+            doc = {"title": title, "db": {n: {str(i): v for i, v in d.items()} for n, d in db.items()},
+                   "ppl": ppl, "ref_ppl": ref}
+            (w.path / "layer_error.json").write_text(json.dumps(doc, indent=2) + "\n")
+            heatmap(db, w.path / "heatmap.png", title)
+            w.counts = {"layers": lm.geometry.num_layers, "variants": len(variants)}
+        print(f"-> {out}")
+    return 0

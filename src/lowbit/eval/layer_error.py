@@ -1,0 +1,227 @@
+"""Per-layer attention-output error of KV quantization variants, and full-window fake-quant perplexity.
+
+The harness runs the model once per window through a capturing attention function. In every
+layer it has the exact post-RoPE q, k, v and builds, for each variant (a KVScheme + rotations +
+optional Lloyd-Max levels), what the quantized cache would hold:
+
+    k_hat = Q(k @ R_k) @ R_kᵀ        v_hat = Q(v @ R_v) @ R_vᵀ        (per KV head when R is [H, D, D])
+
+and the attention each query would compute from the tiers of its own history (full-window
+teacher forcing: query t sees the sink tokens j < sink and its recent tokens t - j < recent exact,
+every other key/value of its history quantized):
+
+    s_tj = q_t · (k_hat_j if middle(t, j) else k_j) * scaling
+    o_t  = sum_j p_tj (v_hat_j if middle(t, j) else v_j)
+
+mode "measure": the model continues on exact attention (each layer's error is its own, not the
+    sum of earlier layers'); per layer and variant we accumulate ‖o_hat - o‖² and ‖o‖² over the
+    queries that see a quantized middle (t >= sink + recent) and report 10 log10 of their ratio (dB).
+mode "replace": the model runs on the quantized attention of one variant, so errors compound as in
+    serving; the perplexity of that run is the fast full-window fake-quant number (the protocol of
+    DESIGN.md's tables). The cache's chunked evaluation (`lowbit eval`) is the serving-exact one.
+
+Quantizers: lowbit.quant.affine (uniform, fp16 scale/zero like the cache) and lowbit.quant.lloyd_max
+(levels * std + mean per group); keys grouped per token (groups of `group` channels) or per channel
+over blocks of `page` tokens starting at the sink (KIVI).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from lowbit.calib.capture import allowed_mask, capture_attention
+from lowbit.errors import LowbitError
+from lowbit.quant import affine, lloyd_max
+
+
+@dataclass
+class Variant:
+    """One way to hold the KV cache.
+
+    scheme: lowbit.recipe.KVScheme (bits, axis, group, clip, lloyd_max, sink, recent, page)
+    rot:    layer -> (R_k, R_v), each None, [D, D] or [H_kv, D, D]
+    levels: layer -> (levels_k, levels_v) fitted Lloyd-Max codebooks (None: Gaussian-optimal)
+    clip:   layer -> (clip_k, clip_v) per-layer clip ratios overriding the scheme's
+    """
+
+    name: str
+    scheme: object
+    rot: dict = field(default_factory=dict)
+    levels: dict = field(default_factory=dict)
+    clip: dict = field(default_factory=dict)
+
+
+def _rotate(x: torch.Tensor, R: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
+    """x [B, H, T, D] @ R (or @ Rᵀ); R [D, D] or [H, D, D]."""
+    if R is None:
+        return x
+    R = R.to(x.dtype)
+    if inverse:
+        R = R.transpose(-1, -2)
+    if R.dim() == 2:
+        return x @ R
+    return torch.einsum("bhtd,hde->bhte", x, R)
+
+
+def quantize_tensor(x: torch.Tensor, tq, *, page: int, sink: int, levels: torch.Tensor | None = None,
+                    clip: float | None = None) -> torch.Tensor:
+    """Fake-quantize x [B, H, T, D] (already rotated) as the cache's middle tier would; float32 out.
+
+    Token axis: groups of tq.group_for(D) channels per token. Channel axis: each channel over blocks
+    of `page` tokens counted from `sink`; a trailing partial block and the sink rows are returned
+    exact (they never leave the sink / recent tiers).
+    """
+    x = x.float()
+    if not tq.quantized:
+        return x
+    clip_r = tq.clip if clip is None else clip
+    D = x.shape[-1]
+
+    def q(y: torch.Tensor, group: int) -> torch.Tensor:
+        if tq.lloyd_max:
+            lv = levels if levels is not None else lloyd_max.gaussian_levels(tq.bits)
+            return lloyd_max.decode(lloyd_max.encode(y, lv, group, stat_dtype=torch.float16))
+        return affine.fake_quantize(y, tq.bits, group, symmetric=tq.symmetric, clip_ratio=clip_r,
+                                    scale_dtype=torch.float16)
+
+    if tq.axis == "token":
+        return q(x, tq.group_for(D, page))
+    T = x.shape[2]
+    n = max(0, (T - sink) // page)
+    if n == 0:
+        return x
+    blk = x[:, :, sink : sink + n * page]  # [B, H, n*page, D]
+    B, H = x.shape[:2]
+    blk = blk.reshape(B, H, n, page, D).transpose(-1, -2)  # [B, H, n, D, page]: a group = one channel's block
+    blk = q(blk, page).transpose(-1, -2).reshape(B, H, n * page, D)
+    out = x.clone()
+    out[:, :, sink : sink + n * page] = blk
+    return out
+
+
+def dequantized_kv(k, v, variant: Variant, layer: int):
+    """(k_hat, v_hat) [B, H, T, D] float32 for this variant at this layer (see module docstring)."""
+    s = variant.scheme
+    rk, rv = variant.rot.get(layer, (None, None))
+    lk, lv = variant.levels.get(layer, (None, None))
+    ck, cv = variant.clip.get(layer, (None, None))
+    kh = _rotate(quantize_tensor(_rotate(k.float(), rk), s.k, page=s.page, sink=s.sink, levels=lk, clip=ck), rk, True)
+    vh = _rotate(quantize_tensor(_rotate(v.float(), rv), s.v, page=s.page, sink=s.sink, levels=lv, clip=cv), rv, True)
+    return kh, vh
+
+
+def tiered_attention(q, k, v, kh, vh, allowed, scaling: float, sink: int, recent: int, softcap=None,
+                     query_chunk: int = 512) -> torch.Tensor:
+    """Attention where key j of query t is quantized iff j >= sink and t - j >= recent.
+
+    q [B, Hq, T, D]; k, kh [B, Hkv, S, D]; v, vh [B, Hkv, S, Dv]; allowed bool [B|1, 1|Hq, T, S].
+    Returns float32 [B, T, Hq, Dv] (the layout attention functions return).
+    """
+    B, Hq, T, _ = q.shape
+    Hkv, S = k.shape[1], k.shape[2]
+    rep = Hq // Hkv
+    qf = q.float()
+    kk, kq = k.float().repeat_interleave(rep, 1), kh.repeat_interleave(rep, 1)
+    vv, vq = v.float().repeat_interleave(rep, 1), vh.repeat_interleave(rep, 1)
+    out = torch.empty(B, Hq, T, vv.shape[-1])
+    kpos = torch.arange(S)
+    for a in range(0, T, query_chunk):
+        b = min(T, a + query_chunk)
+        tpos = torch.arange(a, b) + (S - T)
+        mid = (kpos[None, :] >= sink) & (tpos[:, None] - kpos[None, :] >= recent)  # [c, S]
+        qc = qf[:, :, a:b]
+        s = torch.where(mid, qc @ kq.transpose(-1, -2), qc @ kk.transpose(-1, -2)) * scaling
+        if softcap is not None:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~allowed[..., a:b, :], float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        pm = p * mid
+        out[:, :, a:b] = pm @ vq + (p - pm) @ vv
+    return out.transpose(1, 2)
+
+
+class Harness:
+    """Attention observer for `capture_attention`: measures every variant, or replaces the output with one."""
+
+    def __init__(self, variants: list[Variant], mode: str = "measure"):
+        if mode not in ("measure", "replace"):
+            raise LowbitError(f"unknown harness mode {mode!r}")
+        if mode == "replace" and len(variants) != 1:
+            raise LowbitError("replace mode runs exactly one variant")
+        self.variants = variants
+        self.mode = mode
+        self.err: dict[tuple[str, int], float] = {}
+        self.ref: dict[tuple[str, int], float] = {}
+        self.rows: dict[int, int] = {}
+
+    @torch.no_grad()
+    def __call__(self, module, query, key, value, attention_mask, scaling, softcap=None):
+        layer = int(module.layer_idx)
+        T, S = query.shape[2], key.shape[2]
+        allowed = allowed_mask(attention_mask, T, S, query.device)
+        exact = None
+        for var in self.variants:
+            sch = var.scheme
+            kh, vh = dequantized_kv(key, value, var, layer)
+            o = tiered_attention(query, key, value, kh, vh, allowed, scaling, sch.sink, sch.recent, softcap)
+            if self.mode == "replace":
+                self.rows[layer] = self.rows.get(layer, 0) + _middle_rows(T, S, sch.sink, sch.recent) * key.shape[0]
+                return o.to(query.dtype)
+            if exact is None:
+                ek, ev = key.float(), value.float()
+                exact = tiered_attention(query, key, value, ek, ev, allowed, scaling, sch.sink, sch.recent, softcap)
+            first = sch.sink + sch.recent - (S - T)  # queries from here on see a quantized middle
+            if first >= T:
+                continue
+            d = (o - exact)[:, max(first, 0):].double()
+            r = exact[:, max(first, 0):].double()
+            key_ = (var.name, layer)
+            self.err[key_] = self.err.get(key_, 0.0) + float(d.pow(2).sum())
+            self.ref[key_] = self.ref.get(key_, 0.0) + float(r.pow(2).sum())
+        return None
+
+    def db(self) -> dict[str, dict[int, float]]:
+        """variant -> layer -> 10 log10(‖err‖² / ‖ref‖²) (dB; lower is better, -inf for no error)."""
+        out: dict[str, dict[int, float]] = {}
+        for (name, layer), e in sorted(self.err.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+            r = self.ref[(name, layer)]
+            out.setdefault(name, {})[layer] = 10 * math.log10(e / r) if e > 0 and r > 0 else float("-inf")
+        return out
+
+
+def _middle_rows(T: int, S: int, sink: int, recent: int) -> int:
+    """How many (query, key) rows of one sequence read the quantized middle: tokens that would sit in it."""
+    return max(0, S - sink - recent)
+
+
+@torch.no_grad()
+def measure_layers(model, windows: torch.Tensor, variants: list[Variant]) -> dict[str, dict[int, float]]:
+    """Per-layer attention-output error (dB) of each variant over windows [N, L] of held-out text."""
+    h = Harness(variants, "measure")
+    with capture_attention(model, h):
+        for w in windows:
+            model(w[None], use_cache=False, logits_to_keep=1)
+    res = h.db()
+    if not res:
+        raise LowbitError("no query saw a quantized middle: windows must be longer than sink + recent")
+    return res
+
+
+@torch.no_grad()
+def fake_quant_ppl(model, windows: torch.Tensor, variant: Variant) -> tuple[float, int]:
+    """Full-window perplexity with every layer's attention replaced by the variant's tiered attention.
+
+    Returns (ppl, quantized rows per layer summed over windows); raises if no row was quantized.
+    """
+    from lowbit.eval.perplexity import full_window_ppl
+
+    h = Harness([variant], "replace")
+    with capture_attention(model, h):
+        ppl = full_window_ppl(model, windows)
+    rows = min(h.rows.values()) if h.rows else 0
+    if variant.scheme.quantized and rows == 0:
+        raise LowbitError("the fake-quant run quantized zero rows (windows shorter than sink + recent?)")
+    return ppl, rows
