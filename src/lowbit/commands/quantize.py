@@ -1,0 +1,102 @@
+"""`lowbit quantize`: GPTQ / RTN weight quantization -> a compressed-tensors checkpoint (lowbit artifact).
+
+    lowbit quantize --model smollm2-135m --weights w4a16-g64 --method gptq --rotate \\
+        --calib stdlib --calib-tokens 65536 --out out/smollm2-w4a16-g64
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import torch
+
+from lowbit.errors import LowbitError
+
+NAME = "quantize"
+HELP = "quantize a model's linear weights (GPTQ or RTN) and write a compressed-tensors checkpoint"
+
+DEFAULT_CALIB_TOKENS = 128 * 512
+DEFAULT_SEQ_LEN = 512
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF dir")
+    p.add_argument("--weights", required=True,
+                   help="scheme: w4a16-g128 | w4a16-g64 | w4a16-g64-sym | w8a16 | w8a8 | w4a8 (| w4a8-g64, w4a16-gN[-sym])")
+    p.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="GPTQ (default) or round-to-nearest")
+    p.add_argument("--rotate", action="store_true",
+                   help="fold a Hadamard rotation of the residual stream and V/O heads into the weights first")
+    p.add_argument("--calib", default="stdlib", help="GPTQ calibration text: stdlib (default) | wikitext2 | PATH")
+    p.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
+                   help=f"calibration tokens, a multiple of --calib-seq-len (default {DEFAULT_CALIB_TOKENS})")
+    p.add_argument("--calib-seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
+    p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H) (default 0.01)")
+    p.add_argument("--block", type=int, default=128, help="GPTQ block size (default 128)")
+    p.add_argument("--no-act-order", action="store_true", help="visit columns in order instead of by diag(H)")
+    p.add_argument("--no-clip-search", action="store_true", help="plain min/max grids (no MSE clip search)")
+    p.add_argument("--no-sequential", action="store_true",
+                   help="calibrate every layer on unquantized inputs (one pass per layer instead of two)")
+    p.add_argument("--ignore", action="append", default=None,
+                   help="linear names (or re:REGEX) kept in full precision (default: lm_head); repeatable")
+    p.add_argument("--dtype", choices=tuple(_DTYPES), default="float32",
+                   help="dtype of the checkpoint's float tensors (default float32)")
+    p.add_argument("--out", required=True, help="new output directory (never overwritten)")
+
+
+def run(args) -> int:
+    from lowbit.calib.corpora import load_text, token_windows
+    from lowbit.models import load
+    from lowbit.weights.apply import DEFAULT_IGNORE, quantize_model
+    from lowbit.weights.export import save_compressed
+    from lowbit.weights.scheme import parse_weight_scheme
+
+    scheme = parse_weight_scheme(args.weights)
+    if os.path.lexists(args.out):
+        raise LowbitError(f"{args.out} already exists; checkpoints are never overwritten: choose a new --out")
+    if not (0 < args.damp < 10):
+        raise LowbitError(f"--damp {args.damp} is outside (0, 10); the usual value is 0.01")
+    if args.block < 1:
+        raise LowbitError(f"--block must be >= 1, got {args.block}")
+    ignore = list(args.ignore) if args.ignore else list(DEFAULT_IGNORE)
+    dtype = _DTYPES[args.dtype]
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+
+    t0 = time.perf_counter()
+    lm = load(args.model, dtype=torch.float32)
+    calib, calib_info = None, None
+    if args.method == "gptq":
+        if args.calib_seq_len < 1 or args.calib_tokens < 1 or args.calib_tokens % args.calib_seq_len:
+            raise LowbitError(f"--calib-tokens {args.calib_tokens} is not a positive multiple of --calib-seq-len "
+                              f"{args.calib_seq_len}")
+        n = args.calib_tokens // args.calib_seq_len
+        calib = token_windows(lm.tokenizer, load_text(args.calib), args.calib_seq_len, n)
+        calib_info = {"corpus": str(args.calib), "sequences": n, "seq_len": args.calib_seq_len,
+                      "tokens": int(calib.numel())}
+    report = quantize_model(
+        lm.model, scheme, method=args.method, calib=calib, rotate=args.rotate, ignore=ignore, damp=args.damp,
+        block=args.block, act_order=not args.no_act_order, clip_search=not args.no_clip_search,
+        sequential=not args.no_sequential, scale_dtype=dtype,
+    )
+    recipe = {
+        "scheme": scheme.to_dict(), "method": args.method, "rotation": report.rotation, "ignore": ignore,
+        "gptq": None if args.method != "gptq" else {
+            "damp": args.damp, "block": args.block, "act_order": "static" if not args.no_act_order else None,
+            "sequential": not args.no_sequential,
+        },
+        "clip_search": not args.no_clip_search, "dtype": args.dtype,
+        "format": scheme.ct_format,
+    }
+    inputs = {"model": lm.name, "weights_sha256": lm.weights_sha256, "calibration": calib_info}
+    counts = report.counts()
+    counts.update(quantized_modules=counts["quantized_linears"], skipped=counts["skipped_linears"],
+                  quantize_seconds=round(report.seconds, 1))
+    save_compressed(lm.model, lm.tokenizer, scheme, args.out, inputs=inputs, recipe=recipe, counts=counts,
+                    ignore=ignore, dtype=dtype)
+    raised = f", damp raised on {len(report.damp_raised)}" if report.damp_raised else ""
+    print(f"{lm.name} {scheme.name} {args.method}{' +rotate' if args.rotate else ''}: {counts['layers']} layers, "
+          f"{counts['quantized_linears']} linears quantized, {counts['ignored_linears']} ignored, 0 skipped{raised}; "
+          f"quantize {report.seconds:.1f}s, total {time.perf_counter() - t0:.1f}s -> {args.out}")
+    return 0

@@ -1,0 +1,203 @@
+"""Quantize a model's linears in place: optional rotation, then RTN or sequential GPTQ.
+
+    report = quantize_model(model, scheme, method="gptq", calib=ids, rotate=True)
+
+Which linears: every nn.Linear whose name is not matched by `ignore` (default: lm_head). Names
+match an ignore entry when equal to it or ending in "." + it, or by regex with a "re:" prefix
+(compressed-tensors' convention). Each quantized linear is replaced by a QuantLinear, so later
+layers of a sequential GPTQ run see the quantized earlier layers (activation quantization of
+a8 schemes included). Any linear left neither quantized nor ignored is an error (`skipped` must
+be 0), as is a group that does not divide a linear's in_features (checked before any work).
+
+GPTQ, sequential: for each decoder layer, (1) run the calibration batches through it with
+hooks collecting H per linear, (2) GPTQ every linear of the layer, (3) run the batches through
+the now-quantized layer to get the next layer's inputs. With sequential=False step (3) reuses the
+outputs of step (1) (one pass per layer, later layers see unquantized inputs).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lowbit.errors import LowbitError
+from lowbit.weights.arch import decoder_layers
+from lowbit.weights.gptq import QuantizedWeight, gptq_quantize, rtn_quantize
+from lowbit.weights.hooks import HessianCollector, capture_layer_inputs, run_layer
+from lowbit.weights.qlinear import QuantLinear
+from lowbit.weights.rotate import rotate_model
+from lowbit.weights.scheme import WeightScheme
+
+log = logging.getLogger("lowbit.weights")
+DEFAULT_IGNORE = ("lm_head",)
+
+
+@dataclass
+class QuantizeReport:
+    """What quantize_model did. counts() feeds the artifact manifest."""
+
+    scheme: WeightScheme
+    method: str
+    layers: int
+    quantized: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    rotation: dict | None = None
+    damp_raised: dict[str, float] = field(default_factory=dict)  # linear -> damp that factorised, if > asked
+    proxy_loss: dict[str, float] = field(default_factory=dict)
+    calib_tokens: int = 0
+    seconds: float = 0.0
+
+    def counts(self) -> dict:
+        return {
+            "layers": self.layers,
+            "quantized_linears": len(self.quantized),
+            "skipped_linears": len(self.skipped),
+            "ignored_linears": len(self.ignored),
+            "calibration_tokens": self.calib_tokens,
+            "damp_raised": len(self.damp_raised),
+        }
+
+
+def is_ignored(name: str, ignore) -> bool:
+    for pat in ignore:
+        if pat.startswith("re:"):
+            if re.match(pat[3:], name):
+                return True
+        elif name == pat or name.endswith("." + pat):
+            return True
+    return False
+
+
+def target_linears(model: nn.Module, ignore=DEFAULT_IGNORE) -> tuple[dict[str, nn.Linear], list[str]]:
+    """(name -> nn.Linear to quantize, ignored names)."""
+    targets, ignored = {}, []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            (ignored.append(name) if is_ignored(name, ignore) else targets.__setitem__(name, m))
+    return targets, ignored
+
+
+def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
+def _to_qlinear(lin: nn.Linear, qw: QuantizedWeight, scheme: WeightScheme, scale_dtype) -> QuantLinear:
+    return QuantLinear.from_codes(qw.codes, qw.grid, scheme, lin.bias, scale_dtype=scale_dtype)
+
+
+def _batches(calib: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    n = calib.shape[0]
+    bs = max(d for d in range(1, min(batch_size, n) + 1) if n % d == 0)  # equal-shape batches
+    return list(calib.split(bs))
+
+
+@torch.no_grad()
+def quantize_model(
+    model: nn.Module,
+    scheme: WeightScheme,
+    *,
+    method: str = "gptq",
+    calib: torch.Tensor | None = None,
+    rotate: bool = False,
+    ignore=DEFAULT_IGNORE,
+    damp: float = 0.01,
+    block: int = 128,
+    act_order: bool = True,
+    clip_search: bool = True,
+    sequential: bool = True,
+    batch_size: int = 8,
+    scale_dtype: torch.dtype = torch.float32,
+) -> QuantizeReport:
+    """Quantize `model` in place (see module docstring). calib: int64 [n, T] token ids (GPTQ only)."""
+    t0 = time.perf_counter()
+    if method not in ("gptq", "rtn"):
+        raise LowbitError(f"unknown method {method!r}; use gptq or rtn")
+    if method == "gptq" and (calib is None or calib.numel() == 0):
+        raise LowbitError("GPTQ needs calibration tokens (--calib); or use --method rtn")
+    model.eval()
+    targets, ignored = target_linears(model, ignore)
+    if not targets:
+        raise LowbitError("the model has no linear layers to quantize outside the ignore list")
+    for name, lin in targets.items():  # fail before any work
+        try:
+            scheme.group_for(lin.in_features)
+        except LowbitError as e:
+            raise LowbitError(f"{name}: {e}") from None
+    layers = decoder_layers(model)
+    if method == "gptq":  # GPTQ sees linears through the decoder layers only: refuse the rest up front
+        prefixes = tuple(_prefix_of(model, layer) + "." for layer in layers)
+        outside = sorted(n for n in targets if not n.startswith(prefixes))
+        if outside:
+            raise LowbitError(
+                f"{len(outside)} linear(s) outside the decoder layers would be skipped by GPTQ (e.g. {outside[0]}); "
+                "add them to the ignore list or use --method rtn"
+            )
+    report = QuantizeReport(scheme, method, len(layers), ignored=ignored)
+    if rotate:
+        report.rotation = rotate_model(model)
+        targets, _ = target_linears(model, ignore)  # same modules; rotation replaced no module
+
+    def done(name: str, lin: nn.Linear, qw: QuantizedWeight) -> None:
+        _set_module(model, name, _to_qlinear(lin, qw, scheme, scale_dtype))
+        report.quantized.append(name)
+        if qw.proxy_loss is not None:
+            report.proxy_loss[name] = qw.proxy_loss
+        if qw.damp is not None and qw.damp > damp * (1 + 1e-9):
+            report.damp_raised[name] = qw.damp
+
+    bits, sym = scheme.w_bits, scheme.symmetric
+    if method == "rtn":
+        for name, lin in targets.items():
+            g = scheme.group_for(lin.in_features)
+            done(name, lin, rtn_quantize(lin.weight, bits, g, sym, clip_search=clip_search, scale_dtype=scale_dtype))
+    else:
+        batches = _batches(calib, batch_size)
+        report.calib_tokens = int(calib.numel())
+        hidden, layer_kwargs = capture_layer_inputs(model, layers, batches)
+        layer_index = {id(layer): i for i, layer in enumerate(layers)}
+        for i, layer in enumerate(layers):
+            tl = time.perf_counter()
+            prefix = _prefix_of(model, layer)
+            mine = {n: m for n, m in targets.items() if n.startswith(prefix + ".")}
+            outs = []
+            with HessianCollector(mine) as hc:
+                for h in hidden:
+                    hc.new_batch()
+                    out = run_layer(layer, h, layer_kwargs[i])
+                    if not sequential:
+                        outs.append(out)
+            for name, lin in mine.items():
+                H = hc.hessian(name)
+                g = scheme.group_for(lin.in_features)
+                qw = gptq_quantize(
+                    lin.weight, H, bits, g, sym, block=block, damp=damp, act_order=act_order,
+                    clip_search=clip_search, name=name, scale_dtype=scale_dtype,
+                )
+                done(name, lin, qw)
+            del hc
+            hidden = outs if not sequential else [run_layer(layer, h, layer_kwargs[i]) for h in hidden]
+            log.info("layer %d/%d quantized in %.1fs", layer_index[id(layer)] + 1, len(layers), time.perf_counter() - tl)
+    # Anything left as a plain nn.Linear outside the ignore list was skipped: refuse.
+    left, _ = target_linears(model, ignore)
+    report.skipped = sorted(left)
+    if report.skipped:
+        raise LowbitError(
+            f"{len(report.skipped)} linear(s) outside the ignore list were not quantized "
+            f"(e.g. {report.skipped[0]}); add them to the ignore list or quantize them"
+        )
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def _prefix_of(model: nn.Module, layer: nn.Module) -> str:
+    for name, m in model.named_modules():
+        if m is layer:
+            return name
+    raise LowbitError("decoder layer not found in the model")

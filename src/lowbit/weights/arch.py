@@ -1,0 +1,99 @@
+"""Architecture registry: where the pieces of a decoder sit, and whether the residual rotation applies.
+
+Quantization itself is generic (every nn.Linear inside the decoder layers, minus the ignore list).
+The residual-stream rotation (rotate.py) is not: it needs plain RMSNorm (y = w * x / rms(x)) in
+front of every reader of the residual stream and nothing else touching it. Each architecture is
+one ArchSpec entry; a model_type without an entry, or with `rotation_refusal` set, is refused
+with that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from lowbit.errors import LowbitError
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Module paths relative to the causal-LM model (layers) or to one decoder layer (the rest)."""
+
+    layers: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    attn_readers: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    attn_writer: str = "self_attn.o_proj"
+    v_proj: str = "self_attn.v_proj"
+    mlp_readers: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
+    mlp_writer: str = "mlp.down_proj"
+    rotation_refusal: str | None = None  # why the residual rotation cannot be folded, if it cannot
+
+
+_LLAMA = ArchSpec()
+_GEMMA3 = ArchSpec(
+    layers="model.layers",
+    rotation_refusal=(
+        "Gemma3 norms are y = (1 + w) * x / rms(x), post-attention / post-feedforward norms sit on the "
+        "residual branches and the embeddings are scaled by sqrt(hidden); the residual rotation cannot "
+        "be folded into its weights"
+    ),
+)
+
+ARCHS: dict[str, ArchSpec] = {
+    "llama": _LLAMA,
+    "mistral": _LLAMA,
+    "qwen2": _LLAMA,  # q/k/v biases ride along: a rotation of the inputs leaves output biases alone
+    "gemma3_text": _GEMMA3,
+    "gemma3": _GEMMA3,
+}
+
+
+def arch_of(model: nn.Module) -> tuple[str, ArchSpec | None]:
+    """(model_type, ArchSpec or None when unregistered)."""
+    mt = getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+    return mt, ARCHS.get(mt)
+
+
+def rotation_spec(model: nn.Module) -> ArchSpec:
+    """The ArchSpec of a model the residual rotation supports, else LowbitError saying why not."""
+    mt, spec = arch_of(model)
+    if spec is None:
+        ok = sorted(k for k, v in ARCHS.items() if v.rotation_refusal is None)
+        raise LowbitError(
+            f"--rotate does not know architecture {mt!r} (supported: {', '.join(ok)}); quantize without --rotate"
+        )
+    if spec.rotation_refusal:
+        raise LowbitError(f"--rotate is not supported on {mt}: {spec.rotation_refusal}; quantize without --rotate")
+    return spec
+
+
+def get_module(root: nn.Module, path: str) -> nn.Module:
+    m = root
+    for part in path.split("."):
+        m = getattr(m, part)
+    return m
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's list of decoder layers: the registry path, else the only ModuleList whose
+    length is config.num_hidden_layers."""
+    _, spec = arch_of(model)
+    if spec is not None:
+        try:
+            layers = get_module(model, spec.layers)
+            if isinstance(layers, nn.ModuleList):
+                return layers
+        except AttributeError:
+            pass
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    cands = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
+    if len(cands) != 1:
+        raise LowbitError(
+            f"cannot find the decoder layers of {type(model).__name__}; add its model_type to lowbit.weights.arch.ARCHS"
+        )
+    return cands[0]

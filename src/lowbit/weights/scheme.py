@@ -1,0 +1,95 @@
+"""WeightScheme: what a weight-quantization run stores, parsed from the CLI's scheme names.
+
+Names (case-insensitive):
+    w4a16-g128, w4a16-g64, w4a16-g32     4-bit weights, groups of G along in_features, asymmetric
+    w4a16-g64-sym  (any -gN-sym)         the same, symmetric (no zero-point)
+    w8a16                                8-bit weights, one scale per output channel, symmetric
+    w8a8                                 int8 per-channel weights + dynamic per-token int8 activations
+    w4a8, w4a8-g64                       4-bit symmetric group weights (G 128 by default) + dynamic
+                                         per-token int8 activations
+
+The scheme maps 1:1 onto a compressed-tensors QuantizationScheme (see `ct_scheme`), so what we
+compute is exactly what a compressed-tensors loader (transformers, vLLM) reconstructs.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+from lowbit.errors import LowbitError
+
+SCHEME_VERSION = 1
+KNOWN = ("w4a16-g128", "w4a16-g64", "w4a16-g64-sym", "w8a16", "w8a8", "w4a8")
+_RE = re.compile(r"^w(?P<w>4|8)a(?P<a>16|8)(?:-g(?P<g>\d+))?(?P<sym>-sym)?$")
+
+
+@dataclass(frozen=True)
+class WeightScheme:
+    """One weight-quantization recipe.
+
+    name:       canonical name (what `parse_weight_scheme` was given, lower-cased)
+    w_bits:     4 or 8
+    group:      group size along in_features, or None for one group per output channel
+    symmetric:  True: x = q * scale, q signed; False: x = (q - zero_point) * scale
+    a_bits:     16 (activations untouched) or 8 (dynamic per-token symmetric int8)
+    version:    bumped when the meaning of a field changes
+    """
+
+    name: str
+    w_bits: int
+    group: int | None
+    symmetric: bool
+    a_bits: int = 16
+    version: int = SCHEME_VERSION
+
+    @property
+    def ct_format(self) -> str:
+        """compressed-tensors storage format. Weight-only schemes pack their codes into int32 words
+        (`pack-quantized`); schemes with int8 activations (w8a8, w4a8) keep one int8 per weight
+        (`int-quantized`): that is the format compressed-tensors itself infers for them (its
+        loader in transformers expects it) and the int8 [out, in] layout vLLM's W8A8 / W4A8-int
+        schemes read."""
+        return "int-quantized" if self.a_bits == 8 else "pack-quantized"
+
+    def group_for(self, in_features: int) -> int:
+        """The group size used on a linear with `in_features` inputs; errors if it does not divide."""
+        g = in_features if self.group is None else self.group
+        if in_features % g != 0:
+            divs = [d for d in (128, 64, 32, 16) if in_features % d == 0]
+            hint = f"use -g{divs[0]}" if divs else "use a per-channel scheme (w8a16)"
+            raise LowbitError(
+                f"scheme {self.name}: group {g} does not divide in_features {in_features}; {hint}"
+            )
+        return g
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_weight_scheme(name: str) -> WeightScheme:
+    """Parse a scheme name (see module docstring) into a WeightScheme, or raise LowbitError."""
+    if not isinstance(name, str):
+        raise LowbitError(f"weight scheme must be a string, got {type(name).__name__}")
+    key = name.strip().lower()
+    m = _RE.match(key)
+    if m is None:
+        raise LowbitError(f"unknown weight scheme {name!r}; use one of {', '.join(KNOWN)} (or w4a16-gN[-sym])")
+    w, a = int(m["w"]), int(m["a"])
+    g = int(m["g"]) if m["g"] else None
+    sym = bool(m["sym"])
+    if g is not None and (g < 8 or g % 8):
+        raise LowbitError(f"weight scheme {name!r}: group must be a multiple of 8 and >= 8, got {g}")
+    if w == 8:
+        # 8-bit weights are per output channel and symmetric (the compressed-tensors W8 presets)
+        if g is not None or sym:
+            raise LowbitError(f"weight scheme {name!r}: 8-bit weights are per-channel symmetric; use w8a16 or w8a8")
+        return WeightScheme(key, 8, None, True, a)
+    if a == 16:
+        if g is None:
+            raise LowbitError(f"weight scheme {name!r}: 4-bit weights need a group, e.g. w4a16-g128 or w4a16-g64")
+        return WeightScheme(key, 4, g, sym, 16)
+    # w4a8: activations are int8 symmetric per token; weights symmetric so the int matmul needs no zero term
+    if m["sym"]:
+        key = key[: -len("-sym")]
+    return WeightScheme(key, 4, g or 128, True, 8)
