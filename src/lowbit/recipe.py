@@ -91,6 +91,8 @@ class TensorQuant:
             raise LowbitError(f"group must be a positive integer, got {self.group!r}")
         if self.lloyd_max and self.bits not in LLOYD_MAX_BITS:
             raise LowbitError(f"Lloyd-Max levels need bits in {LLOYD_MAX_BITS}, got {self.bits}; drop --lloyd-max")
+        if self.lloyd_max and self.clip != 1.0:
+            raise LowbitError("Lloyd-Max levels already bound the range (their end levels); drop the clip ratio")
         if self.lloyd_max and self.symmetric:
             raise LowbitError("Lloyd-Max levels are symmetric around each group's mean already; drop 'symmetric'")
 

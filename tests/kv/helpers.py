@@ -23,6 +23,18 @@ def make_model(name: str, num_layers: int | None = None, seed: int = 0, **overri
     return model.float().eval()
 
 
+# Fast variants of the built-ins: gemma3 with 1 sliding (window 11) + 1 full layer, so eviction
+# happens within a few dozen tokens; smollm2 with its 2 default (full) layers.
+FAST = {
+    "smollm2-135m": dict(),
+    "gemma3-270m": dict(num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=11),
+}
+
+
+def fast_model(name: str, seed: int = 0, **overrides):
+    return make_model(name, seed=seed, **{**FAST[name], **overrides})
+
+
 def scheme(name: str = "bf16", **kw):
     """parse_kv_scheme(name) with small tiers so that short tests exercise all of them."""
     base = dict(sink=4, recent=8, page=4)

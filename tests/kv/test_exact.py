@@ -7,19 +7,14 @@ from transformers import DynamicCache
 from lowbit.kv import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
 
-from .helpers import make_model, reference, rel_err, run_chunks, scheme
+from .helpers import FAST, fast_model, reference, rel_err, run_chunks, scheme
 
 TOL = 1e-4
-# gemma3 with a small window so sliding eviction happens inside 29 tokens
-MODELS = {
-    "smollm2-135m": dict(),
-    "gemma3-270m": dict(sliding_window=11),
-}
 
 
-@pytest.fixture(scope="module", params=list(MODELS))
+@pytest.fixture(scope="module", params=list(FAST))
 def model(request):
-    return make_model(request.param, **MODELS[request.param])
+    return fast_model(request.param)
 
 
 def _ids(model, B=1, L=29, seed=0):

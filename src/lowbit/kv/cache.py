@@ -9,10 +9,10 @@ One cache serves one sequence batch (like DynamicCache): build a new one per gen
 It works in a plain forward loop too (feed chunks with `past_key_values=cache` / `cache=cache`
 and the 2-D attention_mask of everything so far, or None without padding).
 
-Decode backend: on CUDA, a one-token query may go to the fused kernel
-(`lowbit.kernels.decode_attention.tiered_decode`, same middle layout, see TierView); "auto"
-uses it when present and able, else the torch path, recording why. `backend_calls` counts what
-ran, so results can name their backend.
+Decode backend: on CUDA, a one-token query may go to the fused split-K kernel
+(`lowbit.kernels.decode_attention.decode_attention`, which reads the same middle layout, see
+TierView); "auto" uses it when it can take the case, else the torch path, recording why in
+`backend_notes`. `backend_calls` counts what ran, so results can name their backend.
 """
 
 from __future__ import annotations
@@ -147,40 +147,66 @@ class QuantizedKVCache(Cache):
             self.backend_notes.append(msg)
             log.info("lowbit KV decode: %s", msg)
 
+    def _kernel_reason(self, layer, view, keep, softcap) -> str | None:
+        """Why the fused kernel cannot take this decode step of `layer` (None: it can)."""
+        kc, vc = layer.k_codec, layer.v_codec
+        if not (kc.quantized and vc.quantized):
+            return "16-bit middle tier (the kernel reads packed codes)"
+        for which, c in (("K", kc), ("V", vc)):
+            if c.tq.axis != "token":
+                return f"{which} grouped per channel (the kernel takes per-token groups)"
+            if c.tq.lloyd_max:
+                return f"{which} uses Lloyd-Max levels (the kernel takes the affine grid)"
+            if c.cbits not in (2, 4, 8) or c.head_dim not in (64, 128, 256) or c.head_dim // c.group not in (1, 2):
+                return f"{which} {c.bits}-bit, head_dim {c.head_dim}, group {c.group} (kernel: 2/4/8 bits, D 64/128/256, group D or D/2)"
+        if softcap:
+            return "attention logit soft-capping"
+        if keep is not None:
+            return "padding mask (the kernel takes prefix-valid tiers)"
+        if layer.window is not None:
+            first = 0 if view.sink_k.shape[-2] else (view.mid_lo if view.mid_len else view.n - view.ring_k.shape[-2])
+            if first < view.n - layer.window:
+                return "slots outside the sliding window are still held"
+        return None
+
     def _fused_decode(self, layer, qg, keep, scaling, softcap):
-        """Hook for the fused CUDA decode kernel. Returns [B, Hkv, G, 1, Dv] float32, or None (torch path).
+        """Hook for the fused decode kernel (lowbit.kernels.decode_attention, same middle layout).
 
-        Kernel API expected in lowbit.kernels.decode_attention:
-            supports(view, q) -> None | str          (a reason it cannot take this case)
-            tiered_decode(q [B, Hkv, G, D] (rotated), view: TierView, keep [B, n] bool | None,
-                          scaling, softcap) -> [B, Hkv, G, Dv] float32
+        qg [B, Hkv, G, 1, D] rotated. Returns [B, Hkv, G, 1, Dv] float32, or None for the torch path.
+        "auto" uses the kernel on CUDA when it can take the case; "triton" insists (CPU runs it in
+        the Triton interpreter); reasons for falling back are kept in backend_notes.
         """
-        if self.decode_backend == "torch":
+        if self.decode_backend == "torch" or (self.decode_backend == "auto" and not qg.is_cuda):
             return None
-        if not qg.is_cuda:
-            if self.decode_backend == "triton":
-                raise LowbitError("decode backend 'triton' needs CUDA tensors; use 'auto' or 'torch' on CPU")
-            return None
+        strict = self.decode_backend == "triton"
         try:
-            from lowbit.kernels import decode_attention as kd
-
-            supports, run = kd.supports, kd.tiered_decode
-        except (ImportError, AttributeError) as e:
-            if self.decode_backend == "triton":
+            from lowbit.kernels.decode_attention import decode_attention
+        except ImportError as e:
+            if strict:
                 raise LowbitError(f"decode backend 'triton' unavailable: {e}") from None
             self._note(f"fused decode kernel unavailable ({e}); torch path")
             return None
         view = layer.view()
-        q = qg[:, :, :, 0]
-        reason = supports(view, q)
+        reason = self._kernel_reason(layer, view, keep, softcap)
         if reason:
-            if self.decode_backend == "triton":
+            if strict:
                 raise LowbitError(f"decode backend 'triton' cannot take layer {layer.layer_idx}: {reason}")
             self._note(f"layer {layer.layer_idx}: {reason}; torch path")
             return None
-        out = run(q, view, keep, scaling, softcap)
+        B, Hkv, G, _, D = qg.shape
+        q = qg.reshape(B, Hkv * G, D).to(layer.dtype).contiguous()
+        mk, mv = view.mid_k, view.mid_v
+        mid = (mk["codes"], mk["scale"], mk["zero"], mv["codes"], mv["scale"], mv["zero"]) if view.mid_len else (None,) * 6
+        dense = {}
+        if view.sink_k.shape[-2]:
+            dense.update(sink_k=view.sink_k, sink_v=view.sink_v)
+        if view.ring_k.shape[-2]:
+            dense.update(recent_k=view.ring_k, recent_v=view.ring_v)
+        out = decode_attention(
+            q, *mid, k_bits=layer.k_codec.cbits, v_bits=layer.v_codec.cbits, sm_scale=scaling, **dense
+        )  # [B, Hq, Dv]
         self.backend_calls["triton"] += 1
-        return out.unsqueeze(-2)
+        return out.float().reshape(B, Hkv, G, 1, -1)
 
     # ---------------------------------------------------------------- HF API
     @property

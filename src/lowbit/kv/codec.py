@@ -106,11 +106,8 @@ class TensorCodec:
         if tq.lloyd_max:
             from lowbit.quant import lloyd_max
 
-            xg = x
-            if tq.clip != 1.0:
-                xg = _clip_groups(x, group, tq.clip)
-            q = lloyd_max.encode(xg, self.levels.to(x.device), group)
-            return q.codes.to(torch.uint8), q.std.to(SCALE_DTYPE), q.mean.to(SCALE_DTYPE)
+            q = lloyd_max.encode(x, self.levels.to(x.device), group, stat_dtype=SCALE_DTYPE)
+            return q.codes, q.std, q.mean
         q = affine.quantize(
             x, tq.bits, group, symmetric=tq.symmetric, clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE
         )
@@ -136,11 +133,3 @@ class TensorCodec:
             x = v * scale.unsqueeze(-1) + zero.unsqueeze(-1)
         return x.reshape(B, H, T, D).to(dtype)
 
-
-def _clip_groups(x: torch.Tensor, group: int, ratio: float) -> torch.Tensor:
-    """Shrink each group's range toward its centre by `ratio` (clamp), as affine's clip does."""
-    shp = x.shape
-    xg = x.float().reshape(*shp[:-1], shp[-1] // group, group)
-    lo, hi = xg.amin(-1, keepdim=True), xg.amax(-1, keepdim=True)
-    c, h = (lo + hi) * 0.5, (hi - lo) * (0.5 * ratio)
-    return torch.maximum(torch.minimum(xg, c + h), c - h).reshape(shp)
