@@ -72,6 +72,8 @@ def add_arguments(p) -> None:
                    help="prompt tokens fed per scheduling round, so long prompts do not stall others (default 256)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default float32: fastest on most CPUs)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads for the model (default: torch's choice, one per core)")
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
@@ -86,6 +88,11 @@ def run(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
     # bind first: a port in use fails in a second, not after loading the model
     sock = bind(args.host, args.port)
+    if args.threads is not None:
+        if args.threads < 1:
+            sock.close()
+            raise LowbitError(f"--threads {args.threads}: need at least 1")
+        torch.set_num_threads(args.threads)
     try:
         scheme = kv_scheme_from_args(args)
         rt = load_runtime(args.model, kv=scheme, weights=args.weights, dtype=getattr(torch, args.dtype),

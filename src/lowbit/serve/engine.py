@@ -35,6 +35,7 @@ log = logging.getLogger("lowbit.serve")
 
 DEFAULT_MAX_ACTIVE = 16
 DEFAULT_PREFILL_CHUNK = 256
+REPORT_EVERY_S = 0.5
 
 
 @dataclass
@@ -84,6 +85,7 @@ class Engine:
         self._active: list[Request] = []
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._last_report = 0.0
         # transformers 5.24 names the cache argument `cache`; 5.17 `past_key_values`
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
@@ -122,7 +124,7 @@ class Engine:
                 except Exception as e:  # one bad request must not take the server down
                     log.exception("request %s failed", req.id)
                     self._retire(req, "error", f"generation failed: {type(e).__name__}: {e}")
-            self._report()
+            self._report(force=not self._active)
 
     def _admit(self) -> None:
         block = not self._active
@@ -197,7 +199,13 @@ class Engine:
                               "usage": {"prompt_tokens": n, "completion_tokens": req.completion_tokens,
                                         "total_tokens": n + req.completion_tokens}})
 
-    def _report(self) -> None:
+    def _report(self, force: bool = False) -> None:
+        """Refresh the KV gauges in the metrics. Measuring walks every cache's tensors, so at
+        most every REPORT_EVERY_S while busy (and always when the last request leaves)."""
+        now = time.perf_counter()
+        if not force and now - self._last_report < REPORT_EVERY_S:
+            return
+        self._last_report = now
         stats = [cache_stats(r.cache) for r in self._active if r.cache is not None]
         self.metrics.set_kv(sum(s.bytes_held for s in stats), sum(s.tokens for s in stats),
                             sum(s.quantized_tokens for s in stats), len(self._active), self._queue.qsize())

@@ -39,7 +39,7 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
 
 
 def bind(host: str, port: int) -> socket.socket:
-    """A bound TCP socket on (host, port); port 0 picks a free one. Port in use -> LowbitError."""
+    """A listening TCP socket on (host, port); port 0 picks a free one. Port in use -> LowbitError."""
     if not 0 <= port <= 65535:
         raise LowbitError(f"--port {port} is not a TCP port; use 1-65535, or 0 for any free port")
     try:
@@ -63,6 +63,8 @@ def bind(host: str, port: int) -> socket.socket:
         if e.errno == errno.EADDRNOTAVAIL:
             raise LowbitError(f"--host {host} is not an address of this machine; use e.g. 127.0.0.1") from None
         raise LowbitError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    # listen now: clients that connect before uvicorn runs wait in the backlog instead of being refused
+    sock.listen(2048)
     sock.set_inheritable(True)
     return sock
 

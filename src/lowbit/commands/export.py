@@ -1,0 +1,159 @@
+"""`lowbit export --for vllm`: a model directory vLLM serves with lowbit's packed KV cache (via the plugin).
+
+    lowbit export --for vllm --model smollm2-135m --kv int4 --out DIR [--rotation DIR] [--weights DIR]
+
+DIR holds: config.json, the tokenizer files (and chat template), the weights -- the model's own
+safetensors, or with --weights the compressed-tensors checkpoint from `lowbit quantize` (its
+config.json carries quantization_config, which vLLM's own kernels serve) -- plus lowbit_kv.json
+(the KV sidecar: scheme, resolved groups, bits per element, sink/recent, the model's geometry),
+rotations/ (the RotationSet, when the scheme uses one) and manifest.json (ArtifactWriter:
+every file with bytes + sha256, the recipe and the inputs).
+
+The vLLM plugin quantizes every token as it is written to vLLM's paged cache (page 1, no
+sink or recent tier: vLLM's block manager has no place for them yet), so the exported scheme
+has sink 0, recent 0, page 1; asking for a sink or recent window is refused rather than
+silently dropped. `lowbit serve DIR` serves the same directory with these exact semantics, which
+is how the plugin's tokens are checked against lowbit's own runtime.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+from lowbit.errors import LowbitError
+
+NAME = "export"
+HELP = "write a model directory for another engine: --for vllm (config, tokenizer, weights, KV sidecar, manifest)"
+
+TARGETS = ("vllm",)
+# What vLLM's loader reads from a model directory (weights matched by suffix below).
+_COPY_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
+               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
+               "added_tokens.json", "recipe.yaml")
+_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
+                    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json")
+_WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
+
+
+def add_arguments(p) -> None:
+    from lowbit.commands.serve import add_kv_flags
+
+    p.add_argument("--for", dest="target", required=True, choices=TARGETS, help="engine the directory is for")
+    p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF model dir")
+    add_kv_flags(p)
+    p.add_argument("--weights", default=None, metavar="DIR",
+                   help="compressed-tensors checkpoint from `lowbit quantize` to ship instead of the model's weights")
+    p.add_argument("--out", required=True, help="new directory to write (never overwritten)")
+
+
+def model_dir(name_or_path: str) -> Path:
+    """The HF directory behind a built-in (converted once into lowbit's cache) or a local path."""
+    from lowbit.models.registry import BUILTINS
+
+    if name_or_path in BUILTINS:
+        from lowbit.models.load import ensure_cached
+
+        return ensure_cached(BUILTINS[name_or_path])
+    p = Path(name_or_path).expanduser()
+    if not (p / "config.json").is_file():
+        raise LowbitError(f"--model {name_or_path}: not a built-in ({', '.join(BUILTINS)}) nor a directory with config.json")
+    return p
+
+
+def vllm_scheme(scheme):
+    """The scheme the vLLM plugin serves: every token quantized on write (sink 0, recent 0, page 1).
+
+    Refuses what the plugin does not implement (named), instead of exporting a sidecar it would
+    serve differently."""
+    if scheme.sink or scheme.recent:
+        raise LowbitError(
+            f"the vLLM plugin has no sink/recent tiers yet (vLLM's paged cache holds every token packed); "
+            f"the scheme asks sink {scheme.sink}, recent {scheme.recent}: pass --sink 0 --recent 0"
+        )
+    for which, t in (("K", scheme.k), ("V", scheme.v)):
+        if t.quantized and t.axis != "token":
+            raise LowbitError(f"{which} is grouped per channel (KIVI); the vLLM plugin supports per-token groups only")
+        if t.lloyd_max:
+            raise LowbitError(f"{which} uses Lloyd-Max levels; the vLLM plugin supports uniform grids only")
+    if scheme.fold_v_rotation:
+        raise LowbitError("fold_v_rotation is not supported by the vLLM plugin; drop it")
+    return replace(scheme, page=1)
+
+
+def run(args) -> int:
+    from lowbit.artifacts import ArtifactWriter, sha256_file
+    from lowbit.commands.serve import kv_scheme_from_args
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.recipe import parse_kv_scheme
+    from lowbit.vllm_plugin import sidecar
+
+    if args.kv is None and getattr(args, "recipe", None) is None:
+        raise LowbitError("--kv SCHEME (or --recipe FILE) is required: the sidecar says how vLLM holds the KV cache")
+    # sink / recent default to 0 here (not the library's 64 / 256): see vllm_scheme
+    if getattr(args, "recipe", None) is None:
+        args.sink = 0 if args.sink is None else args.sink
+        args.recent = 0 if args.recent is None else args.recent
+        args.page = 1 if getattr(args, "page", None) is None else args.page
+    scheme = kv_scheme_from_args(args)
+    if scheme is None:
+        scheme = parse_kv_scheme(args.kv, sink=0, recent=0, page=1)
+    scheme = vllm_scheme(scheme)
+    src = model_dir(args.model)
+    wdir = None
+    if args.weights is not None:
+        wdir = Path(args.weights).expanduser()
+        cfg = wdir / "config.json"
+        if not cfg.is_file() or "quantization_config" not in json.loads(cfg.read_text()):
+            raise LowbitError(f"--weights {args.weights}: no config.json with quantization_config; "
+                              "pass a checkpoint written by `lowbit quantize`")
+    config_dir = wdir or src
+    config = json.loads((config_dir / "config.json").read_text())
+    name = args.model if wdir is None else f"{Path(args.model).name}+{wdir.name}"
+    geometry = ModelGeometry.from_config(config, name=Path(args.model).name)
+    scheme.validate(geometry)  # group, rotation shapes, attention kinds: refuse before writing anything
+    if wdir is not None:
+        base = ModelGeometry.from_config(json.loads((src / "config.json").read_text()))
+        if [g for g in base.layers] != [replace(g) for g in geometry.layers]:
+            raise LowbitError(f"--weights {wdir} was made for another model than {args.model} (geometry differs)")
+
+    out = Path(args.out)
+    rotation_rel = None
+    inputs = {"model": args.model, "model_dir": str(src), "target": args.target}
+    with ArtifactWriter(out, kind="vllm-model", artifact_class="native-packed", inputs=inputs,
+                        recipe={"kv": None}) as w:
+        copied = []
+        for d, names in ((src, _COPY_NAMES), (wdir, _COPY_NAMES) if wdir else (None, ())):
+            if d is None:
+                continue
+            for f in sorted(d.iterdir()):
+                is_weight = f.name.endswith(_WEIGHT_SUFFIXES)
+                if d is src and wdir is not None and (is_weight or f.name == "config.json"):
+                    continue  # the checkpoint's weights and config replace the model's
+                if d is wdir and f.name in _TOKENIZER_NAMES and (w.path / f.name).exists():
+                    (w.path / f.name).unlink()  # the checkpoint's tokenizer wins
+                if f.is_file() and (f.name in names or is_weight):
+                    shutil.copyfile(f, w.path / f.name)
+                    copied.append(f.name)
+        weights = sorted(p for p in copied if p.endswith(".safetensors"))
+        if not weights:
+            raise LowbitError(f"{config_dir} has no *.safetensors weights; vLLM needs safetensors")
+        if scheme.rotation not in ("none", "hadamard"):
+            rs_src = Path(scheme.rotation)
+            shutil.copytree(rs_src, w.path / sidecar.ROTATION_DIR)
+            rotation_rel = sidecar.ROTATION_DIR
+        wsha = sha256_file(w.path / weights[0]) if len(weights) == 1 else None
+        side = sidecar.build(scheme, geometry, model_name=name, weights_sha256=wsha, rotation_rel=rotation_rel)
+        sidecar.write(w.path, side)
+        w.inputs = {**inputs, "weights_sha256": wsha, "weights": str(wdir) if wdir else None,
+                    "rotation": scheme.rotation if rotation_rel else None}
+        w.recipe = {"kv": side["kv_scheme"], "weights": config.get("quantization_config")}
+        w.counts = {"layers": geometry.num_layers, "files": len(copied) + 1, "weight_files": len(weights),
+                    "quantized_kv_layers": geometry.num_layers if scheme.quantized else 0}
+    k_bpe = side["resolved"]["k"]["bits_per_element"]
+    print(f"wrote {out}: {geometry.num_layers} layers, KV {scheme.describe()}, K bits/elt {k_bpe}, "
+          f"weights {'compressed-tensors ' + str(wdir) if wdir else 'unquantized'}")
+    print(f"serve with: vllm serve {out} (lowbit plugin installed), or: lowbit serve {out}")
+    return 0

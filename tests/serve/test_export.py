@@ -1,0 +1,76 @@
+"""`lowbit export --for vllm`: the directory, its sidecar, its manifest, and the refusals."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from lowbit.cli import main
+from lowbit.errors import LowbitError
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """A tiny smollm2-geometry HF directory (config, safetensors, tokenizer) on disk."""
+    from tests.serve.conftest import tiny_runtime
+
+    rt = tiny_runtime("bf16")
+    d = tmp_path_factory.mktemp("tiny") / "tiny-smollm2"
+    rt.model.save_pretrained(d)
+    rt.tokenizer.save_pretrained(d)
+    return d
+
+
+def test_export_writes_a_pinned_vllm_dir(tiny_dir, tmp_path):
+    from lowbit.artifacts import all_ok, load_manifest, verify
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.vllm_plugin import sidecar
+
+    out = tmp_path / "exp"
+    assert main(["export", "--for", "vllm", "--model", str(tiny_dir), "--kv", "k4v2", "--rotation", "hadamard",
+                 "--out", str(out)]) == 0
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", "lowbit_kv.json", "manifest.json"} <= names
+    side = sidecar.read(out)
+    s = sidecar.scheme_of(side, out)
+    assert (s.k.bits, s.v.bits, s.sink, s.recent, s.page, s.rotation) == (4, 2, 0, 0, 1, "hadamard")
+    assert side["resolved"]["k"]["group"] == {"64": 64} and side["resolved"]["v"]["bits_per_element"] == {"64": 2.5}
+    geo = ModelGeometry.from_config(json.loads((out / "config.json").read_text()))
+    sidecar.check_against(side, geo)
+    m = load_manifest(out)
+    assert m.kind == "vllm-model" and m.artifact_class == "native-packed"
+    assert m.recipe["kv"]["k"]["bits"] == 4 and m.counts["layers"] == 2
+    assert all_ok(verify(out))
+    # the same directory serves under lowbit's runtime with the sidecar's scheme
+    from lowbit.serve.runtime import load_runtime
+
+    rt = load_runtime(str(out))
+    assert rt.scheme == s and rt.name == "exp"
+
+
+def test_export_refusals(tiny_dir, tmp_path):
+    out = tmp_path / "x"
+    base = ["export", "--for", "vllm", "--model", str(tiny_dir), "--out", str(out)]
+    assert main(base + ["--kv", "int4", "--sink", "64"]) == 2  # no sink tier in the plugin
+    assert main(base + ["--kv", "kivi2"]) == 2  # per-channel keys: not in the plugin
+    assert main(base + ["--kv", "int4", "--group", "48"]) == 2  # does not divide head_dim 64
+    assert main(base) == 2  # no --kv
+    assert not out.exists()
+    assert main(base + ["--kv", "int2"]) == 0
+    assert main(base + ["--kv", "int2"]) == 2  # never overwritten
+
+
+def test_sidecar_for_another_model_is_refused(tiny_dir, tmp_path):
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.models.tiny import tiny_config
+    from lowbit.vllm_plugin import sidecar
+
+    out = tmp_path / "e"
+    assert main(["export", "--for", "vllm", "--model", str(tiny_dir), "--kv", "int4", "--out", str(out)]) == 0
+    side = sidecar.read(out)
+    with pytest.raises(LowbitError, match="2 layers but the model has 3"):
+        sidecar.check_against(side, ModelGeometry.from_config(tiny_config("smollm2-135m", num_layers=3)))
+    gemma = ModelGeometry.from_config(tiny_config("gemma3-270m", num_layers=2))
+    with pytest.raises(LowbitError, match="does not match the model at layer 0"):
+        sidecar.check_against(side, gemma)
