@@ -37,7 +37,8 @@ def test_demo_on_local_dir(tmp_path, capsys):
     d = tmp_path / "toy"
     model.save_pretrained(d)
     tiny_tokenizer().save_pretrained(d)
-    assert main(["demo", "--model", str(d), "--cache-dir", str(tmp_path / "c"), "--max-new-tokens", "3"]) == 0
+    assert main(["demo", "--model", str(d), "--cache-dir", str(tmp_path / "c"), "--max-new-tokens", "3",
+                 "--out", str(tmp_path / "demo"), "--windows", "1", "--seq-len", "400", "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert "toy: 1 layers, 9 q / 3 kv heads, head_dim 64, 1 full" in out
     assert "  layer 0: full, 9q/3kv, d64, mha" in out

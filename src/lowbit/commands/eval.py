@@ -56,6 +56,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-full-window", action="store_true",
                         help="skip the plain full-window forward that checks the bf16 chunked PPL")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's choice; 1 is faster on a machine shared with other jobs)")
     add_kv_flags(parser)
 
 
@@ -64,7 +66,8 @@ def options_from_args(args) -> EvalOptions:
         model=args.model, kv=args.kv, peers=args.peers, data=args.data, seq_len=args.seq_len, chunk=args.chunk,
         windows=args.windows, weights=args.weights, dtype=args.dtype, cache_dir=args.cache_dir,
         json_out=args.json_out, markdown_out=args.markdown_out, plot_out=args.plot_out,
-        full_window=not args.no_full_window, progress=not args.no_progress, kv_flags=kv_flags(args),
+        full_window=not args.no_full_window, progress=not args.no_progress, threads=args.threads,
+        kv_flags=kv_flags(args),
     )
 
 

@@ -5,7 +5,8 @@ chunk the reference (bf16 DynamicCache) runs first and its log-probs [C, V] scor
 entry's log-probs of the same chunk (KL(ref || entry), top-1 agreement). So only one chunk of
 reference log-probs is ever held (128 x 262144 floats for Gemma, not 2048 x 262144), and nothing is
 recomputed. An entry's `seconds` is the wall time of its own forward calls (cache updates and
-quantization included; scoring, which is the same for all, excluded).
+quantization included; scoring, which is the same for all, excluded); `cpu_seconds` is the process
+CPU time of the same calls, which a machine shared with other jobs distorts less than wall time.
 
 A quantized entry that has quantized zero rows after the first window aborts the run (dead hook:
 a cache that is not on the model's write path would otherwise report bf16 numbers as low-bit).
@@ -34,6 +35,7 @@ class EntryResult:
     scores: Scores = field(default_factory=Scores)
     accounting: Accounting = field(default_factory=Accounting)
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     cannot_run: str | None = None
     ref_ppl: float | None = None
 
@@ -93,7 +95,7 @@ def evaluate(model, windows: torch.Tensor, entries: list[Entry], *, chunk: int =
                 for i in list(live):
                     e, r = entries[i], results[i]
                     use_attention(model, e.attention or own_attention)
-                    t0 = time.perf_counter()
+                    t0, c0 = time.perf_counter(), time.process_time()
                     try:
                         logits = forward_chunk(model, ids, caches[i])  # [1, C, V]
                     except Exception as ex:
@@ -104,6 +106,7 @@ def evaluate(model, windows: torch.Tensor, entries: list[Entry], *, chunk: int =
                         caches.pop(i, None)
                         continue
                     r.seconds += time.perf_counter() - t0
+                    r.cpu_seconds += time.process_time() - c0
                     logp = torch.log_softmax(logits[0, :n], dim=-1)  # [n, V]
                     del logits
                     if e.kind == "reference":

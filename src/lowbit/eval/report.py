@@ -4,7 +4,7 @@ The JSON is the record: `protocol` (windows, tokens, chunk, scored positions), `
 `versions`, `full_window` (the bf16 chunked-vs-plain-forward check) and `results`, one entry per row:
     scheme, kind, status ("ok" or "cannot run: <reason>"), config, ppl, delta_ppl_pct, kl, top1,
     bits_per_elt (quantized tier; null when nothing is quantized), avg_bits_per_elt (all tiers),
-    quantized_rows, seconds, time_vs_bf16, tokens_scored
+    quantized_rows, seconds (wall), time_vs_bf16, cpu_seconds, cpu_vs_bf16, tokens_scored
 Numbers are null where a row could not run; nothing is printed that was not measured.
 """
 
@@ -20,7 +20,8 @@ from lowbit.errors import LowbitError
 
 SCHEMA_VERSION = 1
 RESULT_KEYS = ("scheme", "kind", "status", "config", "ppl", "delta_ppl_pct", "kl", "top1", "bits_per_elt",
-               "avg_bits_per_elt", "quantized_rows", "seconds", "time_vs_bf16", "tokens_scored")
+               "avg_bits_per_elt", "quantized_rows", "seconds", "time_vs_bf16", "cpu_seconds", "cpu_vs_bf16",
+               "tokens_scored")
 
 
 def _finite(x) -> float | None:
@@ -33,6 +34,7 @@ def _finite(x) -> float | None:
 def result_rows(results) -> list[dict]:
     """EntryResults (lowbit.eval.harness) -> JSON-ready dicts with RESULT_KEYS."""
     ref_s = results[0].seconds if results else 0.0
+    ref_c = results[0].cpu_seconds if results else 0.0
     rows = []
     for r in results:
         ok = r.ok
@@ -51,6 +53,8 @@ def result_rows(results) -> list[dict]:
             "quantized_rows": int(a.quantized_rows) if ok else None,
             "seconds": round(r.seconds, 3) if ok else None,
             "time_vs_bf16": round(r.seconds / ref_s, 3) if ok and ref_s > 0 else None,
+            "cpu_seconds": round(r.cpu_seconds, 3) if ok else None,
+            "cpu_vs_bf16": round(r.cpu_seconds / ref_c, 3) if ok and ref_c > 0 else None,
             "tokens_scored": int(r.scores.n) if ok else None,
         })
     return rows
@@ -93,7 +97,7 @@ def _f(x, fmt: str, none: str = "-") -> str:
 
 def _cells(row: dict) -> list[str]:
     if row["status"] != "ok":
-        return [row["scheme"], row["status"]] + [""] * 8
+        return [row["scheme"], row["status"]] + [""] * (len(HEADERS) - 2)
     d = row["delta_ppl_pct"]
     return [
         row["scheme"],
@@ -105,12 +109,19 @@ def _cells(row: dict) -> list[str]:
         _f(row["top1"], ".1f"),
         f"{row['quantized_rows']:,}",
         _f(row["seconds"], ".1f"),
-        _f(row["time_vs_bf16"], ".2f") + "x" if row["time_vs_bf16"] is not None else "-",
+        _ratio(row["time_vs_bf16"]),
+        _f(row.get("cpu_seconds"), ".1f"),
+        _ratio(row.get("cpu_vs_bf16")),
     ]
 
 
-HEADERS = ["scheme", "bits/elt (quant tier)", "avg bits/elt", "PPL", "ΔPPL %", "KL", "top-1 %",
-           "quantized rows", "wall s", "vs bf16"]
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
+# bits q = bits/elt of the quantized tier; bits avg = over all tiers (sink + middle + recent)
+HEADERS = ["scheme", "bits q", "bits avg", "PPL", "ΔPPL %", "KL", "top-1 %", "quant rows", "wall s", "wall/bf16",
+           "cpu s", "cpu/bf16"]
 
 
 def protocol_line(report: dict) -> str:
@@ -134,7 +145,9 @@ def print_table(report: dict, console=None) -> None:
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"lowbit eval: {report['model']['name']}", title_justify="left")
+    table = Table(title=f"lowbit eval: {report['model']['name']}", title_justify="left",
+                  caption="bits q: bits/elt of the quantized tier (codes + scale/zero); bits avg: over all tiers",
+                  caption_justify="left")
     for i, h in enumerate(HEADERS):
         table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
     for row in report["results"]:
@@ -155,6 +168,9 @@ def to_markdown(report: dict) -> str:
     out = [f"# lowbit eval: {report['model']['name']}", "", protocol_line(report), ""]
     v = report["versions"]
     out.append("versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + "")
+    out.append("")
+    out.append("bits q: bits/elt of the quantized tier (codes + scale/zero); bits avg: over all tiers "
+               "(sink and recent at the model dtype). KL(bf16 || row) per scored token; top-1 agreement with bf16.")
     out.append("")
     out.append("| " + " | ".join(HEADERS) + " |")
     out.append("|" + "|".join("---" if i == 0 else "---:" for i in range(len(HEADERS))) + "|")

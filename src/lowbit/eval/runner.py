@@ -43,6 +43,7 @@ class EvalOptions:
     plot_out: str | None = None
     full_window: bool = True
     progress: bool = True
+    threads: int | None = None
     kv_flags: dict = field(default_factory=dict)
 
 
@@ -70,6 +71,8 @@ def check_options(o: EvalOptions):
         raise LowbitError(f"--windows must be >= 1, got {o.windows}")
     if o.chunk < 1:
         raise LowbitError(f"--chunk must be >= 1, got {o.chunk}")
+    if o.threads is not None and o.threads < 1:
+        raise LowbitError(f"--threads must be >= 1, got {o.threads}")
     schemes = plan_schemes(o.kv, o.kv_flags)
     peers = plan_peers(o.peers)
     clash = sorted({s.label for s in schemes} & set(peers))
@@ -123,13 +126,17 @@ def _early_tokenizer(model: str, cache_dir):
     return None
 
 
-def _load_model(o: EvalOptions):
-    """(model, tokenizer, info dict). --weights loads a compressed-tensors checkpoint through
-    lowbit.weights.load_quantized (the tokenizer still comes from --model)."""
-    from lowbit.models import load
+def _load_model(o: EvalOptions, lm=None):
+    """(model, tokenizer, geometry, info dict). `lm`: an already loaded LoadedModel (else loaded here).
+    --weights loads a compressed-tensors checkpoint through lowbit.weights.load_quantized (the
+    tokenizer still comes from --model)."""
+    import lowbit.models
 
     dtype = DTYPES[o.dtype]
-    lm = load(o.model, cache_dir=o.cache_dir, dtype=dtype)
+    if lm is None:
+        lm = lowbit.models.load(o.model, cache_dir=o.cache_dir, dtype=dtype)
+    elif lm.model.dtype != dtype:
+        raise LowbitError(f"the loaded model is {lm.model.dtype}, not the {o.dtype} asked; load it with that dtype")
     info = {"name": lm.name, "weights_sha256": lm.weights_sha256, "dtype": o.dtype, "path": str(lm.path),
             "geometry": lm.geometry.summary(), "weights": None}
     model, geometry = lm.model, lm.geometry
@@ -167,25 +174,35 @@ def build_entries(schemes, peers, geometry, recent: int):
     return entries
 
 
-def run_eval(o: EvalOptions, console=None) -> dict:
-    """Run an evaluation and write the requested outputs; returns the report dict."""
+def _console():
+    """A rich console; when stdout is not a terminal (logs, CI) wide enough for the whole table."""
     from rich.console import Console
 
+    c = Console()
+    return c if c.is_terminal else Console(width=160)
+
+
+def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
+    """Run an evaluation and write the requested outputs; returns the report dict.
+    loaded: a lowbit.models.LoadedModel of o.model already in memory (the demo), else it is loaded here."""
     from lowbit.calib.corpora import load_text, token_windows
     from lowbit.eval import report as rep
     from lowbit.eval.harness import evaluate
     from lowbit.eval.perplexity import full_window_ppl
 
-    console = console or Console(stderr=False)
+    console = console or _console()
     schemes, peers, seq_len = check_options(o)
+    if o.threads is not None:
+        torch.set_num_threads(o.threads)
     text = load_text(o.data)
     _bytes_bound_check(text, seq_len, o.windows)
-    tok = _early_tokenizer(o.model, o.cache_dir)
+    tok = loaded.tokenizer if loaded is not None else _early_tokenizer(o.model, o.cache_dir)
     windows = token_windows(tok, text, seq_len, o.windows) if tok is not None else None
 
     t0 = time.perf_counter()
-    model, tokenizer, geometry, model_info = _load_model(o)
-    console.print(f"loaded {model_info['name']} ({o.dtype}) in {time.perf_counter() - t0:.1f} s")
+    model, tokenizer, geometry, model_info = _load_model(o, loaded)
+    if loaded is None:
+        console.print(f"loaded {model_info['name']} ({o.dtype}) in {time.perf_counter() - t0:.1f} s")
     if windows is None:
         if tokenizer is None:
             raise LowbitError(f"{o.model} has no tokenizer; add tokenizer files to the model directory")
@@ -211,7 +228,8 @@ def run_eval(o: EvalOptions, console=None) -> dict:
         "tokens_scored": int(windows.shape[0]) * (int(windows.shape[1]) - 1),
         "windows_from": "the first N non-overlapping windows of the corpus tokenized as a whole, no special tokens",
         "reference": "bf16 = transformers DynamicCache fed the same chunks; KL(ref || row) and top-1 against it",
-        "seconds": "wall time of each row's own forward calls (cache work included, scoring excluded)",
+        "seconds": "wall time of each row's own forward calls (cache work included, scoring excluded); "
+                   "cpu_seconds: process CPU time of the same calls",
         "threads": torch.get_num_threads(),
     }
     data = {"name": str(o.data), "chars": len(text)}
