@@ -11,34 +11,20 @@ from __future__ import annotations
 
 from lowbit.eval.peers import PEERS
 from lowbit.eval.runner import DEFAULT_CHUNK, DEFAULT_SEQ_LEN, DEFAULT_WINDOWS, DTYPES, EvalOptions, run_eval
+from lowbit.kv.cli_args import add_kv_arguments
 
 NAME = "eval"
 HELP = "perplexity, KL and top-1 of KV-cache schemes and peers on the same windows (table, JSON, markdown, PNG)"
 
 
-def add_kv_flags(parser) -> None:
-    """The KV options every command shares (as in `lowbit generate`); they apply to every --kv name."""
-    g = parser.add_argument_group("KV scheme options (apply to every --kv scheme name)")
-    g.add_argument("--group", type=int, default=None, help="channels per quantization group (default 128 or head_dim)")
-    g.add_argument("--sink", type=int, default=None, help="tokens kept unquantized at the start (default 64)")
-    g.add_argument("--recent", type=int, default=None,
-                   help="recent tokens kept unquantized (default 256; also the HF peers' residual length)")
-    g.add_argument("--page", type=int, default=None, help="tokens moved from the recent ring to the middle at once")
-    g.add_argument("--clip", default=None, help="clip ratio, one value or K,V (e.g. 0.96,0.92)")
-    g.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels instead of a uniform grid")
-    g.add_argument("--rotation", default=None, help="none | hadamard | RotationSet directory (default none)")
-
-
 def kv_flags(args) -> dict:
+    """The shared KV flags (lowbit.kv.cli_args) as parse_kv_scheme keywords; they apply to every --kv name."""
     return {"group": args.group, "sink": args.sink, "recent": args.recent, "page": args.page, "clip": args.clip,
             "lloyd_max": bool(args.lloyd_max) or None, "rotation": args.rotation}
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF directory")
-    parser.add_argument("--kv", default="bf16",
-                        help="comma list of schemes: bf16 (the DynamicCache reference, always run), int8, int4, int3, "
-                             "int2, kXvY, kivi2, kivi4, NAME@hadamard, or recipe .json/.toml files")
     parser.add_argument("--peers", default=None, help=f"comma list of peers: {', '.join(PEERS)}")
     parser.add_argument("--data", default="wikitext2", help="wikitext2 (default) | stdlib | PATH of a UTF-8 text file")
     parser.add_argument("--seq-len", type=int, default=None,
@@ -58,7 +44,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's choice; 1 is faster on a machine shared with other jobs)")
-    add_kv_flags(parser)
+    # --kv and the scheme flags shared with `lowbit generate`; here --kv takes a comma list
+    add_kv_arguments(parser, kv_default="bf16")
+    for action in parser._actions:
+        if action.dest == "kv":
+            action.metavar = "S1,S2,..."
+            action.help = ("comma list of rows: bf16 (the DynamicCache reference, always run first), int8, int4, int3, "
+                           "int2, kXvY, kivi2, kivi4, k16v16 (lowbit cache, nothing quantized), NAME@hadamard / "
+                           "NAME@none / NAME@ROTATION_DIR, or recipe .json/.toml files; the flags below apply to "
+                           "every name (default bf16)")
 
 
 def options_from_args(args) -> EvalOptions:
@@ -67,7 +61,7 @@ def options_from_args(args) -> EvalOptions:
         windows=args.windows, weights=args.weights, dtype=args.dtype, cache_dir=args.cache_dir,
         json_out=args.json_out, markdown_out=args.markdown_out, plot_out=args.plot_out,
         full_window=not args.no_full_window, progress=not args.no_progress, threads=args.threads,
-        kv_flags=kv_flags(args),
+        kv_flags=kv_flags(args), recipe=args.recipe,
     )
 
 

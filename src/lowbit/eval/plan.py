@@ -38,11 +38,12 @@ def split_list(text: str | None, what: str) -> list[str]:
     return items
 
 
-def plan_schemes(kv_text: str | None, flags: dict | None = None) -> list[PlannedScheme]:
+def plan_schemes(kv_text: str | None, flags: dict | None = None, recipe: str | None = None) -> list[PlannedScheme]:
     """Parse --kv into schemes; the bf16 reference comes first (added when not listed).
 
     flags: keyword arguments for lowbit.recipe.parse_kv_scheme (group, sink, recent, clip, lloyd_max,
-    rotation, page, symmetric), applied to every scheme name. Unknown names raise LowbitError.
+    rotation, page, symmetric), applied to every scheme name. recipe: a --recipe file, one more row
+    (named by the file's stem). Unknown names raise LowbitError.
     """
     from lowbit.recipe import load_recipe, parse_kv_scheme
 
@@ -68,6 +69,11 @@ def plan_schemes(kv_text: str | None, flags: dict | None = None) -> list[Planned
         except TypeError as e:  # a flag this parse_kv_scheme does not take
             raise LowbitError(f"--kv {item}: {e}") from None
         out.append(PlannedScheme(item, scheme))
+    if recipe:
+        p = Path(recipe)
+        if not p.is_file():
+            raise LowbitError(f"--recipe {recipe}: file not found")
+        out.append(PlannedScheme(p.stem, load_recipe(p)))
     labels = [p.label for p in out]
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:

@@ -126,8 +126,9 @@ HEADERS = ["scheme", "bits q", "bits avg", "PPL", "ΔPPL %", "KL", "top-1 %", "q
 
 def protocol_line(report: dict) -> str:
     p, m, d = report["protocol"], report["model"], report["data"]
-    return (f"{m['name']} ({m.get('dtype')}) on {d['name']}: {p['windows']} windows x {p['seq_len']} tokens, "
-            f"chunk {p['chunk']}, {p['scored_per_window']} scored positions per window ({p['scored_positions']})")
+    return (f"{m['name']} ({m.get('dtype')}) on {d['name']}: {p['windows']} windows x {p['seq_len']} tokens fed "
+            f"{p['chunk']} at a time; scored: positions 0..L-2 predict tokens 1..L-1 "
+            f"({p['scored_per_window']} per window, {p['tokens_scored']} in all)")
 
 
 def full_window_line(report: dict) -> str | None:
@@ -240,9 +241,9 @@ def write_plot(report: dict, path) -> Path:
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
     from matplotlib.lines import Line2D
 
-    ax.legend(handles=[Line2D([], [], marker="o", ls="", color=c, label=lbl) for c, lbl in
-                       ((c, _KIND_LABELS[k]) for k, c in _KIND_COLORS.items())],
-              fontsize=8, loc="upper right")
+    kinds = {row["kind"] for row in report["results"] if row["status"] == "ok"}
+    ax.legend(handles=[Line2D([], [], marker="o", ls="", color=c, label=_KIND_LABELS[k])
+                       for k, c in _KIND_COLORS.items() if k in kinds], fontsize=8, loc="upper right")
     fig.tight_layout()
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p)

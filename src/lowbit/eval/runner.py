@@ -45,6 +45,7 @@ class EvalOptions:
     progress: bool = True
     threads: int | None = None
     kv_flags: dict = field(default_factory=dict)
+    recipe: str | None = None
 
 
 def model_context(model: str) -> int | None:
@@ -73,7 +74,7 @@ def check_options(o: EvalOptions):
         raise LowbitError(f"--chunk must be >= 1, got {o.chunk}")
     if o.threads is not None and o.threads < 1:
         raise LowbitError(f"--threads must be >= 1, got {o.threads}")
-    schemes = plan_schemes(o.kv, o.kv_flags)
+    schemes = plan_schemes(o.kv, o.kv_flags, recipe=o.recipe)
     peers = plan_peers(o.peers)
     clash = sorted({s.label for s in schemes} & set(peers))
     if clash:
