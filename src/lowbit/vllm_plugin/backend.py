@@ -1,0 +1,231 @@
+"""vLLM glue: an attention backend that stores lowbit's packed slots in vLLM's paged KV cache.
+
+Registered by lowbit.vllm_plugin.register() in place of vLLM's CPU_ATTN backend. For a model
+directory WITHOUT lowbit_kv.json it is vLLM's own CPU backend, unchanged (and says so in the log).
+For a directory with the sidecar:
+
+  - customize_spec: each (token, KV head) cell is SlotFormat.slot_bytes (state_content_bytes),
+    so vLLM's block manager sizes the cache -- and reports its capacity in tokens -- from the
+    packed size: int2 on head_dim 64 is 40 B against 256 B for bf16 'auto'.
+  - do_kv_cache_update: rotate -> lowbit's quantizer -> pack, into the slots of slot_mapping
+    (paged.write). vLLM calls it before forward() for every layer (forward_includes_kv_cache_update
+    is False), so there is no path that stores K/V without quantizing them.
+  - forward: per request, attention of the new queries over the packed history (paged.attend),
+    queries rotated by R_k, output un-rotated by R_v^T.
+
+Not supported yet (refused at start-up, never silently served otherwise): sink / recent tiers,
+per-channel (KIVI) keys, Lloyd-Max levels, alibi, attention sinks, encoder attention, CUDA.
+The attention here is plain torch (dequantize chunk by chunk); no fused kernel on CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import (
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    AttentionType,
+    CommonAttentionMetadata,
+)
+from vllm.v1.attention.backends.cpu_attn import (
+    CPUAttentionBackend,
+    CPUAttentionBackendImpl,
+    CPUAttentionMetadataBuilder,
+)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from lowbit.errors import LowbitError
+from lowbit.vllm_plugin import paged, sidecar
+from lowbit.vllm_plugin.slot import SlotFormat
+
+log = logging.getLogger("lowbit.vllm_plugin")
+_LAYER_RE = re.compile(r"layers\.(\d+)\.")
+
+
+@dataclass
+class LowbitModel:
+    """What the backend knows about the served model: its sidecar scheme and per-layer slot formats."""
+
+    path: str
+    scheme: object
+    geometry: object
+    formats: dict  # (head_dim_k, head_dim_v) -> SlotFormat
+    rotations: list  # [(R_k, R_v)] per layer
+
+    def fmt(self, dk: int, dv: int) -> SlotFormat:
+        return self.formats[(dk, dv)]
+
+
+@lru_cache(maxsize=8)
+def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
+    """The lowbit view of the model at `path`, or None when it carries no sidecar (stock vLLM)."""
+    p = Path(path)
+    if not sidecar.has_sidecar(p):
+        log.warning("lowbit plugin: %s has no %s; serving with vLLM's own CPU attention", path, sidecar.SIDECAR_NAME)
+        return None
+    from transformers import AutoConfig
+
+    from lowbit.kv.rotations import layer_rotations
+    from lowbit.models.geometry import ModelGeometry
+
+    side = sidecar.read(p)
+    geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(p), name=side["model"]["name"])
+    sidecar.check_against(side, geometry)  # layers, heads, dims: a sidecar for another model is refused
+    scheme = sidecar.scheme_of(side, p)
+    if scheme.sink or scheme.recent:
+        raise LowbitError(f"{p}: the sidecar asks for sink {scheme.sink} / recent {scheme.recent} tokens, which the "
+                          "vLLM plugin does not hold yet; export with --sink 0 --recent 0")
+    scheme.validate(geometry)
+    dims = {(g.head_dim_k, g.head_dim_v) for g in geometry.layers}
+    formats = {d: SlotFormat(scheme, d[0], d[1], dense_dtype) for d in dims}
+    rots = layer_rotations(scheme, geometry)
+    for d, f in formats.items():
+        log.warning("lowbit plugin: %s KV %s | head_dim %s: %s", p.name, scheme.describe(), d, f.describe())
+    return LowbitModel(path=str(p), scheme=scheme, geometry=geometry, formats=formats, rotations=rots)
+
+
+def current_model() -> LowbitModel | None:
+    cfg = get_current_vllm_config()
+    mc = getattr(cfg, "model_config", None)
+    if mc is None:
+        return None
+    return _load(str(mc.model), mc.dtype)
+
+
+# ------------------------------------------------------------------- metadata
+@dataclass
+class LowbitMetadata(AttentionMetadata):
+    num_actual_tokens: int
+    query_start_loc: torch.Tensor  # [R + 1]
+    seq_lens: torch.Tensor  # [R]
+    block_table: torch.Tensor  # [R, max_blocks]
+    slot_mapping: torch.Tensor  # [T]
+
+
+class LowbitMetadataBuilder(AttentionMetadataBuilder[LowbitMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> LowbitMetadata:
+        m = common_attn_metadata
+        return LowbitMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc_cpu,
+                              seq_lens=m.seq_lens.cpu(), block_table=m.block_table_tensor,
+                              slot_mapping=m.slot_mapping)
+
+
+# ------------------------------------------------------------------- impl
+class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, sinks=None, **kwargs):
+        if attn_type != AttentionType.DECODER:
+            raise LowbitError(f"the lowbit vLLM plugin serves decoder attention only, not {attn_type}")
+        if alibi_slopes is not None or sinks is not None:
+            raise LowbitError("the lowbit vLLM plugin does not support alibi or attention sinks")
+        if kv_cache_dtype not in ("auto", None):
+            raise LowbitError(f"--kv-cache-dtype {kv_cache_dtype} conflicts with the lowbit sidecar; leave it 'auto'")
+        self.model = current_model()
+        if self.model is None:
+            raise LowbitError("internal: lowbit attention built for a model without a sidecar")
+        self.num_heads = num_heads
+        self.head_size = head_size
+        self.scale = float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.sliding_window = sliding_window
+        self.softcap = logits_soft_cap or None
+        self.kv_cache_dtype = kv_cache_dtype
+        self.kv_sharing_target_layer_name = kv_sharing_target_layer_name
+        self.attn_type = attn_type
+        self.head_size_v = kwargs.get("head_size_v", head_size)
+        self.fmt = self.model.fmt(head_size, self.head_size_v)
+        self._rot: dict[int, tuple] = {}
+        self.tokens_written = 0
+
+    def _rotations(self, layer) -> tuple:
+        name = getattr(layer, "layer_name", "")
+        m = _LAYER_RE.search(name)
+        if m is None:
+            raise LowbitError(f"cannot tell the layer index of attention layer {name!r}; the rotations are per layer")
+        i = int(m.group(1))
+        if i not in self._rot:
+            rk, rv = self.model.rotations[i]
+            g = self.model.geometry.layers[i]
+            if (g.head_dim_k, g.num_kv_heads) != (self.head_size, self.num_kv_heads):
+                raise LowbitError(f"layer {i}: vLLM has {self.num_kv_heads} KV heads x {self.head_size} but the "
+                                  f"sidecar says {g.num_kv_heads} x {g.head_dim_k}; export again for this model")
+            self._rot[i] = (rk, rv)
+        return self._rot[i]
+
+    @staticmethod
+    def _bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+        """vLLM's [num_blocks, H, block_size, C in dtype units] view -> the same cells as bytes."""
+        return kv_cache.view(torch.uint8)
+
+    def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
+        if self.kv_sharing_target_layer_name is not None:
+            return
+        rk, rv = self._rotations(layer)
+        cache = self._bytes(kv_cache)
+        if cache.shape[-1] != self.fmt.slot_bytes:
+            raise LowbitError(f"internal: vLLM gave {cache.shape[-1]} B cells, the lowbit slot is {self.fmt.slot_bytes} B")
+        self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv)
+
+    def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
+                output_block_scale=None):
+        if output_scale is not None or output_block_scale is not None:
+            raise NotImplementedError("fused output quantization is not supported by the lowbit plugin")
+        if attn_metadata is None:  # warm-up / profiling run
+            return output
+        n = attn_metadata.num_actual_tokens
+        rk, rv = self._rotations(layer)
+        q = query[:n].view(n, self.num_heads, self.head_size)
+        out = paged.attend(q, self._bytes(kv_cache), self.fmt, block_table=attn_metadata.block_table,
+                           seq_lens=attn_metadata.seq_lens, query_start_loc=attn_metadata.query_start_loc,
+                           scale=self.scale, rot_k=rk, rot_v=rv, window=self.sliding_window, softcap=self.softcap)
+        output[:n] = out.reshape(output[:n].shape).to(output.dtype)
+        return output
+
+
+# ------------------------------------------------------------------- backend
+class LowbitCPUAttentionBackend(CPUAttentionBackend):
+    """vLLM's CPU_ATTN, replaced: lowbit's packed cache for sidecar models, stock CPU attention otherwise."""
+
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float32, torch.bfloat16, torch.float16]
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        m = current_model()
+        if m is None:
+            return super().customize_spec(spec)
+        fmt = m.fmt(spec.head_size, spec.head_size_v)
+        elt = torch.empty((), dtype=spec.dtype).element_size()
+        if fmt.slot_bytes % elt:
+            raise LowbitError(f"lowbit slot of {fmt.slot_bytes} B is not a whole number of {spec.dtype} elements")
+        return replace(spec, state_content_bytes=fmt.slot_bytes)
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @classmethod
+    def supports_head_size(cls, head_size: int) -> bool:
+        return True if current_model() is not None else super().supports_head_size(head_size)
+
+    @staticmethod
+    def get_impl_cls():
+        return LowbitAttentionImpl if current_model() is not None else CPUAttentionBackendImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return LowbitMetadataBuilder if current_model() is not None else CPUAttentionMetadataBuilder

@@ -1,0 +1,109 @@
+"""The packed per-token slot the vLLM plugin stores in vLLM's paged KV cache (pure torch, no vLLM).
+
+vLLM gives every (block, KV head, token-in-block) a cell of `slot_bytes` bytes (the plugin sets
+that size through the backend's KV spec, `state_content_bytes`). One cell holds one token of one
+KV head, K then V, each as the fields lowbit's one KV quantizer (lowbit.kv.codec.TensorCodec,
+which runs lowbit.quant.affine.quantize then lowbit.quant.packing.pack) produces for one row:
+
+    [ K codes  D_k*cb/8 B | K scale fp16 D_k/g*2 B | K zero fp16 D_k/g*2 B
+    | V codes  D_v*cb/8 B | V scale ... | V zero ... | pad to a multiple of 4 ]
+
+(cb = container bits: 2, 4 or 8; a 16-bit tensor stores its dense row in the model dtype). The
+pad keeps the cell a whole number of fp32 / bf16 elements, the dtype vLLM views the cache in.
+Rows are rotated (k R_k, v R_v) before they are quantized, so the cache holds rotated K/V.
+
+Example, smollm2-135m (head_dim 64, group 64), per token per KV head:
+    bf16 auto: 256 B;  int8: 2*(64+4) = 136 B;  int4: 2*(32+4) = 72 B;  int2: 2*(16+4) = 40 B.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.errors import LowbitError
+
+SLOT_ALIGN = 4
+
+
+def _dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class _Field:
+    tensor: str  # "k" | "v"
+    name: str  # codes | scale | zero | dense
+    width: int  # elements per row
+    dtype: torch.dtype
+    offset: int  # bytes into the slot
+
+    @property
+    def nbytes(self) -> int:
+        return self.width * _dtype_bytes(self.dtype)
+
+
+class SlotFormat:
+    """Byte layout of one (token, KV head) cell for one layer, and its encode/decode.
+
+    scheme: lowbit.recipe.KVScheme (per-token groups, uniform grid); head_dim_k / head_dim_v: the
+    layer's dims; dense_dtype: how a 16-bit (unquantized) tensor is stored.
+    """
+
+    def __init__(self, scheme, head_dim_k: int, head_dim_v: int, dense_dtype: torch.dtype = torch.float16):
+        from lowbit.kv.codec import SCALE_DTYPE, TensorCodec
+
+        self.scheme = scheme
+        self.codecs = {"k": TensorCodec(scheme.k, head_dim_k, scheme.page),
+                       "v": TensorCodec(scheme.v, head_dim_v, scheme.page)}
+        for which, c in self.codecs.items():
+            if c.quantized and (c.tq.axis != "token" or c.tq.lloyd_max):
+                raise LowbitError(f"the vLLM plugin stores per-token uniform groups; {which.upper()} is "
+                                  f"{c.tq.describe()}: export a per-token uniform scheme")
+        self.dense_dtype = dense_dtype
+        self.fields: list[_Field] = []
+        off = 0
+        for which in ("k", "v"):
+            c = self.codecs[which]
+            for name, width in c.fields().items():
+                dt = torch.uint8 if name == "codes" else (SCALE_DTYPE if name in ("scale", "zero") else dense_dtype)
+                f = _Field(which, name, width, dt, off)
+                self.fields.append(f)
+                off += f.nbytes
+        self.content_bytes = off
+        self.slot_bytes = -(-off // SLOT_ALIGN) * SLOT_ALIGN
+
+    def describe(self) -> str:
+        parts = [f"{f.tensor}.{f.name} {f.nbytes} B" for f in self.fields]
+        return f"{self.slot_bytes} B/token/KV head ({', '.join(parts)}, pad {self.slot_bytes - self.content_bytes})"
+
+    # ------------------------------------------------------------- write
+    def encode(self, k: torch.Tensor, v: torch.Tensor, rot_k=None, rot_v=None) -> torch.Tensor:
+        """k [T, H, D_k], v [T, H, D_v] (model dtype, post-RoPE) -> slots uint8 [T, H, slot_bytes].
+
+        rotate (per layer [D, D] or per KV head [H, D, D]) -> TensorCodec.encode (quantize -> pack).
+        """
+        from lowbit.kv.rotations import rotate
+
+        T, H, _ = k.shape
+        out = torch.zeros(T, H, self.slot_bytes, dtype=torch.uint8, device=k.device)
+        for which, x, r in (("k", k, rot_k), ("v", v, rot_v)):
+            xr = rotate(x.transpose(0, 1).unsqueeze(0), r)  # [1, H, T, D]
+            enc = self.codecs[which].encode(xr, self.dense_dtype)  # fields [1, H, T, width]
+            for f in self.fields:
+                if f.tensor != which:
+                    continue
+                t = enc[f.name][0].to(f.dtype).transpose(0, 1).contiguous()  # [T, H, width]
+                out[:, :, f.offset:f.offset + f.nbytes] = t.view(torch.uint8).reshape(T, H, f.nbytes)
+        return out
+
+    # -------------------------------------------------------------- read
+    def decode(self, slots: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """slots uint8 [H, N, slot_bytes] -> (k [1, H, N, D_k], v [1, H, N, D_v]) rotated, in `dtype`."""
+        H, N, _ = slots.shape
+        got = {"k": {}, "v": {}}
+        for f in self.fields:
+            raw = slots[:, :, f.offset:f.offset + f.nbytes].contiguous()
+            got[f.tensor][f.name] = raw.view(f.dtype).reshape(1, H, N, f.width)
+        return self.codecs["k"].decode(got["k"], dtype), self.codecs["v"].decode(got["v"], dtype)

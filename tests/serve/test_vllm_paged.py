@@ -1,0 +1,121 @@
+"""The vLLM plugin's math without vLLM: packed slots in a paged cache with shuffled block tables give
+the attention of the quantized history (rotation, GQA, several requests, prefill + decode mixed)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.recipe import parse_kv_scheme
+from lowbit.vllm_plugin import paged
+from lowbit.vllm_plugin.slot import SlotFormat
+
+
+@pytest.mark.parametrize("name,bytes_", [("int2", 40), ("int4", 72), ("int8", 136), ("k4v2", 56)])
+def test_slot_sizes_smollm2_geometry(name, bytes_):
+    fmt = SlotFormat(parse_kv_scheme(name, sink=0, recent=0, page=1), 64, 64)
+    assert fmt.slot_bytes == bytes_  # bf16 'auto' is 256 B: int2 holds 6.4x the tokens
+
+
+def test_slot_roundtrip_is_the_codec():
+    from lowbit.kv.codec import TensorCodec
+
+    s = parse_kv_scheme("k4v2", sink=0, recent=0, page=1, clip=".96,.92")
+    fmt = SlotFormat(s, 64, 64)
+    k, v = torch.randn(7, 3, 64), torch.randn(7, 3, 64)
+    kd, vd = fmt.decode(fmt.encode(k, v).transpose(0, 1))
+    for x, xd, tq in ((k, kd, s.k), (v, vd, s.v)):
+        c = TensorCodec(tq, 64, 1)
+        ref = c.decode(c.encode(x.transpose(0, 1)[None], torch.float16))
+        assert torch.equal(xd, ref)
+        assert (xd - x.transpose(0, 1)[None]).abs().mean() > 1e-3  # really quantized
+
+
+def test_writes_go_through_the_one_quantizer(monkeypatch):
+    from lowbit.quant import affine
+
+    calls = []
+    real = affine.quantize
+
+    def spy(x, bits, group, **kw):
+        calls.append((tuple(x.shape), bits, group))
+        return real(x, bits, group, **kw)
+
+    monkeypatch.setattr(affine, "quantize", spy)
+    fmt = SlotFormat(parse_kv_scheme("int2", sink=0, recent=0, page=1), 64, 64)
+    cache = torch.zeros(4, 3, 16, fmt.slot_bytes, dtype=torch.uint8)
+    n = paged.write(cache, fmt, torch.randn(5, 3, 64), torch.randn(5, 3, 64), torch.tensor([0, 1, -1, 17, 33]))
+    assert n == 4 and calls == [((1, 3, 4, 64), 2, 64), ((1, 3, 4, 64), 2, 64)]
+    assert cache[0, :, 0].any() and cache[1, :, 1].any() and cache[2, :, 1].any() and not cache[0, :, 2].any()
+
+
+def _reference(q, k, v, fmt, rk, rv, scale, window=None):
+    """Dense attention of q [lq, Hq, D] over the quantized, rotated k/v [N, Hkv, D] (causal at the end)."""
+    from lowbit.kv.rotations import rotate, unrotate
+
+    kd, vd = fmt.decode(fmt.encode(k, v, rk, rv).transpose(0, 1))  # [1, Hkv, N, D]
+    lq, Hq, D = q.shape
+    Hkv, N = kd.shape[1], kd.shape[2]
+    G = Hq // Hkv
+    qr = rotate(q.permute(1, 0, 2).reshape(Hkv, G, lq, D).reshape(1, Hkv, G * lq, D), rk).reshape(Hkv, G, lq, D)
+    s = torch.einsum("hgqd,hnd->hgqn", qr, kd[0]) * scale
+    qpos = torch.arange(N - lq, N)[:, None]
+    kpos = torch.arange(N)[None, :]
+    ok = kpos <= qpos
+    if window is not None:
+        ok = ok & (kpos > qpos - window)
+    s = s.masked_fill(~ok, float("-inf"))
+    o = torch.einsum("hgqn,hnd->hgqd", torch.softmax(s, -1), vd[0])  # rotated
+    o = unrotate(o.reshape(1, Hkv, G * lq, -1), rv).reshape(Hkv, G, lq, -1)
+    return o.permute(2, 0, 1, 3).reshape(lq, Hq, -1)
+
+
+@pytest.mark.parametrize("rotation,window", [("none", None), ("hadamard", None), ("hadamard", 5)])
+def test_paged_attention_equals_dense_attention_over_the_codes(rotation, window):
+    from lowbit.rotation.hadamard import hadamard
+
+    torch.manual_seed(0)
+    Hkv, G, D, bs = 3, 3, 64, 16
+    fmt = SlotFormat(parse_kv_scheme("k4v2", sink=0, recent=0, page=1), D, D)
+    rk = rv = hadamard(D) if rotation == "hadamard" else None
+    cache = torch.zeros(20, Hkv, bs, fmt.slot_bytes, dtype=torch.uint8)
+    free = torch.randperm(20).tolist()  # blocks handed out in a scrambled order
+    lens, q_lens = [37, 1, 99 - 60], [37, 1, 3]  # a prefill, a 1-token request, a 3-token continuation
+    seqs, tables = [], []
+    for n in lens:
+        nb = -(-n // bs)
+        tables.append([free.pop() for _ in range(nb)] + [0] * (7 - nb))
+        seqs.append((torch.randn(n, Hkv, D), torch.randn(n, Hkv, D)))
+    table = torch.tensor(tables)
+    # history before this step, then this step's new tokens, written through the plugin path
+    for (k, v), row, n, lq in zip(seqs, tables, lens, q_lens):
+        pos = torch.arange(n)
+        slots = torch.tensor(row)[pos // bs] * bs + pos % bs
+        paged.write(cache, fmt, k[: n - lq], v[: n - lq], slots[: n - lq], rk, rv)
+        paged.write(cache, fmt, k[n - lq:], v[n - lq:], slots[n - lq:], rk, rv)
+    q = torch.randn(sum(q_lens), Hkv * G, D)
+    qsl = torch.tensor([0, 37, 38, 41])
+    out = paged.attend(q, cache, fmt, block_table=table, seq_lens=torch.tensor(lens), query_start_loc=qsl,
+                       scale=D ** -0.5, rot_k=rk, rot_v=rv, window=window, chunk_tokens=16)
+    for r, ((k, v), lq) in enumerate(zip(seqs, q_lens)):
+        ref = _reference(q[qsl[r]:qsl[r + 1]], k, v, fmt, rk, rv, D ** -0.5, window)
+        torch.testing.assert_close(out[qsl[r]:qsl[r + 1]], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_plugin_pins_the_vllm_series():
+    from lowbit.errors import LowbitError
+    from lowbit.vllm_plugin import VLLM_SERIES, check_vllm_version
+
+    check_vllm_version(VLLM_SERIES + ".0")
+    check_vllm_version(VLLM_SERIES + ".1+cpu")
+    for other in ("0.33.0", "0.31.2", "1.32.0"):
+        with pytest.raises(LowbitError, match=f"targets vLLM {VLLM_SERIES}.x .* but vLLM {other} is installed"):
+            check_vllm_version(other)
+
+
+def test_entry_point_is_declared():
+    import tomllib
+    from pathlib import Path
+
+    d = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    assert d["project"]["entry-points"]["vllm.general_plugins"] == {"lowbit": "lowbit.vllm_plugin:register"}
