@@ -85,3 +85,17 @@ def test_eval_writes_json_markdown_plot(tiny_dir, corpus, tmp_path, capsys):
     assert (out / "r.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     printed = capsys.readouterr().out
     assert "int2@hadamard" in printed and "ΔPPL" in printed
+
+
+def test_eval_of_a_compressed_tensors_checkpoint(tiny_dir, corpus, tmp_path):
+    ckpt = tmp_path / "w8"
+    assert main(["quantize", "--model", str(tiny_dir), "--weights", "w8a16", "--method", "rtn", "--calib", str(corpus),
+                 "--calib-tokens", "64", "--calib-seq-len", "32", "--out", str(ckpt)]) == 0
+    rc = main(["eval", "--model", str(tiny_dir), "--weights", str(ckpt), "--data", str(corpus), "--seq-len", "120",
+               "--windows", "1", "--chunk", "40", "--dtype", "fp32", "--kv", "int4", "--sink", "16", "--recent", "32",
+               "--no-progress", "--json", str(tmp_path / "r.json")])
+    assert rc == 0
+    rep = json.loads((tmp_path / "r.json").read_text())
+    assert rep["model"]["weights"]["dir"] == str(ckpt.resolve()) and rep["model"]["weights"]["manifest"]
+    assert set(rep["model"]["weights_sha256"]) == {"model.safetensors"}
+    assert [r["status"] for r in rep["results"]] == ["ok", "ok"] and rep["full_window"]["ok"]

@@ -129,33 +129,42 @@ def _early_tokenizer(model: str, cache_dir):
 
 def _load_model(o: EvalOptions, lm=None):
     """(model, tokenizer, geometry, info dict). `lm`: an already loaded LoadedModel (else loaded here).
-    --weights loads a compressed-tensors checkpoint through lowbit.weights.load_quantized (the
-    tokenizer still comes from --model)."""
+
+    --weights DIR evaluates a compressed-tensors checkpoint instead, loaded by
+    lowbit.weights.load_quantized (QuantLinear modules, no decompression); its tokenizer comes from the
+    checkpoint, else from --model. --model's own weights are then not loaded.
+    """
     import lowbit.models
+    from lowbit.models.geometry import ModelGeometry
 
     dtype = DTYPES[o.dtype]
+    if o.weights is not None:
+        try:
+            from lowbit.weights.load import load_quantized
+        except ImportError:
+            raise LowbitError("--weights needs lowbit.weights.load_quantized, which this lowbit does not provide; "
+                              "evaluate without --weights") from None
+        from lowbit.models.load import sha256_file
+
+        wdir = Path(o.weights)
+        model, tok = load_quantized(wdir, dtype=dtype)
+        if tok is None:
+            tok = lm.tokenizer if lm is not None else _early_tokenizer(o.model, o.cache_dir)
+        if tok is None:
+            tok = lowbit.models.load(o.model, cache_dir=o.cache_dir, dtype=dtype).tokenizer
+        files = {f.name: sha256_file(f) for f in sorted(wdir.glob("*.safetensors"))}
+        geometry = ModelGeometry.from_config(model.config)
+        info = {"name": f"{o.model} + {wdir.name}", "weights_sha256": files, "dtype": o.dtype,
+                "path": str(wdir.resolve()), "geometry": geometry.summary(),
+                "weights": {"dir": str(wdir.resolve()), "manifest": (wdir / "manifest.json").is_file()}}
+        return model.eval(), tok, geometry, info
     if lm is None:
         lm = lowbit.models.load(o.model, cache_dir=o.cache_dir, dtype=dtype)
     elif lm.model.dtype != dtype:
         raise LowbitError(f"the loaded model is {lm.model.dtype}, not the {o.dtype} asked; load it with that dtype")
     info = {"name": lm.name, "weights_sha256": lm.weights_sha256, "dtype": o.dtype, "path": str(lm.path),
             "geometry": lm.geometry.summary(), "weights": None}
-    model, geometry = lm.model, lm.geometry
-    if o.weights is not None:
-        try:
-            from lowbit.weights import load_quantized
-        except ImportError:
-            raise LowbitError("--weights needs lowbit.weights.load_quantized, which this lowbit does not provide yet; "
-                              "evaluate without --weights") from None
-        loaded = load_quantized(o.weights)
-        model = getattr(loaded, "model", loaded)
-        model = model.to(dtype).eval()
-        info["weights"] = {"dir": str(Path(o.weights).resolve()),
-                           "sha256": getattr(loaded, "weights_sha256", None)}
-        from lowbit.models.geometry import ModelGeometry
-
-        geometry = ModelGeometry.from_config(model.config)
-    return model, lm.tokenizer, geometry, info
+    return lm.model, lm.tokenizer, lm.geometry, info
 
 
 def build_entries(schemes, peers, geometry, recent: int):
