@@ -36,6 +36,7 @@ class EntryResult:
     accounting: Accounting = field(default_factory=Accounting)
     seconds: float = 0.0
     cpu_seconds: float = 0.0
+    backend: dict = field(default_factory=dict)
     cannot_run: str | None = None
     ref_ppl: float | None = None
 
@@ -118,6 +119,7 @@ def evaluate(model, windows: torch.Tensor, entries: list[Entry], *, chunk: int =
                 bar.update(1)
             for i in list(live):
                 results[i].accounting += entries[i].account(caches[i])
+                _note_backend(results[i], caches[i], entries[i].attention or own_attention)
             del caches
             if w_idx == 0:
                 _dead_hook_check(entries, results, live)
@@ -128,6 +130,21 @@ def evaluate(model, windows: torch.Tensor, entries: list[Entry], *, chunk: int =
     for r in results:
         r.ref_ppl = ref_ppl
     return results
+
+
+def _note_backend(r: EntryResult, cache, attention: str) -> None:
+    """What produced the row: the attention implementation, the cache class, and for a lowbit cache its
+    own count of attention calls per backend (torch / triton) and any fallback notes."""
+    b = r.backend
+    b.setdefault("attention", attention)
+    b.setdefault("cache", type(cache).__name__)
+    calls = getattr(cache, "backend_calls", None)
+    if calls:
+        for k, v in calls.items():
+            b.setdefault("calls", {})[k] = b.get("calls", {}).get(k, 0) + int(v)
+    for note in getattr(cache, "backend_notes", None) or []:
+        if note not in b.setdefault("notes", []):
+            b["notes"].append(note)
 
 
 def use_attention(model, name: str) -> None:

@@ -21,7 +21,7 @@ from lowbit.errors import LowbitError
 SCHEMA_VERSION = 1
 RESULT_KEYS = ("scheme", "kind", "status", "config", "ppl", "delta_ppl_pct", "kl", "top1", "bits_per_elt",
                "avg_bits_per_elt", "quantized_rows", "seconds", "time_vs_bf16", "cpu_seconds", "cpu_vs_bf16",
-               "tokens_scored")
+               "tokens_scored", "backend")
 
 
 def _finite(x) -> float | None:
@@ -56,12 +56,28 @@ def result_rows(results) -> list[dict]:
             "cpu_seconds": round(r.cpu_seconds, 3) if ok else None,
             "cpu_vs_bf16": round(r.cpu_seconds / ref_c, 3) if ok and ref_c > 0 else None,
             "tokens_scored": int(r.scores.n) if ok else None,
+            "backend": r.backend if ok else None,
         })
     return rows
 
 
+def _git_state() -> dict | None:
+    """Commit of the lowbit source tree and whether src/lowbit differs from it (None outside a checkout)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[3]
+    try:
+        head = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                              timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", "src/lowbit"],
+                               capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return {"commit": head, "src_modified": bool(dirty)}
+
+
 def versions() -> dict:
-    out = {"python": platform.python_version()}
+    out = {"python": platform.python_version(), "lowbit_git": _git_state()}
     for dist in ("lowbit", "torch", "transformers", "optimum-quanto", "hqq"):
         try:
             out[dist] = importlib.metadata.version(dist)
@@ -168,7 +184,10 @@ def to_markdown(report: dict) -> str:
     """A markdown page: protocol, versions, the table, the full-window check, row configs."""
     out = [f"# lowbit eval: {report['model']['name']}", "", protocol_line(report), ""]
     v = report["versions"]
-    out.append("versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val) + "")
+    git = v.get("lowbit_git")
+    out.append("versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val and k != "lowbit_git")
+               + (f", lowbit git {git['commit'][:12]}" + (" (src modified)" if git["src_modified"] else "")
+                  if git else ""))
     out.append("")
     out.append("bits q: bits/elt of the quantized tier (codes + scale/zero); bits avg: over all tiers "
                "(sink and recent at the model dtype). KL(bf16 || row) per scored token; top-1 agreement with bf16.")
