@@ -17,6 +17,7 @@ outputs of step (1) (one pass per layer, later layers see unquantized inputs).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import time
@@ -114,8 +115,14 @@ def quantize_model(
     sequential: bool = True,
     batch_size: int = 8,
     scale_dtype: torch.dtype = torch.float32,
+    calib_dtype: torch.dtype | None = None,
 ) -> QuantizeReport:
-    """Quantize `model` in place (see module docstring). calib: int64 [n, T] token ids (GPTQ only)."""
+    """Quantize `model` in place (see module docstring). calib: int64 [n, T] token ids (GPTQ only).
+
+    calib_dtype: run the calibration forwards under CPU autocast to this dtype (torch.bfloat16:
+    several times faster matmuls on CPUs with bf16 units); the Hessians still accumulate in
+    float32 from the float32 hidden states, and GPTQ works on the float32 weights. None: model dtype.
+    """
     t0 = time.perf_counter()
     if method not in ("gptq", "rtn"):
         raise LowbitError(f"unknown method {method!r}; use gptq or rtn")
@@ -160,14 +167,20 @@ def quantize_model(
     else:
         batches = _batches(calib, batch_size)
         report.calib_tokens = int(calib.numel())
-        hidden, layer_kwargs = capture_layer_inputs(model, layers, batches)
+        device = next(model.parameters()).device.type
+
+        def autocast():
+            return contextlib.nullcontext() if calib_dtype is None else torch.autocast(device, dtype=calib_dtype)
+
+        with autocast():
+            hidden, layer_kwargs = capture_layer_inputs(model, layers, batches)
         layer_index = {id(layer): i for i, layer in enumerate(layers)}
         for i, layer in enumerate(layers):
             tl = time.perf_counter()
             prefix = _prefix_of(model, layer)
             mine = {n: m for n, m in targets.items() if n.startswith(prefix + ".")}
             outs = []
-            with HessianCollector(mine) as hc:
+            with HessianCollector(mine) as hc, autocast():
                 for h in hidden:
                     hc.new_batch()
                     out = run_layer(layer, h, layer_kwargs[i])
@@ -182,7 +195,10 @@ def quantize_model(
                 )
                 done(name, lin, qw)
             del hc
-            hidden = outs if not sequential else [run_layer(layer, h, layer_kwargs[i]) for h in hidden]
+            if sequential:
+                with autocast():
+                    outs = [run_layer(layer, h, layer_kwargs[i]) for h in hidden]
+            hidden = outs
             log.info("layer %d/%d quantized in %.1fs", layer_index[id(layer)] + 1, len(layers), time.perf_counter() - tl)
     # Anything left as a plain nn.Linear outside the ignore list was skipped: refuse.
     left, _ = target_linears(model, ignore)

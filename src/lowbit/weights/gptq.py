@@ -97,11 +97,13 @@ def inverse_hessian_chol(H: torch.Tensor, damp: float, *, name: str = "?", retri
     for k in range(retries + 1):
         d = damp * (10 ** (k / 2))  # 1x, 3.2x, 10x, 32x, 100x
         tried.append(d)
-        L, info = torch.linalg.cholesky_ex(H + d * mean_diag * eye)
+        # Upper U with (H + dI)^-1 = U^T U from ONE Cholesky: with P the order reversal,
+        # P (H + dI) P = L L^T  =>  H + dI = V V^T, V = P L P upper  =>  U = V^-1 = P L^-1 P.
+        L, info = torch.linalg.cholesky_ex((H + d * mean_diag * eye).flip(0, 1))
         if int(info) == 0:
-            Hinv = torch.cholesky_inverse(L)
-            U, info2 = torch.linalg.cholesky_ex(Hinv, upper=True)
-            if int(info2) == 0 and torch.isfinite(U).all():
+            Linv = torch.linalg.solve_triangular(L, eye, upper=False)
+            U = Linv.flip(0, 1)
+            if torch.isfinite(U).all():
                 if k:
                     log.warning("GPTQ %s: Cholesky needed damp %.3g (asked %.3g)", name, d, damp)
                 return U.float(), d
@@ -147,21 +149,27 @@ def gptq_quantize(
     Sp, Zp = scale_c[:, perm], zero_c[:, perm]
     U, used = inverse_hessian_chol(H[perm][:, perm], damp, name=name)  # [n, n] upper
 
-    Qp = torch.empty(out, n, dtype=torch.uint8)
+    # Transposed layout: row j of WT is column j of W, so every per-column step reads and updates
+    # contiguous rows (and the rank-1 update is one BLAS ger call).
+    WT = Wp.T.contiguous()  # [n, out]
+    ST, ZT = Sp.T.contiguous(), Zp.T.contiguous()
+    QT = torch.empty(n, out, dtype=torch.uint8)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
-        W1 = Wp[:, i1:i2].clone()  # [out, b]
+        W1 = WT[i1:i2].clone()  # [b, out]
         E1 = torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
         for i in range(i2 - i1):
-            w = W1[:, i]
-            s, z = Sp[:, i1 + i], Zp[:, i1 + i]
+            w, s, z = W1[i], ST[i1 + i], ZT[i1 + i]
             q = encode(w, s, z, bits)
             err = (w - decode(q, s, z)) / U1[i, i]
-            Qp[:, i1 + i] = q
-            W1[:, i:] -= err.unsqueeze(1) * U1[i, i:].unsqueeze(0)
-            E1[:, i] = err
-        Wp[:, i2:] -= E1 @ U[i1:i2, i2:]
+            QT[i1 + i] = q
+            E1[i] = err
+            if i + 1 < i2 - i1:
+                W1[i + 1:].addr_(U1[i, i + 1:], err, alpha=-1.0)  # later columns absorb the error
+        if i2 < n:
+            WT[i2:].addmm_(U[i1:i2, i2:].T, E1, alpha=-1.0)  # and the columns after the block
+    Qp = QT.T
 
     codes = torch.empty_like(Qp)
     codes[:, perm] = Qp

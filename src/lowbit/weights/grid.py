@@ -14,8 +14,7 @@ affine's (scale, zero) into that integer zero-point:
 and `snapped_zero` gives the affine `zero` of the snapped grid, -(zero_point + 2**(b-1)) * scale,
 so codes and dequantization keep affine's single formula (unsigned code c = q + 2**(b-1)).
 
-Asymmetric groups are fitted on the group plus one 0 element (affine.quantize with group g+1 on
-the padded tensor) so the range always holds 0 and the integer zero-point never leaves
+Asymmetric groups are fitted on the group plus one 0 element so the range always holds 0 and the integer zero-point never leaves
 [0, 2**b - 1] (an all-positive group would otherwise need zero_point < -2**(b-1)). Symmetric
 groups use affine's symmetric scale (2 * amax / (2**b - 1)), which equals compressed-tensors'
 amax / ((2**b - 1) / 2); the snapped grid is the signed grid -2**(b-1) .. 2**(b-1) - 1 times scale.
@@ -78,15 +77,19 @@ def snapped_zero(scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> to
 
 def _affine_params(w: torch.Tensor, bits: int, group: int, symmetric: bool, clip: float, scale_dtype):
     """affine.quantize's (scale, zero) [out, G] for w [out, in]; asymmetric ranges include 0.
-    scale_dtype: the dtype the checkpoint stores scales in (affine rounds the scale to it, upward)."""
+
+    affine lays a group's grid out from the group's min and max alone (amax when symmetric), so it
+    is handed each group's summary [min, max, 0] as a group of 3: the same scale and zero as the
+    full group plus a zero element, at a fraction of the cost (the clip search calls this often).
+    scale_dtype: the dtype the checkpoint stores scales in (affine rounds the scale to it, upward).
+    """
     out, n = w.shape
-    if symmetric:
-        q = affine.quantize(w, bits, group, symmetric=True, clip_ratio=clip, scale_dtype=scale_dtype)
-        return q.scale.float(), q.zero.float()
-    # one extra 0 per group: groups of g+1 consecutive elements = the group and a zero
     wg = w.float().reshape(out, n // group, group)
-    wz = torch.cat([wg, wg.new_zeros(out, n // group, 1)], dim=-1).reshape(out, -1)
-    q = affine.quantize(wz, bits, group + 1, symmetric=False, clip_ratio=clip, scale_dtype=scale_dtype)
+    lo, hi = wg.amin(-1), wg.amax(-1)  # [out, G]
+    summary = torch.stack([lo, hi] + ([] if symmetric else [torch.zeros_like(lo)]), dim=-1)  # [out, G, 2|3]
+    k = summary.shape[-1]
+    q = affine.quantize(summary.reshape(out, -1), bits, k, symmetric=symmetric, clip_ratio=clip,
+                        scale_dtype=scale_dtype)
     return q.scale.float(), q.zero.float()
 
 

@@ -55,7 +55,11 @@ def capture_layer_inputs(
                     raise _Stop
         return pre
 
+    def after_last(mod, args, out):
+        raise _Stop  # nothing after the decoder layers (final norm, LM head) is needed
+
     handles = [layer.register_forward_pre_hook(make_pre(i), with_kwargs=True) for i, layer in enumerate(layers)]
+    handles.append(layers[-1].register_forward_hook(after_last))
     try:
         for j, ids in enumerate(batches):
             stop_at_first[0] = j > 0  # the first batch runs through every layer to record kwargs

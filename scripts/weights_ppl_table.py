@@ -1,0 +1,129 @@
+"""Weight-quantization quality table on a real model: WikiText-2 PPL of each scheme x method x rotation.
+
+Protocol (the one DESIGN.md's llm-compressor numbers use): WikiText-2 test, N windows x L tokens,
+full-window teacher forcing (lowbit.eval.perplexity.full_window_ppl); calibration on stdlib pydoc
+text, 128 x 512 tokens. Every quantized row goes through the exported checkpoint: quantize ->
+save_compressed -> load_quantized -> PPL, so the number belongs to the files on disk.
+
+    .venv/bin/python scripts/weights_ppl_table.py --out runs/weights-table \\
+        --configs w4a16-g64:rtn,w4a16-g64:gptq,w4a16-g64:rtn:rotate,w4a16-g64:gptq:rotate
+
+Writes OUT/results.jsonl (one line per row, appended as each finishes) and OUT/table.md; each
+checkpoint goes to OUT/ckpt-<row>/ (delete them after if space matters).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import logging
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from lowbit.calib.corpora import load_text, token_windows
+from lowbit.eval.perplexity import full_window_ppl
+from lowbit.models import load
+from lowbit.weights.apply import quantize_model
+from lowbit.weights.export import save_compressed
+from lowbit.weights.load import load_quantized
+from lowbit.weights.scheme import parse_weight_scheme
+
+ALL = ",".join(f"{s}:{m}{r}" for s in ("w4a16-g64", "w8a16", "w8a8", "w4a8-g64")
+               for r in ("", ":rotate") for m in ("rtn", "gptq"))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--configs", default=ALL, help="comma list of SCHEME:METHOD[:rotate]")
+    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--data", default="wikitext2")
+    ap.add_argument("--calib", default="stdlib")
+    ap.add_argument("--calib-seqs", type=int, default=128)
+    ap.add_argument("--calib-seq-len", type=int, default=512)
+    ap.add_argument("--calib-dtype", choices=("float32", "bfloat16"), default="bfloat16")
+    ap.add_argument("--damp", type=float, default=0.01)
+    ap.add_argument("--keep-checkpoints", action="store_true")
+    a = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    res_path = out / "results.jsonl"
+
+    lm = load(a.model, dtype=torch.float32)
+    tok = lm.tokenizer
+    windows = token_windows(tok, load_text(a.data), a.seq_len, a.windows)
+    calib = token_windows(tok, load_text(a.calib), a.calib_seq_len, a.calib_seqs)
+    done = {json.loads(x)["row"]: json.loads(x) for x in res_path.read_text().splitlines()} if res_path.exists() else {}
+    if "fp32" not in done:
+        t = time.perf_counter()
+        ppl = full_window_ppl(lm.model, windows)
+        _append(res_path, {"row": "fp32", "ppl": ppl, "eval_s": round(time.perf_counter() - t, 1)})
+        done["fp32"] = {"ppl": ppl}
+    base = done["fp32"]["ppl"]
+    print(f"fp32 PPL {base:.3f}", flush=True)
+
+    cd = torch.bfloat16 if a.calib_dtype == "bfloat16" else None
+    for cfg in a.configs.split(","):
+        parts = cfg.split(":")
+        scheme, method, rotate = parse_weight_scheme(parts[0]), parts[1], len(parts) > 2 and parts[2] == "rotate"
+        row = f"{scheme.name}-{method}{'-rot' if rotate else ''}"
+        if row in done:
+            continue
+        model = copy.deepcopy(lm.model)
+        t = time.perf_counter()
+        rep = quantize_model(model, scheme, method=method, calib=calib if method == "gptq" else None, rotate=rotate,
+                             damp=a.damp, calib_dtype=cd)
+        q_s = time.perf_counter() - t
+        ck = out / f"ckpt-{row}"
+        save_compressed(model, tok, scheme, ck, inputs={"model": lm.name, "weights_sha256": lm.weights_sha256},
+                        recipe={"scheme": scheme.to_dict(), "method": method, "rotation": rep.rotation},
+                        counts=rep.counts(), ignore=["lm_head"])
+        del model
+        qm, _ = load_quantized(ck)
+        t = time.perf_counter()
+        ppl = full_window_ppl(qm, windows)
+        r = {"row": row, "scheme": scheme.name, "method": method, "rotate": rotate, "ppl": ppl,
+             "delta_pct": 100 * (ppl / base - 1), "quantize_s": round(q_s, 1), "eval_s": round(time.perf_counter() - t, 1),
+             "counts": rep.counts(), "damp_raised": rep.damp_raised,
+             "ckpt_bytes": sum(f.stat().st_size for f in ck.glob("*.safetensors"))}
+        _append(res_path, r)
+        print(f"{row:28s} PPL {ppl:8.3f}  {r['delta_pct']:+7.2f}%  quantize {q_s:6.1f}s", flush=True)
+        if not a.keep_checkpoints:
+            _remove(ck)
+    _table(res_path, out / "table.md")
+
+
+def _remove(d: Path) -> None:
+    """Delete a checkpoint dir (artifacts are written read-only)."""
+    for p in [d, *d.rglob("*")]:
+        p.chmod(0o755 if p.is_dir() else 0o644)
+    shutil.rmtree(d)
+
+
+def _append(path: Path, rec: dict) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+def _table(res_path: Path, md: Path) -> None:
+    rows = [json.loads(x) for x in res_path.read_text().splitlines()]
+    base = next(r for r in rows if r["row"] == "fp32")["ppl"]
+    lines = [f"fp32 PPL {base:.3f}", "", "| scheme | method | rotation | PPL | ΔPPL | quantize s |", "|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["row"] == "fp32":
+            continue
+        lines.append(f"| {r['scheme']} | {r['method']} | {'hadamard' if r['rotate'] else 'none'} | {r['ppl']:.3f} | "
+                     f"{r['delta_pct']:+.2f}% | {r['quantize_s']} |")
+    md.write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+import json
+
+import pytest
+
+from lowbit.cli import main
+from lowbit.models.tiny import tiny_tokenizer
+from lowbit.weights.load import load_quantized
+
+from .helpers import small_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("hf") / "small-llama"
+    small_model().save_pretrained(d)
+    tiny_tokenizer().save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("txt") / "calib.txt"
+    p.write_text("the cat sat on the mat . a dog ran and the cat sat , " * 40, encoding="utf-8")
+    return p
+
+
+def test_quantize_gptq_rotate_writes_a_loadable_checkpoint(tmp_path, model_dir, calib_file, capsys):
+    out = tmp_path / "ckpt"
+    rc = main(["quantize", "--model", str(model_dir), "--weights", "w4a16-g32", "--method", "gptq", "--rotate",
+               "--calib", str(calib_file), "--calib-tokens", "96", "--calib-seq-len", "16", "--out", str(out)])
+    assert rc == 0
+    assert "14 linears quantized, 1 ignored, 0 skipped" in capsys.readouterr().out
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["class"] == "native-packed"
+    assert man["counts"]["layers"] == 2 and man["counts"]["quantized_linears"] == 14
+    assert man["counts"]["skipped_linears"] == 0 and man["counts"]["calibration_tokens"] == 96
+    assert man["recipe"]["rotation"]["kind"] == "hadamard" and man["recipe"]["gptq"]["act_order"] == "static"
+    assert man["inputs"]["calibration"]["sequences"] == 6
+    files = {f["path"] for f in man["files"]}
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    model, tok = load_quantized(out)
+    assert tok("the cat")["input_ids"]
+
+
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--weights", "w5a16"], "unknown weight scheme 'w5a16'"),
+        (["--weights", "w4a16-g64", "--method", "rtn"], "group 64 does not divide in_features 96"),
+        (["--weights", "w8a16", "--calib-tokens", "100", "--calib-seq-len", "16"], "not a positive multiple"),
+        (["--weights", "w8a16", "--calib-tokens", "16000", "--calib-seq-len", "16"], "fewer than the"),
+    ],
+)
+def test_bad_input_is_a_one_line_error_and_writes_nothing(tmp_path, model_dir, calib_file, capsys, args, msg):
+    out = tmp_path / "ckpt"
+    rc = main(["quantize", "--model", str(model_dir), "--calib", str(calib_file), "--out", str(out), *args])
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # (model loading may print progress before it)
+    assert rc == 2 and last.startswith("error: ") and msg in last
+    assert not out.exists() and list(tmp_path.iterdir()) == []
+
+
+def test_existing_output_dir_is_refused(tmp_path, model_dir, capsys):
+    out = tmp_path / "ckpt"
+    out.mkdir()
+    rc = main(["quantize", "--model", str(model_dir), "--weights", "w8a16", "--method", "rtn", "--out", str(out)])
+    assert rc == 2 and "already exists" in capsys.readouterr().err
+    assert list(out.iterdir()) == []
