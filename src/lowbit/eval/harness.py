@@ -92,7 +92,7 @@ def evaluate(model, windows: torch.Tensor, entries: list[Entry], *, chunk: int =
             for s in range(0, L, chunk):
                 ids = window[s : s + chunk][None, :]  # [1, C]
                 n, targets = chunk_targets(window, s, s + chunk)
-                ref_logp = None
+                ref_logp = ref_p = ref_top = None
                 for i in list(live):
                     e, r = entries[i], results[i]
                     use_attention(model, e.attention or own_attention)
@@ -112,10 +112,10 @@ def evaluate(model, windows: torch.Tensor, entries: list[Entry], *, chunk: int =
                     del logits
                     if e.kind == "reference":
                         r.scores.add(logp, targets)
-                        ref_logp = logp
+                        ref_logp, ref_p, ref_top = logp, logp.exp(), logp.argmax(-1)
                     else:
-                        r.scores.add(logp, targets, ref_logp)
-                del ref_logp
+                        r.scores.add(logp, targets, ref_logp, ref_p, ref_top)
+                del ref_logp, ref_p, ref_top
                 bar.update(1)
             for i in list(live):
                 results[i].accounting += entries[i].account(caches[i])
