@@ -92,12 +92,15 @@ import openai
 port, model, prompt, max_tokens, log, startup, kv_bytes, out = sys.argv[1:]
 c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
 t = time.time()
-r = c.completions.create(model="model", prompt=prompt, max_tokens=int(max_tokens), temperature=0)
+r = c.completions.create(model="model", prompt=prompt, max_tokens=int(max_tokens), temperature=0, logprobs=3)
 secs = time.time() - t
 text = open(log).read()
 m = re.search(r"KV cache size: ([\d,]+) tokens", text)
 plugin = [l.split("lowbit plugin: ", 1)[1] for l in text.splitlines() if "lowbit plugin: " in l]
-res = {"model_dir": model, "prompt": prompt, "text": r.choices[0].text, "usage": r.usage.model_dump(),
+lp = r.choices[0].logprobs
+top = [{k: round(v, 3) for k, v in d.items()} for d in (lp.top_logprobs or [])] if lp else None
+res = {"model_dir": model, "prompt": prompt, "text": r.choices[0].text, "tokens": lp.tokens if lp else None,
+       "top_logprobs": top, "usage": r.usage.model_dump(),
        "seconds": round(secs, 2), "startup_s": int(startup), "kv_cache_memory_bytes": int(kv_bytes),
        "kv_cache_tokens": int(m.group(1).replace(",", "")) if m else None, "lowbit_plugin_log": sorted(set(plugin))}
 print(json.dumps(res, indent=2))

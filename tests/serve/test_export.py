@@ -74,3 +74,42 @@ def test_sidecar_for_another_model_is_refused(tiny_dir, tmp_path):
     gemma = ModelGeometry.from_config(tiny_config("gemma3-270m", num_layers=2))
     with pytest.raises(LowbitError, match="does not match the model at layer 0"):
         sidecar.check_against(side, gemma)
+
+
+def test_quantized_weights_are_served_and_exported(tiny_dir, tmp_path):
+    """A compressed-tensors checkpoint (lowbit quantize's format): lowbit serve loads it through
+    lowbit.weights and reports it; export --for vllm ships it with the KV sidecar."""
+    from fastapi.testclient import TestClient
+
+    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.server import build
+    from lowbit.weights.apply import quantize_model
+    from lowbit.weights.export import save_compressed
+    from lowbit.weights.scheme import parse_weight_scheme
+    from tests.serve.conftest import byte_tokenizer, tiny_runtime
+
+    m = tiny_runtime("bf16").model
+    s = parse_weight_scheme("w8a16")
+    rep = quantize_model(m, s, method="rtn")
+    ckpt = tmp_path / "ckpt"
+    save_compressed(m, byte_tokenizer(), s, ckpt, inputs={"model": "tiny"}, recipe={"scheme": s.to_dict()},
+                    counts=rep.counts(), ignore=["lm_head"])
+    rt = load_runtime(str(tiny_dir), weights=str(ckpt))
+    assert rt.weights["quantization_config"]["format"] == s.ct_format
+    engine, app = build(rt, max_active=1)
+    engine.start()
+    try:
+        with TestClient(app) as c:
+            card = c.get("/v1/models").json()["data"][0]["lowbit"]
+            assert card["weights"]["quantization_config"]["format"] == s.ct_format
+            r = c.post("/v1/completions", json={"model": rt.name, "prompt": "hello", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200, r.text
+    finally:
+        engine.stop()
+    out = tmp_path / "exp"
+    assert main(["export", "--for", "vllm", "--model", str(tiny_dir), "--kv", "int4", "--weights", str(ckpt),
+                 "--out", str(out)]) == 0
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == s.ct_format and (out / "lowbit_kv.json").is_file()
+    rt2 = load_runtime(str(out))  # the exported dir itself: quantized weights + int4 sidecar
+    assert rt2.weights is not None and rt2.scheme.k.bits == 4

@@ -119,3 +119,70 @@ def test_entry_point_is_declared():
 
     d = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
     assert d["project"]["entry-points"]["vllm.general_plugins"] == {"lowbit": "lowbit.vllm_plugin:register"}
+
+
+class PagedEmulation:
+    """The plugin's write + attend driven by a transformers model instead of vLLM: each layer's new
+    K/V go through paged.write into a paged cache (scrambled blocks), attention through paged.attend.
+    Same model numerics as lowbit's runtime, so the two must agree."""
+
+    def __init__(self, model, scheme, geometry, block_size=16, num_blocks=64):
+        from transformers import AttentionInterface
+
+        from lowbit.kv.rotations import layer_rotations
+
+        g = geometry.layers[0]
+        self.fmt = SlotFormat(scheme, g.head_dim_k, g.head_dim_v, torch.float32)
+        self.rots = layer_rotations(scheme, geometry)
+        self.caches = [torch.zeros(num_blocks, g.num_kv_heads, block_size, self.fmt.slot_bytes, dtype=torch.uint8)
+                       for _ in geometry.layers]
+        self.table = torch.randperm(num_blocks)[None]
+        self.bs = block_size
+        self.pos = 0
+        AttentionInterface.register("lowbit_paged_emulation", self._attention)
+        self.model = model
+
+    def _attention(self, module, query, key, value, attention_mask, scaling=None, **kw):
+        i = module.layer_idx
+        L = query.shape[2]
+        pos = torch.arange(self.pos, self.pos + L)
+        slots = self.table[0][pos // self.bs] * self.bs + pos % self.bs
+        rk, rv = self.rots[i]
+        paged.write(self.caches[i], self.fmt, key[0].transpose(0, 1), value[0].transpose(0, 1), slots, rk, rv)
+        out = paged.attend(query[0].transpose(0, 1), self.caches[i], self.fmt, block_table=self.table,
+                           seq_lens=torch.tensor([self.pos + L]), query_start_loc=torch.tensor([0, L]),
+                           scale=scaling, rot_k=rk, rot_v=rv, window=kw.get("sliding_window"))
+        return out[None].to(query.dtype), None
+
+    @torch.no_grad()
+    def logits(self, ids: list[int]) -> torch.Tensor:
+        prev = self.model.config._attn_implementation
+        self.model.set_attn_implementation("lowbit_paged_emulation")
+        try:
+            x = torch.tensor([ids])
+            out = self.model(input_ids=x, position_ids=torch.arange(self.pos, self.pos + len(ids))[None], use_cache=False)
+        finally:
+            self.model.set_attn_implementation(prev)
+        self.pos += len(ids)
+        return out.logits[0, -1]
+
+
+@pytest.mark.parametrize("name,rotation", [("int4", "none"), ("k4v2", "hadamard")])
+def test_plugin_math_equals_lowbit_runtime_on_a_model(name, rotation):
+    """Greedy tokens and logits of the plugin path == lowbit's own cache with sink 0 / recent 0 / page 1."""
+    from lowbit.serve.kvcache import CacheFactory
+    from tests.serve.conftest import tiny_runtime
+
+    rt = tiny_runtime(name, sink=0, recent=0, page=1, rotation=rotation)
+    emu = PagedEmulation(rt.model, rt.scheme, rt.geometry)
+    cache = CacheFactory(rt.model, rt.scheme, rt.geometry).new()
+    ids = rt.tokenizer.encode("Paged caches hold packed slots; does the math agree?")
+    with torch.no_grad():
+        want = rt.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
+        got = emu.logits(ids)
+        for _ in range(12):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+            t = int(torch.argmax(want))
+            assert int(torch.argmax(got)) == t
+            want = rt.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1]
+            got = emu.logits([t])

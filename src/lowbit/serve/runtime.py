@@ -42,18 +42,15 @@ def _is_quantized_checkpoint(path: Path) -> bool:
 
 
 def _load_weights(path: Path, dtype):
-    """A compressed-tensors checkpoint through lowbit's loader (lowbit.weights.load_quantized)."""
+    """A compressed-tensors checkpoint through lowbit's loader (lowbit.weights.load.load_quantized)."""
     try:
-        from lowbit.weights import load_quantized
+        from lowbit.weights.load import load_quantized
     except ImportError:
         raise LowbitError(
-            f"{path} holds quantized weights but this lowbit has no lowbit.weights.load_quantized; "
+            f"{path} holds quantized weights but this lowbit has no lowbit.weights.load.load_quantized; "
             "serve the unquantized model instead"
         ) from None
-    loaded = load_quantized(path)
-    model = getattr(loaded, "model", loaded)
-    model = model.to(dtype) if dtype is not None and hasattr(model, "to") else model
-    tok = getattr(loaded, "tokenizer", None)
+    model, tok = load_quantized(path, dtype=dtype)
     cfg = json.loads((path / "config.json").read_text())
     info = {"path": str(path), "quantization_config": cfg.get("quantization_config")}
     return model, tok, info

@@ -93,12 +93,23 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
     return LowbitModel(path=str(p), scheme=scheme, geometry=geometry, formats=formats, rotations=rots)
 
 
+_active: list[LowbitModel | None] = []  # what this process resolved last (vLLM serves one model per process)
+
+
 def current_model() -> LowbitModel | None:
-    cfg = get_current_vllm_config()
+    """The lowbit model of the vLLM config in force; outside a config context (vLLM asks some
+    backend questions without one), the one this process resolved last."""
+    try:
+        cfg = get_current_vllm_config()
+    except AssertionError:
+        return _active[-1] if _active else None
     mc = getattr(cfg, "model_config", None)
     if mc is None:
-        return None
-    return _load(str(mc.model), mc.dtype)
+        return _active[-1] if _active else None
+    m = _load(str(mc.model), mc.dtype)
+    if not _active or _active[-1] is not m:
+        _active.append(m)
+    return m
 
 
 # ------------------------------------------------------------------- metadata
