@@ -5,6 +5,7 @@
 #     --venv DIR          the vLLM venv, created when missing (default: <repo>/../vllm-venv, outside the repo)
 #     --port N            loopback port (default 8765)
 #     --prompt TEXT       completion prompt, greedy (default: "The capital of France is")
+#     --prompt-file F     read the prompt from a file instead
 #     --max-tokens N      tokens to generate (default 12)
 #     --kv-cache-bytes N  KV cache budget given to vLLM (default 268435456 = 256 MiB), so capacities compare
 #     --max-model-len N   (default 2048)
@@ -37,12 +38,13 @@ while [[ $# -gt 0 ]]; do
     --venv) VENV="$2"; shift 2 ;;
     --port) PORT="$2"; shift 2 ;;
     --prompt) PROMPT="$2"; shift 2 ;;
+    --prompt-file) PROMPT="$(cat "$2")"; shift 2 ;;
     --max-tokens) MAX_TOKENS="$2"; shift 2 ;;
     --kv-cache-bytes) KV_BYTES="$2"; shift 2 ;;
     --max-model-len) MAX_LEN="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --setup-only) SETUP_ONLY=1; shift ;;
-    -h|--help) sed -n 2,22p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
     -*) echo "error: unknown option $1" >&2; exit 2 ;;
     *) MODEL="$1"; shift ;;
   esac

@@ -34,7 +34,7 @@ def test_export_writes_a_pinned_vllm_dir(tiny_dir, tmp_path):
     assert {"config.json", "model.safetensors", "tokenizer.json", "lowbit_kv.json", "manifest.json"} <= names
     side = sidecar.read(out)
     s = sidecar.scheme_of(side, out)
-    assert (s.k.bits, s.v.bits, s.sink, s.recent, s.page, s.rotation) == (4, 2, 0, 0, 1, "hadamard")
+    assert (s.k.bits, s.v.bits, s.sink, s.recent, s.page, s.rotation) == (4, 2, 64, 256, 1, "hadamard")
     assert side["resolved"]["k"]["group"] == {"64": 64} and side["resolved"]["v"]["bits_per_element"] == {"64": 2.5}
     geo = ModelGeometry.from_config(json.loads((out / "config.json").read_text()))
     sidecar.check_against(side, geo)
@@ -52,7 +52,7 @@ def test_export_writes_a_pinned_vllm_dir(tiny_dir, tmp_path):
 def test_export_refusals(tiny_dir, tmp_path):
     out = tmp_path / "x"
     base = ["export", "--for", "vllm", "--model", str(tiny_dir), "--out", str(out)]
-    assert main(base + ["--kv", "int4", "--sink", "64"]) == 2  # no sink tier in the plugin
+    assert main(base + ["--kv", "int4", "--page", "16"]) == 2  # the plugin packs every token (page 1)
     assert main(base + ["--kv", "kivi2"]) == 2  # per-channel keys: not in the plugin
     assert main(base + ["--kv", "int4", "--group", "48"]) == 2  # does not divide head_dim 64
     assert main(base) == 2  # no --kv

@@ -138,6 +138,8 @@ class PagedEmulation:
                        for _ in geometry.layers]
         self.table = torch.randperm(num_blocks)[None]
         self.bs = block_size
+        self.arenas = [paged.TierArena(scheme.sink, scheme.recent, block_size, torch.float32)
+                       if scheme.sink or scheme.recent else None for _ in geometry.layers]
         self.pos = 0
         AttentionInterface.register("lowbit_paged_emulation", self._attention)
         self.model = model
@@ -148,10 +150,15 @@ class PagedEmulation:
         pos = torch.arange(self.pos, self.pos + L)
         slots = self.table[0][pos // self.bs] * self.bs + pos % self.bs
         rk, rv = self.rots[i]
-        paged.write(self.caches[i], self.fmt, key[0].transpose(0, 1), value[0].transpose(0, 1), slots, rk, rv)
+        seq_lens, qsl = torch.tensor([self.pos + L]), torch.tensor([0, L])
+        positions, row_lens = paged.token_positions(qsl, seq_lens, L)
+        assert torch.equal(positions, pos)
+        paged.write(self.caches[i], self.fmt, key[0].transpose(0, 1), value[0].transpose(0, 1), slots, rk, rv,
+                    positions=positions, row_seq_lens=row_lens, arena=self.arenas[i])
         out = paged.attend(query[0].transpose(0, 1), self.caches[i], self.fmt, block_table=self.table,
-                           seq_lens=torch.tensor([self.pos + L]), query_start_loc=torch.tensor([0, L]),
-                           scale=scaling, rot_k=rk, rot_v=rv, window=kw.get("sliding_window"))
+                           seq_lens=seq_lens, query_start_loc=qsl, scale=scaling, rot_k=rk, rot_v=rv,
+                           window=kw.get("sliding_window"), arena=self.arenas[i], chunk_tokens=32,
+                           new_k=key[0].transpose(0, 1), new_v=value[0].transpose(0, 1))
         return out[None].to(query.dtype), None
 
     @torch.no_grad()
@@ -167,13 +174,16 @@ class PagedEmulation:
         return out.logits[0, -1]
 
 
-@pytest.mark.parametrize("name,rotation", [("int4", "none"), ("k4v2", "hadamard")])
-def test_plugin_math_equals_lowbit_runtime_on_a_model(name, rotation):
-    """Greedy tokens and logits of the plugin path == lowbit's own cache with sink 0 / recent 0 / page 1."""
+@pytest.mark.parametrize("name,rotation,sink,recent",
+                         [("int4", "none", 0, 0), ("k4v2", "hadamard", 0, 0), ("int2", "hadamard", 19, 0),
+                          ("int2", "hadamard", 5, 21)])
+def test_plugin_math_equals_lowbit_runtime_on_a_model(name, rotation, sink, recent):
+    """Greedy tokens and logits of the plugin path == lowbit's own cache with the same sink / recent and
+    page 1 (a sink of 19 spans two 16-token blocks; recent 21 slides over block edges while decoding)."""
     from lowbit.serve.kvcache import CacheFactory
     from tests.serve.conftest import tiny_runtime
 
-    rt = tiny_runtime(name, sink=0, recent=0, page=1, rotation=rotation)
+    rt = tiny_runtime(name, sink=sink, recent=recent, page=1, rotation=rotation)
     emu = PagedEmulation(rt.model, rt.scheme, rt.geometry)
     cache = CacheFactory(rt.model, rt.scheme, rt.geometry).new()
     ids = rt.tokenizer.encode("Paged caches hold packed slots; does the math agree?")
@@ -186,3 +196,51 @@ def test_plugin_math_equals_lowbit_runtime_on_a_model(name, rotation):
             assert int(torch.argmax(got)) == t
             want = rt.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1]
             got = emu.logits([t])
+
+
+def test_token_positions_of_a_mixed_batch():
+    # requests: 5 new of 5 (prefill), 1 new of 40 (decode), 3 new of 12 (continuation); 2 padding slots
+    pos, lens = paged.token_positions(torch.tensor([0, 5, 6, 9]), torch.tensor([5, 40, 12]), 11)
+    assert pos.tolist() == [0, 1, 2, 3, 4, 39, 9, 10, 11, -1, -1]
+    assert lens.tolist() == [5] * 5 + [40] + [12] * 3 + [0, 0]
+
+
+def test_sink_rows_are_read_dense():
+    """With a sink, attention over the first rows uses their exact values, not their codes."""
+    torch.manual_seed(1)
+    fmt = SlotFormat(parse_kv_scheme("int2", sink=16, recent=0, page=1), 64, 64)
+    cache = torch.zeros(4, 3, 16, fmt.slot_bytes, dtype=torch.uint8)
+    arena = paged.TierArena(16, 0, 16, torch.float32)
+    k, v = torch.randn(20, 3, 64), torch.randn(20, 3, 64)
+    table = torch.tensor([[2, 0]])
+    pos = torch.arange(20)
+    paged.write(cache, fmt, k, v, table[0][pos // 16] * 16 + pos % 16, positions=pos,
+                row_seq_lens=torch.full((20,), 20), arena=arena)
+    blocks = list(paged._blocks(cache, fmt, table[0], 20, 1024, arena))
+    (kd, vd, _lo), = blocks
+    assert torch.equal(kd[0, :, :16], k[:16].transpose(0, 1)) and torch.equal(vd[0, :, :16], v[:16].transpose(0, 1))
+    assert not torch.allclose(kd[0, :, 16:], k[16:].transpose(0, 1), atol=1e-2)  # the rest are int2 codes
+
+
+def test_recent_window_slides_and_old_blocks_are_evicted():
+    fmt = SlotFormat(parse_kv_scheme("int2", sink=0, recent=20, page=1), 64, 64)
+    cache = torch.zeros(8, 1, 16, fmt.slot_bytes, dtype=torch.uint8)
+    arena = paged.TierArena(0, 20, 16, torch.float32)
+    table = torch.tensor([[5, 1, 7, 3]])
+    k, v = torch.randn(60, 1, 64), torch.randn(60, 1, 64)
+    q = torch.randn(1, 1, 64)
+    for n in (1, 30, 45, 60):  # grow the request step by step; the window covers [n - 20, n)
+        done = sum(1 for b in arena.k)  # noqa: F841 (documents that the arena changes)
+        prev = 0 if n == 1 else {30: 1, 45: 30, 60: 45}[n]
+        pos = torch.arange(prev, n)
+        paged.write(cache, fmt, k[prev:n], v[prev:n], table[0][pos // 16] * 16 + pos % 16, positions=pos,
+                    row_seq_lens=torch.full((n - prev,), n), arena=arena)
+        paged.attend(q, cache, fmt, block_table=table, seq_lens=torch.tensor([n]), query_start_loc=torch.tensor([0, 1]),
+                     scale=0.125, arena=arena)
+        need = arena.needed_blocks(table[0], n)
+        assert set(arena.k) == need  # evicted down to the window's blocks
+        kd, _, _ = next(paged._blocks(cache, fmt, table[0], n, 1024, arena))
+        lo = max(0, n - 20)
+        assert torch.equal(kd[0, 0, lo:n], k[lo:n, 0])  # window rows exact
+    arena.retain(set())
+    assert not arena.k

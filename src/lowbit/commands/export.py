@@ -9,10 +9,10 @@ config.json carries quantization_config, which vLLM's own kernels serve) -- plus
 rotations/ (the RotationSet, when the scheme uses one) and manifest.json (ArtifactWriter:
 every file with bytes + sha256, the recipe and the inputs).
 
-The vLLM plugin quantizes every token as it is written to vLLM's paged cache (page 1, no
-sink or recent tier: vLLM's block manager has no place for them yet), so the exported scheme
-has sink 0, recent 0, page 1; asking for a sink or recent window is refused rather than
-silently dropped. `lowbit serve DIR` serves the same directory with these exact semantics, which
+The vLLM plugin packs every token as it is written to vLLM's paged cache (page 1) and keeps the
+first `--sink` and last `--recent` tokens of each request dense beside it (defaults 64 / 256, as
+lowbit's runtime), so the exported scheme has page 1. What the plugin cannot serve (KIVI channel
+groups, Lloyd-Max, folded V rotations) is refused here rather than exported. `lowbit serve DIR` serves the same directory with these exact semantics, which
 is how the plugin's tokens are checked against lowbit's own runtime.
 """
 
@@ -64,15 +64,10 @@ def model_dir(name_or_path: str) -> Path:
 
 
 def vllm_scheme(scheme):
-    """The scheme the vLLM plugin serves: every token quantized on write (sink 0, recent 0, page 1).
+    """The scheme the vLLM plugin serves: every token packed on write (page 1), dense sink and recent tiers.
 
     Refuses what the plugin does not implement (named), instead of exporting a sidecar it would
     serve differently."""
-    if scheme.sink or scheme.recent:
-        raise LowbitError(
-            f"the vLLM plugin has no sink/recent tiers yet (vLLM's paged cache holds every token packed); "
-            f"the scheme asks sink {scheme.sink}, recent {scheme.recent}: pass --sink 0 --recent 0"
-        )
     for which, t in (("K", scheme.k), ("V", scheme.v)):
         if t.quantized and t.axis != "token":
             raise LowbitError(f"{which} is grouped per channel (KIVI); the vLLM plugin supports per-token groups only")
@@ -92,14 +87,11 @@ def run(args) -> int:
 
     if args.kv is None and getattr(args, "recipe", None) is None:
         raise LowbitError("--kv SCHEME (or --recipe FILE) is required: the sidecar says how vLLM holds the KV cache")
-    # sink / recent default to 0 here (not the library's 64 / 256): see vllm_scheme
-    if getattr(args, "recipe", None) is None:
-        args.sink = 0 if args.sink is None else args.sink
-        args.recent = 0 if args.recent is None else args.recent
-        args.page = 1 if getattr(args, "page", None) is None else args.page
+    if getattr(args, "recipe", None) is None and getattr(args, "page", None) not in (None, 1):
+        raise LowbitError(f"--page {args.page}: the vLLM plugin packs every token on write (page 1); drop --page")
     scheme = kv_scheme_from_args(args)
     if scheme is None:
-        scheme = parse_kv_scheme(args.kv, sink=0, recent=0, page=1)
+        scheme = parse_kv_scheme(args.kv)
     scheme = vllm_scheme(scheme)
     src = model_dir(args.model)
     wdir = None

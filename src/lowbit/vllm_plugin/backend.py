@@ -13,8 +13,16 @@ For a directory with the sidecar:
   - forward: per request, attention of the new queries over the packed history (paged.attend),
     queries rotated by R_k, output un-rotated by R_v^T.
 
-Not supported yet (refused at start-up, never silently served otherwise): sink / recent tiers,
-per-channel (KIVI) keys, Lloyd-Max levels, alibi, attention sinks, encoder attention, CUDA.
+  - the exact tiers: each request's first `sink` and last `recent` tokens are also kept dense
+    (rotated, model dtype) in a per-layer paged.TierArena beside vLLM's cache and read from there;
+    blocks leave it when they fall behind a request's window or no running request holds them.
+    That memory is outside vLLM's KV budget (--kv-cache-memory-bytes) and is logged at start-up.
+  - a chunk's queries attend to their own chunk as it arrived and to the history as stored,
+    as lowbit's runtime does.
+
+Not supported (refused at start-up, never silently served otherwise): per-channel (KIVI) keys,
+Lloyd-Max levels, alibi, attention sinks, encoder attention, CUDA. Sliding-window models are
+not tested (vLLM frees blocks outside the window; the arena assumes it does not).
 The attention here is plain torch (dequantize chunk by chunk); no fused kernel on CPU.
 """
 
@@ -49,6 +57,7 @@ from lowbit.vllm_plugin.slot import SlotFormat
 
 log = logging.getLogger("lowbit.vllm_plugin")
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
+_ARENAS: dict[str, paged.TierArena] = {}  # layer name -> its arena (this process)
 
 
 @dataclass
@@ -81,15 +90,21 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
     geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(p), name=side["model"]["name"])
     sidecar.check_against(side, geometry)  # layers, heads, dims: a sidecar for another model is refused
     scheme = sidecar.scheme_of(side, p)
-    if scheme.sink or scheme.recent:
-        raise LowbitError(f"{p}: the sidecar asks for sink {scheme.sink} / recent {scheme.recent} tokens, which the "
-                          "vLLM plugin does not hold yet; export with --sink 0 --recent 0")
+    if scheme.page != 1:
+        raise LowbitError(f"{p}: the sidecar has page {scheme.page}; the vLLM plugin packs every token on write "
+                          "(page 1): export again with `lowbit export --for vllm`")
     scheme.validate(geometry)
     dims = {(g.head_dim_k, g.head_dim_v) for g in geometry.layers}
     formats = {d: SlotFormat(scheme, d[0], d[1], dense_dtype) for d in dims}
     rots = layer_rotations(scheme, geometry)
     for d, f in formats.items():
         log.warning("lowbit plugin: %s KV %s | head_dim %s: %s", p.name, scheme.describe(), d, f.describe())
+    if scheme.sink or scheme.recent:
+        elt = torch.empty((), dtype=dense_dtype).element_size()
+        per_tok = sum(g.num_kv_heads * (g.head_dim_k + g.head_dim_v) * elt for g in geometry.layers)
+        log.warning("lowbit plugin: exact tiers (sink %d + recent %d tokens) dense beside vLLM's cache: up to "
+                    "%.2f MiB per request, outside --kv-cache-memory-bytes", scheme.sink, scheme.recent,
+                    (scheme.sink + scheme.recent) * per_tok / 2**20)
     return LowbitModel(path=str(p), scheme=scheme, geometry=geometry, formats=formats, rotations=rots)
 
 
@@ -129,6 +144,14 @@ class LowbitMetadataBuilder(AttentionMetadataBuilder[LowbitMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LowbitMetadata:
         m = common_attn_metadata
+        arenas = [_ARENAS[n] for n in self.layer_names if n in _ARENAS]
+        if arenas:  # drop the dense blocks no running request needs (finished requests)
+            table, lens = m.block_table_tensor, m.seq_lens.cpu().tolist()
+            live = set()
+            for r, n in enumerate(lens):
+                live |= arenas[0].needed_blocks(table[r], n)
+            for a in arenas:
+                a.retain(live)
         return LowbitMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc_cpu,
                               seq_lens=m.seq_lens.cpu(), block_table=m.block_table_tensor,
                               slot_mapping=m.slot_mapping)
@@ -162,6 +185,8 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         self.fmt = self.model.fmt(head_size, self.head_size_v)
         self._rot: dict[int, tuple] = {}
         self.tokens_written = 0
+        self.dense_dtype = get_current_vllm_config().model_config.dtype
+        self.arena: paged.TierArena | None = None  # made on the first write, once the block size is known
 
     def _rotations(self, layer) -> tuple:
         name = getattr(layer, "layer_name", "")
@@ -190,7 +215,20 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         cache = self._bytes(kv_cache)
         if cache.shape[-1] != self.fmt.slot_bytes:
             raise LowbitError(f"internal: vLLM gave {cache.shape[-1]} B cells, the lowbit slot is {self.fmt.slot_bytes} B")
-        self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv)
+        positions = row_lens = None
+        sch = self.model.scheme
+        if sch.sink or sch.recent:
+            from vllm.model_executor.layers.attention.attention import get_attention_context
+
+            md = get_attention_context(layer.layer_name)[0]
+            if md is None:  # profiling / warm-up pass: nothing real to keep
+                return
+            if self.arena is None:
+                self.arena = paged.TierArena(sch.sink, sch.recent, cache.shape[2], self.dense_dtype)
+                _ARENAS[layer.layer_name] = self.arena
+            positions, row_lens = paged.token_positions(md.query_start_loc, md.seq_lens, key.shape[0])
+        self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv, positions=positions,
+                                           row_seq_lens=row_lens, arena=self.arena)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -201,9 +239,12 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         n = attn_metadata.num_actual_tokens
         rk, rv = self._rotations(layer)
         q = query[:n].view(n, self.num_heads, self.head_size)
+        nk = key[:n].view(n, self.num_kv_heads, self.head_size)
+        nv = value[:n].view(n, self.num_kv_heads, self.head_size_v)
         out = paged.attend(q, self._bytes(kv_cache), self.fmt, block_table=attn_metadata.block_table,
                            seq_lens=attn_metadata.seq_lens, query_start_loc=attn_metadata.query_start_loc,
-                           scale=self.scale, rot_k=rk, rot_v=rv, window=self.sliding_window, softcap=self.softcap)
+                           scale=self.scale, rot_k=rk, rot_v=rv, window=self.sliding_window, softcap=self.softcap,
+                           arena=self.arena, new_k=nk, new_v=nv)
         output[:n] = out.reshape(output[:n].shape).to(output.dtype)
         return output
 
