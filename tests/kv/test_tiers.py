@@ -155,3 +155,15 @@ def test_cache_without_lowbit_attention_is_refused(llama):
     with pytest.raises(LowbitError, match="not using the 'lowbit' attention"):
         llama(ids, past_key_values=cache)
         llama(ids[:, :1], past_key_values=cache)
+
+
+def test_a_chunk_attends_to_itself_exactly_and_to_history_as_stored(llama):
+    """int2, 24-token prefill: its logits are the bf16 ones (its own K/V arrive exact) although
+    12 of its tokens were stored quantized; the next chunk reads them quantized."""
+    ids = _ids(llama, 2, 34, seed=9)
+    ref = reference(llama, ids, None, [24, 10])
+    cache = QuantizedKVCache(llama, scheme("int2", sink=4, recent=8, page=4))
+    out = run_chunks(llama, cache, ids, None, [24, 10])
+    assert cache.layers[0].mid_len >= 12
+    assert rel_err(out[:, :24], ref[:, :24]) < 1e-4
+    assert rel_err(out[:, 24:], ref[:, 24:]) > 1e-2

@@ -33,6 +33,15 @@ log = logging.getLogger(__name__)
 DECODE_BACKENDS = ("auto", "torch", "triton")
 
 
+def cache_kwargs(model, cache) -> dict:
+    """{name: cache} for model.generate / forward: transformers 5.24 renamed `past_key_values` to
+    `cache` (the old name still works there, with a warning); 5.17 knows only `past_key_values`."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
 def _split_model(model_or_config):
     if isinstance(model_or_config, torch.nn.Module):
         cfg = getattr(model_or_config, "config", None)
@@ -138,6 +147,7 @@ class QuantizedKVCache(Cache):
                 qg, layer.blocks(min_slot), q_slots, scaling=scaling, window=layer.window, keep=keep, softcap=softcap
             )
             self.backend_calls["torch"] += 1
+        layer.chunk = None  # the chunk's own exact K/V are needed only by this attention
         Dv = out.shape[-1]
         out = unrotate(out.reshape(B, Hkv, G * Lq, Dv), layer.rot_v)  # back from V's rotated basis
         return out.reshape(B, Hq, Lq, Dv).transpose(1, 2).to(query.dtype).contiguous()
@@ -161,6 +171,8 @@ class QuantizedKVCache(Cache):
                 return f"{which} {c.bits}-bit, head_dim {c.head_dim}, group {c.group} (kernel: 2/4/8 bits, D 64/128/256, group D or D/2)"
         if softcap:
             return "attention logit soft-capping"
+        if view.ring_k.shape[-2] == 0:
+            return "the new token was flushed straight into the middle (recent 0)"
         if keep is not None:
             return "padding mask (the kernel takes prefix-valid tiers)"
         if layer.window is not None:

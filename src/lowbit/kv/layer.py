@@ -9,6 +9,10 @@ ranges, oldest first:
     recent  [n - ring_len, n)                       model dtype   last R .. R + page - 1 slots
 
 Tokens enter through `_ingest` (rotation by R_k / R_v, once), fill the sink, then the ring.
+The queries of a chunk attend to the history as stored plus their own chunk as it arrived
+(see `blocks`): a prompt's own tokens are exact for its prefill, later chunks and every decode
+step read them as stored. This is how serving sees a prompt, and with one-token steps it is
+exactly the tiers.
 When the ring holds at least R + page tokens, its oldest whole pages are encoded by the
 layer's TensorCodec -- the one quantizer -- in one call and appended to the middle.
 Full layers keep everything. Sliding layers (window W) evict, before each new chunk, every
@@ -83,6 +87,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.k_codec = TensorCodec(scheme.k, geometry.head_dim_k, self.page, lv.get("k"))
         self.v_codec = TensorCodec(scheme.v, geometry.head_dim_v, self.page, lv.get("v"))
         self.rot_k, self.rot_v = rot_k, rot_v
+        self._channel_grouped = any(c.quantized and c.tq.axis == "channel" for c in (self.k_codec, self.v_codec))
         # stream the middle in blocks of whole pages
         self.chunk_tokens = max(self.page, int(chunk_tokens) // self.page * self.page)
         self._clear()
@@ -98,6 +103,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.ring: dict[str, torch.Tensor] = {}
         self.mid: dict[str, dict[str, torch.Tensor]] = {"k": {}, "v": {}}
         self.quantized_rows_total = 0  # token x kv-head rows ever encoded into the middle, K + V
+        self.chunk: tuple | None = None  # (k, v, first slot) of the chunk just stored, for its attention
         self.keys = self.values = None
 
     # ---------------------------------------------------------------- init
@@ -141,6 +147,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             self._evict_before(self.n - (self.window - 1))
         k, v = self._ingest(key_states, value_states)
         c = k.shape[-2]
+        self.chunk = (k, v, self.n)
         i = 0
         if self.n < self.S:  # the first S slots go to the sink
             i = min(self.S - self.n, c)
@@ -286,20 +293,39 @@ class QuantizedKVLayer(CacheLayerMixin):
         )
 
     def blocks(self, min_slot: int = 0):
-        """Yield (k, v, first slot) for sink, middle (decoded chunk_tokens rows at a time), recent.
+        """Yield (k, v, first slot) blocks for the attention of the chunk just stored.
 
-        Middle blocks entirely below `min_slot` (outside every query's window) are skipped."""
-        if self.sink_len and self.sink_len > min_slot:
-            yield self.sink["k"][:, :, : self.sink_len], self.sink["v"][:, :, : self.sink_len], 0
-        for start in range(0, self.mid_len, self.chunk_tokens):
-            stop = min(start + self.chunk_tokens, self.mid_len)
+        History before the chunk comes from the tiers as stored -- sink, the middle decoded
+        chunk_tokens rows at a time, recent -- and the chunk itself comes as it arrived (rotated,
+        model dtype): its queries attend to their own chunk exactly, later chunks and decode steps
+        see it as stored (quantized once it reaches the middle). With one-token decode steps this
+        is exactly what the tiers hold. Middle blocks entirely below `min_slot` (outside every
+        query's window) are skipped.
+        """
+        if self.chunk is None:
+            raise LowbitError(f"layer {self.layer_idx}: attention without a stored chunk (call update first)")
+        ck, cv, lo = self.chunk
+        ns = min(self.sink_len, lo)
+        if ns and ns > min_slot:
+            yield self.sink["k"][:, :, :ns], self.sink["v"][:, :, :ns], 0
+        n_mid = max(0, min(self.mid_len, lo - self.mid_lo))
+        for start in range(0, n_mid, self.chunk_tokens):
+            stop = min(start + self.chunk_tokens, n_mid)
             if self.mid_lo + stop <= min_slot:
                 continue
-            k = self.k_codec.decode(self._mid_fields("k", start, stop))
-            v = self.v_codec.decode(self._mid_fields("v", start, stop))
+            if stop % self.page and self._channel_grouped:
+                stop_fields = -(-stop // self.page) * self.page  # channel groups: decode whole pages
+                k = self.k_codec.decode(self._mid_fields("k", start, stop_fields))[:, :, : stop - start]
+                v = self.v_codec.decode(self._mid_fields("v", start, stop_fields))[:, :, : stop - start]
+            else:
+                k = self.k_codec.decode(self._mid_fields("k", start, stop))
+                v = self.v_codec.decode(self._mid_fields("v", start, stop))
             yield k, v, self.mid_lo + start
-        if self.ring_len:
-            yield self.ring["k"][:, :, : self.ring_len], self.ring["v"][:, :, : self.ring_len], self.n - self.ring_len
+        ring_lo = self.n - self.ring_len
+        nr = max(0, min(self.ring_len, lo - ring_lo))
+        if nr:
+            yield self.ring["k"][:, :, :nr], self.ring["v"][:, :, :nr], ring_lo
+        yield ck, cv, lo
 
     def middle_dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole middle tier decoded (float32 [B, Hkv, T, D] each): for tests and analysis only."""

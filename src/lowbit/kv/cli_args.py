@@ -1,0 +1,49 @@
+"""The KV-cache flags every command shares (`generate`, `eval`, `serve`), and the scheme they make.
+
+    from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
+    add_kv_arguments(parser)                 # --kv SCHEME + --group --sink --recent --page --clip
+                                             # --lloyd-max --rotation | --recipe FILE
+    scheme = scheme_from_args(args)          # a lowbit.recipe.KVScheme (not yet validated)
+"""
+
+from __future__ import annotations
+
+from lowbit.errors import LowbitError
+from lowbit.recipe import SCHEME_NAMES, KVScheme, load_recipe, parse_kv_scheme
+
+_FLAGS = ("group", "sink", "recent", "page", "clip", "rotation")
+
+
+def add_kv_arguments(parser, *, kv_default: str | None = None) -> None:
+    """Add --kv and the scheme flags (in a 'KV cache' group). kv_default None: --kv or --recipe is needed."""
+    g = parser.add_argument_group("KV cache")
+    g.add_argument("--kv", default=kv_default, metavar="SCHEME",
+                   help=f"KV scheme: {', '.join(SCHEME_NAMES)}" + (f" (default {kv_default})" if kv_default else ""))
+    g.add_argument("--group", type=int, default=None,
+                   help="channels per quantization group (default 128, or head_dim when smaller)")
+    g.add_argument("--sink", type=int, default=None, help="first tokens kept unquantized (default 64)")
+    g.add_argument("--recent", type=int, default=None, help="last tokens kept unquantized (default 256)")
+    g.add_argument("--page", type=int, default=None, help="tokens moved from the recent ring to the middle at once (default 16)")
+    g.add_argument("--clip", default=None, metavar="K,V", help="clip ratio, one value or K,V (e.g. 0.96,0.92)")
+    g.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels (Gaussian) instead of a uniform grid")
+    g.add_argument("--rotation", default=None, metavar="none|hadamard|PATH",
+                   help="rotate K and V: none (default), hadamard, or a RotationSet directory")
+    g.add_argument("--recipe", default=None, metavar="FILE", help="KV recipe file (JSON or TOML) instead of the flags")
+    parser.set_defaults(_kv_default=kv_default)
+
+
+def scheme_from_args(args, name: str | None = None) -> KVScheme:
+    """KVScheme from parsed args; `name` overrides args.kv (for commands that take a list of schemes)."""
+    name = name if name is not None else getattr(args, "kv", None)
+    recipe = getattr(args, "recipe", None)
+    flags = {f: getattr(args, f, None) for f in _FLAGS}
+    lloyd = bool(getattr(args, "lloyd_max", False))
+    if recipe:
+        given = [f"--{f}" for f, v in flags.items() if v is not None] + (["--lloyd-max"] if lloyd else [])
+        if given or (name is not None and name != getattr(args, "_kv_default", None)):
+            extra = ", ".join(given + (["--kv"] if name is not None else []))
+            raise LowbitError(f"--recipe holds the whole KV scheme; drop {extra} or drop --recipe")
+        return load_recipe(recipe)
+    if name is None:
+        raise LowbitError(f"give a KV scheme with --kv ({', '.join(SCHEME_NAMES)}) or a --recipe file")
+    return parse_kv_scheme(name, lloyd_max=lloyd, **flags)
