@@ -50,7 +50,12 @@ def main() -> None:
     ap.add_argument("--calib-dtype", choices=("float32", "bfloat16"), default="bfloat16")
     ap.add_argument("--damp", type=float, default=0.01)
     ap.add_argument("--keep-checkpoints", action="store_true")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    ap.add_argument("--skip-fp32", action="store_true", help="take the fp32 PPL from results.jsonl or --base-ppl")
+    ap.add_argument("--base-ppl", type=float, default=None)
     a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
     logging.basicConfig(level=logging.WARNING)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -61,6 +66,8 @@ def main() -> None:
     windows = token_windows(tok, load_text(a.data), a.seq_len, a.windows)
     calib = token_windows(tok, load_text(a.calib), a.calib_seq_len, a.calib_seqs)
     done = {json.loads(x)["row"]: json.loads(x) for x in res_path.read_text().splitlines()} if res_path.exists() else {}
+    if "fp32" not in done and a.base_ppl is not None:
+        done["fp32"] = {"ppl": a.base_ppl}
     if "fp32" not in done:
         t = time.perf_counter()
         ppl = full_window_ppl(lm.model, windows)
@@ -72,14 +79,20 @@ def main() -> None:
     cd = torch.bfloat16 if a.calib_dtype == "bfloat16" else None
     for cfg in a.configs.split(","):
         parts = cfg.split(":")
-        scheme, method, rotate = parse_weight_scheme(parts[0]), parts[1], len(parts) > 2 and parts[2] == "rotate"
-        row = f"{scheme.name}-{method}{'-rot' if rotate else ''}"
+        scheme, method, flags = parse_weight_scheme(parts[0]), parts[1], parts[2:]
+        rotate = "rotate" in flags
+        opts = {"clip_search": "noclip" not in flags, "weighted_clip": "wclip" in flags,
+                "sequential": "noseq" not in flags, "damp": a.damp, "act_order": "noact" not in flags}
+        for f in flags:
+            if f.startswith("damp="):
+                opts["damp"] = float(f[5:])
+        row = "-".join([scheme.name, method] + [f.replace("rotate", "rot") for f in flags])
         if row in done:
             continue
         model = copy.deepcopy(lm.model)
         t = time.perf_counter()
         rep = quantize_model(model, scheme, method=method, calib=calib if method == "gptq" else None, rotate=rotate,
-                             damp=a.damp, calib_dtype=cd)
+                             calib_dtype=cd, **opts)
         q_s = time.perf_counter() - t
         ck = out / f"ckpt-{row}"
         save_compressed(model, tok, scheme, ck, inputs={"model": lm.name, "weights_sha256": lm.weights_sha256},
@@ -89,7 +102,8 @@ def main() -> None:
         qm, _ = load_quantized(ck)
         t = time.perf_counter()
         ppl = full_window_ppl(qm, windows)
-        r = {"row": row, "scheme": scheme.name, "method": method, "rotate": rotate, "ppl": ppl,
+        r = {"row": row, "scheme": scheme.name, "method": method, "rotate": rotate, "flags": flags, "ppl": ppl,
+             "threads": torch.get_num_threads(),
              "delta_pct": 100 * (ppl / base - 1), "quantize_s": round(q_s, 1), "eval_s": round(time.perf_counter() - t, 1),
              "counts": rep.counts(), "damp_raised": rep.damp_raised,
              "ckpt_bytes": sum(f.stat().st_size for f in ck.glob("*.safetensors"))}
@@ -115,12 +129,14 @@ def _append(path: Path, rec: dict) -> None:
 def _table(res_path: Path, md: Path) -> None:
     rows = [json.loads(x) for x in res_path.read_text().splitlines()]
     base = next(r for r in rows if r["row"] == "fp32")["ppl"]
-    lines = [f"fp32 PPL {base:.3f}", "", "| scheme | method | rotation | PPL | ΔPPL | quantize s |", "|---|---|---|---|---|---|"]
+    lines = [f"fp32 PPL {base:.3f}", "", "| scheme | method | rotation | options | PPL | ΔPPL | quantize s (threads) |",
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["row"] == "fp32":
             continue
-        lines.append(f"| {r['scheme']} | {r['method']} | {'hadamard' if r['rotate'] else 'none'} | {r['ppl']:.3f} | "
-                     f"{r['delta_pct']:+.2f}% | {r['quantize_s']} |")
+        opts = " ".join(f for f in r.get("flags", []) if f != "rotate") or "-"
+        lines.append(f"| {r['scheme']} | {r['method']} | {'hadamard' if r['rotate'] else 'none'} | {opts} | {r['ppl']:.3f} | "
+                     f"{r['delta_pct']:+.2f}% | {r['quantize_s']} ({r.get('threads', '?')}) |")
     md.write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -116,6 +116,7 @@ def quantize_model(
     batch_size: int = 8,
     scale_dtype: torch.dtype = torch.float32,
     calib_dtype: torch.dtype | None = None,
+    weighted_clip: bool = False,
 ) -> QuantizeReport:
     """Quantize `model` in place (see module docstring). calib: int64 [n, T] token ids (GPTQ only).
 
@@ -191,7 +192,7 @@ def quantize_model(
                 g = scheme.group_for(lin.in_features)
                 qw = gptq_quantize(
                     lin.weight, H, bits, g, sym, block=block, damp=damp, act_order=act_order,
-                    clip_search=clip_search, name=name, scale_dtype=scale_dtype,
+                    clip_search=clip_search, name=name, scale_dtype=scale_dtype, weighted_clip=weighted_clip,
                 )
                 done(name, lin, qw)
             del hc

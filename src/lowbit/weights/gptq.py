@@ -128,9 +128,12 @@ def gptq_quantize(
     clip_search: bool = True,
     name: str = "?",
     scale_dtype: torch.dtype = torch.float32,
+    weighted_clip: bool = False,
 ) -> QuantizedWeight:
     """GPTQ of W [out, in] given H [in, in] (mean of x^T x over calibration tokens).
 
+    weighted_clip: score the clip search by diag(H)-weighted error (inputs that carry more energy
+    count more) instead of plain weight MSE.
     Returns codes uint8 [out, in] in the ORIGINAL column order on a grid of contiguous groups.
     """
     out, n = W.shape
@@ -140,7 +143,8 @@ def gptq_quantize(
         raise LowbitError(f"GPTQ on {name}: group {group} does not divide in_features {n}")
     W0 = W.detach().float()
     # Static groups: every group's grid fitted once on the original weights, original order.
-    g = fit_grid(W0, bits, group, symmetric, clip_search=clip_search, scale_dtype=scale_dtype)
+    cw = torch.diagonal(H).float().clamp(min=0) if weighted_clip else None
+    g = fit_grid(W0, bits, group, symmetric, clip_search=clip_search, scale_dtype=scale_dtype, col_weight=cw)
     scale_c = g.scale.repeat_interleave(group, dim=1)  # [out, n] per column
     zero_c = g.zero.repeat_interleave(group, dim=1)
 

@@ -31,7 +31,9 @@ import torch
 
 from lowbit.quant import affine
 
-CLIP_RATIOS = affine.DEFAULT_CLIP_RATIOS
+# Clip ratios tried per group. Weight groups never picked ratios below ~0.8 on smollm2-135m at
+# 4 bits (8 bits picks ~1.0), so the list stops at 0.78 and is spaced 0.03.
+CLIP_RATIOS = (1.0, 0.97, 0.94, 0.91, 0.88, 0.85, 0.82, 0.78)
 
 
 @dataclass(frozen=True)
@@ -151,15 +153,21 @@ def fit_grid(
     """
     out, n = w.shape
     w = w.float()
+    wg = w.reshape(out, n // group, group)  # [out, G, group]
+    cw = None if col_weight is None else col_weight.float().reshape(1, n // group, group)
+    qmax = (1 << bits) - 1
     cands = sorted({float(r) for r in ratios} | {1.0}, reverse=True) if clip_search else [1.0]
     best: Grid | None = None
     best_err = None
     for r in cands:
         g = grid_for_clip(w, bits, group, symmetric, r, scale_dtype)
-        err = (dequantize_on(quantize_on(w, g), g) - w).pow(2)  # [out, in]
-        if col_weight is not None:
-            err = err * col_weight.float().reshape(1, n)
-        err = err.reshape(out, n // group, group).sum(-1)  # [out, G]
+        s, z = g.scale.unsqueeze(-1), g.zero.unsqueeze(-1)
+        # encode -> decode -> squared error, in place: (clamp(round((w - z) / s)) * s + z - w)^2
+        e = wg - z
+        e.div_(s).round_().clamp_(0, qmax).mul_(s).add_(z).sub_(wg).square_()
+        if cw is not None:
+            e.mul_(cw)
+        err = e.sum(-1)  # [out, G]
         if best is None:
             best, best_err = g, err
             continue
