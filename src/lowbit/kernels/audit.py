@@ -1,0 +1,138 @@
+"""Audit every Triton kernel against its torch twin on the current device.
+
+`audit(device)` runs a shape sweep (full shapes on CUDA, small ones under the CPU interpreter),
+and returns one AuditRow per case: relative L2 error, max relative error, NaN/Inf, pass/fail.
+A kernel that returns garbage on some GPU generation while the capability query says yes is
+exactly what this catches, so run it on the device before trusting the kernel there.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from lowbit.quant.affine import quantize
+from lowbit.quant.packing import pack
+
+TOL = 1e-3  # relative L2 error, kernel (fp32 output) vs float32 twin
+
+
+@dataclass
+class AuditRow:
+    kernel: str
+    case: str
+    rel_l2: float
+    max_rel: float
+    finite: bool
+    ok: bool
+    seconds: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _packed(x, bits, group):
+    qz = quantize(x, bits, group, scale_dtype=torch.float16)
+    return pack(qz.codes, bits, "strided"), qz.scale, qz.zero
+
+
+def make_case(B, Hq, Hkv, D, T, kbits, vbits, *, group=None, sink=0, recent=0, ragged=False,
+              dtype=torch.bfloat16, device="cpu", seed=0):
+    """Random inputs for decode_attention: keys with per-channel offsets (outlier channels), packed
+    through lowbit.quant (the one quantizer + the strided layout)."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    group = group or D
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    kx = rnd(B, Hkv, T, D) + 2.0 * rnd(1, Hkv, 1, D)
+    vx = rnd(B, Hkv, T, D)
+    kc, ks, kz = _packed(kx, kbits, group)
+    vc, vs, vz = _packed(vx, vbits, group)
+    del kx, vx
+    lens = torch.randint(0, T + 1, (B,), generator=g, device=device) if ragged else torch.full((B,), T, device=device)
+    kw = {"q": rnd(B, Hq, D).to(dtype), "k_codes": kc, "k_scale": ks, "k_zero": kz,
+              "v_codes": vc, "v_scale": vs, "v_zero": vz, "mid_lens": lens.to(torch.int32), "k_bits": kbits, "v_bits": vbits}
+    if sink:
+        kw.update(sink_k=rnd(B, Hkv, sink, D).to(dtype), sink_v=rnd(B, Hkv, sink, D).to(dtype))
+    if recent:
+        kw.update(recent_k=rnd(B, Hkv, recent, D).to(dtype), recent_v=rnd(B, Hkv, recent, D).to(dtype),
+                  recent_lens=torch.randint(0, recent + 1, (B,), generator=g, device=device).to(torch.int32))
+    return kw
+
+
+def sweep(device: str) -> list[dict]:
+    """(name, kwargs for make_case) covering bits 2/4/8 and k4v2, head_dim 64/128/256, GQA 1/3/4/8/9,
+    batches 1..17, ragged lengths incl. empty sequences, with and without dense tiers."""
+    if device == "cuda":
+        base = [
+            (16, 32, 8, 128, 32768, 2, 2, {}),
+            (16, 32, 8, 128, 32768, 4, 4, {}),
+            (4, 32, 8, 128, 16384, 8, 8, {}),
+            (1, 32, 8, 128, 131072, 2, 2, {}),
+            (8, 32, 8, 128, 8000, 4, 2, {"ragged": True}),
+            (16, 4, 1, 256, 32768, 2, 2, {"group": 128}),
+            (3, 4, 1, 256, 5000, 4, 4, {"group": 128, "ragged": True}),
+            (2, 8, 8, 64, 4096, 2, 2, {}),  # MHA
+            (5, 24, 8, 128, 1000, 2, 2, {"ragged": True}),  # GQA 3
+            (17, 9, 1, 64, 129, 2, 2, {"ragged": True}),  # GQA 9
+            (7, 64, 8, 128, 3000, 2, 4, {"ragged": True}),  # GQA 8
+        ]
+        out = []
+        for B, Hq, Hkv, D, T, kb, vb, extra in base:
+            for tiers in ({}, {"sink": 64, "recent": 256}):
+                out.append((f"B{B} Hq{Hq}/Hkv{Hkv} D{D} T{T} k{kb}v{vb}" + (" +tiers" if tiers else "")
+                            + (" ragged" if extra.get("ragged") else ""),
+                            dict(B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kbits=kb, vbits=vb, **extra, **tiers)))
+        return out
+    return [
+        ("B1 Hq4/Hkv1 D64 T1 k2v2", {"B": 1, "Hq": 4, "Hkv": 1, "D": 64, "T": 1, "kbits": 2, "vbits": 2}),
+        ("B2 Hq3/Hkv1 D64 T7 k4v4 +tiers", {"B": 2, "Hq": 3, "Hkv": 1, "D": 64, "T": 7, "kbits": 4, "vbits": 4, "sink": 3, "recent": 5}),
+        ("B5 Hq8/Hkv2 D64 T129 k2v2 ragged", {"B": 5, "Hq": 8, "Hkv": 2, "D": 64, "T": 129, "kbits": 2, "vbits": 2, "ragged": True}),
+        ("B1 Hq8/Hkv1 D64 T1000 k8v8", {"B": 1, "Hq": 8, "Hkv": 1, "D": 64, "T": 1000, "kbits": 8, "vbits": 8}),
+        ("B2 Hq2/Hkv2 D128 T70 k4v2 g64", {"B": 2, "Hq": 2, "Hkv": 2, "D": 128, "T": 70, "kbits": 4, "vbits": 2, "group": 64}),
+    ]
+
+
+def audit(device: str | None = None, cases=None, config=None) -> list[AuditRow]:
+    """Run the sweep on `device` ('cuda' or 'cpu'; default: cuda if available) with the kernel's
+    default launch config (or `config`)."""
+    from lowbit.kernels.decode_attention import KernelConfig, decode_attention
+    from lowbit.kernels.reference import decode_attention_ref
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if config is not None:
+        cfg = config
+    else:
+        cfg = KernelConfig() if device == "cuda" else KernelConfig(warp_tokens=16, num_warps=2, num_splits=3,
+                                                                  dense_block=16)
+    rows = []
+    for name, kw in cases or sweep(device):
+        t = time.time()
+        inp = make_case(**kw, device=device, seed=len(rows))
+        q = inp["q"]
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=device)  # poisoned
+        decode_attention(**inp, config=cfg, out=out)
+        ref = decode_attention_ref(**inp)
+        finite = bool(torch.isfinite(out).all())
+        d = (out.double() - ref.double())
+        rel = float(d.norm() / ref.double().norm().clamp_min(1e-30)) if finite else float("inf")
+        mrel = float(d.abs().max() / ref.double().abs().max().clamp_min(1e-30)) if finite else float("inf")
+        rows.append(AuditRow("decode_attention", name, rel, mrel, finite, finite and rel <= TOL,
+                             time.time() - t))
+        del inp, out, ref
+    return rows
+
+
+def format_table(rows: list[AuditRow]) -> str:
+    w = max(len(r.case) for r in rows)
+    lines = [f"{'kernel':<17} {'case':<{w}}  {'rel_l2':>9} {'max_rel':>9}  finite  result"]
+    for r in rows:
+        lines.append(f"{r.kernel:<17} {r.case:<{w}}  {r.rel_l2:9.2e} {r.max_rel:9.2e}  {r.finite!s:<6}  "
+                     f"{'ok' if r.ok else 'FAIL'}")
+    bad = sum(not r.ok for r in rows)
+    lines.append(f"{len(rows) - bad}/{len(rows)} ok (tolerance rel L2 <= {TOL:g})")
+    return "\n".join(lines)

@@ -1,0 +1,214 @@
+"""GPU benchmark of the fused decode attention against bf16 SDPA (flash backend, enable_gqa).
+
+Both sides are timed the same way in the same process: a CUDA graph of N back-to-back calls that
+cycle through several input sets (so the KV is never served from the 60 MB L2), replayed several
+times; the median per-call time is reported. Event-based `triton.testing.do_bench` medians (L2
+flushed, launch overhead included) are recorded beside them.
+"""
+
+from __future__ import annotations
+
+import math
+import platform
+import statistics
+import time
+
+import torch
+
+L2_BYTES = 60 * 2**20
+
+GEOMETRIES = {
+    # name: (Hq, Hkv, D, group)
+    "llama3-8b": (32, 8, 128, 128),
+    "gemma3-1b": (4, 1, 256, 128),
+}
+
+
+def packed_bytes(B, Hkv, L, D, bits, group) -> int:
+    """Bytes the kernel must read for K + V: codes plus fp16 scale and zero per group."""
+    per_tensor = D * bits // 8 + 4 * (D // group)
+    return 2 * B * Hkv * L * per_tensor
+
+
+def dense_bytes(B, Hkv, L, D) -> int:
+    return 2 * B * Hkv * L * D * 2
+
+
+def n_buffers(nbytes: int, cap_bytes: float) -> int:
+    """Enough input sets that a cycle is >= 4x L2, within cap_bytes of memory."""
+    want = max(2, math.ceil(4 * L2_BYTES / max(1, nbytes)))
+    return int(max(1, min(want, 16, cap_bytes // max(1, nbytes))))
+
+
+def graph_time_ms(fns, reps: int = 5, target_ms: float = 30.0) -> float:
+    """Median per-call time (ms) of a CUDA graph of N calls cycling through `fns`."""
+    for f in fns:
+        f()
+    torch.cuda.synchronize()
+    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    s.record()
+    for i in range(len(fns) * 2):
+        fns[i % len(fns)]()
+    e.record()
+    torch.cuda.synchronize()
+    est = max(1e-3, s.elapsed_time(e) / (len(fns) * 2))
+    n = int(max(len(fns), min(2000, target_ms / est)))
+    n = (n // len(fns)) * len(fns) or len(fns)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fns[0]()  # warm the stream
+        torch.cuda.synchronize()
+        with torch.cuda.graph(g, stream=stream):
+            for i in range(n):
+                fns[i % len(fns)]()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        s.record()
+        g.replay()
+        e.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(e) / n)
+    del g
+    return float(statistics.median(times))
+
+
+def event_time_ms(fns) -> float:
+    import triton.testing
+
+    it = [0]
+
+    def f():
+        fns[it[0] % len(fns)]()
+        it[0] += 1
+
+    return float(triton.testing.do_bench(f, warmup=10, rep=40, return_mode="median"))
+
+
+def sdpa_case(B, Hq, Hkv, D, L, nbuf, seed=0):
+    """Callables running bf16 SDPA (flash backend) over nbuf KV sets."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, 1, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    sets = []
+    for _ in range(nbuf):
+        k = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        v = torch.randn(B, Hkv, L, D, device="cuda", dtype=torch.bfloat16, generator=g)
+        sets.append((k, v))
+
+    def mk(k, v):
+        def f():
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                return sdpa(q, k, v, enable_gqa=True)
+        return f
+
+    return [mk(k, v) for k, v in sets], sets
+
+
+def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0):
+    """Callables running the fused kernel over nbuf packed KV sets (random codes and scales)."""
+    from lowbit.kernels.decode_attention import decode_attention
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    ng = D // group
+    sets = []
+    for _ in range(nbuf):
+        t = {}
+        for n, bits in (("k", kbits), ("v", vbits)):
+            t[n + "c"] = torch.randint(0, 256, (B, Hkv, L, D * bits // 8), device="cuda", dtype=torch.uint8,
+                                       generator=g)
+            t[n + "s"] = (torch.rand(B, Hkv, L, ng, device="cuda", generator=g) * 0.1 + 0.01).half()
+            t[n + "z"] = (-torch.rand(B, Hkv, L, ng, device="cuda", generator=g)).half()
+        sets.append(t)
+
+    def mk(t):
+        def f():
+            return decode_attention(q, t["kc"], t["ks"], t["kz"], t["vc"], t["vs"], t["vz"], k_bits=kbits,
+                                    v_bits=vbits, config=cfg, out=out)
+        return f
+
+    return [mk(t) for t in sets], sets
+
+
+def env_info() -> dict:
+    import triton
+
+    info = {"torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
+            "time": time.strftime("%Y-%m-%d %H:%M:%S")}
+    try:
+        import transformers
+
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, sms=p.multi_processor_count, memory_gb=round(p.total_memory / 1e9, 1),
+                    cuda=torch.version.cuda, capability=f"{p.major}.{p.minor}")
+    return info
+
+
+def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-8b", "gemma3-1b"),
+        bits=((2, 2), (4, 4), (8, 8)), configs=None, mem_cap_gb: float = 60.0, event_timing: bool = False,
+        log=print) -> dict:
+    """The decode-attention table. configs: {(geometry, B, L, kbits): KernelConfig} (default: the
+    kernel's own choice). Returns a JSON-able dict with env, rows and the ratios."""
+    from lowbit.kernels.decode_attention import KernelConfig
+
+    configs = configs or {}
+    rows = []
+    for geo in geometries:
+        Hq, Hkv, D, group = GEOMETRIES[geo]
+        for B in batches:
+            for L in lengths:
+                db = dense_bytes(B, Hkv, L, D)
+                if db > mem_cap_gb * 1e9:
+                    log(f"skip {geo} B{B} L{L}: bf16 KV {db / 1e9:.0f} GB over the {mem_cap_gb:.0f} GB cap")
+                    continue
+                nb = n_buffers(db, mem_cap_gb * 1e9)
+                fns, keep = sdpa_case(B, Hq, Hkv, D, L, nb)
+                t_ref = graph_time_ms(fns)
+                row = {"geometry": geo, "B": B, "L": L, "Hq": Hq, "Hkv": Hkv, "D": D, "group": group, "bf16_bytes": db, "bf16_buffers": nb,
+                           "sdpa_ms": t_ref, "sdpa_tbs": db / t_ref / 1e9}
+                if event_timing:
+                    row["sdpa_event_ms"] = event_time_ms(fns)
+                del fns, keep
+                for kb, vb in bits:
+                    pb = packed_bytes(B, Hkv, L, D, kb, group)
+                    nbk = n_buffers(pb, mem_cap_gb * 1e9)
+                    cfg = configs.get((geo, B, L, kb)) or KernelConfig()
+                    fns, keep = kernel_case(B, Hq, Hkv, D, L, kb, vb, group, nbk, cfg)
+                    t = graph_time_ms(fns)
+                    tag = f"k{kb}v{vb}"
+                    row[f"{tag}_ms"] = t
+                    row[f"{tag}_ratio"] = t_ref / t
+                    row[f"{tag}_tbs"] = pb / t / 1e9
+                    row[f"{tag}_bytes"] = pb
+                    from lowbit.kernels.decode_attention import pick_num_splits
+
+                    rc = cfg.resolve(B, Hkv, D)
+                    row[f"{tag}_config"] = dict(rc.__dict__, num_splits=rc.num_splits or pick_num_splits(
+                        B, Hkv, L, rc.block_t, torch.cuda.get_device_properties(0).multi_processor_count,
+                        rc.num_warps))
+                    if event_timing:
+                        row[f"{tag}_event_ms"] = event_time_ms(fns)
+                    del fns, keep
+                torch.cuda.empty_cache()
+                rows.append(row)
+                log(format_row(row, bits))
+    return {"env": env_info(), "rows": rows}
+
+
+def format_row(r: dict, bits=((2, 2), (4, 4), (8, 8))) -> str:
+    s = f"{r['geometry']:<10} B{r['B']:<3} L{r['L']:<7} sdpa {r['sdpa_ms']:.3f} ms ({r['sdpa_tbs']:.2f} TB/s)"
+    for kb, vb in bits:
+        tag = f"k{kb}v{vb}"
+        if f"{tag}_ms" in r:
+            s += f" | {tag} {r[f'{tag}_ms']:.3f} ms x{r[f'{tag}_ratio']:.2f} {r[f'{tag}_tbs']:.2f} TB/s"
+    return s

@@ -1,0 +1,818 @@
+"""Fused split-K decode attention over the tiered KV cache (Triton), and its Python wrapper.
+
+One new query token per sequence attends to three tiers of one layer:
+  sink   (dense, model dtype)  [B, Hkv, Ns, D]  valid slots [0, sink_lens[b])
+  middle (packed codes)        k_codes uint8 [B, Hkv, T, D*kbits/8] in the `strided` layout of
+                               lowbit.quant.packing, k_scale/k_zero fp16 [B, Hkv, T, D/group];
+                               same for V; x = codes * scale + zero; valid slots [0, mid_lens[b])
+  recent (dense, model dtype)  [B, Hkv, Nr, D]  valid slots [0, recent_lens[b])
+Order inside a tier does not matter (attention is a sum over tokens), so a ring buffer whose valid
+slots are a prefix -- or all slots -- works as is; a sliding-window layer passes its window.
+
+Structure (flash-decoding):
+  stage 1  grid (n_mid_splits + dense?, Hkv, B). A program takes one KV head of one sequence and a
+           range of middle tokens (or, the last split, both dense tiers) and all G = Hq/Hkv query
+           heads of that KV head, so every code is read and dequantized once per group. It writes
+           the split's output normalised by its own softmax sum, and its log2-sum-exp.
+  stage 2  grid (B, Hq): merges the splits by log-sum-exp. Empty splits (no valid token) carry
+           lse = -inf and weight 0; a sequence with no token at all gets zeros, never NaN.
+
+Why it is fast (the arithmetic is in benchmarks/NOTES.md):
+- KV tokens are the M dimension of the QK dot ([BT tokens, D] x [D, HP heads]), so the G heads of a
+  KV head are padded only to HP = max(8, pow2(G)) (the n8 of mma.m16n8k16), not to 16 rows.
+- Dequant is one AND per two codes: a 32-bit word of packed codes ANDed with a mask that keeps one
+  code in each 16-bit half IS two fp16 numbers -- subnormals equal to code * 2**(shift-24). The
+  powers of two (2**-24 and the code's bit position) are folded into q (QK) or into the per-dim
+  factor applied once after the loop (PV), so no per-element convert, subtract or multiply.
+  The per-token scale/zero are factored out of the dots: q.k_t = s_t * (q . c_t) + z_t * sum(q).
+- For PV the MMA wants pairs of tokens per 32-bit register: one byte-permute per two words puts
+  byte b of token t and of token t+1 into the two halves, then one AND per position as above;
+  one sub.f16x2 centres the codes (code - 2**(bits-1)) so the fp32 MMA sum does not grow large
+  and cancel against the zero term (that cancellation cost 1.7e-3 of accuracy at 128k tokens).
+- Each warp keeps its own softmax state over its own tokens (a batched tl.dot whose batch is the
+  warp), so the loop has no cross-warp reduction; warps merge once at the end of the program.
+Measured on an H200 (benchmarks/NOTES.md): int2 3.5x SDPA flash at B16 L32k, 3.4-3.8x at B1 L128k;
+issue/latency-bound, not bandwidth-bound. Capture decode in a CUDA graph: a Python call of the
+wrapper costs ~0.1 ms of host time.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit.errors import LowbitError
+
+LOG2E = 1.4426950408889634
+
+
+# ----------------------------------------------------------------------------------------------
+# Dequant helpers (register bit tricks). Tensors carry a leading warp dim NW: every warp runs its
+# own slice of tokens with its own softmax state (batched tl.dot), so the loop needs no barrier.
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _halves(x):
+    """int32 -> (low half, high half) reinterpreted as fp16 (free: the halves of one register)."""
+    lo = x.to(tl.int16).to(tl.float16, bitcast=True)
+    hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _k_chunk(e, o, SH: tl.constexpr, BITS: tl.constexpr):
+    """Words e [NW, BTW, WU] (o = e >> 8) -> fp16 [NW, BTW, 4*WU]: the codes at bit offset SH of
+    every byte, value code * 2**(SH-24). Column 4w + j holds byte (0, 2, 1, 3)[j] of word w, so
+    each pair of neighbouring columns is the two halves of ONE register (what the MMA wants)."""
+    M: tl.constexpr = (((1 << BITS) - 1) << SH) * 0x10001
+    el, eh = _halves(e & M)  # bytes 0, 2
+    ol, oh = _halves(o & M)  # bytes 1, 3
+    x = tl.join(tl.join(el, ol), tl.join(eh, oh))  # [NW, BTW, WU, 2(eo), 2(h)] -> j = 2*eo + h
+    return tl.reshape(x, (x.shape[0], x.shape[1], x.shape[2] * 4))
+
+
+@triton.jit
+def _k_group(w, BITS: tl.constexpr, I0: tl.constexpr, NP: tl.constexpr):
+    """K words [NW, BTW, WU] -> fp16 [NW, BTW, NP*4*WU]: positions I0..I0+NP-1, chunk-major."""
+    o = w >> 8
+    c0 = _k_chunk(w, o, BITS * I0, BITS)
+    if NP == 1:
+        k = c0
+    elif NP == 2:
+        c1 = _k_chunk(w, o, BITS * (I0 + 1), BITS)
+        j = tl.join(c0, c1)  # [NW, BTW, U, 2(i)]
+        k = tl.reshape(tl.permute(j, (0, 1, 3, 2)), (j.shape[0], j.shape[1], j.shape[2] * 2))
+    else:
+        c1 = _k_chunk(w, o, BITS * (I0 + 1), BITS)
+        c2 = _k_chunk(w, o, BITS * (I0 + 2), BITS)
+        c3 = _k_chunk(w, o, BITS * (I0 + 3), BITS)
+        j = tl.join(tl.join(c0, c1), tl.join(c2, c3))  # [NW, BTW, U, 2(i_lo), 2(i_hi)]
+        k = tl.reshape(tl.permute(j, (0, 1, 4, 3, 2)), (j.shape[0], j.shape[1], j.shape[2] * 4))
+    return k
+
+
+@triton.jit
+def _k_dims(GK: tl.constexpr, SK: tl.constexpr, g: tl.constexpr):
+    """Dim of each column of _k_group for group g: swap bits 0 and 1 (byte order 0, 2, 1, 3)."""
+    k = tl.arange(0, GK)
+    return g * GK + (k & ~3) + ((k & 1) << 1) + ((k >> 1) & 1)
+
+
+@triton.jit
+def _pair_byte(a, b, c, USE_PRMT: tl.constexpr):
+    """Byte c of a into bits 0-7 and byte c of b into bits 16-23 (bits 8-15, 24-31: don't care).
+
+    a, b, c int32 of one shape; c in 0..3 (a tensor: different registers take different bytes)."""
+    if USE_PRMT:
+        # prmt selector nibbles (result byte 3..0) = (4+c, 4+c, c, c): one instruction
+        r = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, 0x4400 + c * 0x1111],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = ((a >> (8 * c)) & 0xFF) | (((b >> (8 * c)) & 0xFF) << 16)
+    return r
+
+
+@triton.jit
+def _v_group(wt, WU: tl.constexpr, BTW: tl.constexpr, BITS: tl.constexpr, I0: tl.constexpr,
+             NP: tl.constexpr, USE_PRMT: tl.constexpr, CENTER: tl.constexpr):
+    """V words, token-minor [NW, WU, BTW] -> fp16 V^T [NW, 4*NP*WU, BTW]; row r = (byte c,
+    position i, word w) = (c*NP + i)*WU + w holds dim i*S + 4w + c of the group; column = token.
+    Built by broadcasting over (c, i), not by joins, so c and i may sit in any register/warp."""
+    NW: tl.constexpr = wt.shape[0]
+    a, b = tl.split(tl.reshape(wt, (NW, WU, BTW // 2, 2)))  # even, odd tokens: [NW, WU, BTW/2]
+    shape: tl.constexpr = (NW, 4, WU, BTW // 2)
+    c = tl.arange(0, 4)[None, :, None, None]
+    x = _pair_byte(tl.broadcast_to(a[:, None, :, :], shape), tl.broadcast_to(b[:, None, :, :], shape),
+                   tl.broadcast_to(c, shape), USE_PRMT)  # [NW, 4, WU, BTW/2]
+    i = I0 + tl.arange(0, NP)
+    m = (((1 << BITS) - 1) << (BITS * i)) * 0x10001  # [NP]
+    y = x[:, :, None, :, :] & m[None, None, :, None, None]  # [NW, 4, NP, WU, BTW/2]
+    if CENTER:
+        # code - 2**(BITS-1) (exact: small multiples of the subnormal step): the MMA then sums
+        # values of both signs, not a large positive total that cancels against the zero term.
+        mid = ((1 << (BITS - 1 + BITS * i)) * 0x10001)[None, None, :, None, None]  # fp16x2 bit pattern
+        if USE_PRMT:
+            y = tl.inline_asm_elementwise("sub.f16x2 $0, $1, $2;", "=r,r,r", [y, tl.broadcast_to(mid, y.shape)],
+                                          dtype=tl.int32, is_pure=True, pack=1)
+            lo, hi = _halves(y)
+        else:
+            lo, hi = _halves(y)
+            mh, _ = _halves(tl.broadcast_to(mid, y.shape))
+            lo = lo - mh
+            hi = hi - mh
+    else:
+        lo, hi = _halves(y)
+    return tl.reshape(tl.join(lo, hi), (NW, 4 * NP * WU, BTW))
+
+
+@triton.jit
+def _v_rows(GV: tl.constexpr, WU: tl.constexpr, NP: tl.constexpr, SB: tl.constexpr):
+    """For the rows of _v_group: (dim offset inside the group, code position i)."""
+    r = tl.arange(0, GV)
+    c = r // (NP * WU)
+    i = (r // WU) % NP
+    w = r % WU
+    return i * SB + 4 * w + c, i
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _split_lo(x, DT: tl.constexpr):
+    """fp32 x -> (hi, lo) in DT with hi + lo = x to ~2**-16 (two MMAs instead of one fp32 one)."""
+    hi = x.to(DT)
+    return hi, (x - hi.to(tl.float32)).to(DT)
+
+
+@triton.jit
+def _dense_block(Kp, Vp, skt, svt, t0, n, q_hi, q_lo, m_i, l_v, o_t,
+                 BT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, EXACT_F32: tl.constexpr):
+    """One block of a dense tier (rows [t0, t0+BT) of [n, D] at Kp/Vp, token strides skt/svt).
+
+    K and V are exact in their dtype; q (and p) are split hi + lo in it, so two bf16/fp16 MMAs give
+    ~fp32 products. fp32 tiers (EXACT_F32) use tf32x3 instead."""
+    dk = tl.arange(0, D)
+    dv = tl.arange(0, DV)
+    t = t0 + tl.arange(0, BT)
+    valid = t < n
+    k = tl.load(Kp + t[:, None] * skt + dk[None, :], mask=valid[:, None], other=0.0)
+    if EXACT_F32:
+        s = tl.dot(k.to(tl.float32), q_hi, input_precision="tf32x3")  # [BT, HP]
+    else:
+        s = tl.dot(k, q_hi) + tl.dot(k, q_lo)
+    s = tl.where(valid[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))  # finite: the block has >= 1 valid token
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_v = l_v * alpha[None, :] + p
+    vt = tl.load(Vp + t[None, :] * svt + dv[:, None], mask=valid[None, :], other=0.0)  # [DV, BT]
+    if EXACT_F32:
+        o_t = tl.dot(vt.to(tl.float32), p, o_t * alpha[None, :], input_precision="tf32x3")  # [DV, HP]
+    else:
+        p_hi, p_lo = _split_lo(p, vt.dtype)
+        o_t = tl.dot(vt, p_lo, tl.dot(vt, p_hi, o_t * alpha[None, :]))
+    return m_new, l_v, o_t
+
+
+@triton.jit
+def _dense_tier(Kp, Vp, skt, svt, n, ITERS: tl.constexpr, q_t, m_i, l_v, o_t,
+                BT: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, INTERP: tl.constexpr):
+    """Online softmax over a dense tier's valid rows [0, n). q_t [D, HP] fp32 (times sm_scale*log2 e),
+    o_t [DV, HP] fp32, l_v [BT, HP] deferred row sums. ITERS: blocks in the tier's slots (interpreter).
+    """
+    DT: tl.constexpr = Kp.dtype.element_ty
+    # fp32 tiers: tf32x3. The interpreter too: its tl.dot is wrong on bf16 operands (triton 3.6).
+    EXACT_F32: tl.constexpr = (DT == tl.float32) or INTERP
+    if EXACT_F32:
+        q_hi = q_t
+        q_lo = q_t
+    else:
+        q_hi, q_lo = _split_lo(q_t, DT)
+    if INTERP:
+        # The interpreter (numpy >= 2.5) cannot take a run-time scalar as a range bound: it runs a
+        # compile-time trip count with a guard. The GPU loops over exactly the valid blocks.
+        for it in range(ITERS):
+            if it * BT < n:
+                m_i, l_v, o_t = _dense_block(Kp, Vp, skt, svt, it * BT, n, q_hi, q_lo, m_i, l_v, o_t,
+                                             BT, D, DV, EXACT_F32)
+    else:
+        for t0 in range(0, n, BT):
+            m_i, l_v, o_t = _dense_block(Kp, Vp, skt, svt, t0, n, q_hi, q_lo, m_i, l_v, o_t, BT, D, DV, EXACT_F32)
+    return m_i, l_v, o_t
+
+
+@triton.jit
+def _load_sz(SC, ZE, base, t0, end, g: tl.constexpr, NG: tl.constexpr, NW: tl.constexpr, BTW: tl.constexpr):
+    """fp16 scale/zero of group g for the block at t0 -> fp32 [NW, BTW] (0 past `end`)."""
+    tok = t0 + tl.arange(0, NW)[:, None] * BTW + tl.arange(0, BTW)[None, :]
+    valid = tok < end
+    sc = tl.load(SC + base + tok * NG + g, mask=valid, other=0.0).to(tl.float32)
+    ze = tl.load(ZE + base + tok * NG + g, mask=valid, other=0.0).to(tl.float32)
+    return sc, ze
+
+
+@triton.jit
+def _pv(vt, pv, P_HILO: tl.constexpr):
+    """V'^T [NW, GV, BTW] fp16 @ (p * v_scale) [NW, BTW, HP] fp32 -> [NW, GV, HP] fp32. The fp32
+    operand is rounded to fp16 (2**-12 relative), or split hi + lo (two MMAs, ~2**-22)."""
+    ph = pv.to(tl.float16)
+    r = tl.dot(vt, ph)
+    if P_HILO:
+        r = tl.dot(vt, (pv - ph.to(tl.float32)).to(tl.float16), r)
+    return r
+
+
+@triton.jit
+def _mid_block(t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
+               ks0, kz0, ks1, kz1, vs0, vz0, vs1, vz1,
+               m_i, l_v, o0, o1, lz0, lz1,
+               NW: tl.constexpr, BTW: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+               SK: tl.constexpr, SV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+               NGK: tl.constexpr, NGV: tl.constexpr, NPK: tl.constexpr, NPV: tl.constexpr,
+               WK: tl.constexpr, WV: tl.constexpr, USE_PRMT: tl.constexpr, Q_LO: tl.constexpr,
+               P_HILO: tl.constexpr, V_CENTER: tl.constexpr, MASK: tl.constexpr):
+    """One block of NW*BTW middle-tier tokens from t0 (warp w takes [t0 + w*BTW, +BTW)): scores,
+    per-warp online softmax, value accumulation. MASK: the block may reach past `end` (the tail);
+    full blocks skip every bound check. Scales/zeros come in (prefetched). Returns the updated
+    (m_i, l_v, o0, o1, lz0, lz1)."""
+    tok = t0 + tl.arange(0, NW)[:, None] * BTW + tl.arange(0, BTW)[None, :]  # [NW, BTW]
+    valid = tok < end
+    # ---- scores [NW, BTW, HP]: rows of packed codes are contiguous (token stride SK bytes) ----
+    koff = tok[:, :, None] * (SK // 4) + tl.arange(0, WK)[None, None, :]
+    if MASK:
+        w_k0 = tl.load(kw_base + koff, mask=valid[:, :, None], other=0)
+    else:
+        w_k0 = tl.load(kw_base + koff)
+    kk0 = _k_group(w_k0, KBITS, 0, NPK)
+    a0 = tl.dot(kk0, qk0)
+    if Q_LO:  # fp32 q: its fp16 rounding error goes through a second MMA
+        a0 = tl.dot(kk0, ql0, a0)
+    s = (ks0 * ks_mul)[:, :, None] * a0 + kz0[:, :, None] * c20[None, None, :]
+    if NGK == 2:
+        if SK <= GK:
+            w_k1 = w_k0
+        else:
+            if MASK:
+                w_k1 = tl.load(kw_base + koff + WK, mask=valid[:, :, None], other=0)
+            else:
+                w_k1 = tl.load(kw_base + koff + WK)
+        kk1 = _k_group(w_k1, KBITS, NPK if SK <= GK else 0, NPK)
+        a1 = tl.dot(kk1, qk1)
+        if Q_LO:
+            a1 = tl.dot(kk1, ql1, a1)
+        s += (ks1 * ks_mul)[:, :, None] * a1 + kz1[:, :, None] * c21[None, None, :]
+    if MASK:
+        s = tl.where(valid[:, :, None], s, float("-inf"))
+    # ---- online softmax per warp; row sums deferred to the end (no per-block reduction) ----
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # [NW, HP]
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a warp may have no valid token yet
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None, :])
+    l_v = l_v * alpha[:, None, :] + p
+    # ---- values: O^T[dims, heads] += V'^T[dims, tokens] @ (p * v_scale)[tokens, heads] ----
+    voff = tok[:, None, :] * (SV // 4) + tl.arange(0, WV)[None, :, None]  # [NW, WV, BTW]
+    if MASK:
+        w_v0 = tl.load(vw_base + voff, mask=valid[:, None, :], other=0)
+    else:
+        w_v0 = tl.load(vw_base + voff)
+    vt0 = _v_group(w_v0, WV, BTW, VBITS, 0, NPV, USE_PRMT, V_CENTER)
+    # The block's product starts from zero and is folded in with one FMA: the MMA accumulates
+    # only BTW tokens, so its truncating fp32 adds do not pile up over a long split.
+    o0 = o0 * alpha[:, None, :] + _pv(vt0, p * vs0[:, :, None], P_HILO)
+    if V_CENTER:  # the value at code 2**(BITS-1): what the centred codes are measured from
+        vz0 = vz0 + vs0 * (1 << (VBITS - 1))
+    lz0 = lz0 * alpha[:, None, :] + p * vz0[:, :, None]
+    if NGV == 2:
+        if SV <= GV:
+            w_v1 = w_v0
+        else:
+            if MASK:
+                w_v1 = tl.load(vw_base + voff + WV, mask=valid[:, None, :], other=0)
+            else:
+                w_v1 = tl.load(vw_base + voff + WV)
+        vt1 = _v_group(w_v1, WV, BTW, VBITS, NPV if SV <= GV else 0, NPV, USE_PRMT, V_CENTER)
+        o1 = o1 * alpha[:, None, :] + _pv(vt1, p * vs1[:, :, None], P_HILO)
+        if V_CENTER:
+            vz1 = vz1 + vs1 * (1 << (VBITS - 1))
+        lz1 = lz1 * alpha[:, None, :] + p * vz1[:, :, None]
+    return m_new, l_v, o0, o1, lz0, lz1
+
+
+@triton.jit
+def _stage1(
+    Q, sqb, sqh,
+    KW, skb, skh, KS, KZ, sksb, sksh,
+    VW, svb, svh, VS, VZ, svsb, svsh,
+    MID_LEN,
+    SKK, SKV, sskb, sskh, sskt, ssvb, ssvh, ssvt, SINK_LEN,
+    RKK, RKV, srkb, srkh, srkt, srvb, srvh, srvt, REC_LEN,
+    OP, LSE,
+    qk_scale, split_tokens, NSM, NSPLIT,
+    G: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
+    KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    NW: tl.constexpr, BTW: tl.constexpr, BTD: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REC: tl.constexpr,
+    USE_PRMT: tl.constexpr, INTERP: tl.constexpr, Q_LO: tl.constexpr, P_HILO: tl.constexpr,
+    V_CENTER: tl.constexpr,
+    MID_ITERS: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr,
+):
+    split = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    hq = tl.arange(0, HP)
+    hvalid = hq < G
+    head = kvh * G + hq  # q heads of this KV head (never crosses into the next group)
+    q_base = Q + b.to(tl.int64) * sqb + head * sqh  # [HP] pointers
+    o_rows = (b.to(tl.int64) * (G * tl.num_programs(1)) + head) * NSPLIT + split  # [HP] -> row of OP/LSE
+
+    if split < NSM:
+        # ---------------- packed middle tier ----------------
+        SK: tl.constexpr = D * KBITS // 8  # bytes per token row
+        SV: tl.constexpr = DV * VBITS // 8
+        NGK: tl.constexpr = D // GK
+        NGV: tl.constexpr = DV // GV
+        # K group g = positions [g*NPK, (g+1)*NPK) of the row (S <= group), or word range g (S > group)
+        NPK: tl.constexpr = GK // SK if SK <= GK else 1
+        WK: tl.constexpr = (SK if SK <= GK else GK) // 4  # noqa: FURB136 (constexpr arithmetic)
+        NPV: tl.constexpr = GV // SV if SV <= GV else 1
+        WV: tl.constexpr = (SV if SV <= GV else GV) // 4  # noqa: FURB136
+        BT: tl.constexpr = NW * BTW
+
+        L = tl.load(MID_LEN + b)
+        start = split * split_tokens
+        end = tl.minimum(start + split_tokens, L)
+
+        # q^T per K group, rows in _k_group's column order, times 2**-(bit offset of that dim's code)
+        # (exact in fp16), and sum_d q_d for the zero term; sm_scale*log2(e) applied in fp32.
+        dk0 = _k_dims(GK, SK, 0)
+        q0 = tl.load(q_base[None, :] + dk0[:, None], mask=hvalid[None, :], other=0.0).to(tl.float32)
+        qs0 = q0 * tl.exp2(-((dk0 // SK) * KBITS).to(tl.float32))[:, None]
+        qk0 = qs0.to(tl.float16)
+        ql0 = tl.broadcast_to((qs0 - qk0.to(tl.float32)).to(tl.float16)[None, :, :], (NW, GK, HP))
+        qk0 = tl.broadcast_to(qk0[None, :, :], (NW, GK, HP))
+        c20 = tl.sum(q0, 0) * qk_scale  # [HP]
+        if NGK == 2:
+            dk1 = _k_dims(GK, SK, 1)
+            q1 = tl.load(q_base[None, :] + dk1[:, None], mask=hvalid[None, :], other=0.0).to(tl.float32)
+            qs1 = q1 * tl.exp2(-((dk1 // SK) * KBITS).to(tl.float32))[:, None]
+            qk1 = qs1.to(tl.float16)
+            ql1 = tl.broadcast_to((qs1 - qk1.to(tl.float32)).to(tl.float16)[None, :, :], (NW, GK, HP))
+            qk1 = tl.broadcast_to(qk1[None, :, :], (NW, GK, HP))
+            c21 = tl.sum(q1, 0) * qk_scale
+        else:
+            qk1 = qk0  # placeholders (one K group)
+            ql1 = ql0
+            c21 = c20
+        ks_mul = qk_scale * 16777216.0  # 2**24 undoes the subnormal scale of the codes
+
+        m_i = tl.full([NW, HP], float("-inf"), tl.float32)
+        l_v = tl.zeros([NW, BTW, HP], tl.float32)
+        o0 = tl.zeros([NW, GV, HP], tl.float32)
+        o1 = tl.zeros([NW, GV, HP], tl.float32)
+        lz0 = tl.zeros([NW, BTW, HP], tl.float32)
+        lz1 = tl.zeros([NW, BTW, HP], tl.float32)
+
+        # 64-bit base of this (sequence, KV head); 32-bit offsets inside it (checked by the wrapper)
+        kw_base = KW + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+        vw_base = VW + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+        ks_base = b.to(tl.int64) * sksb + kvh.to(tl.int64) * sksh
+        vs_base = b.to(tl.int64) * svsb + kvh.to(tl.int64) * svsh
+        if INTERP:
+            for it in range(MID_ITERS):  # constexpr trip count: see _dense_tier
+                t0 = start + it * BT
+                if t0 < end:
+                    ks0, kz0 = _load_sz(KS, KZ, ks_base, t0, end, 0, NGK, NW, BTW)
+                    vs0, vz0 = _load_sz(VS, VZ, vs_base, t0, end, 0, NGV, NW, BTW)
+                    ks1, kz1 = _load_sz(KS, KZ, ks_base, t0, end, NGK - 1, NGK, NW, BTW)
+                    vs1, vz1 = _load_sz(VS, VZ, vs_base, t0, end, NGV - 1, NGV, NW, BTW)
+                    m_i, l_v, o0, o1, lz0, lz1 = _mid_block(
+                        t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
+                        ks0, kz0, ks1, kz1, vs0, vz0, vs1, vz1, m_i, l_v, o0, o1, lz0, lz1,
+                        NW, BTW, KBITS, VBITS, SK, SV, GK, GV, NGK, NGV, NPK, NPV, WK, WV, USE_PRMT, Q_LO, P_HILO, V_CENTER, True)
+        else:
+            # scales/zeros are 2-byte loads the pipeliner does not stage: prefetch one block ahead
+            ks0, kz0 = _load_sz(KS, KZ, ks_base, start, end, 0, NGK, NW, BTW)
+            vs0, vz0 = _load_sz(VS, VZ, vs_base, start, end, 0, NGV, NW, BTW)
+            if NGK == 2:
+                ks1, kz1 = _load_sz(KS, KZ, ks_base, start, end, 1, NGK, NW, BTW)
+            else:
+                ks1, kz1 = ks0, kz0
+            if NGV == 2:
+                vs1, vz1 = _load_sz(VS, VZ, vs_base, start, end, 1, NGV, NW, BTW)
+            else:
+                vs1, vz1 = vs0, vz0
+            # full blocks without bound checks, then one masked tail block
+            full_end = start + (tl.maximum(end - start, 0) // BT) * BT
+            for t0 in range(start, full_end, BT):
+                nks0, nkz0 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 0, NGK, NW, BTW)
+                nvs0, nvz0 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 0, NGV, NW, BTW)
+                if NGK == 2:
+                    nks1, nkz1 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 1, NGK, NW, BTW)
+                else:
+                    nks1, nkz1 = nks0, nkz0
+                if NGV == 2:
+                    nvs1, nvz1 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 1, NGV, NW, BTW)
+                else:
+                    nvs1, nvz1 = nvs0, nvz0
+                m_i, l_v, o0, o1, lz0, lz1 = _mid_block(
+                    t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
+                    ks0, kz0, ks1, kz1, vs0, vz0, vs1, vz1, m_i, l_v, o0, o1, lz0, lz1,
+                    NW, BTW, KBITS, VBITS, SK, SV, GK, GV, NGK, NGV, NPK, NPV, WK, WV, USE_PRMT, Q_LO, P_HILO,
+                    V_CENTER, False)
+                ks0, kz0, ks1, kz1 = nks0, nkz0, nks1, nkz1
+                vs0, vz0, vs1, vz1 = nvs0, nvz0, nvs1, nvz1
+            if full_end < end:
+                m_i, l_v, o0, o1, lz0, lz1 = _mid_block(
+                    full_end, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
+                    ks0, kz0, ks1, kz1, vs0, vz0, vs1, vz1, m_i, l_v, o0, o1, lz0, lz1,
+                    NW, BTW, KBITS, VBITS, SK, SV, GK, GV, NGK, NGV, NPK, NPV, WK, WV, USE_PRMT, Q_LO, P_HILO,
+                    V_CENTER, True)
+
+        # ---- merge the warps (once per program) ----
+        mx = tl.max(m_i, 0)  # [HP]
+        mx = tl.where(mx == float("-inf"), 0.0, mx)
+        f = tl.exp2(m_i - mx[None, :])  # [NW, HP]; 0 for a warp that saw no token
+        l_i = tl.sum(tl.sum(l_v, 1) * f, 0)
+        inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        lse = tl.where(l_i > 0, mx + tl.log2(l_i), float("-inf"))
+        tl.store(LSE + o_rows, lse, mask=hvalid)
+        # rows of o0/o1 -> dims, and the 2**(24 - bit offset) that undoes the subnormal code scale
+        SBV: tl.constexpr = SV if SV <= GV else 0
+        dr, ir = _v_rows(GV, WV, NPV, SBV)
+        z0 = tl.sum(tl.sum(lz0, 1) * f, 0) * inv_l
+        f0 = tl.exp2((24 - ir * VBITS).to(tl.float32))
+        out0 = tl.sum(o0 * f[:, None, :], 0) * f0[:, None] * inv_l[None, :] + z0[None, :]
+        tl.store(OP + o_rows[None, :] * DV + dr[:, None], out0, mask=hvalid[None, :])
+        if NGV == 2:
+            i1 = ir + NPV if SV <= GV else ir
+            z1 = tl.sum(tl.sum(lz1, 1) * f, 0) * inv_l
+            f1 = tl.exp2((24 - i1 * VBITS).to(tl.float32))
+            out1 = tl.sum(o1 * f[:, None, :], 0) * f1[:, None] * inv_l[None, :] + z1[None, :]
+            tl.store(OP + o_rows[None, :] * DV + (GV + dr)[:, None], out1, mask=hvalid[None, :])
+    else:
+        # ---------------- dense tiers (sink, recent) in the last split ----------------
+        m_d = tl.full([HP], float("-inf"), tl.float32)
+        l_d = tl.zeros([BTD, HP], tl.float32)
+        dd = tl.arange(0, D)
+        q_t = tl.load(q_base[None, :] + dd[:, None], mask=hvalid[None, :], other=0.0).to(tl.float32) * qk_scale
+        o_t = tl.zeros([DV, HP], tl.float32)
+        if HAS_SINK:
+            n = tl.load(SINK_LEN + b)
+            m_d, l_d, o_t = _dense_tier(
+                SKK + b.to(tl.int64) * sskb + kvh.to(tl.int64) * sskh,
+                SKV + b.to(tl.int64) * ssvb + kvh.to(tl.int64) * ssvh,
+                sskt, ssvt, n, SINK_ITERS, q_t, m_d, l_d, o_t, BTD, D, DV, INTERP)
+        if HAS_REC:
+            n = tl.load(REC_LEN + b)
+            m_d, l_d, o_t = _dense_tier(
+                RKK + b.to(tl.int64) * srkb + kvh.to(tl.int64) * srkh,
+                RKV + b.to(tl.int64) * srvb + kvh.to(tl.int64) * srvh,
+                srkt, srvt, n, REC_ITERS, q_t, m_d, l_d, o_t, BTD, D, DV, INTERP)
+        l_i = tl.sum(l_d, 0)
+        inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        lse = tl.where(l_i > 0, m_d + tl.log2(l_i), float("-inf"))
+        tl.store(LSE + o_rows, lse, mask=hvalid)
+        dv = tl.arange(0, DV)
+        tl.store(OP + o_rows[None, :] * DV + dv[:, None], o_t * inv_l[None, :], mask=hvalid[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 2: log-sum-exp merge of the splits
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _stage2(OP, LSE, OUT, sob, soh, NSPLIT, NCH: tl.constexpr, CH: tl.constexpr, DV: tl.constexpr):
+    """Merge the NSPLIT partial outputs of one (sequence, q head) by log-sum-exp, CH at a time
+    (online: running max and rescale). Empty splits carry lse = -inf and get weight 0; if every
+    split is empty the output is 0, never NaN."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    row = b * tl.num_programs(1) + h
+    d = tl.arange(0, DV)
+    m = float("-inf")
+    den = 0.0
+    num = tl.zeros([DV], tl.float32)
+    for c in range(NCH):  # constexpr trip count (the interpreter cannot loop to a run-time bound)
+        s = c * CH + tl.arange(0, CH)
+        sv = s < NSPLIT
+        lse = tl.load(LSE + row * NSPLIT + s, mask=sv, other=float("-inf"))
+        m_new = tl.maximum(m, tl.max(lse, 0))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        scale = tl.exp2(m - m_use)  # 0 while nothing was seen
+        w = tl.exp2(lse - m_use)
+        o = tl.load(OP + (row * NSPLIT + s)[:, None] * DV + d[None, :], mask=sv[:, None], other=0.0)
+        den = den * scale + tl.sum(w, 0)
+        num = num * scale + tl.sum(o * w[:, None], 0)
+        m = m_new
+    out = tl.where(den > 0, num / tl.maximum(den, 1e-30), 0.0)
+    tl.store(OUT + b.to(tl.int64) * sob + h * soh + d, out.to(OUT.dtype.element_ty))
+
+
+# ----------------------------------------------------------------------------------------------
+# Python wrapper
+# ----------------------------------------------------------------------------------------------
+# Launch defaults per regime, measured on an H200 (benchmarks/NOTES.md, results/*.json).
+DEFAULTS = {
+    "many": {"num_warps": 4, "warp_tokens": 32, "num_stages": 4, "maxnreg": None},
+    "few": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": None},
+    "wide": {"num_warps": 1, "warp_tokens": 32, "num_stages": 3, "maxnreg": None},
+}
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch choices; None = chosen from the shape (see `resolve`, measured on an H200).
+
+    warp_tokens: middle-tier tokens each warp takes per loop step (a step is num_warps *
+    warp_tokens tokens); num_splits: middle-tier splits per (sequence, KV head); num_warps /
+    num_stages / maxnreg: Triton's; dense_block: tokens per step on the dense tiers.
+    Precision of the PV product (benchmarks/NOTES.md): v_center subtracts the mid code so the MMA
+    does not accumulate a large positive sum that later cancels against the zero term (needed for
+    1e-3 at 128k tokens); p_hilo splits the operand p * v_scale into two fp16 parts."""
+
+    warp_tokens: int | None = None
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int | None = None
+    dense_block: int = 32
+    maxnreg: int | None = None
+    p_hilo: bool = False
+    v_center: bool = True
+
+    def resolve(self, batch: int, kv_heads: int, head_dim: int) -> KernelConfig:
+        """Fill the None fields from DEFAULTS: "many" (sequence, KV head) pairs (>= 64, e.g. B16 with
+        8 KV heads), "few" (long contexts of few sequences: more, smaller programs), "wide" (few
+        pairs with head_dim 256)."""
+        regime = "many" if batch * kv_heads >= 64 else ("wide" if head_dim > 128 else "few")
+        d = DEFAULTS[regime]
+        return KernelConfig(warp_tokens=self.warp_tokens or d["warp_tokens"], num_splits=self.num_splits,
+                            num_warps=self.num_warps or d["num_warps"], num_stages=self.num_stages or d["num_stages"],
+                            dense_block=self.dense_block, maxnreg=self.maxnreg or d["maxnreg"], p_hilo=self.p_hilo,
+                            v_center=self.v_center)
+
+    @property
+    def block_t(self) -> int:
+        return (self.warp_tokens or 32) * (self.num_warps or 4)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (int(n) - 1).bit_length())
+
+
+_PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 5, 8: 3}  # measured best on an H200 (benchmarks/NOTES.md)
+
+
+def pick_num_splits(batch: int, kv_heads: int, max_tokens: int, block_t: int, sms: int = 132,
+                    num_warps: int = 4) -> int:
+    """Splits per (sequence, KV head): a few programs per SM, >= 4 blocks of tokens per split, <= 256."""
+    if max_tokens <= 0:
+        return 1
+    want = max(1, math.ceil(_PROGRAMS_PER_SM.get(num_warps, 4) * sms / max(1, batch * kv_heads)))
+    most = max(1, math.ceil(max_tokens / (4 * block_t)))
+    return int(min(want, most, 256))
+
+
+def _lens(x, batch: int, device, what: str) -> torch.Tensor:
+    if isinstance(x, int):
+        return torch.full((batch,), x, dtype=torch.int32, device=device)
+    if not isinstance(x, torch.Tensor) or x.shape != (batch,):
+        raise LowbitError(f"{what} must be an int or an int tensor of shape [{batch}]")
+    return x.to(device=device, dtype=torch.int32)
+
+
+def _check_dense(k, v, lens, B, Hkv, D, DV, device, what):
+    if k is None and v is None:
+        return None, None, None
+    if k is None or v is None:
+        raise LowbitError(f"{what}: pass both its K and V tensors or neither")
+    if k.dim() != 4 or k.shape[0] != B or k.shape[1] != Hkv or k.shape[3] != D:
+        raise LowbitError(f"{what} K must be [B={B}, Hkv={Hkv}, N, D={D}], got {tuple(k.shape)}")
+    if v.dim() != 4 or v.shape[:3] != k.shape[:3] or v.shape[3] != DV:
+        raise LowbitError(f"{what} V must be [B, Hkv, N, Dv={DV}] like its K, got {tuple(v.shape)}")
+    if k.stride(-1) != 1 or v.stride(-1) != 1:
+        raise LowbitError(f"{what} K/V need a contiguous last dim; call .contiguous()")
+    if k.device != device or v.device != device:
+        raise LowbitError(f"{what} is on {k.device}, q on {device}: put the tiers on one device")
+    if lens is None:
+        lens = k.shape[2]
+    return k, v, _lens(lens, B, device, f"{what} lens")
+
+
+def _check_codes(codes, scale, zero, bits, B, Hkv, D, device, what):
+    if bits not in (2, 4, 8):
+        raise LowbitError(f"{what}: {bits}-bit codes are not supported by the kernel; use 2, 4 or 8")
+    if codes.dtype != torch.uint8 or codes.dim() != 4:
+        raise LowbitError(f"{what} codes must be uint8 [B, Hkv, T, D*bits/8], got {codes.dtype} {tuple(codes.shape)}")
+    S = D * bits // 8
+    if codes.shape[0] != B or codes.shape[1] != Hkv or codes.shape[3] != S:
+        raise LowbitError(f"{what} codes must be [B={B}, Hkv={Hkv}, T, {S}], got {tuple(codes.shape)}")
+    if codes.stride(3) != 1 or (codes.shape[2] > 1 and codes.stride(2) != S) or any(
+            s % 4 for s in codes.stride()[:2]) or codes.storage_offset() % 4:
+        raise LowbitError(f"{what} codes: each (sequence, KV head) must hold its T rows of {S} bytes "
+                          "back to back, 4-byte aligned (slice a [B, Hkv, Tmax, S] buffer along T only)")
+    if codes.shape[2] * S >= 2**31:
+        raise LowbitError(f"{what} codes: {codes.shape[2]} slots x {S} bytes exceed the kernel's 32-bit offsets")
+    if scale.shape != zero.shape or scale.dim() != 4 or scale.shape[:3] != codes.shape[:3]:
+        raise LowbitError(f"{what} scale/zero must be [B, Hkv, T, D/group] like the codes, got {tuple(scale.shape)}")
+    if scale.dtype != torch.float16 or zero.dtype != torch.float16:
+        raise LowbitError(f"{what} scale/zero must be float16 (the cache layout), got {scale.dtype}/{zero.dtype}")
+    ng = scale.shape[3]
+    if scale.stride() != zero.stride() or scale.stride(3) != 1 or (scale.shape[2] > 1 and scale.stride(2) != ng):
+        raise LowbitError(f"{what} scale and zero must share strides with contiguous [T, D/group] rows per head")
+    if ng not in (1, 2) or D % ng:
+        raise LowbitError(f"{what}: {ng} groups per head; the kernel takes group = D or D/2 (D={D})")
+    grp = D // ng
+    if grp < 16 or grp & (grp - 1) or (S % grp and grp % S) or min(S, grp) < 16:
+        raise LowbitError(f"{what}: group {grp} with D={D} at {bits} bits is not a supported tiling")
+    for t in (codes, scale, zero):
+        if t.device != device:
+            raise LowbitError(f"{what} is on {t.device}, q on {device}: put the cache on one device")
+    return grp
+
+
+def decode_attention(
+    q: torch.Tensor,
+    k_codes: torch.Tensor | None,
+    k_scale: torch.Tensor | None,
+    k_zero: torch.Tensor | None,
+    v_codes: torch.Tensor | None,
+    v_scale: torch.Tensor | None,
+    v_zero: torch.Tensor | None,
+    mid_lens: torch.Tensor | int | None = None,
+    *,
+    k_bits: int = 2,
+    v_bits: int = 2,
+    sm_scale: float | None = None,
+    sink_k: torch.Tensor | None = None,
+    sink_v: torch.Tensor | None = None,
+    sink_lens: torch.Tensor | int | None = None,
+    recent_k: torch.Tensor | None = None,
+    recent_v: torch.Tensor | None = None,
+    recent_lens: torch.Tensor | int | None = None,
+    config: KernelConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over the sink / packed middle / recent tiers.
+
+    q        [B, Hq, D] (bf16/fp16/fp32); Hq = G * Hkv, q head h reads KV head h // G.
+    k_codes  uint8 [B, Hkv, T, D*k_bits/8], strided packing (lowbit.quant.packing); any strides
+             with a contiguous, 4-byte-aligned last dim (a preallocated cache view works).
+    k_scale, k_zero  fp16 [B, Hkv, T, D/group], group in {D, D/2}; x = codes * scale + zero.
+    v_codes, v_scale, v_zero  likewise with Dv and v_bits (k4v2 is fine).
+    mid_lens int32 [B] (or int): valid middle slots [0, mid_lens[b]). Pass k_codes=None for no middle.
+    sink_k/sink_v, recent_k/recent_v  [B, Hkv, N, D] / [B, Hkv, N, Dv] dense tiers (any float dtype),
+             valid slots [0, *_lens[b]) (default: all N).
+    sm_scale softmax scale (default 1/sqrt(D)).
+    Returns [B, Hq, Dv] in q's dtype (or writes into `out`). A sequence with no valid token gets 0.
+    CPU tensors run through the Triton interpreter (TRITON_INTERPRET=1 must be set before import).
+    """
+    cfg = config or KernelConfig()
+    check_mode(q.device)
+    if q.dim() != 3:
+        raise LowbitError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        raise LowbitError("q needs a contiguous last dim; call .contiguous()")
+    B, Hq, D = q.shape
+    dev = q.device
+    has_mid = k_codes is not None
+    if has_mid:
+        if any(t is None for t in (k_scale, k_zero, v_codes, v_scale, v_zero)):
+            raise LowbitError("middle tier: pass k_codes, k_scale, k_zero, v_codes, v_scale, v_zero together")
+        Hkv = k_codes.shape[1]
+        DV = v_codes.shape[3] * 8 // v_bits
+    else:
+        ref = sink_k if sink_k is not None else recent_k
+        if ref is None:
+            raise LowbitError("no tier given: pass the middle tier and/or a dense tier")
+        Hkv = ref.shape[1]
+        DV = (sink_v if sink_v is not None else recent_v).shape[3]
+    if Hkv == 0 or Hq % Hkv:
+        raise LowbitError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    if D not in (64, 128, 256) or DV not in (64, 128, 256):
+        raise LowbitError(f"head_dim {D}/{DV} not supported by the kernel; it takes 64, 128 or 256")
+    G = Hq // Hkv
+    HP = max(8, _pow2(G))
+    cfg = cfg.resolve(B, Hkv, D)
+    BTW, NW, BTD = int(cfg.warp_tokens), int(cfg.num_warps), int(cfg.dense_block)
+    for name, v in (("warp_tokens", BTW), ("num_warps", NW), ("dense_block", BTD)):
+        if v < 1 or v & (v - 1) or (name != "num_warps" and v < 16):
+            raise LowbitError(f"{name} must be a power of two{' >= 16' if name != 'num_warps' else ''}, got {v}")
+    BT = BTW * NW
+
+    if has_mid:
+        GK = _check_codes(k_codes, k_scale, k_zero, k_bits, B, Hkv, D, dev, "K middle")
+        GV = _check_codes(v_codes, v_scale, v_zero, v_bits, B, Hkv, DV, dev, "V middle")
+        if v_codes.shape[2] != k_codes.shape[2]:
+            raise LowbitError("K and V middle tiers must have the same number of slots T")
+        T = k_codes.shape[2]
+        mid_lens = _lens(T if mid_lens is None else mid_lens, B, dev, "mid_lens")
+        kw = k_codes.view(torch.int32)
+        vw = v_codes.view(torch.int32)
+        nsm = cfg.num_splits or pick_num_splits(B, Hkv, T, BT, _sm_count(dev), NW)
+        nsm = max(1, int(nsm))
+        split_tokens = max(BT, math.ceil(max(T, 1) / nsm / BT) * BT)
+        nsm = max(1, math.ceil(max(T, 1) / split_tokens))
+    else:
+        # no middle tier: the middle path is compiled against typed dummies and never runs (NSM=0)
+        GK, GV, nsm, split_tokens = D, DV, 0, BT
+        kw = vw = torch.zeros(1, dtype=torch.int32, device=dev)
+        k_scale = k_zero = v_scale = v_zero = torch.zeros(1, dtype=torch.float16, device=dev)
+        mid_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+    sk, sv, sl = _check_dense(sink_k, sink_v, sink_lens, B, Hkv, D, DV, dev, "sink")
+    rk, rv, rl = _check_dense(recent_k, recent_v, recent_lens, B, Hkv, D, DV, dev, "recent")
+    has_sink, has_rec = sk is not None, rk is not None
+    nsplit = nsm + (1 if (has_sink or has_rec) else 0)
+    dummy_len = mid_lens
+    sk, sv, sl = (sk, sv, sl) if has_sink else (q[:, None], q[:, None], dummy_len)
+    rk, rv, rl = (rk, rv, rl) if has_rec else (q[:, None], q[:, None], dummy_len)
+
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(D)
+    interp = dev.type != "cuda"  # CPU tensors: the Triton interpreter
+    part = torch.empty((B, Hq, nsplit, DV), dtype=torch.float32, device=dev)
+    lse = torch.empty((B, Hq, nsplit), dtype=torch.float32, device=dev)
+    if out is None:
+        out = torch.empty((B, Hq, DV), dtype=q.dtype, device=dev)
+    elif out.shape != (B, Hq, DV) or out.stride(-1) != 1:
+        raise LowbitError(f"out must be [B, Hq, Dv] = {(B, Hq, DV)} with a contiguous last dim")
+
+    if has_mid:
+        ms = (k_scale.stride(0), k_scale.stride(1))
+        vms = (v_scale.stride(0), v_scale.stride(1))
+        kws = (kw.stride(0), kw.stride(1))
+        vws = (vw.stride(0), vw.stride(1))
+    else:
+        ms = vms = kws = vws = (0, 0)
+    _stage1[(nsplit, Hkv, B)](
+        q, q.stride(0), q.stride(1),
+        kw, *kws, k_scale, k_zero, *ms,
+        vw, *vws, v_scale, v_zero, *vms,
+        mid_lens,
+        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sl,
+        rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2), rl,
+        part, lse,
+        float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit,
+        G=G, HP=HP, D=D, DV=DV,
+        KBITS=k_bits, VBITS=v_bits, GK=GK, GV=GV, NW=NW, BTW=BTW, BTD=BTD,
+        HAS_SINK=has_sink, HAS_REC=has_rec,
+        USE_PRMT=(dev.type == "cuda"), INTERP=interp, Q_LO=(q.dtype == torch.float32), P_HILO=cfg.p_hilo, V_CENTER=cfg.v_center,
+        MID_ITERS=(split_tokens // BT) if interp else 0,
+        SINK_ITERS=triton.cdiv(sk.shape[2], BTD) if interp else 0,
+        REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
+        num_warps=NW, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+    )
+    ch = min(32, max(16, _pow2(nsplit)))
+    _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
+                     DV=DV, num_warps=4)
+    return out
+
+
+def interpreted() -> bool:
+    """True if this process imported the kernels under TRITON_INTERPRET=1 (read by @triton.jit at
+    import time in triton 3.6): they then run on CPU tensors only."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(_stage1, InterpretedFunction)
+
+
+def check_mode(dev: torch.device) -> None:
+    if dev.type == "cuda" and interpreted():
+        raise LowbitError("this process imported lowbit.kernels under TRITON_INTERPRET=1 (the CPU "
+                          "interpreter); run GPU work in a process without it")
+    if dev.type != "cuda" and not interpreted():
+        raise LowbitError(f"decode_attention on {dev.type} tensors needs the Triton interpreter: set "
+                          "TRITON_INTERPRET=1 before lowbit.kernels is imported, or use CUDA tensors")
+
+
+_SMS: dict = {}
+
+
+def _sm_count(dev: torch.device) -> int:
+    if dev.type != "cuda":
+        return 8
+    i = dev.index if dev.index is not None else torch.cuda.current_device()
+    if i not in _SMS:
+        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
+    return _SMS[i]

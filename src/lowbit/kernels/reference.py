@@ -1,0 +1,69 @@
+"""Torch twins of the Triton kernels: the same op, computed plainly in float32.
+
+`decode_attention_ref` takes exactly the arguments of lowbit.kernels.decode_attention.decode_attention
+(minus launch config), unpacks the middle tier with lowbit.quant.packing.unpack (the one home of the
+layout), dequantizes x = codes * scale + zero, concatenates the valid slots of every tier and runs a
+float32 softmax attention per sequence. Kept deliberately simple: it is what the kernel is judged by.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from lowbit.quant.packing import unpack
+
+LAYOUT = "strided"  # the middle-tier packing layout the kernel reads (docs/CONTRACTS.md)
+
+
+def dequantize_tier(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 [..., D*bits/8] + fp16 [..., D/group] -> float32 [..., D]."""
+    c = unpack(codes, bits, LAYOUT).float()  # [..., D]
+    ng = scale.shape[-1]
+    D = c.shape[-1]
+    c = c.reshape(*c.shape[:-1], ng, D // ng)
+    x = c * scale.float()[..., None] + zero.float()[..., None]
+    return x.reshape(*x.shape[:-2], D)
+
+
+def _lens(x, B, N, device):
+    if x is None:
+        x = N
+    if isinstance(x, int):
+        return [x] * B
+    return [int(v) for v in x.to("cpu")]
+
+
+def decode_attention_ref(
+    q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens=None, *,
+    k_bits=2, v_bits=2, sm_scale=None, sink_k=None, sink_v=None, sink_lens=None,
+    recent_k=None, recent_v=None, recent_lens=None,
+) -> torch.Tensor:
+    """Same signature and semantics as decode_attention; returns float32 [B, Hq, Dv]."""
+    B, Hq, D = q.shape
+    tiers = []  # (k [B, Hkv, N, D] f32, v [B, Hkv, N, Dv] f32, lens list)
+    if k_codes is not None:
+        T = k_codes.shape[2]
+        tiers.append((dequantize_tier(k_codes, k_scale, k_zero, k_bits),
+                      dequantize_tier(v_codes, v_scale, v_zero, v_bits), _lens(mid_lens, B, T, q.device)))
+    for k, v, n in ((sink_k, sink_v, sink_lens), (recent_k, recent_v, recent_lens)):
+        if k is not None:
+            tiers.append((k.float(), v.float(), _lens(n, B, k.shape[2], q.device)))
+    Hkv = tiers[0][0].shape[1]
+    Dv = tiers[0][1].shape[3]
+    G = Hq // Hkv
+    scale = sm_scale if sm_scale is not None else 1.0 / math.sqrt(D)
+    out = torch.zeros(B, Hq, Dv, dtype=torch.float32, device=q.device)
+    for b in range(B):
+        ks = [k[b, :, : n[b]] for k, _, n in tiers]
+        vs = [v[b, :, : n[b]] for _, v, n in tiers]
+        K = torch.cat(ks, dim=1)  # [Hkv, N, D]
+        V = torch.cat(vs, dim=1)
+        if K.shape[1] == 0:
+            continue  # no valid token: zeros (what the kernel returns)
+        qb = q[b].float().reshape(Hkv, G, D)
+        s = torch.einsum("hgd,hnd->hgn", qb, K) * scale
+        p = torch.softmax(s, dim=-1)
+        out[b] = torch.einsum("hgn,hnd->hgd", p, V).reshape(Hq, Dv)
+    return out

@@ -1,0 +1,176 @@
+"""Fused decode attention vs its torch twin.
+
+CPU: the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1 before triton is imported),
+small heads so the whole file stays under ~60 s on 2 cores. GPU (marked): full shapes.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _make import make_inputs, rel_l2
+
+from lowbit.errors import LowbitError
+from lowbit.kernels.decode_attention import KernelConfig, decode_attention, interpreted
+from lowbit.kernels.reference import decode_attention_ref
+
+TOL = 1e-3
+# tests/conftest.py sets TRITON_INTERPRET=1 unless the environment says otherwise; GPU runs use
+# TRITON_INTERPRET=0 (the kernels then run on CUDA tensors only).
+cpu_only = pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
+SMALL = KernelConfig(warp_tokens=16, num_warps=2, num_splits=3, dense_block=16)
+
+
+def _run(kw, cfg=SMALL, device="cpu"):
+    """Kernel into a NaN-poisoned fp32 buffer (so unwritten outputs show), and the twin."""
+    q = kw["q"]
+    Dv = kw["v_codes"].shape[3] * 8 // kw["v_bits"] if kw.get("v_codes") is not None else (
+        kw.get("sink_v") if kw.get("sink_v") is not None else kw["recent_v"]).shape[3]
+    out = torch.full((q.shape[0], q.shape[1], Dv), float("nan"), dtype=torch.float32, device=device)
+    decode_attention(**kw, config=cfg, out=out)
+    return out, decode_attention_ref(**kw)
+
+
+def _check(out, ref):
+    assert torch.isfinite(out).all(), "kernel wrote NaN/Inf or left outputs unwritten"
+    err = rel_l2(out, ref)
+    assert err <= TOL, f"rel L2 error {err:.2e} > {TOL}"
+    return err
+
+
+CASES = [
+    # (B, Hq, Hkv, D, T, kbits, vbits, group, sink, recent, mid_lens, dtype)
+    (1, 4, 1, 64, 1, 2, 2, None, 0, 0, None, torch.bfloat16),  # length 1
+    (2, 3, 1, 64, 7, 4, 4, None, 0, 0, [7, 5], torch.bfloat16),  # length 7, GQA 3
+    (5, 8, 2, 64, 129, 2, 2, None, 0, 0, [129, 1, 64, 0, 100], torch.bfloat16),  # GQA 4, ragged, empty seq
+    (1, 8, 1, 64, 1000, 2, 2, None, 0, 0, None, torch.bfloat16),  # length 1000, GQA 8
+    (2, 2, 2, 64, 129, 8, 8, None, 3, 5, [50, 129], torch.float16),  # MHA (GQA 1), int8, all tiers
+    (1, 9, 1, 64, 40, 4, 2, None, 4, 6, None, torch.bfloat16),  # GQA 9 (HP 16), k4v2
+    (2, 6, 2, 128, 70, 2, 4, 64, 0, 7, [70, 33], torch.bfloat16),  # D 128, two groups per head
+    (1, 4, 1, 64, 33, 8, 4, 32, 2, 0, None, torch.float32),  # fp32 model: q split hi/lo, S > group
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-D{c[3]}-T{c[4]}-k{c[5]}v{c[6]}")
+def test_matches_twin_interpreter(case):
+    B, Hq, Hkv, D, T, kb, vb, grp, sink, rec, lens, dt = case
+    kw = make_inputs(B, Hq, Hkv, D, T, kbits=kb, vbits=vb, group=grp, sink=sink, recent=rec,
+                     mid_lens=lens, dtype=dt, seed=T + Hq)
+    out, ref = _run(kw)
+    _check(out, ref)
+
+
+@cpu_only
+def test_dense_tiers_only_and_ragged_dense_lengths():
+    kw = make_inputs(3, 4, 2, 64, 0, sink=4, recent=19, sink_lens=[4, 0, 2], recent_lens=[19, 7, 0],
+                     dtype=torch.bfloat16, mid=False, seed=3)
+    out, ref = _run(kw)
+    _check(out, ref)
+
+
+@cpu_only
+def test_empty_dense_tier_and_more_splits_than_blocks():
+    # recent tier present but empty for every sequence; 7 splits over 40 tokens leave splits empty
+    kw = make_inputs(2, 4, 1, 64, 40, sink=0, recent=8, recent_lens=[0, 0], mid_lens=[40, 9],
+                     dtype=torch.bfloat16, seed=4)
+    cfg = KernelConfig(warp_tokens=16, num_warps=1, num_splits=7, dense_block=16)
+    out, ref = _run(kw, cfg)
+    _check(out, ref)
+
+
+@cpu_only
+def test_merge_of_many_splits_in_chunks():
+    # 44 splits: the merge runs over them 32 at a time with a running max
+    kw = make_inputs(2, 4, 1, 64, 700, mid_lens=[700, 3], dtype=torch.bfloat16, seed=11)
+    cfg = KernelConfig(warp_tokens=16, num_warps=1, num_splits=64, dense_block=16)
+    out, ref = _run(kw, cfg)
+    _check(out, ref)
+
+
+@cpu_only
+def test_sequence_with_no_token_gets_zeros_not_nan():
+    kw = make_inputs(2, 4, 1, 64, 16, sink=2, recent=3, mid_lens=[0, 16], sink_lens=[0, 2],
+                     recent_lens=[0, 3], dtype=torch.bfloat16, seed=5)
+    out, ref = _run(kw)
+    assert torch.equal(out[0], torch.zeros_like(out[0]))
+    _check(out[1:], ref[1:])
+
+
+@cpu_only
+def test_gqa_heads_read_their_own_kv_head():
+    # make KV head 1 different from head 0 only in V: a head-mapping bug shows as a large error
+    kw = make_inputs(1, 6, 2, 64, 48, dtype=torch.bfloat16, seed=6)
+    kw["v_zero"][:, 1] += 5.0
+    out, ref = _run(kw)
+    _check(out, ref)
+    assert (out[0, 3:] - out[0, :3]).abs().mean() > 1.0  # heads 3-5 see the shifted values
+
+
+@cpu_only
+def test_output_dtype_and_default_out():
+    kw = make_inputs(1, 4, 1, 64, 20, dtype=torch.bfloat16, seed=7)
+    out = decode_attention(**kw, config=SMALL)
+    assert out.dtype == torch.bfloat16 and out.shape == (1, 4, 64)
+    ref = decode_attention_ref(**kw)
+    assert rel_l2(out.float(), ref) < 8e-3  # bf16 output rounding
+
+
+@cpu_only
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda kw: kw.update(k_bits=3), "3-bit codes"),
+        (lambda kw: kw.update(k_scale=kw["k_scale"].float()), "float16"),
+        (lambda kw: kw.update(k_codes=kw["k_codes"][:, :, ::2]), "back to back"),
+        (lambda kw: kw.update(q=kw["q"][:, :3]), "multiple"),
+        (lambda kw: kw.update(mid_lens=torch.zeros(5, dtype=torch.int32)), "shape"),
+        (lambda kw: kw.update(v_codes=kw["v_codes"][:, :, :5], v_scale=kw["v_scale"][:, :, :5],
+                              v_zero=kw["v_zero"][:, :, :5]), "same number of slots"),
+    ],
+)
+def test_bad_input_raises(mutate, match):
+    kw = make_inputs(1, 4, 2, 64, 16, dtype=torch.bfloat16, seed=8)
+    mutate(kw)
+    with pytest.raises(LowbitError, match=match):
+        decode_attention(**kw, config=SMALL)
+
+
+@cpu_only
+def test_unsupported_head_dim_and_group_raise():
+    kw = make_inputs(1, 2, 1, 96, 8, dtype=torch.bfloat16, seed=9)
+    with pytest.raises(LowbitError, match="head_dim"):
+        decode_attention(**kw, config=SMALL)
+    kw = make_inputs(1, 2, 1, 64, 8, group=16, dtype=torch.bfloat16, seed=9)
+    with pytest.raises(LowbitError, match="group"):
+        decode_attention(**kw, config=SMALL)
+
+
+# ------------------------------------------------------------------------------------------ GPU
+GPU_CASES = [
+    # (B, Hq, Hkv, D, T, kbits, vbits, group, lens)
+    (16, 32, 8, 128, 4096, 2, 2, None, "ragged"),
+    (3, 32, 8, 128, 32768, 4, 4, None, None),
+    (2, 32, 8, 128, 4000, 8, 8, None, "ragged"),
+    (5, 4, 1, 256, 3000, 2, 2, 128, "ragged"),
+    (1, 24, 8, 128, 1000, 4, 2, None, None),
+    (17, 9, 1, 64, 129, 2, 2, None, "ragged"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or interpreted(), reason="needs CUDA, TRITON_INTERPRET=0")
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-D{c[3]}-T{c[4]}-k{c[5]}v{c[6]}")
+def test_matches_twin_gpu(case):
+    B, Hq, Hkv, D, T, kb, vb, grp, lens = case
+    g = torch.Generator().manual_seed(T)
+    mid_lens = torch.randint(0, T + 1, (B,), generator=g).tolist() if lens == "ragged" else None
+    kw = make_inputs(B, Hq, Hkv, D, T, kbits=kb, vbits=vb, group=grp, sink=64, recent=256,
+                     mid_lens=mid_lens, dtype=torch.bfloat16, device="cuda", seed=T)
+    out, ref = _run(kw, KernelConfig(), device="cuda")
+    _check(out, ref)
