@@ -5,7 +5,7 @@
 #     --venv DIR          the vLLM venv, created when missing (default: <repo>/../vllm-venv, outside the repo)
 #     --port N            loopback port (default 8765)
 #     --prompt TEXT       completion prompt, greedy (default: "The capital of France is")
-#     --prompt-file F     read the prompt from a file instead
+#     --prompt-file F     read prompts from a file instead (several: separated by a line "===")
 #     --max-tokens N      tokens to generate (default 12)
 #     --kv-cache-bytes N  KV cache budget given to vLLM (default 268435456 = 256 MiB), so capacities compare
 #     --max-model-len N   (default 2048)
@@ -93,18 +93,21 @@ import json, re, sys, time
 import openai
 port, model, prompt, max_tokens, log, startup, kv_bytes, out = sys.argv[1:]
 c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
-t = time.time()
-r = c.completions.create(model="model", prompt=prompt, max_tokens=int(max_tokens), temperature=0, logprobs=3)
-secs = time.time() - t
 text = open(log).read()
 m = re.search(r"KV cache size: ([\d,]+) tokens", text)
 plugin = [l.split("lowbit plugin: ", 1)[1] for l in text.splitlines() if "lowbit plugin: " in l]
-lp = r.choices[0].logprobs
-top = [{k: round(v, 3) for k, v in d.items()} for d in (lp.top_logprobs or [])] if lp else None
-res = {"model_dir": model, "prompt": prompt, "text": r.choices[0].text, "tokens": lp.tokens if lp else None,
-       "top_logprobs": top, "usage": r.usage.model_dump(),
-       "seconds": round(secs, 2), "startup_s": int(startup), "kv_cache_memory_bytes": int(kv_bytes),
-       "kv_cache_tokens": int(m.group(1).replace(",", "")) if m else None, "lowbit_plugin_log": sorted(set(plugin))}
+results = []
+for p in prompt.split("\n===\n"):
+    t = time.time()
+    r = c.completions.create(model="model", prompt=p, max_tokens=int(max_tokens), temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    top = [{k: round(v, 3) for k, v in d.items()} for d in (lp.top_logprobs or [])] if lp else None
+    results.append({"prompt_tail": p[-80:], "prompt_chars": len(p), "text": r.choices[0].text,
+                    "tokens": lp.tokens if lp else None, "top_logprobs": top, "usage": r.usage.model_dump(),
+                    "seconds": round(time.time() - t, 2)})
+res = {"model_dir": model, "results": results, "text": results[0]["text"], "startup_s": int(startup),
+       "kv_cache_memory_bytes": int(kv_bytes), "kv_cache_tokens": int(m.group(1).replace(",", "")) if m else None,
+       "lowbit_plugin_log": sorted(set(plugin))}
 print(json.dumps(res, indent=2))
 if out:
     open(out, "w").write(json.dumps(res, indent=2) + "\n")

@@ -10,13 +10,13 @@ HELP = ("OpenAI-compatible server (/v1/completions, /v1/chat/completions, SSE st
 
 
 def add_kv_flags(p) -> None:
-    """The KV scheme flags every command shares (see lowbit.recipe.parse_kv_scheme)."""
+    """The KV scheme flags every command shares (lowbit.kv.cli_args; the same flags inline when absent)."""
     try:
-        from lowbit.recipe import add_kv_arguments
+        from lowbit.kv.cli_args import add_kv_arguments
     except ImportError:
         add_kv_arguments = None
     if add_kv_arguments is not None:
-        add_kv_arguments(p)
+        add_kv_arguments(p, kv_default=None)  # None: the artifact's sidecar scheme, else bf16
         return
     p.add_argument("--kv", default=None, help="KV scheme: bf16, int8, int4, int3, int2, kXvY (k4v2), kivi2, kivi4 "
                    "(default: the artifact's sidecar scheme, else bf16)")
@@ -33,10 +33,15 @@ def add_kv_flags(p) -> None:
 def kv_scheme_from_args(args):
     """KVScheme from the shared flags, or None when neither --kv nor --recipe was given."""
     try:
-        from lowbit.recipe import kv_scheme_from_args as shared
+        from lowbit.kv.cli_args import scheme_from_args as shared
     except ImportError:
         shared = None
     if shared is not None:
+        if args.kv is None and args.recipe is None:
+            given = [f for f in ("group", "sink", "recent", "page", "clip", "rotation") if getattr(args, f) is not None]
+            if given or args.lloyd_max:
+                raise LowbitError(f"--{(given or ['lloyd-max'])[0]} needs --kv SCHEME")
+            return None
         return shared(args)
     from lowbit.recipe import load_recipe, parse_kv_scheme
 

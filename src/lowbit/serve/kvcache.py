@@ -101,6 +101,9 @@ class CacheFactory:
         # probe once so a broken combination fails at start-up, not on the first request
         probe = self.new()
         self.cache_class = type(probe).__name__
+        held = getattr(probe, "scheme", None)
+        if held is not None and held != scheme:  # report only what the cache really holds
+            raise LowbitError(f"the KV cache was built with scheme {held.name!r}, not the requested {scheme.name!r}")
 
     def new(self):
         if self.cls is None:
