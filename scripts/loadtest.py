@@ -5,9 +5,9 @@
         --out benchmarks/results/serve/smollm2-int2-cpu.json
     python scripts/loadtest.py --url http://127.0.0.1:8000 --model smollm2-135m
 
-For each concurrency level C, C client threads each send `--requests-per-client` non-streaming
-/v1/completions requests back to back (greedy, fixed max_tokens, prompts cut from WikiText at
-different offsets). Reported per level: requests/s, latency p50/p95/max, completion tokens/s,
+For each concurrency level C, C client threads take max(C, --min-requests) non-streaming
+/v1/completions requests from a shared list, each sending its next as soon as the last returns
+(greedy, fixed max_tokens, prompts cut from WikiText at different offsets). Reported per level: requests/s, latency p50/p95/max, completion tokens/s,
 errors; plus the server's /v1/models card and its /metrics after each level.
 
 Bounded: the number of requests is fixed, each request has a timeout, the whole run has a
@@ -81,18 +81,23 @@ def _prompts(text_path: Path | None, n: int, chars: int) -> list[str]:
     return [text[i * step:i * step + chars] for i in range(n)]
 
 
-def run_level(url: str, model: str, prompts: list[str], concurrency: int, per_client: int, max_tokens: int,
+def run_level(url: str, model: str, prompts: list[str], concurrency: int, n_requests: int, max_tokens: int,
               deadline: float, timeout: float) -> dict:
     lat, toks, errors = [], [], []
     lock = threading.Lock()
+    todo = list(range(n_requests))
 
     def client(c: int):
-        for j in range(per_client):
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i = todo.pop(0)
             if time.time() > deadline:
                 with lock:
                     errors.append("deadline: not sent")
                 continue
-            p = prompts[(c * per_client + j) % len(prompts)]
+            p = prompts[i % len(prompts)]
             t0 = time.perf_counter()
             try:
                 status, body = _http(url + "/v1/completions", {"model": model, "prompt": p, "max_tokens": max_tokens,
@@ -116,7 +121,7 @@ def run_level(url: str, model: str, prompts: list[str], concurrency: int, per_cl
     wall = time.perf_counter() - t0
     return {
         "concurrency": concurrency,
-        "requests": concurrency * per_client,
+        "requests": n_requests,
         "ok": len(lat),
         "errors": len(errors),
         "error_samples": errors[:3],
@@ -162,7 +167,8 @@ def main(argv=None) -> int:
     src.add_argument("--serve", metavar="ARGS", help='start `lowbit serve ARGS` (e.g. "smollm2-135m --kv int2")')
     ap.add_argument("--model", default=None, help="model id to send (default: the server's only model)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default 1,4,16)")
-    ap.add_argument("--requests-per-client", type=int, default=2)
+    ap.add_argument("--min-requests", type=int, default=4,
+                    help="requests per level: max(concurrency, this) (default 4)")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompt-chars", type=int, default=1600, help="characters of text per prompt (default 1600)")
     ap.add_argument("--text", type=Path, default=DEFAULT_TEXT, help="text the prompts are cut from (WikiText-2 test)")
@@ -172,7 +178,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     levels = [int(x) for x in args.concurrency.split(",") if x.strip()]
-    if any(c < 1 for c in levels) or sum(levels) * args.requests_per_client > MAX_REQUESTS:
+    counts = [max(c, args.min_requests) for c in levels]
+    if any(c < 1 for c in levels) or sum(counts) > MAX_REQUESTS:
         raise SystemExit(f"error: concurrency levels must be >= 1 and send at most {MAX_REQUESTS} requests in all")
     proc = None
     if args.serve:
@@ -186,14 +193,14 @@ def main(argv=None) -> int:
             raise SystemExit(f"error: {url}/v1/models answered {status}")
         card = models["data"][0]
         model = args.model or card["id"]
-        prompts = _prompts(args.text, max(levels) * args.requests_per_client, args.prompt_chars)
+        prompts = _prompts(args.text, max(counts) + 1, args.prompt_chars)
         # one warm-up request so the first level does not pay for lazy initialisation
         _http(url + "/v1/completions", {"model": model, "prompt": prompts[0], "max_tokens": 2, "temperature": 0},
               args.timeout_s)
         deadline = time.time() + args.deadline_s
         results = []
-        for c in levels:
-            r = run_level(url, model, prompts, c, args.requests_per_client, args.max_tokens, deadline, args.timeout_s)
+        for c, n in zip(levels, counts):
+            r = run_level(url, model, prompts[1:], c, n, args.max_tokens, deadline, args.timeout_s)
             r["server_metrics"] = _http(url + "/metrics")[1]
             results.append(r)
             print(f"c={c:3d}  {r['ok']}/{r['requests']} ok  {r['requests_per_s']:.3f} req/s  "
@@ -209,7 +216,7 @@ def main(argv=None) -> int:
     out = {
         "what": "lowbit serve load test: non-streaming /v1/completions, greedy, loopback",
         "server": {"url": url, "model": model, "card": card, "spawned_with": args.serve},
-        "params": {"requests_per_client": args.requests_per_client, "max_tokens": args.max_tokens,
+        "params": {"min_requests": args.min_requests, "max_tokens": args.max_tokens,
                    "prompt_chars": args.prompt_chars, "text": str(args.text)},
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "note": "CPU shared with other work while measured"},
