@@ -52,6 +52,7 @@ def compile_stage1(kw, config, out_dir, tag):
     if os.environ.get("MAXNREG"):  # tool-only knob for this script
         opts["maxnreg"] = int(os.environ["MAXNREG"])
     ckw["USE_PRMT"] = True  # what a CUDA launch passes
+    ckw["SZ_DIRECT"] = bool(config.sz_direct)  # the wrapper turns it off for CPU tensors
     ckw["INTERP"] = False
     ckw["MID_ITERS"] = ckw["SINK_ITERS"] = ckw["REC_ITERS"] = 0
     sig, attrs = {}, {}
@@ -106,14 +107,17 @@ def main(argv=None):
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--dense", action="store_true", help="add sink/recent tiers")
     ap.add_argument("--out", default="/tmp/lowbit_sm90")
+    ap.add_argument("--cfg", default="", help="extra KernelConfig fields, e.g. v_center=0,pv_fresh=1")
     a = ap.parse_args(argv)
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests", "kernels"))
     from _make import make_inputs
 
     kw = make_inputs(1, a.g, 1, a.d, 256, kbits=a.bits, vbits=a.vbits or a.bits, group=a.group,
                      dtype=torch.bfloat16, sink=64 if a.dense else 0, recent=64 if a.dense else 0)
-    cfg = da.KernelConfig(warp_tokens=a.warp_tokens, num_warps=a.warps, num_stages=a.stages, num_splits=2)
+    extra = {k: bool(int(v)) for k, v in (kv.split("=") for kv in a.cfg.split(",") if kv)}
+    cfg = da.KernelConfig(warp_tokens=a.warp_tokens, num_warps=a.warps, num_stages=a.stages, num_splits=2, **extra)
     tag = f"k{a.bits}v{a.vbits or a.bits}_d{a.d}_g{a.g}_btw{a.warp_tokens}_w{a.warps}_s{a.stages}"
+    tag += "".join(f"_{k}{int(v)}" for k, v in extra.items())
     c, base = compile_stage1(kw, cfg, a.out, tag)
     with open(base + ".ttgir") as f:
         ttgir = f.read()

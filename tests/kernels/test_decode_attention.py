@@ -67,6 +67,18 @@ def test_matches_twin_interpreter(case):
 
 
 @cpu_only
+@pytest.mark.parametrize("variant", [{"v_center": False, "pv_fresh": True}, {"v_center": True, "pv_fresh": True}],
+                         ids=["fresh", "fresh-centred"])
+def test_pv_variants_compute_the_same_function(variant):
+    # The PV precision knobs (benchmarks/NOTES.md round 4) change only rounding, never the result:
+    # two groups per head (o1 path), ragged lengths with an empty sequence, both dense tiers.
+    kw = make_inputs(3, 8, 2, 128, 99, kbits=2, vbits=4, group=64, sink=3, recent=5, mid_lens=[99, 0, 17],
+                     dtype=torch.bfloat16, seed=3)
+    out, ref = _run(kw, KernelConfig(warp_tokens=16, num_warps=2, num_splits=3, dense_block=16, **variant))
+    _check(out, ref)
+
+
+@cpu_only
 def test_dense_tiers_only_and_ragged_dense_lengths():
     kw = make_inputs(3, 4, 2, 64, 0, sink=4, recent=19, sink_lens=[4, 0, 2], recent_lens=[19, 7, 0],
                      dtype=torch.bfloat16, mid=False, seed=3)

@@ -226,12 +226,26 @@ def _dense_tier(Kp, Vp, skt, svt, n, ITERS: tl.constexpr, q_t, m_i, l_v, o_t,
 
 
 @triton.jit
-def _load_sz(SC, ZE, base, t0, end, g: tl.constexpr, NG: tl.constexpr, NW: tl.constexpr, BTW: tl.constexpr):
-    """fp16 scale/zero of group g for the block at t0 -> fp32 [NW, BTW] (0 past `end`)."""
+def _load_sz(SC, ZE, base, t0, end, g: tl.constexpr, NG: tl.constexpr, NW: tl.constexpr, BTW: tl.constexpr,
+             DIRECT: tl.constexpr = False):
+    """fp16 scale/zero of group g for the block at t0 -> fp32 [NW, BTW] (0 past `end`).
+
+    DIRECT (GPU only, needs end >= 1 slot): one inline-asm load per element with the token index
+    clamped into [0, end) instead of a masked tl.load. Triton treats an inline-asm op as cheap to
+    rematerialise, so the load is emitted in the layout its user (the MMA result) wants, not in a
+    blocked layout followed by a round trip through shared memory and a CTA barrier. Values past
+    `end` are finite duplicates; their tokens are masked out of the softmax."""
     tok = t0 + tl.arange(0, NW)[:, None] * BTW + tl.arange(0, BTW)[None, :]
-    valid = tok < end
-    sc = tl.load(SC + base + tok * NG + g, mask=valid, other=0.0).to(tl.float32)
-    ze = tl.load(ZE + base + tok * NG + g, mask=valid, other=0.0).to(tl.float32)
+    if DIRECT:
+        tc = tl.maximum(tl.minimum(tok, end - 1), 0)
+        sc = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [SC + base + tc * NG + g],
+                                       dtype=tl.float16, is_pure=True, pack=1).to(tl.float32)
+        ze = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ZE + base + tc * NG + g],
+                                       dtype=tl.float16, is_pure=True, pack=1).to(tl.float32)
+    else:
+        valid = tok < end
+        sc = tl.load(SC + base + tok * NG + g, mask=valid, other=0.0).to(tl.float32)
+        ze = tl.load(ZE + base + tok * NG + g, mask=valid, other=0.0).to(tl.float32)
     return sc, ze
 
 
@@ -254,7 +268,7 @@ def _mid_block(t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
                SK: tl.constexpr, SV: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
                NGK: tl.constexpr, NGV: tl.constexpr, NPK: tl.constexpr, NPV: tl.constexpr,
                WK: tl.constexpr, WV: tl.constexpr, USE_PRMT: tl.constexpr, Q_LO: tl.constexpr,
-               P_HILO: tl.constexpr, V_CENTER: tl.constexpr, MASK: tl.constexpr):
+               P_HILO: tl.constexpr, V_CENTER: tl.constexpr, PV_FRESH: tl.constexpr, MASK: tl.constexpr):
     """One block of NW*BTW middle-tier tokens from t0 (warp w takes [t0 + w*BTW, +BTW)): scores,
     per-warp online softmax, value accumulation. MASK: the block may reach past `end` (the tail);
     full blocks skip every bound check. Scales/zeros come in (prefetched). Returns the updated
@@ -302,7 +316,13 @@ def _mid_block(t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
     vt0 = _v_group(w_v0, WV, BTW, VBITS, 0, NPV, USE_PRMT, V_CENTER)
     # The block's product starts from zero and is folded in with one FMA: the MMA accumulates
     # only BTW tokens, so its truncating fp32 adds do not pile up over a long split.
-    o0 = o0 * alpha[:, None, :] + _pv(vt0, p * vs0[:, :, None], P_HILO)
+    if PV_FRESH:
+        # fma, not `o * alpha + dot`: Triton folds the latter into the MMA accumulator, whose
+        # truncating adds of small products onto the large running sum cost accuracy at long
+        # contexts; a product from zero per block, added with one round-to-nearest FFMA, does not.
+        o0 = tl.fma(o0, alpha[:, None, :], _pv(vt0, p * vs0[:, :, None], P_HILO))
+    else:
+        o0 = o0 * alpha[:, None, :] + _pv(vt0, p * vs0[:, :, None], P_HILO)
     if V_CENTER:  # the value at code 2**(BITS-1): what the centred codes are measured from
         vz0 = vz0 + vs0 * (1 << (VBITS - 1))
     lz0 = lz0 * alpha[:, None, :] + p * vz0[:, :, None]
@@ -315,7 +335,10 @@ def _mid_block(t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
             else:
                 w_v1 = tl.load(vw_base + voff + WV)
         vt1 = _v_group(w_v1, WV, BTW, VBITS, NPV if SV <= GV else 0, NPV, USE_PRMT, V_CENTER)
-        o1 = o1 * alpha[:, None, :] + _pv(vt1, p * vs1[:, :, None], P_HILO)
+        if PV_FRESH:
+            o1 = tl.fma(o1, alpha[:, None, :], _pv(vt1, p * vs1[:, :, None], P_HILO))
+        else:
+            o1 = o1 * alpha[:, None, :] + _pv(vt1, p * vs1[:, :, None], P_HILO)
         if V_CENTER:
             vz1 = vz1 + vs1 * (1 << (VBITS - 1))
         lz1 = lz1 * alpha[:, None, :] + p * vz1[:, :, None]
@@ -336,7 +359,7 @@ def _stage1(
     KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     NW: tl.constexpr, BTW: tl.constexpr, BTD: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REC: tl.constexpr,
     USE_PRMT: tl.constexpr, INTERP: tl.constexpr, Q_LO: tl.constexpr, P_HILO: tl.constexpr,
-    V_CENTER: tl.constexpr,
+    V_CENTER: tl.constexpr, PV_FRESH: tl.constexpr, SZ_DIRECT: tl.constexpr,
     MID_ITERS: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr,
 ):
     split = tl.program_id(0)
@@ -411,37 +434,37 @@ def _stage1(
                     m_i, l_v, o0, o1, lz0, lz1 = _mid_block(
                         t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
                         ks0, kz0, ks1, kz1, vs0, vz0, vs1, vz1, m_i, l_v, o0, o1, lz0, lz1,
-                        NW, BTW, KBITS, VBITS, SK, SV, GK, GV, NGK, NGV, NPK, NPV, WK, WV, USE_PRMT, Q_LO, P_HILO, V_CENTER, True)
+                        NW, BTW, KBITS, VBITS, SK, SV, GK, GV, NGK, NGV, NPK, NPV, WK, WV, USE_PRMT, Q_LO, P_HILO, V_CENTER, PV_FRESH, True)
         else:
             # scales/zeros are 2-byte loads the pipeliner does not stage: prefetch one block ahead
-            ks0, kz0 = _load_sz(KS, KZ, ks_base, start, end, 0, NGK, NW, BTW)
-            vs0, vz0 = _load_sz(VS, VZ, vs_base, start, end, 0, NGV, NW, BTW)
+            ks0, kz0 = _load_sz(KS, KZ, ks_base, start, end, 0, NGK, NW, BTW, SZ_DIRECT)
+            vs0, vz0 = _load_sz(VS, VZ, vs_base, start, end, 0, NGV, NW, BTW, SZ_DIRECT)
             if NGK == 2:
-                ks1, kz1 = _load_sz(KS, KZ, ks_base, start, end, 1, NGK, NW, BTW)
+                ks1, kz1 = _load_sz(KS, KZ, ks_base, start, end, 1, NGK, NW, BTW, SZ_DIRECT)
             else:
                 ks1, kz1 = ks0, kz0
             if NGV == 2:
-                vs1, vz1 = _load_sz(VS, VZ, vs_base, start, end, 1, NGV, NW, BTW)
+                vs1, vz1 = _load_sz(VS, VZ, vs_base, start, end, 1, NGV, NW, BTW, SZ_DIRECT)
             else:
                 vs1, vz1 = vs0, vz0
             # full blocks without bound checks, then one masked tail block
             full_end = start + (tl.maximum(end - start, 0) // BT) * BT
             for t0 in range(start, full_end, BT):
-                nks0, nkz0 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 0, NGK, NW, BTW)
-                nvs0, nvz0 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 0, NGV, NW, BTW)
+                nks0, nkz0 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 0, NGK, NW, BTW, SZ_DIRECT)
+                nvs0, nvz0 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 0, NGV, NW, BTW, SZ_DIRECT)
                 if NGK == 2:
-                    nks1, nkz1 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 1, NGK, NW, BTW)
+                    nks1, nkz1 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 1, NGK, NW, BTW, SZ_DIRECT)
                 else:
                     nks1, nkz1 = nks0, nkz0
                 if NGV == 2:
-                    nvs1, nvz1 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 1, NGV, NW, BTW)
+                    nvs1, nvz1 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 1, NGV, NW, BTW, SZ_DIRECT)
                 else:
                     nvs1, nvz1 = nvs0, nvz0
                 m_i, l_v, o0, o1, lz0, lz1 = _mid_block(
                     t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
                     ks0, kz0, ks1, kz1, vs0, vz0, vs1, vz1, m_i, l_v, o0, o1, lz0, lz1,
                     NW, BTW, KBITS, VBITS, SK, SV, GK, GV, NGK, NGV, NPK, NPV, WK, WV, USE_PRMT, Q_LO, P_HILO,
-                    V_CENTER, False)
+                    V_CENTER, PV_FRESH, False)
                 ks0, kz0, ks1, kz1 = nks0, nkz0, nks1, nkz1
                 vs0, vz0, vs1, vz1 = nvs0, nvz0, nvs1, nvz1
             if full_end < end:
@@ -449,7 +472,7 @@ def _stage1(
                     full_end, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
                     ks0, kz0, ks1, kz1, vs0, vz0, vs1, vz1, m_i, l_v, o0, o1, lz0, lz1,
                     NW, BTW, KBITS, VBITS, SK, SV, GK, GV, NGK, NGV, NPK, NPV, WK, WV, USE_PRMT, Q_LO, P_HILO,
-                    V_CENTER, True)
+                    V_CENTER, PV_FRESH, True)
 
         # ---- merge the warps (once per program) ----
         mx = tl.max(m_i, 0)  # [HP]
@@ -560,6 +583,8 @@ class KernelConfig:
     maxnreg: int | None = None
     p_hilo: bool = False
     v_center: bool = True
+    pv_fresh: bool = False
+    sz_direct: bool = False
 
     def resolve(self, batch: int, kv_heads: int, head_dim: int) -> KernelConfig:
         """Fill the None fields from DEFAULTS: "many" (sequence, KV head) pairs (>= 64, e.g. B16 with
@@ -570,7 +595,8 @@ class KernelConfig:
         return KernelConfig(warp_tokens=self.warp_tokens or d["warp_tokens"], num_splits=self.num_splits,
                             num_warps=self.num_warps or d["num_warps"], num_stages=self.num_stages or d["num_stages"],
                             dense_block=self.dense_block, maxnreg=self.maxnreg or d["maxnreg"], p_hilo=self.p_hilo,
-                            v_center=self.v_center)
+                            v_center=self.v_center, pv_fresh=self.pv_fresh,
+                            sz_direct=self.sz_direct)
 
     @property
     def block_t(self) -> int:
@@ -777,7 +803,8 @@ def decode_attention(
         G=G, HP=HP, D=D, DV=DV,
         KBITS=k_bits, VBITS=v_bits, GK=GK, GV=GV, NW=NW, BTW=BTW, BTD=BTD,
         HAS_SINK=has_sink, HAS_REC=has_rec,
-        USE_PRMT=(dev.type == "cuda"), INTERP=interp, Q_LO=(q.dtype == torch.float32), P_HILO=cfg.p_hilo, V_CENTER=cfg.v_center,
+        USE_PRMT=(dev.type == "cuda"), INTERP=interp, Q_LO=(q.dtype == torch.float32), P_HILO=cfg.p_hilo, V_CENTER=cfg.v_center, PV_FRESH=cfg.pv_fresh,
+        SZ_DIRECT=bool(cfg.sz_direct and has_mid and dev.type == "cuda" and T > 0),
         MID_ITERS=(split_tokens // BT) if interp else 0,
         SINK_ITERS=triton.cdiv(sk.shape[2], BTD) if interp else 0,
         REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
