@@ -43,8 +43,10 @@ def test_vllm_plugin_matches_lowbit_and_packs_the_cache(tmp_path):
     rt.model.save_pretrained(plain)
     rt.tokenizer.save_pretrained(plain)
     exp = tmp_path / "tiny-int4"
-    assert main(["export", "--for", "vllm", "--model", str(plain), "--kv", "int4", "--out", str(exp)]) == 0
-    prompt = "The quick brown fox jumps over"
+    # small tiers so the prompt's middle is packed: sink 16, recent 32, ~100 prompt tokens
+    assert main(["export", "--for", "vllm", "--model", str(plain), "--kv", "int4", "--sink", "16", "--recent", "32",
+                 "--out", str(exp)]) == 0
+    prompt = "The quick brown fox jumps over the lazy dog; " * 2 + "and then"
     lrt = load_runtime(str(exp))
     _, want = reference_greedy(lrt, lrt.tokenizer.encode(prompt), 10)
 
