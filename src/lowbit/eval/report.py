@@ -119,8 +119,8 @@ def _cells(row: dict) -> list[str]:
         row["scheme"],
         _f(row["bits_per_elt"], ".2f"),
         _f(row["avg_bits_per_elt"], ".2f"),
-        _f(row["ppl"], ".3f"),
-        "ref" if row["kind"] == "reference" else _f(d, "+.2f"),
+        _f(row["ppl"], ".3f" if row["ppl"] < 100 else ".1f"),
+        "ref" if row["kind"] == "reference" else _f(d, "+.2f" if d is None or abs(d) < 100 else "+.0f"),
         _f(row["kl"], ".4f"),
         _f(row["top1"], ".1f"),
         f"{row['quantized_rows']:,}",
@@ -156,24 +156,37 @@ def full_window_line(report: dict) -> str | None:
             f"{fw['diff_pct']:+.3f}% ({verdict}, tolerance {fw['tolerance_pct']}%)")
 
 
+# the columns kept on narrower terminals (the JSON and markdown always have all of them)
+_NARROW = ("scheme", "bits q", "bits avg", "PPL", "ΔPPL %", "KL", "top-1 %", "wall/bf16")
+_NARROWEST = ("scheme", "bits q", "PPL", "ΔPPL %", "KL", "top-1 %")
+
+
 def print_table(report: dict, console=None) -> None:
     """The results as a rich table, with the protocol and the full-window check under it."""
+    from rich import box
     from rich.console import Console
     from rich.table import Table
 
     console = console or Console()
-    table = Table(title=f"lowbit eval: {report['model']['name']}", title_justify="left",
+    cols = HEADERS if console.width >= 140 else _NARROW if console.width >= 100 else _NARROWEST
+    keep = [HEADERS.index(h) for h in cols]
+    table = Table(title=f"lowbit eval: {report['model']['name']}", title_justify="left", box=box.SIMPLE_HEAD,
                   caption="bits q: bits/elt of the quantized tier (codes + scale/zero); bits avg: over all tiers",
                   caption_justify="left")
-    for i, h in enumerate(HEADERS):
-        table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)
+    for i in keep:
+        table.add_column(HEADERS[i], justify="left" if i == 0 else "right", no_wrap=True)
+    skipped = []
     for row in report["results"]:
-        cells = _cells(row)
         if row["status"] != "ok":
-            table.add_row(cells[0], f"[yellow]{cells[1]}[/yellow]", *cells[2:])
+            # the reason goes under the table: one narrow column would wrap it over many lines
+            skipped.append(row)
+            table.add_row(row["scheme"], "[yellow]cannot run[/yellow]", *[""] * (len(keep) - 2))
         else:
-            table.add_row(*cells)
+            cells = _cells(row)
+            table.add_row(*[cells[i] for i in keep])
     console.print(table)
+    for row in skipped:
+        console.print(f"[yellow]{row['scheme']}: {row['status']}[/yellow]")
     console.print(protocol_line(report))
     line = full_window_line(report)
     if line:
