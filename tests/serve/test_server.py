@@ -113,3 +113,30 @@ def test_port_in_use_is_a_clear_error():
         holder.close()
     with pytest.raises(LowbitError, match="not a TCP port"):
         bind("127.0.0.1", 70000)
+
+
+def test_client_gone_mid_stream_frees_its_request(int4_server):
+    """A streaming client that hangs up: the worker drops the request (and its cache) and goes on."""
+    import http.client
+    import json
+    import time
+    from urllib.parse import urlparse
+
+    rt, srv, client = int4_server
+    u = urlparse(srv.url)
+    before = _raw(srv.url + "/metrics")[1]["finished"]["cancelled"]
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
+    conn.request("POST", "/v1/completions", body=json.dumps({"model": "tiny", "prompt": "go on and on", "max_tokens": 200,
+                                                             "temperature": 0, "stream": True}),
+                 headers={"content-type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 200 and resp.readline().startswith(b"data: ")
+    conn.sock.close()  # hang up after the first event
+    conn.close()
+    t0 = time.time()
+    while _raw(srv.url + "/metrics")[1]["finished"]["cancelled"] == before:
+        assert time.time() - t0 < 60, "the abandoned request was not dropped"
+        time.sleep(0.2)
+    m = _raw(srv.url + "/metrics")[1]
+    assert m["kv"]["active_requests"] == 0 or m["queue_depth"] == 0
+    assert client.completions.create(model="tiny", prompt="still here", max_tokens=2, temperature=0).choices
