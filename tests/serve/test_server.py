@@ -122,7 +122,7 @@ def test_client_gone_mid_stream_frees_its_request(int4_server):
     import time
     from urllib.parse import urlparse
 
-    rt, srv, client = int4_server
+    _rt, srv, client = int4_server
     u = urlparse(srv.url)
     before = _raw(srv.url + "/metrics")[1]["finished"]["cancelled"]
     conn = http.client.HTTPConnection(u.hostname, u.port, timeout=60)
