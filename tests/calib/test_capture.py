@@ -63,8 +63,11 @@ def test_stats_match_direct_sums_gqa():
     def obs(module, q, k, v, mask, scaling, softcap):
         seen.update(q=q.double(), k=k.double(), v=v.double(), scale=scaling)
 
-    col = StatsCollector(skip=5, sample_per_seq=3)
+    col = StatsCollector(skip=5, sample_per_seq=3, query_stride=1)
+    col4 = StatsCollector(skip=5, sample_per_seq=3, query_stride=4)
     with torch.no_grad():
+        with capture_attention(model, col4):
+            model(ids, use_cache=False)
         with capture_attention(model, obs):
             model(ids, use_cache=False)
         with capture_attention(model, col):
@@ -73,11 +76,11 @@ def test_stats_match_direct_sums_gqa():
     q, k, v = seen["q"], seen["k"], seen["v"]  # [2, 9, 23, 64], [2, 3, 23, 64]
     ks, vs = k[:, :, 5:], v[:, :, 5:]
     assert st.count == 2 * 18 and st.seen == 2 * 23
-    torch.testing.assert_close(st.t["kk"], torch.einsum("bhtd,bhte->hde", ks, ks), rtol=1e-6, atol=1e-8)
-    torch.testing.assert_close(st.t["vv"], torch.einsum("bhtd,bhte->hde", vs, vs), rtol=1e-6, atol=1e-8)
+    torch.testing.assert_close(st.t["kk"], torch.einsum("bhtd,bhte->hde", ks, ks), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(st.t["vv"], torch.einsum("bhtd,bhte->hde", vs, vs), rtol=1e-5, atol=1e-5)
     # q heads 3h..3h+2 share kv head h
     qs = q[:, :, 5:].reshape(2, 3, 3, 18, 64)
-    torch.testing.assert_close(st.t["qq"], torch.einsum("bhrtd,bhrte->hde", qs, qs), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(st.t["qq"], torch.einsum("bhrtd,bhrte->hde", qs, qs), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(st.t["kmax"], ks.amax(dim=(0, 2)))
     torch.testing.assert_close(st.t["vmin"], vs.amin(dim=(0, 2)))
     # attention mass: causal softmax, summed over queries and the 3 q heads of each group
@@ -87,6 +90,8 @@ def test_stats_match_direct_sums_gqa():
     torch.testing.assert_close(st.t["pw"], mass.sum(dim=(0, 2)), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(st.t["pv"], torch.einsum("bht,bhtd,bhte->hde", mass, vs, vs), rtol=1e-4, atol=1e-4)
     assert st.sample("k").shape == (2 * 3, 3, 64)
+    # the 1-in-4 query subsample estimates the same mass (total within 10%), at a quarter of the cost
+    assert col4.layers[0].t["pw"].sum().item() == pytest.approx(st.t["pw"].sum().item(), rel=0.1)
 
 
 def test_sliding_window_mask_reaches_the_observer():

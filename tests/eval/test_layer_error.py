@@ -110,3 +110,20 @@ def test_fitted_levels_and_table(tmp_path):
     assert "| 1 | -12.5 | -21.0 |" in t and "+10.00%" in t and "+1.00%" in t
     heatmap(db, tmp_path / "h.png", "t")
     assert (tmp_path / "h.png").stat().st_size > 1000
+
+
+def test_centering_is_exact_for_attention():
+    """Shifting every key by mu and every value by mu_v changes nothing in exact attention, and the
+    harness adds the means back, so a centred bf16 variant reproduces the model."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, H, 40, 16, generator=g) for H in (4, 2, 2))
+    k = k + 30 * torch.randn(1, 2, 1, 16, generator=g)  # a large per-channel key offset
+    s = parse_kv_scheme("int2", sink=16, recent=16, page=16)
+    mu = {0: (k.mean(dim=(0, 2)), v.mean(dim=(0, 2)))}
+    allowed = torch.ones(40, 40, dtype=torch.bool).tril()[None, None]
+    exact = tiered_attention(q, k, v, k, v, allowed, 0.25, 16, 16)
+    errs = []
+    for center in ({}, mu):
+        kh, vh = dequantized_kv(k, v, Variant("x", s, center=center), 0)
+        errs.append((tiered_attention(q, k, v, kh, vh, allowed, 0.25, 16, 16) - exact).pow(2).sum().item())
+    assert errs[1] < 0.5 * errs[0]  # the offset no longer eats the 2-bit range

@@ -162,3 +162,14 @@ def test_failed_fit_leaves_no_artifact(calibs, tmp_path):
     with pytest.raises(LowbitError, match="unknown objective"):
         fit_and_save(cal, tmp_path / "rot", kind="per-head", objective="bad")
     assert not (tmp_path / "rot").exists()
+
+
+def test_centered_fit_uses_covariance_about_the_mean():
+    st = _stats(2, 8)
+    st.t["ksum"] = torch.randn(2, 8, dtype=torch.float64) * 100  # count 100 -> mean ~ N(0, 1)
+    mu = st.mean("k")
+    c = st.cov("kk", center=True)
+    torch.testing.assert_close(c, st.cov("kk") - mu[:, :, None] * mu[:, None, :])
+    fl = fit_layer(st, "per-head", center=True)
+    torch.testing.assert_close(fl.k.double(), rotation_from_cov(c), atol=1e-6, rtol=0)
+    assert not torch.allclose(fl.k, fit_layer(st, "per-head").k, atol=1e-3)

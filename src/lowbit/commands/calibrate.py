@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import sys
 import time
 from pathlib import Path
 
@@ -28,6 +29,8 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
     p.add_argument("--skip", type=int, default=DEFAULT_SKIP, help="leading positions per sequence left out of the "
                    f"statistics: the cache's sink, never quantized (default {DEFAULT_SKIP})")
+    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                   help="model dtype while capturing (default bf16, the serving dtype; statistics are summed in float64)")
     p.add_argument("--no-score-weighted", action="store_true", help="skip the attention-weighted V covariance (faster)")
     p.add_argument("--out", required=True, help="new artifact directory")
 
@@ -90,7 +93,12 @@ def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_
     except LowbitError as e:
         raise LowbitError(f"calibration data {data_spec}: {e}") from None
     t0 = time.time()
-    col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted)
+
+    def progress(n, total):
+        if n == total or n % max(1, total // 8) == 0:
+            print(f"  {n}/{total} sequences, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted, progress=progress)
     seconds = time.time() - t0
     inputs = {
         "model": loaded.name,
@@ -109,7 +117,8 @@ def write_calibration(col, out: Path, geo, inputs: dict, *, tokens: int, seq_len
     if sorted(col.layers) != [lg.index for lg in geo.layers]:
         raise LowbitError(f"captured attention layers {sorted(col.layers)}, the model has {geo.num_layers}: "
                           "some layers bypassed the capture")
-    recipe = {"tokens": tokens, "seq_len": seq_len, "skip": col.skip, "score_weighted": col.score_weighted}
+    recipe = {"tokens": tokens, "seq_len": seq_len, "skip": col.skip, "score_weighted": col.score_weighted,
+              "dtype": str(next(iter(col.dtypes), "?"))}
     n_seq = tokens // seq_len
     with ArtifactWriter(out, kind="calibration", artifact_class="generic", inputs=inputs, recipe=recipe) as w:
         col.save(w.path, {**inputs, **recipe, "geometry": _geometry_doc(geo)})
@@ -133,7 +142,7 @@ def run(args) -> int:
     out = Path(args.out)
     if out.exists():
         raise LowbitError(f"{out} already exists; artifacts are never overwritten: choose a new --out")
-    loaded = load(args.model)
+    loaded = load(args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     text = load_text(args.data)
     counts = calibrate(loaded, args.data, text, out, tokens=args.tokens, seq_len=args.seq_len, skip=args.skip,
                        score_weighted=not args.no_score_weighted)

@@ -22,6 +22,7 @@ def add_arguments(p) -> None:
                    help="after the eigenvectors: hadamard (spread over channels, for per-token groups) or none "
                         "(principal components, for per-channel key groups) (default hadamard)")
     p.add_argument("--bit-reversal", action="store_true", help="permute the rotated channels by bit reversal")
+    p.add_argument("--center", action="store_true", help="fit to the covariance about the calibration mean (kk objective)")
     p.add_argument("--model", default=None, help="check the calibration was made on this model (name and weights sha256)")
     p.add_argument("--out", required=True, help="new rotation-set directory")
 
@@ -39,13 +40,13 @@ def check_model(calib, model: str) -> None:
 
 
 def fit_and_save(calib, out: Path, *, kind: str, objective: str = "kk", mix: str = "hadamard",
-                 bit_reversal: bool = False) -> Path:
+                 bit_reversal: bool = False, center: bool = False) -> Path:
     """Fit every layer of `calib` and write a RotationSet artifact at `out` (nothing is left on error)."""
     from lowbit.artifacts import sha256_file
     from lowbit.rotation.fit import fit_rotations
     from lowbit.rotation.rotation_set import RotationSet
 
-    fitted = fit_rotations(calib, kind, objective, mix=mix, bit_reversal=bit_reversal)
+    fitted = fit_rotations(calib, kind, objective, mix=mix, bit_reversal=bit_reversal, center=center)
     idx = [f.index for f in fitted]
     if idx != list(range(len(idx))):
         raise LowbitError(f"calibration {calib.path} covers layers {idx[:5]}..., not 0..{len(idx) - 1}: recalibrate")
@@ -60,7 +61,7 @@ def fit_and_save(calib, out: Path, *, kind: str, objective: str = "kk", mix: str
         "calibration_data": calib.meta.get("data"),
         "calibration_tokens": calib.meta.get("tokens"),
     }
-    counts = {"kind": kind, "objective": objective, "mix": mix, "bit_reversal": bit_reversal}
+    counts = {"kind": kind, "objective": objective, "mix": mix, "bit_reversal": bit_reversal, "center": center}
     return rs.save(out, inputs=inputs, counts=counts)
 
 
@@ -74,7 +75,8 @@ def run(args) -> int:
     calib = load_calibration(args.calib)
     if args.model:
         check_model(calib, args.model)
-    fit_and_save(calib, out, kind=args.kind, objective=args.objective, mix=args.mix, bit_reversal=args.bit_reversal)
+    fit_and_save(calib, out, kind=args.kind, objective=args.objective, mix=args.mix, bit_reversal=args.bit_reversal,
+                 center=args.center)
     print(f"{args.kind} rotations ({args.objective}, mix {args.mix}{', bit-reversal' if args.bit_reversal else ''}) "
           f"for {calib.model}, {len(calib.layers)} layers, {time.time() - t0:.1f} s -> {out}")
     return 0

@@ -69,7 +69,7 @@ def rotations_for(spec: str, geometry) -> tuple[str, dict]:
     return Path(spec).name, {i: (rs.k[i], rs.v[i]) for i in range(rs.num_layers)}
 
 
-def fitted_levels(calib, rot: dict, scheme) -> dict:
+def fitted_levels(calib, rot: dict, scheme, center: dict | None = None) -> dict:
     """layer -> (levels_k, levels_v): Lloyd-Max codebooks fitted on the calibration sample as the cache
     would see it (rotated, then standardized per group)."""
     from lowbit.eval.layer_error import _rotate
@@ -78,12 +78,16 @@ def fitted_levels(calib, rot: dict, scheme) -> dict:
     out = {}
     for i, st in calib.layers.items():
         rk, rv = rot.get(i, (None, None))
+        mk, mv = (center or {}).get(i, (None, None))
         pair = []
-        for which, tq, R in (("k", scheme.k, rk), ("v", scheme.v, rv)):
+        for which, tq, R, mu in (("k", scheme.k, rk, mk), ("v", scheme.v, rv, mv)):
             if not tq.lloyd_max:
                 pair.append(None)
                 continue
-            x = _rotate(st.sample(which).permute(1, 0, 2)[None], R)  # [1, H, N, D]
+            x = st.sample(which).permute(1, 0, 2)[None]  # [1, H, N, D]
+            if mu is not None:
+                x = x - mu.float()[None, :, None, :]
+            x = _rotate(x, R)
             if tq.axis == "channel":
                 n = x.shape[2] // scheme.page * scheme.page
                 x = x[:, :, :n].reshape(1, x.shape[1], -1, scheme.page, x.shape[-1]).transpose(-1, -2)

@@ -45,6 +45,10 @@ class Variant:
     rot:    layer -> (R_k, R_v), each None, [D, D] or [H_kv, D, D]
     levels: layer -> (levels_k, levels_v) fitted Lloyd-Max codebooks (None: Gaussian-optimal)
     clip:   layer -> (clip_k, clip_v) per-layer clip ratios overriding the scheme's
+    center: layer -> (mu_k, mu_v) [H_kv, D] calibration means subtracted before quantizing. Exact
+            for attention: every key shifted by mu_k shifts all logits of a query by q·mu_k (softmax
+            is unchanged), and o = sum_j p_j (v_j - mu_v) + mu_v since the p_j sum to 1; so a cache
+            storing centred K/V in every tier computes what this harness computes.
     """
 
     name: str
@@ -52,6 +56,7 @@ class Variant:
     rot: dict = field(default_factory=dict)
     levels: dict = field(default_factory=dict)
     clip: dict = field(default_factory=dict)
+    center: dict = field(default_factory=dict)
 
 
 def _rotate(x: torch.Tensor, R: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
@@ -108,8 +113,18 @@ def dequantized_kv(k, v, variant: Variant, layer: int):
     rk, rv = variant.rot.get(layer, (None, None))
     lk, lv = variant.levels.get(layer, (None, None))
     ck, cv = variant.clip.get(layer, (None, None))
-    kh = _rotate(quantize_tensor(_rotate(k.float(), rk), s.k, page=s.page, sink=s.sink, levels=lk, clip=ck), rk, True)
-    vh = _rotate(quantize_tensor(_rotate(v.float(), rv), s.v, page=s.page, sink=s.sink, levels=lv, clip=cv), rv, True)
+    mk, mv = variant.center.get(layer, (None, None))
+    k, v = k.float(), v.float()
+    if mk is not None:
+        k = k - mk.float()[None, :, None, :]
+    if mv is not None:
+        v = v - mv.float()[None, :, None, :]
+    kh = _rotate(quantize_tensor(_rotate(k, rk), s.k, page=s.page, sink=s.sink, levels=lk, clip=ck), rk, True)
+    vh = _rotate(quantize_tensor(_rotate(v, rv), s.v, page=s.page, sink=s.sink, levels=lv, clip=cv), rv, True)
+    if mk is not None:
+        kh = kh + mk.float()[None, :, None, :]
+    if mv is not None:
+        vh = vh + mv.float()[None, :, None, :]
     return kh, vh
 
 

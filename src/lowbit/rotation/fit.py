@@ -99,15 +99,20 @@ class FittedLayer:
     v: torch.Tensor
 
 
-def fit_layer(st, kind: str, objective: str = "kk", *, mix: str = "hadamard", bit_reversal: bool = False) -> FittedLayer:
-    """Fit one layer from its LayerStats `st`. Returns float32 rotations (v1 [D,D] or v2 [H,D,D])."""
+def fit_layer(st, kind: str, objective: str = "kk", *, mix: str = "hadamard", bit_reversal: bool = False,
+              center: bool = False) -> FittedLayer:
+    """Fit one layer from its LayerStats `st`. Returns float32 rotations (v1 [D,D] or v2 [H,D,D]).
+
+    center: fit K/V to their covariance about the calibration mean (objective kk), for caches that
+    store mean-centred K/V.
+    """
     try:
-        return _fit_layer(st, kind, objective, mix=mix, bit_reversal=bit_reversal)
+        return _fit_layer(st, kind, objective, mix=mix, bit_reversal=bit_reversal, center=center)
     except LowbitError as e:
         raise LowbitError(f"layer {st.index} (head_dim K {st.head_dim_k} / V {st.head_dim_v}): {e}") from None
 
 
-def _fit_layer(st, kind: str, objective: str, *, mix: str, bit_reversal: bool) -> FittedLayer:
+def _fit_layer(st, kind: str, objective: str, *, mix: str, bit_reversal: bool, center: bool) -> FittedLayer:
     if kind not in KINDS:
         raise LowbitError(f"unknown rotation kind {kind!r}: use one of {KINDS}")
     if objective not in OBJECTIVES:
@@ -119,8 +124,8 @@ def _fit_layer(st, kind: str, objective: str, *, mix: str, bit_reversal: bool) -
             rk = rk[:, bit_reversal_permutation(st.head_dim_k)]
             rv = rv[:, bit_reversal_permutation(st.head_dim_v)]
     else:
-        ck = st.cov("kk" if objective == "kk" else "qq")  # [H, Dk, Dk]
-        cv = st.cov("vv" if objective == "kk" else "pv")  # [H, Dv, Dv]
+        ck = st.cov("kk", center) if objective == "kk" else st.cov("qq")  # [H, Dk, Dk]
+        cv = st.cov("vv", center) if objective == "kk" else st.cov("pv")  # [H, Dv, Dv]
         if kind == "per-layer":
             ck, cv = ck.mean(0), cv.mean(0)
         rk = rotation_from_cov(ck, mix=mix, bit_reversal=bit_reversal)
@@ -131,6 +136,8 @@ def _fit_layer(st, kind: str, objective: str, *, mix: str, bit_reversal: bool) -
     return fl
 
 
-def fit_rotations(calib, kind: str, objective: str = "kk", *, mix: str = "hadamard", bit_reversal: bool = False) -> list[FittedLayer]:
+def fit_rotations(calib, kind: str, objective: str = "kk", *, mix: str = "hadamard", bit_reversal: bool = False,
+                  center: bool = False) -> list[FittedLayer]:
     """Fit every layer of a loaded Calibration, in global layer order."""
-    return [fit_layer(calib.layers[i], kind, objective, mix=mix, bit_reversal=bit_reversal) for i in sorted(calib.layers)]
+    return [fit_layer(calib.layers[i], kind, objective, mix=mix, bit_reversal=bit_reversal, center=center)
+            for i in sorted(calib.layers)]
