@@ -24,6 +24,7 @@ class LayerMemory:
     elements_v: int
     quantized_rows: int  # middle rows held now (token x kv-head, K + V, quantized tensors only)
     bf16_bytes_per_token: int  # what one token of this layer costs in 16-bit K + V
+    dense_bytes_per_token: int = 0  # ... in the model dtype (what a DynamicCache would hold)
 
 
 @dataclass
@@ -65,13 +66,21 @@ class MemoryReport:
         n = self.token_layers
         return sum(lm.bf16_bytes_per_token * sum(lm.tokens.values()) for lm in self.layers) / n if n else 0.0
 
+    def dense_bytes_per_token_per_layer(self) -> float:
+        n = self.token_layers
+        return sum(lm.dense_bytes_per_token * sum(lm.tokens.values()) for lm in self.layers) / n if n else 0.0
+
     def quantized_rows(self) -> int:
         return sum(lm.quantized_rows for lm in self.layers)
 
     def quantized_tokens(self) -> int:
-        """Tokens in the middle tier of the full-attention layers (max over them; sliding if none)."""
-        full = [lm.tokens["middle"] for lm in self.layers if lm.attention == "full"]
-        pool = full or [lm.tokens["middle"] for lm in self.layers]
+        """Quantized tokens held per sequence in the middle tier of the full-attention layers (max over
+        them; sliding layers if there are none). 0 when the middle is stored unquantized."""
+        def q(lm):
+            return lm.tokens["middle"] if lm.quantized_rows else 0
+
+        full = [q(lm) for lm in self.layers if lm.attention == "full"]
+        pool = full or [q(lm) for lm in self.layers]
         return max(pool) if pool else 0
 
     def to_dict(self) -> dict:
@@ -84,6 +93,7 @@ class MemoryReport:
             "middle_bits_per_element": {"k": bk, "v": bv},
             "bytes_per_token_per_layer": self.bytes_per_token_per_layer(),
             "bf16_bytes_per_token_per_layer": self.bf16_bytes_per_token_per_layer(),
+            "dense_bytes_per_token_per_layer": self.dense_bytes_per_token_per_layer(),
             "quantized_rows": self.quantized_rows(),
             "quantized_tokens": self.quantized_tokens(),
             "layers": [lm.__dict__ for lm in self.layers],
@@ -97,14 +107,15 @@ class MemoryReport:
             if bk is not None
             else "middle empty"
         )
-        bpt, ref = self.bytes_per_token_per_layer(), self.bf16_bytes_per_token_per_layer()
+        bpt, ref = self.bytes_per_token_per_layer(), self.dense_bytes_per_token_per_layer()
         ratio = f", {ref / bpt:.2f}x smaller" if bpt else ""
+        dense = str(getattr(cache.layers[0], "dtype", "")).replace("torch.", "") or "dense"
         backend = "+".join(f"{k} {v}" for k, v in sorted(cache.backend_calls.items())) or "none yet"
         return (
             f"kv {cache.scheme.name}: {n} tokens, {self.quantized_tokens()} quantized per full layer, "
             f"{cache.quantized_rows_total()} K+V rows quantized | {bits} | held {self.live_bytes / MiB:.2f} MiB "
             f"(sink {self.total('sink') / MiB:.2f}, middle {self.total('middle') / MiB:.2f}, "
-            f"recent {self.total('recent') / MiB:.2f}) | {bpt:.1f} B/token/layer vs bf16 {ref:.1f}{ratio} | "
+            f"recent {self.total('recent') / MiB:.2f}) | {bpt:.1f} B/token/layer vs {ref:.1f} {dense} dense{ratio} | "
             f"attention calls: {backend}"
         )
 
@@ -149,6 +160,7 @@ def measure(cache) -> MemoryReport:
                 elements_v=rows * g.head_dim_v,
                 quantized_rows=qrows,
                 bf16_bytes_per_token=bf16_tok,
+                dense_bytes_per_token=bf16_tok * layer.sink["k"].element_size() // 2,
             )
         )
     return rep
