@@ -202,6 +202,7 @@ def main(argv=None) -> int:
         for c, n in zip(levels, counts):
             r = run_level(url, model, prompts[1:], c, n, args.max_tokens, deadline, args.timeout_s)
             r["server_metrics"] = _http(url + "/metrics")[1]
+            r["loadavg_1m_after"] = round(os.getloadavg()[0], 2)  # other work on the machine skews the times
             results.append(r)
             print(f"c={c:3d}  {r['ok']}/{r['requests']} ok  {r['requests_per_s']:.3f} req/s  "
                   f"p50 {r['latency_s']['p50']} s  p95 {r['latency_s']['p95']} s  "
