@@ -113,3 +113,30 @@ def test_quantized_weights_are_served_and_exported(tiny_dir, tmp_path):
     assert cfg["quantization_config"]["format"] == s.ct_format and (out / "lowbit_kv.json").is_file()
     rt2 = load_runtime(str(out))  # the exported dir itself: quantized weights + int4 sidecar
     assert rt2.weights is not None and rt2.scheme.k.bits == 4
+
+
+def test_export_ships_a_rotation_set(tiny_dir, tmp_path):
+    import torch
+
+    from lowbit.rotation.rotation_set import RotationSet
+    from lowbit.serve.runtime import load_runtime
+    from lowbit.vllm_plugin import sidecar
+
+    g = torch.Generator().manual_seed(0)
+
+    def ortho(h):  # per-KV-head random orthogonal [H, 64, 64]
+        return torch.stack([torch.linalg.qr(torch.randn(64, 64, generator=g))[0] for _ in range(h)])
+
+    rs = RotationSet(model=tiny_dir.name, k=(ortho(3), ortho(3)), v=(ortho(3), ortho(3)))
+    rot = rs.save(tmp_path / "rot")
+    out = tmp_path / "exp"
+    assert main(["export", "--for", "vllm", "--model", str(tiny_dir), "--kv", "int4", "--rotation", str(rot),
+                 "--out", str(out)]) == 0
+    assert (out / "rotations" / "rotations.safetensors").is_file()
+    side = sidecar.read(out)
+    assert side["kv_scheme"]["rotation"] == "rotations"  # relative: the directory can move
+    rt = load_runtime(str(out))
+    assert rt.scheme.rotation == str((out / "rotations").resolve())
+    from lowbit.serve.kvcache import CacheFactory
+
+    CacheFactory(rt.model, rt.scheme, rt.geometry)  # the cache accepts the shipped per-head rotations

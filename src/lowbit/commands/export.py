@@ -103,8 +103,9 @@ def run(args) -> int:
                               "pass a checkpoint written by `lowbit quantize`")
     config_dir = wdir or src
     config = json.loads((config_dir / "config.json").read_text())
-    name = args.model if wdir is None else f"{Path(args.model).name}+{wdir.name}"
-    geometry = ModelGeometry.from_config(config, name=Path(args.model).name)
+    # the name RotationSets are checked against (lowbit.models names a local dir by its folder name)
+    name = Path(args.model).name
+    geometry = ModelGeometry.from_config(config, name=name)
     scheme.validate(geometry)  # group, rotation shapes, attention kinds: refuse before writing anything
     if wdir is not None:
         base = ModelGeometry.from_config(json.loads((src / "config.json").read_text()))

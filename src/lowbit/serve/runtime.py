@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -97,6 +97,8 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
         raise LowbitError(f"{model_or_artifact} has no tokenizer files; serve a model directory that includes them")
     if side is not None:
         sidecar.check_against(side, geometry)
+        # a RotationSet in the sidecar was fitted for the model the export names, not this folder
+        geometry = replace(geometry, name=side["model"]["name"])
         side_scheme = sidecar.scheme_of(side, src)
         if kv is None:
             kv = side_scheme
