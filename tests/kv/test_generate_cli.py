@@ -1,0 +1,82 @@
+"""`lowbit generate` on a tiny model (the loader is swapped for one returning a tiny random model)."""
+
+import pytest
+import torch
+from transformers import BatchEncoding
+
+import lowbit.models
+from lowbit.cli import main
+from lowbit.models import LoadedModel, ModelGeometry
+
+from .helpers import make_model
+
+
+class CharTokenizer:
+    """Characters -> ids in [5, 95): enough to drive generate on a 99-token tiny model."""
+
+    pad_token_id = 0
+    eos_token_id = 1
+
+    def __call__(self, text, return_tensors=None):
+        ids = torch.tensor([[5 + ord(c) % 90 for c in text]])
+        return BatchEncoding({"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(32 + int(i) % 90) for i in ids)
+
+
+@pytest.fixture
+def tiny_loader(monkeypatch):
+    calls = []
+
+    def fake_load(name, **kw):
+        calls.append(name)
+        model = make_model("smollm2-135m", num_layers=1)
+        geo = ModelGeometry.from_config(model.config, name=name)
+        return LoadedModel(model=model, tokenizer=CharTokenizer(), name=name, weights_sha256="0" * 64, geometry=geo)
+
+    monkeypatch.setattr(lowbit.models, "load", fake_load)
+    return calls
+
+
+def test_generate_prints_continuation_and_summary(tiny_loader, capsys):
+    rc = main(["generate", "--model", "tiny", "--kv", "int2", "--sink", "4", "--recent", "8", "--page", "4",
+               "--prompt", "x" * 40 + " The capital of France is", "--max-new-tokens", "6", "--device", "cpu"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    lines = out.out.strip().split("\n")
+    assert lines[-1].startswith("kv int2: 70 tokens")  # 65 prompt + 5 of the 6 generated (the last is never fed back)
+    assert "quantized per full layer" in lines[-1] and "middle K 2.50 / V 2.50 bits/elt" in lines[-1]
+    assert len(lines[-2]) == 6  # the continuation (one char per token here)
+    assert "int2: K,V int2" in out.err
+
+
+def test_generate_recipe_file(tiny_loader, tmp_path, capsys):
+    r = tmp_path / "kv.toml"
+    r.write_text('scheme = "k4v2"\nsink = 4\nrecent = 8\npage = 4\nrotation = "hadamard"\n')
+    rc = main(["generate", "--model", "tiny", "--recipe", str(r), "--prompt", "y" * 30, "--max-new-tokens", "3",
+               "--device", "cpu"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "kv k4v2:" in out.out and "middle K 4.50 / V 2.50" in out.out and "rotation hadamard" in out.err
+
+
+@pytest.mark.parametrize(
+    "args,msg",
+    [
+        (["--kv", "int4", "--recent", "10"], "multiple of the page"),
+        (["--kv", "int7"], "unknown KV scheme"),
+        (["--kv", "int4", "--clip", "0.9,0.8,0.7"], "clip"),
+        (["--recipe", "r.toml", "--kv", "int4"], "--recipe holds the whole KV scheme"),
+        ([], "give a KV scheme"),
+    ],
+)
+def test_bad_flags_fail_before_loading(tiny_loader, capsys, args, msg):
+    rc = main(["generate", "--model", "tiny", "--prompt", "hi", *args])
+    assert rc == 2 and msg in capsys.readouterr().err
+    assert tiny_loader == []  # refused before any model was loaded
+
+
+def test_bad_group_fails_at_construction(tiny_loader, capsys):
+    rc = main(["generate", "--model", "tiny", "--prompt", "hi", "--kv", "int2", "--group", "96", "--device", "cpu"])
+    assert rc == 2 and "group 96 does not divide head_dim 64" in capsys.readouterr().err
