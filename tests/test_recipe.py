@@ -1,12 +1,13 @@
 """KVScheme: scheme strings, flags, recipe files, validation against a geometry, bits per element."""
 
+import dataclasses
 import json
 from dataclasses import replace
 
 import pytest
 
 from lowbit.errors import LowbitError
-from lowbit.models.geometry import LayerGeometry, ModelGeometry
+from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_config
 from lowbit.recipe import (
     DEFAULT_PAGE,
@@ -138,7 +139,7 @@ def _touch(p):
 
 def test_frozen_and_versioned():
     s = parse_kv_scheme("int4")
-    with pytest.raises(Exception):
+    with pytest.raises(dataclasses.FrozenInstanceError):
         s.sink = 0
     assert s.version == 1
     with pytest.raises(LowbitError, match="version"):

@@ -315,7 +315,7 @@ def parse_kv_scheme(
         raise LowbitError(f"KV scheme must be a string, got {name!r}")
     key = name.strip().lower()
     k_axis = "token"
-    defaults = dict(sink=DEFAULT_SINK, recent=DEFAULT_RECENT, page=DEFAULT_PAGE)
+    defaults = {"sink": DEFAULT_SINK, "recent": DEFAULT_RECENT, "page": DEFAULT_PAGE}
     k_group = v_group = group
     if key in _BITS_NAMES:
         kb = vb = _BITS_NAMES[key]
@@ -327,7 +327,7 @@ def parse_kv_scheme(
     elif key in ("kivi2", "kivi4"):
         kb = vb = int(key[-1])
         k_axis = "channel"
-        defaults = dict(sink=0, recent=128, page=32)
+        defaults = {"sink": 0, "recent": 128, "page": 32}
         k_group = None  # the page
         v_group = 32 if group is None else group
     else:

@@ -26,8 +26,8 @@ def make_model(name: str, num_layers: int | None = None, seed: int = 0, **overri
 # Fast variants of the built-ins: gemma3 with 1 sliding (window 11) + 1 full layer, so eviction
 # happens within a few dozen tokens; smollm2 with its 2 default (full) layers.
 FAST = {
-    "smollm2-135m": dict(),
-    "gemma3-270m": dict(num_layers=2, layer_types=["sliding_attention", "full_attention"], sliding_window=11),
+    "smollm2-135m": {},
+    "gemma3-270m": {"num_layers": 2, "layer_types": ["sliding_attention", "full_attention"], "sliding_window": 11},
 }
 
 
@@ -37,7 +37,7 @@ def fast_model(name: str, seed: int = 0, **overrides):
 
 def scheme(name: str = "bf16", **kw):
     """parse_kv_scheme(name) with small tiers so that short tests exercise all of them."""
-    base = dict(sink=4, recent=8, page=4)
+    base = {"sink": 4, "recent": 8, "page": 4}
     base.update(kw)
     rest = {k: base.pop(k) for k in list(base) if k not in ("sink", "recent", "page")}
     s = parse_kv_scheme(name, **{k: v for k, v in rest.items() if k in ("group", "clip", "lloyd_max", "rotation")})
@@ -60,7 +60,7 @@ def run_chunks(model, cache, ids, mask, chunks, impl=None):
         m = mask[:, : pos + c] if mask is not None else None
         kw = {}
         if m is not None:
-            kw = dict(attention_mask=m, position_ids=positions(m)[:, pos : pos + c])
+            kw = {"attention_mask": m, "position_ids": positions(m)[:, pos : pos + c]}
         outs.append(model(ids[:, pos : pos + c], past_key_values=cache, use_cache=True, **kw).logits)
         pos += c
     return torch.cat(outs, 1)

@@ -21,7 +21,7 @@ def _ids(model, B=1, L=29, seed=0):
     return tiny_tokenizer_free_inputs(model.config, B, L, seed=seed)
 
 
-@pytest.mark.parametrize("tiers", [dict(sink=4, recent=8, page=4), dict(sink=0, recent=4, page=2), dict(sink=8, recent=0, page=8)])
+@pytest.mark.parametrize("tiers", [{"sink": 4, "recent": 8, "page": 4}, {"sink": 0, "recent": 4, "page": 2}, {"sink": 8, "recent": 0, "page": 8}])
 def test_prefill_then_decode(model, tiers):
     ids = _ids(model)
     chunks = [17] + [1] * 12
@@ -57,7 +57,7 @@ def test_generate_left_padded_matches_dynamic_cache(model):
     mask = torch.ones_like(ids)
     mask[0, :3] = 0
     mask[2, :7] = 0
-    kw = dict(attention_mask=mask, max_new_tokens=9, do_sample=False, return_dict_in_generate=True, output_scores=True)
+    kw = {"attention_mask": mask, "max_new_tokens": 9, "do_sample": False, "return_dict_in_generate": True, "output_scores": True}
     model.set_attn_implementation("sdpa")
     ref = model.generate(ids, past_key_values=DynamicCache(config=model.config), **kw)
     cache = QuantizedKVCache(model, scheme("bf16"))

@@ -1,7 +1,10 @@
 """Tier bookkeeping, sliding windows, buffer growth, memory accounting, streaming, errors."""
 
+import itertools
+
 import pytest
 import torch
+
 from lowbit.errors import LowbitError
 from lowbit.kv import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
@@ -68,7 +71,7 @@ def test_middle_capacity_grows_by_doubling(llama):
         kv = torch.randn(1, 3, 1, 64, generator=g)
         lay.update(kv, kv)
         caps.append(lay.mid_cap)
-    grows = [c for a, c in zip(caps, caps[1:]) if c != a]
+    grows = [c for a, c in itertools.pairwise(caps) if c != a]
     assert len(grows) >= 2
     for a, c in zip([caps[0]] + grows, grows):
         assert c >= 2 * a

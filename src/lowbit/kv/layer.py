@@ -117,7 +117,7 @@ class QuantizedKVLayer(CacheLayerMixin):
                 f"{g.num_kv_heads} KV heads, head_dim {g.head_dim_k}/{g.head_dim_v}; build it for this model"
             )
         self.device, self.dtype, self.B = key_states.device, key_states.dtype, B
-        kw = dict(device=self.device, dtype=self.dtype)
+        kw = {"device": self.device, "dtype": self.dtype}
         self.sink = {"k": torch.zeros(B, H, self.S, Dk, **kw), "v": torch.zeros(B, H, self.S, Dv, **kw)}
         rcap = self.R + self.page
         self.ring = {"k": torch.zeros(B, H, rcap, Dk, **kw), "v": torch.zeros(B, H, rcap, Dv, **kw)}
