@@ -170,3 +170,15 @@ def test_a_chunk_attends_to_itself_exactly_and_to_history_as_stored(llama):
     assert cache.layers[0].mid_len >= 12
     assert rel_err(out[:, :24], ref[:, :24]) < 1e-4
     assert rel_err(out[:, 24:], ref[:, 24:]) > 1e-2
+
+
+def test_beam_search_reorders_every_tier(llama):
+    """generate(num_beams=3) repeats and reorders the batch of every tier: bf16 tiers = DynamicCache."""
+    from transformers import DynamicCache
+
+    ids = _ids(llama, 2, 15)
+    kw = {"max_new_tokens": 10, "do_sample": False, "num_beams": 3, "attention_mask": torch.ones_like(ids)}
+    llama.set_attn_implementation("sdpa")
+    a = llama.generate(ids, past_key_values=DynamicCache(config=llama.config), **kw)
+    b = llama.generate(ids, past_key_values=QuantizedKVCache(llama, scheme("bf16")), **kw)
+    assert torch.equal(a, b)
