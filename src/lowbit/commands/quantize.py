@@ -36,7 +36,9 @@ def add_arguments(p) -> None:
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H) (default 0.01)")
     p.add_argument("--block", type=int, default=128, help="GPTQ block size (default 128)")
     p.add_argument("--no-act-order", action="store_true", help="visit columns in order instead of by diag(H)")
-    p.add_argument("--no-clip-search", action="store_true", help="plain min/max grids (no MSE clip search)")
+    p.add_argument("--clip-search", action="store_true",
+                   help="per-group MSE clip search for the grids (off by default: on smollm2-135m, whose weights "
+                        "were already 4-bit, it raised W4A16-g64 RTN from +30.7%% to +44.5%% PPL)")
     p.add_argument("--no-sequential", action="store_true",
                    help="calibrate every layer on unquantized inputs (one pass per layer instead of two)")
     p.add_argument("--ignore", action="append", default=None,
@@ -77,7 +79,7 @@ def run(args) -> int:
                       "tokens": int(calib.numel())}
     report = quantize_model(
         lm.model, scheme, method=args.method, calib=calib, rotate=args.rotate, ignore=ignore, damp=args.damp,
-        block=args.block, act_order=not args.no_act_order, clip_search=not args.no_clip_search,
+        block=args.block, act_order=not args.no_act_order, clip_search=args.clip_search,
         sequential=not args.no_sequential, scale_dtype=dtype,
     )
     recipe = {
@@ -86,7 +88,7 @@ def run(args) -> int:
             "damp": args.damp, "block": args.block, "act_order": "static" if not args.no_act_order else None,
             "sequential": not args.no_sequential,
         },
-        "clip_search": not args.no_clip_search, "dtype": args.dtype,
+        "clip_search": args.clip_search, "dtype": args.dtype,
         "format": scheme.ct_format,
     }
     inputs = {"model": lm.name, "weights_sha256": lm.weights_sha256, "calibration": calib_info}
