@@ -18,9 +18,10 @@ def add_arguments(p) -> None:
     p.add_argument("--kind", required=True, choices=KINDS, help="hadamard (v1), per-layer (v1 [D,D]) or per-head (v2 [H_kv,D,D])")
     p.add_argument("--objective", default="kk", choices=OBJECTIVES,
                    help="kk: K to KᵀK, V to VᵀV; qq: K to the group's QᵀQ, V to the attention-weighted VᵀV (default kk)")
-    p.add_argument("--mix", default="hadamard", choices=MIXES,
-                   help="after the eigenvectors: hadamard (spread over channels, for per-token groups) or none "
-                        "(principal components, for per-channel key groups) (default hadamard)")
+    p.add_argument("--mix", default="hadamard",
+                   help=f"after the eigenvectors, one of {MIXES} for both or K,V (e.g. none,hadamard): hadamard "
+                        "spreads over channels (per-token groups), none keeps principal components (per-channel "
+                        "key groups) (default hadamard)")
     p.add_argument("--bit-reversal", action="store_true", help="permute the rotated channels by bit reversal")
     p.add_argument("--center", action="store_true", help="fit to the covariance about the calibration mean (kk objective)")
     p.add_argument("--model", default=None, help="check the calibration was made on this model (name and weights sha256)")
@@ -46,7 +47,18 @@ def fit_and_save(calib, out: Path, *, kind: str, objective: str = "kk", mix: str
     from lowbit.rotation.fit import fit_rotations
     from lowbit.rotation.rotation_set import RotationSet
 
-    fitted = fit_rotations(calib, kind, objective, mix=mix, bit_reversal=bit_reversal, center=center)
+    from lowbit.rotation.fit import MIXES
+
+    mixes = [m.strip() for m in mix.split(",")]
+    if len(mixes) == 1:
+        mixes *= 2
+    if len(mixes) != 2 or any(m not in MIXES for m in mixes):
+        raise LowbitError(f"--mix {mix!r}: give one of {MIXES} or two as K,V")
+    fitted = fit_rotations(calib, kind, objective, mix=mixes[0], bit_reversal=bit_reversal, center=center)
+    if mixes[1] != mixes[0]:
+        fv = fit_rotations(calib, kind, objective, mix=mixes[1], bit_reversal=bit_reversal, center=center)
+        for f, g in zip(fitted, fv):
+            f.v = g.v
     idx = [f.index for f in fitted]
     if idx != list(range(len(idx))):
         raise LowbitError(f"calibration {calib.path} covers layers {idx[:5]}..., not 0..{len(idx) - 1}: recalibrate")
