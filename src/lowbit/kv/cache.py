@@ -175,10 +175,6 @@ class QuantizedKVCache(Cache):
             return "the new token was flushed straight into the middle (recent 0)"
         if keep is not None:
             return "padding mask (the kernel takes prefix-valid tiers)"
-        if layer.window is not None:
-            first = 0 if view.sink_k.shape[-2] else (view.mid_lo if view.mid_len else view.n - view.ring_k.shape[-2])
-            if first < view.n - layer.window:
-                return "slots outside the sliding window are still held"
         return None
 
     def _fused_decode(self, layer, qg, keep, scaling, softcap):
@@ -207,13 +203,20 @@ class QuantizedKVCache(Cache):
             return None
         B, Hkv, G, _, D = qg.shape
         q = qg.reshape(B, Hkv * G, D).to(layer.dtype).contiguous()
-        mk, mv = view.mid_k, view.mid_v
-        mid = (mk["codes"], mk["scale"], mk["zero"], mv["codes"], mv["scale"], mv["zero"]) if view.mid_len else (None,) * 6
+        # The kernel has no window mask: hand it only the slots the query sees (>= n - window).
+        # Every tier is a contiguous slot range, so that is a slice of each (row views, no copy).
+        lo = view.n - layer.window if layer.window is not None else 0
+        ring_lo = view.n - view.ring_k.shape[-2]
+        s0, m0, r0 = max(0, lo), max(0, lo - view.mid_lo), max(0, lo - ring_lo)
         dense = {}
-        if view.sink_k.shape[-2]:
-            dense.update(sink_k=view.sink_k, sink_v=view.sink_v)
-        if view.ring_k.shape[-2]:
-            dense.update(recent_k=view.ring_k, recent_v=view.ring_v)
+        if view.sink_k.shape[-2] > s0:
+            dense.update(sink_k=view.sink_k[:, :, s0:], sink_v=view.sink_v[:, :, s0:])
+        if view.ring_k.shape[-2] > r0:
+            dense.update(recent_k=view.ring_k[:, :, r0:], recent_v=view.ring_v[:, :, r0:])
+        mid = (None,) * 6
+        if view.mid_len > m0:
+            mk, mv = view.mid_k, view.mid_v
+            mid = tuple(f[name][:, :, m0:] for f in (mk, mv) for name in ("codes", "scale", "zero"))
         out = decode_attention(
             q, *mid, k_bits=layer.k_codec.cbits, v_bits=layer.v_codec.cbits, sm_scale=scaling, **dense
         )  # [B, Hq, Dv]
