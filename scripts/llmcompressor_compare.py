@@ -36,11 +36,12 @@ def _weights_args(row: str) -> dict:
 
 
 def quantize(model_dir: str, out_root: str, rows, n: int, seq_len: int) -> None:
+    from pydoc_data.topics import topics
+
     import torch
     from datasets import Dataset
     from llmcompressor import oneshot
     from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
-    from pydoc_data.topics import topics
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)

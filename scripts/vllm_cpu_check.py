@@ -76,7 +76,9 @@ def run_vllm(a) -> dict:
 
 
 def compare(a_path: str, b_path: str) -> int:
-    a, b = (json.load(open(p)) for p in (a_path, b_path))
+    from pathlib import Path
+
+    a, b = (json.loads(Path(p).read_text()) for p in (a_path, b_path))
     if a["prompt_ids"] != b["prompt_ids"]:
         print(f"prompt tokenized differently: {a['prompt_ids']} vs {b['prompt_ids']}")
         return 1

@@ -38,7 +38,7 @@ def test_quantize_gptq_rotate_writes_a_loadable_checkpoint(tmp_path, model_dir, 
     assert man["inputs"]["calibration"]["sequences"] == 6
     files = {f["path"] for f in man["files"]}
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
-    model, tok = load_quantized(out)
+    _, tok = load_quantized(out)
     assert tok("the cat")["input_ids"]
 
 

@@ -49,7 +49,7 @@ def test_roundtrip_through_lowbit_loader_is_exact(tmp_path, scheme):
 
 
 def test_safetensors_layout(tmp_path):
-    m, s, rep = _quantized("w4a16-g32")
+    m, _, _ = _quantized("w4a16-g32")
     sd = checkpoint_state(m, torch.float32)
     p = "model.layers.0.mlp.down_proj"  # [96, 160]
     assert sd[f"{p}.weight_packed"].dtype == torch.int32 and sd[f"{p}.weight_packed"].shape == (96, 160 * 4 // 32)

@@ -38,7 +38,7 @@ def test_gptq_with_diagonal_hessian_is_rtn_on_the_same_grid():
 
 
 def test_static_act_order_keeps_groups_contiguous_and_codes_in_original_order():
-    W, X, H = _problem(out=9, n=64, seed=1)
+    W, _, H = _problem(out=9, n=64, seed=1)
     a = gptq_quantize(W, H, 4, 32, False, act_order=True)
     b = gptq_quantize(W, H, 4, 32, False, act_order=False)
     # same static grid either way (fitted on W before any update, original order)
@@ -46,19 +46,19 @@ def test_static_act_order_keeps_groups_contiguous_and_codes_in_original_order():
     assert a.grid.scale.shape == (9, 2)
     assert not torch.equal(a.codes, b.codes)
     # act-order codes line up with the original columns: they reconstruct W better than shuffled
-    err = lambda q: float(((q.dequantize() - W) ** 2).sum())  # noqa: E731
+    err = lambda q: float(((q.dequantize() - W) ** 2).sum())
     assert err(a) < 4 * err(b)
 
 
 def test_per_channel_8bit():
-    W, X, H = _problem(out=11, n=99)
+    W, _, H = _problem(out=11, n=99)
     q = gptq_quantize(W, H, 8, 99, True)
     r = rtn_quantize(W, 8, 99, True, H=H)
     assert q.grid.scale.shape == (11, 1) and q.proxy_loss < r.proxy_loss
 
 
 def test_dead_inputs_do_not_break_factorisation():
-    W, X, H = _problem(out=4, n=64)
+    W, _, H = _problem(out=4, n=64)
     H[:, 3] = 0
     H[3, :] = 0
     q = gptq_quantize(W, H, 4, 32, False)
@@ -69,9 +69,10 @@ def test_damp_retries_are_logged_then_the_layer_is_named(caplog):
     H = torch.eye(64)
     H[0, 1] = H[1, 0] = 0.9999999  # nearly singular: the first damp may or may not do
     H2 = torch.tensor([[1.0, 5.0], [5.0, 1.0]])  # indefinite: no damp up to 100x fixes it
-    with caplog.at_level(logging.WARNING, logger="lowbit.weights.gptq"):
-        with pytest.raises(LowbitError, match=r"model\.layers\.3\.mlp\.down_proj.*not positive definite"):
-            inverse_hessian_chol(H2, 0.01, name="model.layers.3.mlp.down_proj")
+    with caplog.at_level(logging.WARNING, logger="lowbit.weights.gptq"), pytest.raises(
+        LowbitError, match=r"model\.layers\.3\.mlp\.down_proj.*not positive definite"
+    ):
+        inverse_hessian_chol(H2, 0.01, name="model.layers.3.mlp.down_proj")
     assert sum("retrying" in r.message for r in caplog.records) == 4
     U, used = inverse_hessian_chol(H, 0.01, name="x")
     assert used >= 0.01 and torch.isfinite(U).all()

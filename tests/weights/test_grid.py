@@ -59,7 +59,7 @@ def test_clip_search_never_worse_and_picks_per_group():
     w[0, 5] = 3.0  # one outlier: its group wants clipping, the others do not
     plain = G.grid_for_clip(w, 4, 32, False, 1.0)
     best = G.fit_grid(w, 4, 32, False)
-    e = lambda g: (G.dequantize_on(G.quantize_on(w, g), g) - w).pow(2).reshape(9, 3, 32).sum(-1)  # noqa: E731
+    e = lambda g: (G.dequantize_on(G.quantize_on(w, g), g) - w).pow(2).reshape(9, 3, 32).sum(-1)
     assert bool((e(best) <= e(plain) + 1e-9).all())
     assert float(e(best).sum()) < float(e(plain).sum())
     assert len(set(best.clip.flatten().tolist())) > 1  # ratios differ between groups

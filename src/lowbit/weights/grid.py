@@ -173,10 +173,9 @@ def fit_grid(
             continue
         better = err < best_err
         if better.any():
-            pick = lambda a, b: torch.where(better, a, b)  # noqa: E731
             best = Grid(
-                pick(g.scale, best.scale), pick(g.zero_point, best.zero_point), pick(g.zero, best.zero),
-                pick(g.clip, best.clip), bits, group, symmetric,
+                torch.where(better, g.scale, best.scale), torch.where(better, g.zero_point, best.zero_point),
+                torch.where(better, g.zero, best.zero), torch.where(better, g.clip, best.clip), bits, group, symmetric,
             )
             best_err = torch.minimum(err, best_err)
     return best

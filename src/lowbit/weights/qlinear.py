@@ -80,7 +80,7 @@ class QuantLinear(nn.Module):
     def from_codes(
         cls, codes: torch.Tensor, grid: Grid, scheme: WeightScheme, bias: torch.Tensor | None = None,
         scale_dtype: torch.dtype = torch.float32,
-    ) -> "QuantLinear":
+    ) -> QuantLinear:
         """Build from GPTQ/RTN output: codes uint8 [out, in] on `grid` (see grid.Grid)."""
         out, n = codes.shape
         m = cls(n, out, scheme, bias=bias is not None, scale_dtype=scale_dtype)
