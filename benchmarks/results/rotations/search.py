@@ -57,7 +57,12 @@ def parse_variant(spec: str, rots: dict, geo, calib):
         center = {i: (st.mean("k") if "k" in c else None, st.mean("v") if "v" in c else None)
                   for i, st in calib.layers.items()}
     levels = fitted_levels(calib, rot, s, center) if lm == "fit" else {}
-    return Variant(spec, s, rot, levels, center=center)
+    layer_scheme = {}
+    if "hi" in kv:  # hi=7:18:20:23@int4 -> these layers use another scheme (mixed bits per layer)
+        layers, hs = kv["hi"].split("@")
+        h = replace(parse_kv_scheme(hs), rotation=s.rotation)
+        layer_scheme = {int(i): h for i in layers.split(":")}
+    return Variant(spec, s, rot, levels, center=center, layer_scheme=layer_scheme)
 
 
 def main():
@@ -114,6 +119,9 @@ def main():
         var = parse_variant(spec, rots, geo, calib)
         ppl, rows = fake_quant_ppl(lm.model, windows, var)
         bk, bv = var.scheme.bits_per_element(d)
+        if var.layer_scheme:  # average over layers
+            per = [var.scheme_for(i).bits_per_element(d) for i in range(geo.num_layers)]
+            bk, bv = sum(p[0] for p in per) / len(per), sum(p[1] for p in per) / len(per)
         rec = {"model": a.model, "data": a.data, "windows": a.windows, "seq_len": a.seq_len, "dtype": a.dtype,
                "variant": spec, "ref_ppl": ref, "ppl": ppl, "delta_pct": 100 * (ppl / ref - 1),
                "bits_k": bk, "bits_v": bv, "bits_avg": (bk + bv) / 2, "rows": rows,

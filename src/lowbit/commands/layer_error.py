@@ -173,7 +173,7 @@ def run(args) -> int:
     if args.ppl:
         ref = full_window_ppl(lm.model, windows)
         ppl = {v.name: fake_quant_ppl(lm.model, windows, v)[0] for v in variants}
-    title = f"{lm.name} {scheme.describe()} | {args.data} {args.windows}x{args.seq_len}"
+    title = f"{lm.name} {scheme.describe().rsplit(' | ', 1)[0]} | {args.data} {args.windows}x{args.seq_len}"
     table = format_table(db, ppl, ref)
     print(title)
     print(table)

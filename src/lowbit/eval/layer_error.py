@@ -57,6 +57,10 @@ class Variant:
     levels: dict = field(default_factory=dict)
     clip: dict = field(default_factory=dict)
     center: dict = field(default_factory=dict)
+    layer_scheme: dict = field(default_factory=dict)  # layer -> KVScheme overriding `scheme` (mixed bits per layer)
+
+    def scheme_for(self, layer: int):
+        return self.layer_scheme.get(layer, self.scheme)
 
 
 def _rotate(x: torch.Tensor, R: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
@@ -109,7 +113,7 @@ def quantize_tensor(x: torch.Tensor, tq, *, page: int, sink: int, levels: torch.
 
 def dequantized_kv(k, v, variant: Variant, layer: int):
     """(k_hat, v_hat) [B, H, T, D] float32 for this variant at this layer (see module docstring)."""
-    s = variant.scheme
+    s = variant.scheme_for(layer)
     rk, rv = variant.rot.get(layer, (None, None))
     lk, lv = variant.levels.get(layer, (None, None))
     ck, cv = variant.clip.get(layer, (None, None))
@@ -179,7 +183,7 @@ class Harness:
         allowed = allowed_mask(attention_mask, T, S, query.device)
         exact = None
         for var in self.variants:
-            sch = var.scheme
+            sch = var.scheme_for(layer)
             kh, vh = dequantized_kv(key, value, var, layer)
             o = tiered_attention(query, key, value, kh, vh, allowed, scaling, sch.sink, sch.recent, softcap)
             if self.mode == "replace":
