@@ -99,13 +99,15 @@ plugin = [l.split("lowbit plugin: ", 1)[1] for l in text.splitlines() if "lowbit
 results = []
 for p in prompt.split("\n===\n"):
     t = time.time()
-    r = c.completions.create(model="model", prompt=p, max_tokens=int(max_tokens), temperature=0, logprobs=3)
+    r = c.completions.create(model="model", prompt=p, max_tokens=int(max_tokens), temperature=0, logprobs=3,
+                             extra_body={"return_tokens_as_token_ids": True})
     lp = r.choices[0].logprobs
     top = [{k: round(v, 3) for k, v in d.items()} for d in (lp.top_logprobs or [])] if lp else None
-    results.append({"prompt_tail": p[-80:], "prompt_chars": len(p), "text": r.choices[0].text,
-                    "tokens": lp.tokens if lp else None, "top_logprobs": top, "usage": r.usage.model_dump(),
+    ids = [int(t.split(":", 1)[1]) for t in lp.tokens] if lp else None  # "token_id:N"
+    results.append({"prompt_tail": p[-80:], "prompt_chars": len(p), "text": r.choices[0].text, "token_ids": ids, "top_logprobs": top, "usage": r.usage.model_dump(),
                     "seconds": round(time.time() - t, 2)})
-res = {"model_dir": model, "results": results, "text": results[0]["text"], "startup_s": int(startup),
+res = {"model_dir": model, "results": results, "text": results[0]["text"], "token_ids": results[0]["token_ids"],
+       "startup_s": int(startup),
        "kv_cache_memory_bytes": int(kv_bytes), "kv_cache_tokens": int(m.group(1).replace(",", "")) if m else None,
        "lowbit_plugin_log": sorted(set(plugin))}
 print(json.dumps(res, indent=2))

@@ -48,11 +48,12 @@ def test_vllm_plugin_matches_lowbit_and_packs_the_cache(tmp_path):
                  "--out", str(exp)]) == 0
     prompt = "The quick brown fox jumps over the lazy dog; " * 2 + "and then"
     lrt = load_runtime(str(exp))
-    _, want = reference_greedy(lrt, lrt.tokenizer.encode(prompt), 10)
+    want_ids, want = reference_greedy(lrt, lrt.tokenizer.encode(prompt), 10)
 
     got = _serve(exp, tmp_path / "int4.json", prompt, 8771)
     assert got["lowbit_plugin_log"], "vLLM did not run the lowbit plugin"
-    assert got["text"] == want
+    assert got["token_ids"][: len(want_ids)] == want_ids  # the same greedy tokens as lowbit's runtime
+    assert got["text"].rstrip("\ufffd") == want.rstrip("\ufffd")  # vLLM holds back a trailing partial character
     auto = _serve(plain, tmp_path / "auto.json", prompt, 8772)
     # fp32 'auto' holds (64 + 64) * 4 = 512 B per token per KV head; int4 slots hold 72 B
     ratio = got["kv_cache_tokens"] / auto["kv_cache_tokens"]
