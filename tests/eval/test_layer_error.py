@@ -127,3 +127,14 @@ def test_centering_is_exact_for_attention():
         kh, vh = dequantized_kv(k, v, Variant("x", s, center=center), 0)
         errs.append((tiered_attention(q, k, v, kh, vh, allowed, 0.25, 16, 16) - exact).pow(2).sum().item())
     assert errs[1] < 0.5 * errs[0]  # the offset no longer eats the 2-bit range
+
+
+def test_layer_scheme_overrides_one_layer():
+    """Mixed bits per layer: a layer given bf16 shows no error while the others keep int2's."""
+    m, cfg = _model("smollm2-135m", 3)
+    windows = tiny_tokenizer_free_inputs(cfg, 1, 70, seed=4)
+    s = parse_kv_scheme("int2", sink=16, recent=16, page=16)
+    mixed = Variant("mixed", s, layer_scheme={1: parse_kv_scheme("bf16", sink=16, recent=16, page=16)})
+    db = measure_layers(m, windows, [Variant("int2", s), mixed])
+    assert db["mixed"][1] == float("-inf") and db["int2"][1] > -60
+    assert db["mixed"][0] == pytest.approx(db["int2"][0]) and db["mixed"][2] == pytest.approx(db["int2"][2])
