@@ -12,7 +12,13 @@ def rows(path):
 
 
 def main():
-    out = []
+    out = ["## Full protocol (WikiText-2 test, 4 windows x 2048, bf16, full-window fake-quant)\n",
+           "| model | recipe | K b/elt | V b/elt | bf16 PPL | PPL | ΔPPL |", "|---|---|---|---|---|---|---|"]
+    for model in ("smollm2-135m", "gemma3-270m"):
+        for r in rows(HERE / f"ppl_full_{model}.jsonl"):
+            out.append(f"| {model} | `{r['variant']}` | {r['bits_k']:.2f} | {r['bits_v']:.2f} | {r['ref_ppl']:.3f} | "
+                       f"{r['ppl']:.3f} | {r['delta_pct']:+.2f}% |")
+    out.append("\n## Search protocol (2 windows x 1024)\n")
     for model in ("smollm2-135m", "gemma3-270m"):
         recs = {}
         for r in rows(HERE / f"ppl_{model}.jsonl"):
