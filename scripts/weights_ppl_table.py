@@ -8,6 +8,12 @@ save_compressed -> load_quantized -> PPL, so the number belongs to the files on 
     .venv/bin/python scripts/weights_ppl_table.py --out runs/weights-table \\
         --configs w4a16-g64:rtn,w4a16-g64:gptq,w4a16-g64:rtn:rotate,w4a16-g64:gptq:rotate
 
+Config flags after SCHEME:METHOD: rotate, noclip, wclip, noseq, noact, damp=X, smooth=ALPHA
+(SmoothQuant before quantizing; calibrated on the same calibration tokens).
+--device cuda runs calibration, GPTQ and the evaluation on a GPU (export and reload stay on CPU);
+--save-tokens / --tokens carry the exact token ids (eval windows + calibration) to another host,
+whose Python stdlib (the calibration text) may differ.
+
 Writes OUT/results.jsonl (one line per row, appended as each finishes) and OUT/table.md; each
 checkpoint goes to OUT/ckpt-<row>/ (delete them after if space matters).
 """
@@ -53,6 +59,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     ap.add_argument("--skip-fp32", action="store_true", help="take the fp32 PPL from results.jsonl or --base-ppl")
     ap.add_argument("--base-ppl", type=float, default=None)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda: where calibration, GPTQ and evaluation run")
+    ap.add_argument("--save-tokens", default=None, help="write the eval windows and calibration ids here and exit")
+    ap.add_argument("--tokens", default=None, help="read the eval windows and calibration ids from --save-tokens' file")
+    ap.add_argument("--host", default=None, help="label recorded in each row (which machine measured it)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -63,15 +73,27 @@ def main() -> None:
 
     lm = load(a.model, dtype=torch.float32)
     tok = lm.tokenizer
-    windows = token_windows(tok, load_text(a.data), a.seq_len, a.windows)
-    calib = token_windows(tok, load_text(a.calib), a.calib_seq_len, a.calib_seqs)
+    if a.tokens:
+        saved = torch.load(a.tokens)
+        windows, calib = saved["windows"], saved["calib"]
+    else:
+        windows = token_windows(tok, load_text(a.data), a.seq_len, a.windows)
+        calib = token_windows(tok, load_text(a.calib), a.calib_seq_len, a.calib_seqs)
+    if a.save_tokens:
+        torch.save({"windows": windows, "calib": calib, "weights_sha256": lm.weights_sha256}, a.save_tokens)
+        print(f"saved {tuple(windows.shape)} eval + {tuple(calib.shape)} calibration ids -> {a.save_tokens}")
+        return
+    dev = torch.device(a.device)
+    windows, calib = windows.to(dev), calib.to(dev)
+    lm.model.to(dev)
     done = {json.loads(x)["row"]: json.loads(x) for x in res_path.read_text().splitlines()} if res_path.exists() else {}
     if "fp32" not in done and a.base_ppl is not None:
         done["fp32"] = {"ppl": a.base_ppl}
     if "fp32" not in done:
         t = time.perf_counter()
         ppl = full_window_ppl(lm.model, windows)
-        _append(res_path, {"row": "fp32", "ppl": ppl, "eval_s": round(time.perf_counter() - t, 1)})
+        _append(res_path, {"row": "fp32", "ppl": ppl, "eval_s": round(time.perf_counter() - t, 1), "host": a.host,
+                           "device": a.device, "weights_sha256": lm.weights_sha256})
         done["fp32"] = {"ppl": ppl}
     base = done["fp32"]["ppl"]
     print(f"fp32 PPL {base:.3f}", flush=True)
@@ -86,28 +108,35 @@ def main() -> None:
         for f in flags:
             if f.startswith("damp="):
                 opts["damp"] = float(f[5:])
+            if f.startswith("smooth="):
+                opts["smooth"] = float(f[7:])
         row = "-".join([scheme.name, method] + [f.replace("rotate", "rot") for f in flags])
         if row in done:
             continue
         model = copy.deepcopy(lm.model)
         t = time.perf_counter()
-        rep = quantize_model(model, scheme, method=method, calib=calib if method == "gptq" else None, rotate=rotate,
+        use_calib = method == "gptq" or "smooth" in opts
+        rep = quantize_model(model, scheme, method=method, calib=calib if use_calib else None, rotate=rotate,
                              calib_dtype=cd, **opts)
         q_s = time.perf_counter() - t
         ck = out / f"ckpt-{row}"
+        model.to("cpu")
         save_compressed(model, tok, scheme, ck, inputs={"model": lm.name, "weights_sha256": lm.weights_sha256},
-                        recipe={"scheme": scheme.to_dict(), "method": method, "rotation": rep.rotation},
+                        recipe={"scheme": scheme.to_dict(), "method": method, "rotation": rep.rotation,
+                                "smoothing": rep.smoothing},
                         counts=rep.counts(), ignore=["lm_head"])
         del model
         qm, _ = load_quantized(ck)
+        qm.to(dev)
         t = time.perf_counter()
         ppl = full_window_ppl(qm, windows)
         r = {"row": row, "scheme": scheme.name, "method": method, "rotate": rotate, "flags": flags, "ppl": ppl,
-             "threads": torch.get_num_threads(),
+             "threads": torch.get_num_threads(), "host": a.host, "device": a.device, "smoothing": rep.smoothing,
              "delta_pct": 100 * (ppl / base - 1), "quantize_s": round(q_s, 1), "eval_s": round(time.perf_counter() - t, 1),
              "counts": rep.counts(), "damp_raised": rep.damp_raised,
              "ckpt_bytes": sum(f.stat().st_size for f in ck.glob("*.safetensors"))}
         _append(res_path, r)
+        del qm
         print(f"{row:28s} PPL {ppl:8.3f}  {r['delta_pct']:+7.2f}%  quantize {q_s:6.1f}s", flush=True)
         if not a.keep_checkpoints:
             _remove(ck)

@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 
 from lowbit.cli import main
 from lowbit.models.tiny import tiny_tokenizer
@@ -42,6 +43,23 @@ def test_quantize_gptq_rotate_writes_a_loadable_checkpoint(tmp_path, model_dir, 
     assert tok("the cat")["input_ids"]
 
 
+def test_quantize_smooth_flag_is_in_the_recipe_and_keeps_a_plain_int_checkpoint(tmp_path, model_dir, calib_file,
+                                                                               capsys):
+    out = tmp_path / "ckpt"
+    rc = main(["quantize", "--model", str(model_dir), "--weights", "w8a8", "--method", "rtn", "--smooth", "0.5",
+               "--calib", str(calib_file), "--calib-tokens", "48", "--calib-seq-len", "16", "--out", str(out)])
+    assert rc == 0 and "+smooth 0.5" in capsys.readouterr().out
+    man = json.loads((out / "manifest.json").read_text())
+    sm = man["recipe"]["smoothing"]
+    assert sm["kind"] == "smoothquant" and sm["alpha"] == 0.5 and sm["calibration_tokens"] == 48
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["quantization_config"]["format"] == "int-quantized"  # nothing new for a loader to know
+    qm, _ = load_quantized(out)
+    ref = small_model()
+    # the smoothing went into the norms, which the checkpoint carries
+    assert not torch.allclose(qm.model.layers[0].input_layernorm.weight.float(), ref.model.layers[0].input_layernorm.weight)
+
+
 @pytest.mark.parametrize(
     "args, msg",
     [
@@ -49,6 +67,7 @@ def test_quantize_gptq_rotate_writes_a_loadable_checkpoint(tmp_path, model_dir, 
         (["--weights", "w4a16-g64", "--method", "rtn"], "group 64 does not divide in_features 96"),
         (["--weights", "w8a16", "--calib-tokens", "100", "--calib-seq-len", "16"], "not a positive multiple"),
         (["--weights", "w8a16", "--calib-tokens", "16000", "--calib-seq-len", "16"], "fewer than the"),
+        (["--weights", "w8a8", "--method", "rtn", "--smooth", "1.5"], "migration strength must be in (0, 1)"),
     ],
 )
 def test_bad_input_is_a_one_line_error_and_writes_nothing(tmp_path, model_dir, calib_file, capsys, args, msg):

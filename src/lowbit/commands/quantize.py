@@ -2,6 +2,7 @@
 
     lowbit quantize --model smollm2-135m --weights w4a16-g64 --method gptq --rotate \\
         --calib stdlib --calib-tokens 65536 --out out/smollm2-w4a16-g64
+    lowbit quantize --model smollm2-135m --weights w8a8 --method gptq --smooth 0.5 --out out/smollm2-w8a8-sq
 """
 
 from __future__ import annotations
@@ -29,6 +30,10 @@ def add_arguments(p) -> None:
     p.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="GPTQ (default) or round-to-nearest")
     p.add_argument("--rotate", action="store_true",
                    help="fold a Hadamard rotation of the residual stream and V/O heads into the weights first")
+    p.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
+                   help="SmoothQuant with migration strength ALPHA in (0, 1) (0.5 usual) before quantizing, folded "
+                        "into the norms / v_proj / up_proj so the checkpoint stays plain (for w8a8 / w4a8); "
+                        "calibrates on --calib whatever the method")
     p.add_argument("--calib", default="stdlib", help="GPTQ calibration text: stdlib (default) | wikitext2 | PATH")
     p.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
                    help=f"calibration tokens, a multiple of --calib-seq-len (default {DEFAULT_CALIB_TOKENS})")
@@ -58,6 +63,8 @@ def run(args) -> int:
     scheme = parse_weight_scheme(args.weights)
     if os.path.lexists(args.out):
         raise LowbitError(f"{args.out} already exists; checkpoints are never overwritten: choose a new --out")
+    if args.smooth is not None and not (0 < args.smooth < 1):
+        raise LowbitError(f"--smooth {args.smooth}: the migration strength must be in (0, 1); 0.5 is the usual value")
     if not (0 < args.damp < 10):
         raise LowbitError(f"--damp {args.damp} is outside (0, 10); the usual value is 0.01")
     if args.block < 1:
@@ -69,7 +76,7 @@ def run(args) -> int:
     t0 = time.perf_counter()
     lm = load(args.model, dtype=torch.float32)
     calib, calib_info = None, None
-    if args.method == "gptq":
+    if args.method == "gptq" or args.smooth is not None:
         if args.calib_seq_len < 1 or args.calib_tokens < 1 or args.calib_tokens % args.calib_seq_len:
             raise LowbitError(f"--calib-tokens {args.calib_tokens} is not a positive multiple of --calib-seq-len "
                               f"{args.calib_seq_len}")
@@ -80,10 +87,11 @@ def run(args) -> int:
     report = quantize_model(
         lm.model, scheme, method=args.method, calib=calib, rotate=args.rotate, ignore=ignore, damp=args.damp,
         block=args.block, act_order=not args.no_act_order, clip_search=args.clip_search,
-        sequential=not args.no_sequential, scale_dtype=dtype,
+        sequential=not args.no_sequential, scale_dtype=dtype, smooth=args.smooth,
     )
     recipe = {
-        "scheme": scheme.to_dict(), "method": args.method, "rotation": report.rotation, "ignore": ignore,
+        "scheme": scheme.to_dict(), "method": args.method, "rotation": report.rotation,
+        "smoothing": report.smoothing, "ignore": ignore,
         "gptq": None if args.method != "gptq" else {
             "damp": args.damp, "block": args.block, "act_order": "static" if not args.no_act_order else None,
             "sequential": not args.no_sequential,
@@ -98,7 +106,8 @@ def run(args) -> int:
     save_compressed(lm.model, lm.tokenizer, scheme, args.out, inputs=inputs, recipe=recipe, counts=counts,
                     ignore=ignore, dtype=dtype)
     raised = f", damp raised on {len(report.damp_raised)}" if report.damp_raised else ""
-    print(f"{lm.name} {scheme.name} {args.method}{' +rotate' if args.rotate else ''}: {counts['layers']} layers, "
+    print(f"{lm.name} {scheme.name} {args.method}{' +rotate' if args.rotate else ''}"
+          f"{f' +smooth {args.smooth}' if args.smooth is not None else ''}: {counts['layers']} layers, "
           f"{counts['quantized_linears']} linears quantized, {counts['ignored_linears']} ignored, 0 skipped{raised}; "
           f"quantize {report.seconds:.1f}s, total {time.perf_counter() - t0:.1f}s -> {args.out}")
     return 0

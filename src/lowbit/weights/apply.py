@@ -9,6 +9,10 @@ layers of a sequential GPTQ run see the quantized earlier layers (activation qua
 a8 schemes included). Any linear left neither quantized nor ignored is an error (`skipped` must
 be 0), as is a group that does not divide a linear's in_features (checked before any work).
 
+Smoothing (smooth=ALPHA, after the rotation when both are asked): SmoothQuant's per-channel
+scales from one calibration forward, folded into the norms / v_proj / up_proj (see smooth.py),
+before any linear is quantized; it needs calibration tokens whatever the method.
+
 GPTQ, sequential: for each decoder layer, (1) run the calibration batches through it with
 hooks collecting H per linear, (2) GPTQ every linear of the layer, (3) run the batches through
 the now-quantized layer to get the next layer's inputs. With sequential=False step (3) reuses the
@@ -33,6 +37,7 @@ from lowbit.weights.hooks import HessianCollector, capture_layer_inputs, run_lay
 from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.rotate import rotate_model
 from lowbit.weights.scheme import WeightScheme
+from lowbit.weights.smooth import smooth_model
 
 log = logging.getLogger("lowbit.weights")
 DEFAULT_IGNORE = ("lm_head",)
@@ -49,6 +54,7 @@ class QuantizeReport:
     ignored: list[str] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)
     rotation: dict | None = None
+    smoothing: dict | None = None
     damp_raised: dict[str, float] = field(default_factory=dict)  # linear -> damp that factorised, if > asked
     proxy_loss: dict[str, float] = field(default_factory=dict)
     calib_tokens: int = 0
@@ -90,7 +96,8 @@ def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
 
 
 def _to_qlinear(lin: nn.Linear, qw: QuantizedWeight, scheme: WeightScheme, scale_dtype) -> QuantLinear:
-    return QuantLinear.from_codes(qw.codes, qw.grid, scheme, lin.bias, scale_dtype=scale_dtype)
+    # built on CPU, moved to the linear's device (GPTQ on a GPU keeps the layer there)
+    return QuantLinear.from_codes(qw.codes, qw.grid, scheme, lin.bias, scale_dtype=scale_dtype).to(lin.weight.device)
 
 
 def _batches(calib: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
@@ -117,18 +124,22 @@ def quantize_model(
     scale_dtype: torch.dtype = torch.float32,
     calib_dtype: torch.dtype | None = None,
     weighted_clip: bool = False,
+    smooth: float | None = None,
 ) -> QuantizeReport:
     """Quantize `model` in place (see module docstring). calib: int64 [n, T] token ids (GPTQ only).
 
     calib_dtype: run the calibration forwards under CPU autocast to this dtype (torch.bfloat16:
     several times faster matmuls on CPUs with bf16 units); the Hessians still accumulate in
     float32 from the float32 hidden states, and GPTQ works on the float32 weights. None: model dtype.
+    smooth: SmoothQuant migration strength alpha in (0, 1) (None: no smoothing); needs calib.
     """
     t0 = time.perf_counter()
     if method not in ("gptq", "rtn"):
         raise LowbitError(f"unknown method {method!r}; use gptq or rtn")
     if method == "gptq" and (calib is None or calib.numel() == 0):
         raise LowbitError("GPTQ needs calibration tokens (--calib); or use --method rtn")
+    if smooth is not None and (calib is None or calib.numel() == 0):
+        raise LowbitError("--smooth needs calibration tokens (--calib) to measure the activations")
     model.eval()
     targets, ignored = target_linears(model, ignore)
     if not targets:
@@ -148,9 +159,17 @@ def quantize_model(
                 "add them to the ignore list or use --method rtn"
             )
     report = QuantizeReport(scheme, method, len(layers), ignored=ignored)
+    device = next(model.parameters()).device.type
+
+    def autocast():
+        return contextlib.nullcontext() if calib_dtype is None else torch.autocast(device, dtype=calib_dtype)
+
     if rotate:
         report.rotation = rotate_model(model)
         targets, _ = target_linears(model, ignore)  # same modules; rotation replaced no module
+    if smooth is not None:
+        dev = next(model.parameters()).device
+        report.smoothing = smooth_model(model, [b.to(dev) for b in _batches(calib, batch_size)], smooth, autocast)
 
     def done(name: str, lin: nn.Linear, qw: QuantizedWeight) -> None:
         _set_module(model, name, _to_qlinear(lin, qw, scheme, scale_dtype))
@@ -168,11 +187,6 @@ def quantize_model(
     else:
         batches = _batches(calib, batch_size)
         report.calib_tokens = int(calib.numel())
-        device = next(model.parameters()).device.type
-
-        def autocast():
-            return contextlib.nullcontext() if calib_dtype is None else torch.autocast(device, dtype=calib_dtype)
-
         with autocast():
             hidden, layer_kwargs = capture_layer_inputs(model, layers, batches)
         layer_index = {id(layer): i for i, layer in enumerate(layers)}

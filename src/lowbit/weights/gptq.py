@@ -92,7 +92,7 @@ def inverse_hessian_chol(H: torch.Tensor, damp: float, *, name: str = "?", retri
     mean_diag = float(diag.mean())
     if not math.isfinite(mean_diag):
         raise LowbitError(f"GPTQ on {name}: the Hessian has inf/NaN entries; check the calibration inputs")
-    eye = torch.eye(n, dtype=torch.float64)
+    eye = torch.eye(n, dtype=torch.float64, device=H.device)
     tried = []
     for k in range(retries + 1):
         d = damp * (10 ** (k / 2))  # 1x, 3.2x, 10x, 32x, 100x
@@ -148,7 +148,7 @@ def gptq_quantize(
     scale_c = g.scale.repeat_interleave(group, dim=1)  # [out, n] per column
     zero_c = g.zero.repeat_interleave(group, dim=1)
 
-    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(n)
+    perm = torch.argsort(torch.diagonal(H), descending=True, stable=True) if act_order else torch.arange(n, device=H.device)
     Wp = W0[:, perm].clone()  # [out, n], columns in visiting order
     Sp, Zp = scale_c[:, perm], zero_c[:, perm]
     U, used = inverse_hessian_chol(H[perm][:, perm], damp, name=name)  # [n, n] upper
@@ -157,7 +157,7 @@ def gptq_quantize(
     # contiguous rows (and the rank-1 update is one BLAS ger call).
     WT = Wp.T.contiguous()  # [n, out]
     ST, ZT = Sp.T.contiguous(), Zp.T.contiguous()
-    QT = torch.empty(n, out, dtype=torch.uint8)
+    QT = torch.empty(n, out, dtype=torch.uint8, device=W.device)
     for i1 in range(0, n, block):
         i2 = min(i1 + block, n)
         W1 = WT[i1:i2].clone()  # [b, out]

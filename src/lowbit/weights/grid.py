@@ -67,7 +67,7 @@ def ct_zero_point(scale: torch.Tensor, zero: torch.Tensor, bits: int, symmetric:
     """
     half = 1 << (bits - 1)
     if symmetric:
-        return torch.zeros(scale.shape, dtype=torch.int32)
+        return torch.zeros(scale.shape, dtype=torch.int32, device=scale.device)
     zp = torch.round(-zero.float() / scale.float()) - half
     return zp.clamp_(-half, half - 1).to(torch.int32)
 
@@ -101,7 +101,7 @@ def grid_for_clip(
     """The integer grid of w [out, in] at one clip ratio (scale exactly representable in scale_dtype)."""
     scale, zero = _affine_params(w, bits, group, symmetric, clip, scale_dtype)
     zp = ct_zero_point(scale, zero, bits, symmetric)
-    clip_t = torch.full(scale.shape, float(clip))
+    clip_t = torch.full(scale.shape, float(clip), device=scale.device)
     return Grid(scale.float(), zp, snapped_zero(scale, zp, bits), clip_t, bits, group, symmetric)
 
 

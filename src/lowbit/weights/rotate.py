@@ -72,8 +72,8 @@ def residual_rotation(d: int) -> torch.Tensor:
 def rotate_residual(model: nn.Module, Q: torch.Tensor) -> None:
     """Rotate the residual stream by Q [d, d] (norms must be fused first)."""
     spec = rotation_spec(model)
-    Q = Q.double()
     emb = get_module(model, spec.embed)
+    Q = Q.double().to(emb.weight.device)
     _set(emb.weight, emb.weight.detach().double() @ Q)
     readers, writers = [get_module(model, spec.lm_head)], []
     for layer in decoder_layers(model):
@@ -98,7 +98,7 @@ def rotate_value_heads(model: nn.Module) -> None:
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     if not is_supported_order(hd):
         raise LowbitError(f"no Hadamard matrix of order {hd} (head_dim); quantize without --rotate")
-    Hh = hadamard(hd, torch.float64)
+    Hh = hadamard(hd, torch.float64).to(get_module(model, spec.embed).weight.device)
     for layer in decoder_layers(model):
         v = get_module(layer, spec.v_proj)  # weight [Hkv * hd, d]
         o = get_module(layer, spec.attn_writer)  # weight [d, Hq * hd]
