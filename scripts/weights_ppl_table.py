@@ -26,6 +26,7 @@ import json
 import logging
 import shutil
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -62,6 +63,9 @@ def main() -> None:
     ap.add_argument("--device", default="cpu", help="cpu | cuda: where calibration, GPTQ and evaluation run")
     ap.add_argument("--save-tokens", default=None, help="write the eval windows and calibration ids here and exit")
     ap.add_argument("--tokens", default=None, help="read the eval windows and calibration ids from --save-tokens' file")
+    ap.add_argument("--keep-going", action="store_true", help="log a failing row and go on with the next")
+    ap.add_argument("--in-memory", action="store_true",
+                    help="evaluate the quantized model in memory instead of the exported+reloaded checkpoint")
     ap.add_argument("--host", default=None, help="label recorded in each row (which machine measured it)")
     a = ap.parse_args()
     if a.threads:
@@ -113,13 +117,28 @@ def main() -> None:
         row = "-".join([scheme.name, method] + [f.replace("rotate", "rot") for f in flags])
         if row in done:
             continue
-        model = copy.deepcopy(lm.model)
-        t = time.perf_counter()
-        use_calib = method == "gptq" or "smooth" in opts
-        rep = quantize_model(model, scheme, method=method, calib=calib if use_calib else None, rotate=rotate,
-                             calib_dtype=cd, **opts)
-        q_s = time.perf_counter() - t
-        ck = out / f"ckpt-{row}"
+        try:
+            _run_row(a, lm, tok, windows, calib, dev, cd, out, res_path, base, scheme, method, flags, rotate, opts, row)
+        except Exception:
+            if not a.keep_going:
+                raise
+            traceback.print_exc()
+            print(f"{row}: FAILED (see above); going on", flush=True)
+    _table(res_path, out / "table.md")
+
+
+def _run_row(a, lm, tok, windows, calib, dev, cd, out, res_path, base, scheme, method, flags, rotate, opts, row):
+    """Quantize one row, export + reload (unless --in-memory), evaluate, append its record."""
+    model = copy.deepcopy(lm.model)
+    t = time.perf_counter()
+    use_calib = method == "gptq" or "smooth" in opts
+    rep = quantize_model(model, scheme, method=method, calib=calib if use_calib else None, rotate=rotate,
+                         calib_dtype=cd, **opts)
+    q_s = time.perf_counter() - t
+    ck = out / f"ckpt-{row}"
+    if a.in_memory:
+        qm, ck = model, None
+    else:
         model.to("cpu")
         save_compressed(model, tok, scheme, ck, inputs={"model": lm.name, "weights_sha256": lm.weights_sha256},
                         recipe={"scheme": scheme.to_dict(), "method": method, "rotation": rep.rotation,
@@ -128,19 +147,19 @@ def main() -> None:
         del model
         qm, _ = load_quantized(ck)
         qm.to(dev)
-        t = time.perf_counter()
-        ppl = full_window_ppl(qm, windows)
-        r = {"row": row, "scheme": scheme.name, "method": method, "rotate": rotate, "flags": flags, "ppl": ppl,
-             "threads": torch.get_num_threads(), "host": a.host, "device": a.device, "smoothing": rep.smoothing,
-             "delta_pct": 100 * (ppl / base - 1), "quantize_s": round(q_s, 1), "eval_s": round(time.perf_counter() - t, 1),
-             "counts": rep.counts(), "damp_raised": rep.damp_raised,
-             "ckpt_bytes": sum(f.stat().st_size for f in ck.glob("*.safetensors"))}
-        _append(res_path, r)
-        del qm
-        print(f"{row:28s} PPL {ppl:8.3f}  {r['delta_pct']:+7.2f}%  quantize {q_s:6.1f}s", flush=True)
-        if not a.keep_checkpoints:
-            _remove(ck)
-    _table(res_path, out / "table.md")
+    t = time.perf_counter()
+    ppl = full_window_ppl(qm, windows)
+    r = {"row": row, "scheme": scheme.name, "method": method, "rotate": rotate, "flags": flags, "ppl": ppl,
+         "threads": torch.get_num_threads(), "host": a.host, "device": a.device, "smoothing": rep.smoothing,
+         "delta_pct": 100 * (ppl / base - 1), "quantize_s": round(q_s, 1), "eval_s": round(time.perf_counter() - t, 1),
+         "counts": rep.counts(), "damp_raised": rep.damp_raised,
+         "ckpt_bytes": None if ck is None else sum(f.stat().st_size for f in ck.glob("*.safetensors")),
+         "evaluated": "in-memory" if ck is None else "exported checkpoint"}
+    _append(res_path, r)
+    del qm
+    print(f"{row:28s} PPL {ppl:8.3f}  {r['delta_pct']:+7.2f}%  quantize {q_s:6.1f}s", flush=True)
+    if ck is not None and not a.keep_checkpoints:
+        _remove(ck)
 
 
 def _remove(d: Path) -> None:

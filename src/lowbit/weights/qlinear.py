@@ -41,6 +41,8 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         except (RuntimeError, NotImplementedError) as e:
             _INT_MM_OK[key] = False
             log.warning("torch._int_mm unavailable on %s (%s); using int32 matmul", key, str(e).splitlines()[0])
+    if a.device.type != "cpu":  # GPUs have no int32 matmul; float64 holds these sums exactly (< 2**53)
+        return (a.double() @ b.double()).to(torch.int32)
     return a.to(torch.int32) @ b.to(torch.int32)
 
 
