@@ -25,7 +25,8 @@ def geom(name):
 
 def test_names_and_defaults():
     s = parse_kv_scheme("int4")
-    assert (s.k.bits, s.v.bits, s.sink, s.recent, s.page, s.rotation) == (4, 4, 64, 256, DEFAULT_PAGE, "none")
+    assert (s.k.bits, s.v.bits, s.sink, s.recent, s.page, s.rotation) == (4, 4, 64, 256, DEFAULT_PAGE, "hadamard")
+    assert s.k.grid == "minmax" and parse_kv_scheme("int8").rotation == "none"
     assert s.k.group is None and s.k.group_for(64, 16) == 64 and s.k.group_for(256, 16) == 128
     assert parse_kv_scheme("bf16").quantized is False
     assert [parse_kv_scheme(n).k.bits for n in ("int8", "int3", "int2")] == [8, 3, 2]
@@ -101,7 +102,7 @@ def test_validate_against_geometry():
     with pytest.raises(LowbitError, match="not found"):
         parse_kv_scheme("int4", rotation="/nonexistent/rot").validate(sm)
     with pytest.raises(LowbitError, match="fold_v_rotation needs a rotation"):
-        parse_kv_scheme("int4", fold_v_rotation=True)
+        parse_kv_scheme("int4", rotation="none", fold_v_rotation=True)
 
 
 def test_recipe_files(tmp_path):
@@ -144,3 +145,66 @@ def test_frozen_and_versioned():
     assert s.version == 1
     with pytest.raises(LowbitError, match="version"):
         KVScheme(version=2)
+
+
+def test_data_free_defaults_per_scheme():
+    assert (parse_kv_scheme("int2").rotation, parse_kv_scheme("int2").k.grid) == ("hadamard", "std")
+    k4v2 = parse_kv_scheme("k4v2")
+    assert (k4v2.k.grid, k4v2.v.grid, k4v2.rotation) == ("minmax", "std", "hadamard")
+    assert parse_kv_scheme("kivi2").rotation == "none" and parse_kv_scheme("kivi2").v.grid == "minmax"
+    assert parse_kv_scheme("bf16").rotation == "none" and parse_kv_scheme("k8v8").rotation == "none"
+    # asking for clip / Lloyd-Max / symmetric picks the grid those need
+    assert parse_kv_scheme("int2", clip="0.96,0.92").k.grid == "minmax"
+    assert parse_kv_scheme("int2", lloyd_max=True).k.grid == "minmax"
+    plain = parse_kv_scheme("int2", rotation="none", grid="minmax")
+    assert (plain.rotation, plain.k.grid) == ("none", "minmax")
+
+
+def test_std_grid_errors():
+    with pytest.raises(LowbitError, match="drop the clip"):
+        parse_kv_scheme("int2", grid="std", clip=0.9)
+    with pytest.raises(LowbitError, match="std grid is for"):
+        parse_kv_scheme("int8", grid="std")
+    with pytest.raises(LowbitError, match="grid 'bogus' unknown"):
+        parse_kv_scheme("int2", grid="bogus")
+
+
+@pytest.mark.parametrize(
+    "value",
+    ["7,18=int4;5=int8", {"7": "int4", "18": "int4", 5: "INT8"}, [[5, "int8"], [18, "int4"], [7, "int4"]]],
+)
+def test_layer_bits_forms(value):
+    s = parse_kv_scheme("int2", layer_bits=value)
+    assert s.layer_bits == ((5, "int8"), (7, "int4"), (18, "int4"))
+    assert (s.for_layer(5).k.bits, s.for_layer(7).v.bits, s.for_layer(6).k.bits) == (8, 4, 2)
+    assert s.for_layer(5).layer_bits == () and s.for_layer(5).k.grid == "minmax"
+    assert s.for_layer(7).k.grid == "std"  # 4 bits keep the std grid the base asked for
+
+
+@pytest.mark.parametrize(
+    "value,match",
+    [("7=int5", "per-layer bits 'int5' unknown"), ("7", "LAYERS=BITS"), ("x=int4", "not an integer"),
+     ("7=int4;7=int8", "given twice"), ("-1=int4", "negative"), (3.5, "must be a string")],
+)
+def test_layer_bits_errors(value, match):
+    with pytest.raises(LowbitError, match=match):
+        parse_kv_scheme("int2", layer_bits=value)
+
+
+def test_layer_bits_round_trip_through_files(tmp_path):
+    s = parse_kv_scheme("k4v2", layer_bits="3=k8v4;1=bf16")
+    j = tmp_path / "r.json"
+    j.write_text(json.dumps(s.to_dict()))
+    assert load_recipe(j) == s
+    t = tmp_path / "r.toml"
+    t.write_text('scheme = "int2"\n[layer_bits]\n"3" = "int4"\n"1" = "bf16"\n')
+    assert load_recipe(t).layer_bits == ((1, "bf16"), (3, "int4"))
+    assert load_recipe(t).for_layer(1).quantized is False
+
+
+def test_layer_bits_validated_against_the_model():
+    sm = geom("smollm2-135m")
+    n = len(sm.layers)
+    with pytest.raises(LowbitError, match=f"layer\\(s\\) {n} "):
+        parse_kv_scheme("int2", layer_bits=f"{n}=int4").validate(sm)
+    parse_kv_scheme("int2", layer_bits=f"{n - 1}=int4").validate(sm)

@@ -54,7 +54,7 @@ def test_corpus_too_short_refused_before_model_work(tiny_dir, corpus, no_model_w
 def test_eval_writes_json_markdown_plot(tiny_dir, corpus, tmp_path, capsys):
     out = tmp_path / "r"
     rc = main(["eval", "--model", str(tiny_dir), "--data", str(corpus), "--seq-len", "200", "--windows", "2",
-               "--chunk", "50", "--dtype", "fp32", "--kv", "bf16,int4,int2@hadamard", "--sink", "16", "--recent", "32",
+               "--chunk", "50", "--dtype", "fp32", "--kv", "bf16,int4,int2@hadamard", "--sink", "16", "--recent", "32", "--rotation", "none",
                "--peers", "hf-quanto-int2,kivi2", "--no-progress",
                "--json", str(out / "r.json"), "--markdown", str(out / "r.md"), "--plot", str(out / "r.png")])
     assert rc == 0

@@ -7,7 +7,7 @@ from lowbit.eval.plan import plan_peers, plan_schemes
 
 
 def test_reference_first_flags_apply_to_names_and_rotation_suffix_overrides():
-    rows = plan_schemes("int4, int2@hadamard,k4v2", {"sink": 32, "recent": 96, "rotation": None})
+    rows = plan_schemes("int4, int2@hadamard,k4v2", {"sink": 32, "recent": 96, "rotation": "none"})
     assert [r.label for r in rows] == ["bf16", "int4", "int2@hadamard", "k4v2"]
     assert rows[0].scheme is None
     assert all(r.scheme.sink == 32 and r.scheme.recent == 96 for r in rows[1:])

@@ -98,8 +98,8 @@ def test_gemma3_int8_same_12_greedy_tokens_as_bf16():
 
 @pytest.mark.parametrize(
     "scheme",
-    [parse_kv_scheme("int4"), parse_kv_scheme("int2", rotation="hadamard", lloyd_max=True)],
-    ids=["int4", "int2-hadamard-lloydmax"],
+    [parse_kv_scheme("int4"), parse_kv_scheme("int2"), parse_kv_scheme("int2", rotation="hadamard", lloyd_max=True)],
+    ids=["int4", "int2", "int2-hadamard-lloydmax"],
 )
 def test_smollm2_answers_paris(scheme):
     if "smollm2-135m" not in NAMES:

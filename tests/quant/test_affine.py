@@ -190,3 +190,31 @@ def test_frozen_dataclass():
     q = quantize(_x(1, 8), 4, 8)
     with pytest.raises(dataclasses.FrozenInstanceError):
         q.bits = 2
+
+
+@pytest.mark.parametrize("shape,group", [((1, 64), 64), ((3, 99, 128), 64), ((5, 256), 128)])
+@pytest.mark.parametrize("bits", [2, 3, 4])
+def test_quantize_std_grid(shape, group, bits):
+    from lowbit.quant.lloyd_max import gaussian_uniform_step
+
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(bits)) * 3 + 1
+    q = affine.quantize_std(x, bits, group, scale_dtype=torch.float16)
+    xg = x.reshape(*shape[:-1], shape[-1] // group, group)
+    std = xg.std(-1, correction=0)
+    assert torch.allclose(q.scale.float(), std * gaussian_uniform_step(bits), rtol=2e-3)
+    xh = affine.dequantize(q)
+    assert int(q.codes.max()) <= (1 << bits) - 1
+    # centred on the group mean: the mean of the grid's end levels is the mean
+    ends = (q.zero.float() + q.scale.float() * ((1 << bits) - 1) / 2)
+    assert torch.allclose(ends, xg.mean(-1), atol=2e-2)
+    if bits == 2:  # Gaussian data: better than the min/max grid
+        mm = affine.dequantize(affine.quantize(x, bits, group))
+        assert (xh - x).pow(2).mean() < 0.8 * (mm - x).pow(2).mean()
+
+
+def test_quantize_std_constant_group_is_exact_and_bad_bits_refused():
+    x = torch.full((2, 64), 0.37)
+    q = affine.quantize_std(x, 2, 32)
+    assert torch.equal(affine.dequantize(q), x)
+    with pytest.raises(LowbitError, match="2, 3 or 4 bits"):
+        affine.quantize_std(torch.randn(4, 64), 8, 64)

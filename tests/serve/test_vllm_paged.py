@@ -42,7 +42,7 @@ def test_writes_go_through_the_one_quantizer(monkeypatch):
         return real(x, bits, group, **kw)
 
     monkeypatch.setattr(affine, "quantize", spy)
-    fmt = SlotFormat(parse_kv_scheme("int2", sink=0, recent=0, page=1), 64, 64)
+    fmt = SlotFormat(parse_kv_scheme("int2", sink=0, recent=0, page=1, grid="minmax"), 64, 64)
     cache = torch.zeros(4, 3, 16, fmt.slot_bytes, dtype=torch.uint8)
     n = paged.write(cache, fmt, torch.randn(5, 3, 64), torch.randn(5, 3, 64), torch.tensor([0, 1, -1, 17, 33]))
     assert n == 4 and calls == [((1, 3, 4, 64), 2, 64), ((1, 3, 4, 64), 2, 64)]

@@ -75,6 +75,10 @@ def vllm_scheme(scheme):
             raise LowbitError(f"{which} uses Lloyd-Max levels; the vLLM plugin supports uniform grids only")
     if scheme.fold_v_rotation:
         raise LowbitError("fold_v_rotation is not supported by the vLLM plugin; drop it")
+    if scheme.layer_bits:
+        # vLLM sizes one KV slot for every layer of a model's KV spec group; mixed bits would need
+        # one group per bit width (not built).
+        raise LowbitError("per-layer bits (layer_bits) are not supported by the vLLM plugin; export one bit width")
     return replace(scheme, page=1)
 
 

@@ -93,6 +93,8 @@ def quantize_tensor(x: torch.Tensor, tq, *, page: int, sink: int, levels: torch.
         if tq.lloyd_max:
             lv = levels if levels is not None else lloyd_max.gaussian_levels(tq.bits)
             return lloyd_max.decode(lloyd_max.encode(y, lv, group, stat_dtype=torch.float16))
+        if tq.grid == "std" and clip is None:
+            return affine.dequantize(affine.quantize_std(y, tq.bits, group, scale_dtype=torch.float16))
         return affine.fake_quantize(y, tq.bits, group, symmetric=tq.symmetric, clip_ratio=clip_r,
                                     scale_dtype=torch.float16)
 

@@ -95,7 +95,7 @@ class QuantizedKVCache(Cache):
         rots = layer_rotations(scheme, geometry)
         levels = levels or {}
         layers = [
-            QuantizedKVLayer(g, scheme, rk, rv, chunk_tokens=chunk_tokens, levels=levels.get(g.index))
+            QuantizedKVLayer(g, scheme.for_layer(g.index), rk, rv, chunk_tokens=chunk_tokens, levels=levels.get(g.index))
             for g, (rk, rv) in zip(geometry.layers, rots)
         ]
         super().__init__(layers=layers)

@@ -2,7 +2,7 @@
 
     from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
     add_kv_arguments(parser)                 # --kv SCHEME + --group --sink --recent --page --clip
-                                             # --lloyd-max --rotation | --recipe FILE
+                                             # --lloyd-max --rotation --layer-bits | --recipe FILE
     scheme = scheme_from_args(args)          # a lowbit.recipe.KVScheme (not yet validated)
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from lowbit.errors import LowbitError
 from lowbit.recipe import SCHEME_NAMES, KVScheme, load_recipe, parse_kv_scheme
 
-_FLAGS = ("group", "sink", "recent", "page", "clip", "rotation")
+_FLAGS = ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid")
 
 
 def add_kv_arguments(parser, *, kv_default: str | None = None) -> None:
@@ -25,9 +25,15 @@ def add_kv_arguments(parser, *, kv_default: str | None = None) -> None:
     g.add_argument("--recent", type=int, default=None, help="last tokens kept unquantized (default 256)")
     g.add_argument("--page", type=int, default=None, help="tokens moved from the recent ring to the middle at once (default 16)")
     g.add_argument("--clip", default=None, metavar="K,V", help="clip ratio, one value or K,V (e.g. 0.96,0.92)")
+    g.add_argument("--grid", default=None, choices=("minmax", "std"),
+                   help="uniform grid range: each group's min/max (minmax) or the Gaussian-optimal step from its mean/std "
+                        "(std; the default for 2-bit per-token tensors without --clip/--lloyd-max)")
     g.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels (Gaussian) instead of a uniform grid")
     g.add_argument("--rotation", default=None, metavar="none|hadamard|PATH",
-                   help="rotate K and V: none (default), hadamard, or a RotationSet directory")
+                   help="rotate K and V: none, hadamard, or a RotationSet directory "
+                        "(default: hadamard when K or V has <= 4 bits, except kivi*; none otherwise)")
+    g.add_argument("--layer-bits", default=None, metavar="LAYERS=BITS[;...]",
+                   help="per-layer bits overriding the scheme's, e.g. '7,18,20,23=int4' or '5,11,17=int8;13=k4v2'")
     g.add_argument("--recipe", default=None, metavar="FILE", help="KV recipe file (JSON or TOML) instead of the flags")
     parser.set_defaults(_kv_default=kv_default)
 
@@ -39,7 +45,7 @@ def scheme_from_args(args, name: str | None = None) -> KVScheme:
     flags = {f: getattr(args, f, None) for f in _FLAGS}
     lloyd = bool(getattr(args, "lloyd_max", False))
     if recipe:
-        given = [f"--{f}" for f, v in flags.items() if v is not None] + (["--lloyd-max"] if lloyd else [])
+        given = [f"--{f.replace('_', '-')}" for f, v in flags.items() if v is not None] + (["--lloyd-max"] if lloyd else [])
         if given or (name is not None and name != getattr(args, "_kv_default", None)):
             extra = ", ".join(given + (["--kv"] if name is not None else []))
             raise LowbitError(f"--recipe holds the whole KV scheme; drop {extra} or drop --recipe")

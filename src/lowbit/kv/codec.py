@@ -12,7 +12,7 @@ Stored fields (what `encode` returns, per middle row block; T rows, D = head_dim
                                (each channel over a block of `page` tokens: KIVI keys)
     bits == 16:                dense [B, H, T, D] in the model dtype (no quantization)
 cbits is the container width: 3-bit codes are packed as 4-bit. Dequantization is always
-    x_hat = codes * scale + zero                    (uniform grid, lowbit.quant.affine)
+    x_hat = codes * scale + zero                    (uniform grid, lowbit.quant.affine; min/max or std placed)
     x_hat = levels[codes] * scale + zero            (Lloyd-Max: scale = std, zero = mean)
 """
 
@@ -108,9 +108,12 @@ class TensorCodec:
 
             q = lloyd_max.encode(x, self.levels.to(x.device), group, stat_dtype=SCALE_DTYPE)
             return q.codes, q.std, q.mean
-        q = affine.quantize(
-            x, tq.bits, group, symmetric=tq.symmetric, clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE
-        )
+        if tq.grid == "std":
+            q = affine.quantize_std(x, tq.bits, group, scale_dtype=SCALE_DTYPE)
+        else:
+            q = affine.quantize(
+                x, tq.bits, group, symmetric=tq.symmetric, clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE
+            )
         return q.codes, q.scale, q.zero
 
     # ------------------------------------------------------------- decode

@@ -54,6 +54,9 @@ class SlotFormat:
     def __init__(self, scheme, head_dim_k: int, head_dim_v: int, dense_dtype: torch.dtype = torch.float16):
         from lowbit.kv.codec import SCALE_DTYPE, TensorCodec
 
+        if getattr(scheme, "layer_bits", ()):
+            raise LowbitError("the vLLM plugin serves one bit width for every layer; this sidecar has "
+                              "per-layer bits (layer_bits): export without them")
         self.scheme = scheme
         self.codecs = {"k": TensorCodec(scheme.k, head_dim_k, scheme.page),
                        "v": TensorCodec(scheme.v, head_dim_v, scheme.page)}
