@@ -35,8 +35,6 @@ from lowbit.calib.corpora import load_text, token_windows
 from lowbit.eval.perplexity import full_window_ppl
 from lowbit.models import load
 from lowbit.weights.apply import quantize_model
-from lowbit.weights.export import save_compressed
-from lowbit.weights.load import load_quantized
 from lowbit.weights.scheme import parse_weight_scheme
 
 ALL = ",".join(f"{s}:{m}{r}" for s in ("w4a16-g64", "w8a16", "w8a8", "w4a8-g64")
@@ -129,6 +127,8 @@ def main() -> None:
 
 def _run_row(a, lm, tok, windows, calib, dev, cd, out, res_path, base, scheme, method, flags, rotate, opts, row):
     """Quantize one row, export + reload (unless --in-memory), evaluate, append its record."""
+    from lowbit.weights.export import save_compressed  # (compressed-tensors: not needed --in-memory)
+    from lowbit.weights.load import load_quantized
     model = copy.deepcopy(lm.model)
     t = time.perf_counter()
     use_calib = method == "gptq" or "smooth" in opts
