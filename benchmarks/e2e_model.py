@@ -80,7 +80,20 @@ def decode(model, cache, B, steps, kwargs_fn):
                 times.append((time.perf_counter() - t) * 1e3)
             ids = out.logits[:, -1:].argmax(-1)
             del out
-    return statistics.median(times), times
+    # device time per step: the kernels' own durations (profiler), so host overhead shows separately
+    gpu_ms = None
+    if DEV == "cuda":
+        with torch.no_grad(), torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                out = model(ids, use_cache=True, **kwargs_fn(cache))
+                ids = out.logits[:, -1:].argmax(-1)
+                del out
+            torch.cuda.synchronize()
+        try:
+            gpu_ms = sum(e.self_device_time_total for e in prof.key_averages()) / 3 / 1e3
+        except Exception:  # noqa: BLE001
+            gpu_ms = None
+    return statistics.median(times), times, gpu_ms
 
 
 def dense_bytes(cache) -> int:
@@ -143,8 +156,9 @@ def main():
                 fill(cache, GEO["num_hidden_layers"], B, L, a.chunk, quantized=True)
             torch.cuda.synchronize()
             fill_s = time.time() - t
-            ms, times = decode(model, cache, B, a.steps, lambda c: cache_kwargs(model, c))
+            ms, times, gpu_ms = decode(model, cache, B, a.steps, lambda c: cache_kwargs(model, c))
             row = {"kind": kind, "B": B, "L": L, "ms_per_step": ms, "tok_s": B * 1e3 / ms, "step_ms": times,
+                   "gpu_kernel_ms_per_step": gpu_ms,
                    "fill_s": fill_s, "peak_gb": torch.cuda.max_memory_allocated() / 1e9}
             if kind == "bf16":
                 kv = dense_bytes(cache)
@@ -170,7 +184,7 @@ def main():
                                                       for x in m["layers"]) / B
                 row["dense_tier_tokens"] = lm["tokens"]["sink"] + lm["tokens"]["recent"]
             res["rows"].append(row)
-            log(f"B{B} L{L} {kind}: {ms:.2f} ms/step, {row['tok_s']:.1f} tok/s, KV {row['kv_bytes'] / 1e9:.2f} GB, "
+            log(f"B{B} L{L} {kind}: {ms:.2f} ms/step (GPU kernels {gpu_ms or 0:.2f} ms), {row['tok_s']:.1f} tok/s, KV {row['kv_bytes'] / 1e9:.2f} GB, "
                 f"{row['bytes_per_token']:.0f} B/token (fill {fill_s:.1f}s)" +
                 (f" calls {row.get('backend_calls')}" if kind == "int2" else ""))
             del cache

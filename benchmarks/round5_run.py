@@ -56,6 +56,20 @@ SWEEP = [
     ("base", "llama3-8b", 1, 131072, 2, {}),
 ]
 
+# round 6: the wave-aware split count (auto) with each launch shape; splits are the kernel's own choice
+SWEEP6 = []
+for _bits in (2, 4):
+    for _lab, _f in (("default", {}), ("w4r128", {"maxnreg": 128}), ("w1t32s3", {"num_warps": 1, "num_stages": 3}),
+                     ("w1t32s4", {"num_warps": 1, "num_stages": 4}), ("w2t32s4", {"num_warps": 2}),
+                     ("w1t64r168", {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": 168})):
+        SWEEP6.append((_lab, "llama3-8b", 16, 32768, _bits, _f))
+    for _lab, _f in (("default", {}), ("t32s3", {"warp_tokens": 32}), ("t32s4", {"warp_tokens": 32, "num_stages": 4}),
+                     ("t64r168", {"maxnreg": 168}), ("t64s4", {"num_stages": 4}), ("t32r128", {"warp_tokens": 32, "maxnreg": 128})):
+        SWEEP6.append((_lab, "llama3-8b", 1, 131072, _bits, _f))
+SWEEP6 += [("default", "llama3-8b", 64, 32768, 2, {}), ("old2splits", "llama3-8b", 64, 32768, 2, {"num_splits": 2}),
+           ("default", "llama3-8b", 1, 32768, 2, {}), ("t32s3", "llama3-8b", 1, 32768, 2, {"warp_tokens": 32}),
+           ("default", "llama3-8b", 16, 32768, 2, {}), ("default", "llama3-8b", 1, 131072, 2, {})]
+
 
 def log(*a):
     print(f"[{time.time() - T0:6.1f}s]", *a, flush=True)
@@ -73,11 +87,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=".")
     ap.add_argument("--skip", default="")
+    ap.add_argument("--round", type=int, default=5)
     ap.add_argument("--deadline", type=float, default=540)
     a = ap.parse_args()
     skip = set(a.skip.split(","))
     os.makedirs(a.out, exist_ok=True)
-    path = os.path.join(a.out, "round5.json")
+    path = os.path.join(a.out, f"round{a.round}.json")
 
     def save():
         with open(path, "w") as f:
@@ -97,16 +112,19 @@ def main():
     log(f"d2d copy {RES['copy_tbs']:.2f} TB/s")
 
     RES["sdpa"], RES["sweep"] = {}, []
+    sweep = SWEEP6 if a.round == 6 else SWEEP
     if "sweep" not in skip:
-        for geo, B, L in dict.fromkeys((s[1], s[2], s[3]) for s in SWEEP):
+        from lowbit.kernels.decode_attention import LAST_LAUNCH
+
+        for geo, B, L in dict.fromkeys((s[1], s[2], s[3]) for s in sweep):
             Hq, Hkv, D, group = bench.GEOMETRIES[geo]
             fns, keep = bench.sdpa_case(B, Hq, Hkv, D, L, bench.n_buffers(bench.dense_bytes(B, Hkv, L, D), 40e9))
             RES["sdpa"][f"{geo} B{B} L{L}"] = t = bench.graph_time_ms(fns)
             del fns, keep
             torch.cuda.empty_cache()
             log(f"sdpa {geo} B{B} L{L}: {t:.4f} ms")
-        for label, geo, B, L, kb, fields in SWEEP:
-            if time.time() - T0 > 0.45 * a.deadline:
+        for label, geo, B, L, kb, fields in sweep:
+            if time.time() - T0 > 0.6 * a.deadline:
                 log("sweep: deadline")
                 break
             Hq, Hkv, D, group = bench.GEOMETRIES[geo]
@@ -121,8 +139,10 @@ def main():
                 continue
             sd = RES["sdpa"][f"{geo} B{B} L{L}"]
             RES["sweep"].append({"label": label, "geometry": geo, "B": B, "L": L, "bits": kb, "fields": fields,
-                                 "ms": t, "x_sdpa": sd / t, "tbs": pb / t / 1e9})
-            log(f"{label:10s} {geo} B{B:2d} L{L:6d} k{kb}: {t:.4f} ms {sd / t:.2f}x {pb / t / 1e9:.2f} TB/s")
+                                 "ms": t, "x_sdpa": sd / t, "tbs": pb / t / 1e9,
+                                 "num_splits": LAST_LAUNCH.get("num_splits")})
+            log(f"{label:10s} {geo} B{B:2d} L{L:6d} k{kb}: {t:.4f} ms {sd / t:.2f}x {pb / t / 1e9:.2f} TB/s "
+                f"splits {LAST_LAUNCH.get('num_splits')}")
             save()
         torch.cuda.empty_cache()
 
@@ -145,6 +165,15 @@ def main():
                 with open(os.path.join(a.out, f"ncu_{tag}.txt"), "w") as f:
                     f.write(p.stdout + "\n--- stderr ---\n" + p.stderr)
                 RES["ncu"][tag] = p.returncode
+                # stall reasons: warp cycles stalled per issued instruction, by reason
+                p2 = subprocess.run([ncu, "--clock-control", "none", "-k", "regex:_stage1", "--launch-skip", "3",
+                                     "--launch-count", "1", "--metrics",
+                                     r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio",
+                                     sys.executable, os.path.join(HERE, "ncu_case.py"), *args],
+                                    capture_output=True, text=True, timeout=150, check=False)
+                with open(os.path.join(a.out, f"ncu_{tag}_stalls.txt"), "w") as f:
+                    f.write(p2.stdout + "\n--- stderr ---\n" + p2.stderr)
+                print(p2.stdout[-3000:])
                 log(f"ncu {tag}: rc {p.returncode}")
                 print(p.stdout[-6000:])
         save()
@@ -160,7 +189,7 @@ def main():
     print(f"copy {RES['copy_tbs']:.2f} TB/s; sdpa", {k: round(v, 4) for k, v in RES["sdpa"].items()})
     for r in RES["sweep"]:
         print(f"{r['label']:10s} {r['geometry']} B{r['B']:2d} L{r['L']:6d} k{r['bits']}: {r['ms']:.4f} ms "
-              f"{r['x_sdpa']:.2f}x {r['tbs']:.2f} TB/s")
+              f"{r['x_sdpa']:.2f}x {r['tbs']:.2f} TB/s splits {r.get('num_splits')}")
     log("done")
 
 

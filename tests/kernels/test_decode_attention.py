@@ -186,3 +186,21 @@ def test_matches_twin_gpu(case):
                      mid_lens=mid_lens, dtype=torch.bfloat16, device="cuda", seed=T)
     out, ref = _run(kw, KernelConfig(), device="cuda")
     _check(out, ref)
+
+
+def test_split_count_fills_whole_waves():
+    from lowbit.kernels.decode_attention import pick_num_splits
+
+    # B16 x 8 KV heads, 3 programs per SM resident on 132 SMs: 3 splits (384 of 396 slots, one wave),
+    # not 4 (1.3 waves); 6 would also be 97% full but takes twice the programs
+    assert pick_num_splits(16, 8, 32768, 128, 132, 4, blocks_per_sm=3) == 3
+    # B1 x 8 heads, 8 one-warp programs per SM: one wave (128 splits of 16 blocks; 132 would also
+    # need 16 blocks each), not two waves of half-length programs
+    assert pick_num_splits(1, 8, 131072, 64, 132, 1, blocks_per_sm=8) == 128
+    # few tokens: every split keeps >= 4 blocks, so fewer splits than slots allow
+    assert pick_num_splits(1, 8, 1000, 64, 132, 1, blocks_per_sm=8) == 4
+    # more pairs than slots: 3 splits = 1536 programs in 3.88 waves, not 1 split in 1.29 waves
+    assert pick_num_splits(64, 8, 32768, 128, 132, 4, blocks_per_sm=3) == 3
+    assert pick_num_splits(3, 1, 0, 128, 132, 4, blocks_per_sm=3) == 1
+    # occupancy unknown (interpreter): the fixed programs-per-SM rule
+    assert pick_num_splits(16, 8, 32768, 128, 132, 4) == 6

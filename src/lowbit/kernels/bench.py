@@ -190,12 +190,10 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
                     row[f"{tag}_ratio"] = t_ref / t
                     row[f"{tag}_tbs"] = pb / t / 1e9
                     row[f"{tag}_bytes"] = pb
-                    from lowbit.kernels.decode_attention import pick_num_splits
+                    from lowbit.kernels.decode_attention import LAST_LAUNCH
 
                     rc = cfg.resolve(B, Hkv, D)
-                    row[f"{tag}_config"] = dict(rc.__dict__, num_splits=rc.num_splits or pick_num_splits(
-                        B, Hkv, L, rc.block_t, torch.cuda.get_device_properties(0).multi_processor_count,
-                        rc.num_warps))
+                    row[f"{tag}_config"] = dict(rc.__dict__, num_splits=LAST_LAUNCH.get("num_splits"))
                     if event_timing:
                         row[f"{tag}_event_ms"] = event_time_ms(fns)
                     del fns, keep

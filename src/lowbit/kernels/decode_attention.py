@@ -537,7 +537,7 @@ def _stage2(OP, LSE, OUT, sob, soh, NSPLIT, NCH: tl.constexpr, CH: tl.constexpr,
     m = float("-inf")
     den = 0.0
     num = tl.zeros([DV], tl.float32)
-    for c in range(NCH):  # constexpr trip count (the interpreter cannot loop to a run-time bound)
+    for c in tl.static_range(NCH):  # unrolled: every chunk's loads can be in flight at once
         s = c * CH + tl.arange(0, CH)
         sv = s < NSPLIT
         lse = tl.load(LSE + row * NSPLIT + s, mask=sv, other=float("-inf"))
@@ -607,17 +607,67 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
 
-_PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 5, 8: 3}  # measured best on an H200 (benchmarks/NOTES.md)
+_PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 5, 8: 3}  # fallback when occupancy is unknown (run 2, benchmarks/NOTES.md)
+LAST_LAUNCH: dict = {}  # what the last call launched (num_splits, grid, split_tokens): benchmarks record it
+_OCC: dict = {}  # compiled-kernel key -> resident programs per SM
 
 
 def pick_num_splits(batch: int, kv_heads: int, max_tokens: int, block_t: int, sms: int = 132,
-                    num_warps: int = 4) -> int:
-    """Splits per (sequence, KV head): a few programs per SM, >= 4 blocks of tokens per split, <= 256."""
+                    num_warps: int = 4, blocks_per_sm: int | None = None) -> int:
+    """Splits per (sequence, KV head), at most 256 and at least 4 blocks of tokens each.
+
+    With `blocks_per_sm` (programs of this kernel resident per SM, from its registers and shared
+    memory): the split count that minimises waves x program length, so the programs fill the
+    resident slots in nearly whole waves -- measured on an H200 (run 5): B16 L32k int2 3 splits (384 programs in
+    396 slots) 0.129 ms vs 4 splits (1.3 waves) 0.156 and 6 (1.94 waves) 0.136; B1 L128k 132 splits
+    (1 wave) 0.042 ms vs 176 (1.3 waves) 0.058 and 264 (2 waves) 0.055. Without: a fixed number of
+    programs per SM by warps per program (run 2)."""
     if max_tokens <= 0:
         return 1
-    want = max(1, math.ceil(_PROGRAMS_PER_SM.get(num_warps, 4) * sms / max(1, batch * kv_heads)))
-    most = max(1, math.ceil(max_tokens / (4 * block_t)))
-    return int(min(want, most, 256))
+    pairs = max(1, batch * kv_heads)
+    most = int(max(1, min(256, math.ceil(max_tokens / (4 * block_t)))))
+    if not blocks_per_sm:
+        want = max(1, math.ceil(_PROGRAMS_PER_SM.get(num_warps, 4) * sms / pairs))
+        return int(min(want, most))
+    # time ~ waves x (blocks per split + a fixed cost per program of ~4 blocks: pipeline fill, q
+    # load, epilogue); fewest splits on a tie (less to merge)
+    cap = sms * blocks_per_sm
+    blocks = math.ceil(max_tokens / block_t)
+    best, best_t = 1, float("inf")
+    for s in range(1, most + 1):
+        t = math.ceil(s * pairs / cap) * (math.ceil(blocks / s) + 4)
+        if t < best_t:
+            best, best_t = s, t
+    return best
+
+
+def _blocks_per_sm(dev: torch.device, consts: dict, probe_args) -> int | None:
+    """Programs of the stage-1 kernel resident per SM, from the compiled kernel's registers (per
+    sub-partition: 16384 registers, allocated per warp in units of 8 per thread) and shared memory.
+    Compiles (or finds) the kernel with placeholder split arguments; None if that fails."""
+    key = (dev.index, tuple(sorted(consts.items())), tuple(
+        (a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else None for a in probe_args(None, None)[:40]))
+    if key in _OCC:
+        return _OCC[key]
+    try:
+        part = torch.empty(16, dtype=torch.float32, device=dev)
+        k = _stage1.warmup(*probe_args(part, part), grid=(1, 1, 1), MID_ITERS=0, **consts)
+        k = k.result() if hasattr(k, "result") else k
+        k._init_handles()
+        regs = max(1, int(k.n_regs))
+        nw = int(consts["num_warps"])
+        per_sub = 16384 // (32 * ((regs + 7) // 8 * 8))  # warps per scheduler by registers
+        by_regs = (4 * per_sub) // nw if nw <= 4 else per_sub // ((nw + 3) // 4)
+        smem = int(k.metadata.shared) + 1024
+        by_smem = (228 * 1024) // smem
+        occ = int(max(1, min(32, 64 // nw, by_regs, by_smem)))
+    except Exception as e:  # noqa: BLE001  (a heuristic: fall back to the fixed programs per SM)
+        import logging
+
+        logging.getLogger(__name__).info("decode_attention: occupancy probe failed (%r); fixed split rule", e)
+        occ = None
+    _OCC[key] = occ
+    return occ
 
 
 def _lens(x, batch: int, device, what: str) -> torch.Tensor:
@@ -756,20 +806,15 @@ def decode_attention(
         mid_lens = _lens(T if mid_lens is None else mid_lens, B, dev, "mid_lens")
         kw = k_codes.view(torch.int32)
         vw = v_codes.view(torch.int32)
-        nsm = cfg.num_splits or pick_num_splits(B, Hkv, T, BT, _sm_count(dev), NW)
-        nsm = max(1, int(nsm))
-        split_tokens = max(BT, math.ceil(max(T, 1) / nsm / BT) * BT)
-        nsm = max(1, math.ceil(max(T, 1) / split_tokens))
     else:
         # no middle tier: the middle path is compiled against typed dummies and never runs (NSM=0)
-        GK, GV, nsm, split_tokens = D, DV, 0, BT
+        GK, GV, T = D, DV, 0
         kw = vw = torch.zeros(1, dtype=torch.int32, device=dev)
         k_scale = k_zero = v_scale = v_zero = torch.zeros(1, dtype=torch.float16, device=dev)
         mid_lens = torch.zeros(B, dtype=torch.int32, device=dev)
     sk, sv, sl = _check_dense(sink_k, sink_v, sink_lens, B, Hkv, D, DV, dev, "sink")
     rk, rv, rl = _check_dense(recent_k, recent_v, recent_lens, B, Hkv, D, DV, dev, "recent")
     has_sink, has_rec = sk is not None, rk is not None
-    nsplit = nsm + (1 if (has_sink or has_rec) else 0)
     dummy_len = mid_lens
     sk, sv, sl = (sk, sv, sl) if has_sink else (q[:, None], q[:, None], dummy_len)
     rk, rv, rl = (rk, rv, rl) if has_rec else (q[:, None], q[:, None], dummy_len)
@@ -777,8 +822,6 @@ def decode_attention(
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     interp = dev.type != "cuda"  # CPU tensors: the Triton interpreter
-    part = torch.empty((B, Hq, nsplit, DV), dtype=torch.float32, device=dev)
-    lse = torch.empty((B, Hq, nsplit), dtype=torch.float32, device=dev)
     if out is None:
         out = torch.empty((B, Hq, DV), dtype=q.dtype, device=dev)
     elif out.shape != (B, Hq, DV) or out.stride(-1) != 1:
@@ -791,25 +834,44 @@ def decode_attention(
         vws = (vw.stride(0), vw.stride(1))
     else:
         ms = vms = kws = vws = (0, 0)
-    _stage1[(nsplit, Hkv, B)](
-        q, q.stride(0), q.stride(1),
-        kw, *kws, k_scale, k_zero, *ms,
-        vw, *vws, v_scale, v_zero, *vms,
-        mid_lens,
-        sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sl,
-        rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2), rl,
-        part, lse,
-        float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit,
+
+    def args(part, lse, split_tokens, nsm, nsplit):
+        return (q, q.stride(0), q.stride(1),
+                kw, *kws, k_scale, k_zero, *ms,
+                vw, *vws, v_scale, v_zero, *vms,
+                mid_lens,
+                sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sl,
+                rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2), rl,
+                part, lse,
+                float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit)
+
+    consts = dict(
         G=G, HP=HP, D=D, DV=DV,
         KBITS=k_bits, VBITS=v_bits, GK=GK, GV=GV, NW=NW, BTW=BTW, BTD=BTD,
         HAS_SINK=has_sink, HAS_REC=has_rec,
-        USE_PRMT=(dev.type == "cuda"), INTERP=interp, Q_LO=(q.dtype == torch.float32), P_HILO=cfg.p_hilo, V_CENTER=cfg.v_center, PV_FRESH=cfg.pv_fresh,
+        USE_PRMT=(dev.type == "cuda"), INTERP=interp, Q_LO=(q.dtype == torch.float32), P_HILO=cfg.p_hilo,
+        V_CENTER=cfg.v_center, PV_FRESH=cfg.pv_fresh,
         SZ_DIRECT=bool(cfg.sz_direct and has_mid and dev.type == "cuda" and T > 0),
-        MID_ITERS=(split_tokens // BT) if interp else 0,
         SINK_ITERS=triton.cdiv(sk.shape[2], BTD) if interp else 0,
         REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
         num_warps=NW, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
+    if has_mid:
+        nsm = cfg.num_splits
+        if not nsm:
+            per_sm = None if interp else _blocks_per_sm(dev, consts, lambda p, l: args(p, l, BT, 2, 3))
+            nsm = pick_num_splits(B, Hkv, T, BT, _sm_count(dev), NW, blocks_per_sm=per_sm)
+        nsm = max(1, int(nsm))
+        split_tokens = max(BT, math.ceil(max(T, 1) / nsm / BT) * BT)
+        nsm = max(1, math.ceil(max(T, 1) / split_tokens))
+    else:
+        nsm, split_tokens = 0, BT
+    nsplit = nsm + (1 if (has_sink or has_rec) else 0)
+    LAST_LAUNCH.update(num_splits=nsm, grid=(nsplit, Hkv, B), split_tokens=split_tokens)
+    part = torch.empty((B, Hq, nsplit, DV), dtype=torch.float32, device=dev)
+    lse = torch.empty((B, Hq, nsplit), dtype=torch.float32, device=dev)
+    _stage1[(nsplit, Hkv, B)](*args(part, lse, split_tokens, nsm, nsplit),
+                              MID_ITERS=(split_tokens // BT) if interp else 0, **consts)
     ch = min(32, max(16, _pow2(nsplit)))
     _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
                      DV=DV, num_warps=4)
