@@ -59,7 +59,7 @@ SWEEP = [
 # round 6: the wave-aware split count (auto) with each launch shape; splits are the kernel's own choice
 SWEEP6 = []
 for _bits in (2, 4):
-    for _lab, _f in (("default", {}), ("w4r128", {"maxnreg": 128}), ("w1t32s3", {"num_warps": 1, "num_stages": 3}),
+    for _lab, _f in (("default", {}), ("w4s3", {"num_stages": 3}), ("w4r128", {"maxnreg": 128}), ("w1t32s3", {"num_warps": 1, "num_stages": 3}),
                      ("w1t32s4", {"num_warps": 1, "num_stages": 4}), ("w2t32s4", {"num_warps": 2}),
                      ("w1t64r168", {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": 168})):
         SWEEP6.append((_lab, "llama3-8b", 16, 32768, _bits, _f))
