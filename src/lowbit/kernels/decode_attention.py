@@ -345,7 +345,9 @@ def _mid_block(t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
     return m_new, l_v, o0, o1, lz0, lz1
 
 
-@triton.jit
+# The split arguments are not specialised (divisibility, == 1): the occupancy probe (_blocks_per_sm)
+# compiles with placeholder values and must get the very kernel the launch uses (same SASS loop).
+@triton.jit(do_not_specialize=["split_tokens", "NSM", "NSPLIT"])
 def _stage1(
     Q, sqb, sqh,
     KW, skb, skh, KS, KZ, sksb, sksh,
