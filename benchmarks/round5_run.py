@@ -59,15 +59,14 @@ SWEEP = [
 # round 6: the wave-aware split count (auto) with each launch shape; splits are the kernel's own choice
 SWEEP6 = []
 for _bits in (2, 4):
-    for _lab, _f in (("default", {}), ("w4s3", {"num_stages": 3}), ("w4r128", {"maxnreg": 128}), ("w1t32s3", {"num_warps": 1, "num_stages": 3}),
-                     ("w1t32s4", {"num_warps": 1, "num_stages": 4}), ("w2t32s4", {"num_warps": 2}),
+    for _lab, _f in (("default", {}), ("w4s3", {"num_stages": 3}), ("w1t32s3", {"num_warps": 1, "num_stages": 3}),
+                     ("w2t32s4", {"num_warps": 2}),
                      ("w1t64r168", {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": 168})):
         SWEEP6.append((_lab, "llama3-8b", 16, 32768, _bits, _f))
     for _lab, _f in (("default", {}), ("t32s3", {"warp_tokens": 32}), ("t32s4", {"warp_tokens": 32, "num_stages": 4}),
-                     ("t64r168", {"maxnreg": 168}), ("t64s4", {"num_stages": 4}), ("t32r128", {"warp_tokens": 32, "maxnreg": 128})):
+                     ("t64r168", {"maxnreg": 168})):
         SWEEP6.append((_lab, "llama3-8b", 1, 131072, _bits, _f))
 SWEEP6 += [("default", "llama3-8b", 64, 32768, 2, {}), ("old2splits", "llama3-8b", 64, 32768, 2, {"num_splits": 2}),
-           ("default", "llama3-8b", 1, 32768, 2, {}), ("t32s3", "llama3-8b", 1, 32768, 2, {"warp_tokens": 32}),
            ("default", "llama3-8b", 16, 32768, 2, {}), ("default", "llama3-8b", 1, 131072, 2, {})]
 
 
