@@ -178,7 +178,8 @@ def test_layer_bits_forms(value):
     assert s.layer_bits == ((5, "int8"), (7, "int4"), (18, "int4"))
     assert (s.for_layer(5).k.bits, s.for_layer(7).v.bits, s.for_layer(6).k.bits) == (8, 4, 2)
     assert s.for_layer(5).layer_bits == () and s.for_layer(5).k.grid == "minmax"
-    assert s.for_layer(7).k.grid == "std"  # 4 bits keep the std grid the base asked for
+    assert s.for_layer(7).k.grid == "minmax"  # another width takes its own default grid
+    assert parse_kv_scheme("int4", layer_bits="2=int2").for_layer(2).k.grid == "std"
 
 
 @pytest.mark.parametrize(

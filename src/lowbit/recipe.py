@@ -326,16 +326,16 @@ def scheme_bits(name: str) -> tuple[int, int]:
 
 
 def _with_bits(t: TensorQuant, bits: int) -> TensorQuant:
-    """`t` at other bits, keeping group / clip / axis / symmetric / Lloyd-Max where the bits allow them."""
+    """`t` at other bits for a per-layer override: the grid that width gets by default (std at
+    2 bits per token, min/max otherwise), keeping the axis and group. Lloyd-Max levels and clip
+    ratios are not carried to another width: measured on the built-in models, both help at 2 bits
+    and hurt at 4 (benchmarks/results/rotations)."""
     if bits == t.bits:
         return t
     if bits == 16:
         return TensorQuant()
-    group = t.group if t.quantized else None
-    lloyd = t.lloyd_max and bits in LLOYD_MAX_BITS
-    grid = t.grid if bits in LLOYD_MAX_BITS else "minmax"
-    return TensorQuant(bits=bits, symmetric=t.symmetric and not lloyd, clip=t.clip if not lloyd else 1.0,
-                       lloyd_max=lloyd, axis=t.axis, group=group, grid=grid)
+    grid = "std" if bits == 2 and t.axis == "token" else "minmax"
+    return TensorQuant(bits=bits, axis=t.axis, group=t.group if t.quantized else None, grid=grid)
 
 
 def parse_layer_bits(value) -> tuple[tuple[int, str], ...]:

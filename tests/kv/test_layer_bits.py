@@ -47,11 +47,12 @@ def test_override_to_bf16_on_every_layer_is_exact(llama3):
     assert rel_err(out2, ref) > 1e-4  # layer 1 really quantized
 
 
-def test_lloyd_max_survives_where_the_bits_allow(llama3):
-    s = scheme("int2", lloyd_max=True, layer_bits="1=int4;2=int8")
+def test_an_override_takes_its_widths_default_grid(llama3):
+    s = scheme("k2v4", lloyd_max=True, layer_bits="1=int4;2=int8")
     cache = QuantizedKVCache(llama3, s)
-    assert [lay.k_codec.tq.lloyd_max for lay in cache.layers] == [True, True, False]
-    assert cache.layers[2].k_codec.tq.grid == "minmax"
+    assert [lay.k_codec.tq.lloyd_max for lay in cache.layers] == [True, False, False]
+    assert cache.layers[1].v_codec.tq.lloyd_max  # V kept its 4 bits, so it keeps its Lloyd-Max levels
+    assert [lay.k_codec.tq.grid for lay in cache.layers] == ["minmax"] * 3
 
 
 def test_layer_out_of_range_is_refused_at_construction(llama3):

@@ -5,7 +5,8 @@
         --v "kv=int2,rot=hadamard" --v "kv=kivi2,sink=64,recent=256,page=32,rot=pca-head,lm=fit" ...
 
 Each --v is comma-separated key=value: kv (scheme), rot (none | hadamard | a name given with --rot),
-group, sink, recent, page, clip (K:V), kaxis (token|channel), lm (gauss|fit), sym (1).
+group, sink, recent, page, clip (K:V), kaxis (token|channel), lm (gauss|fit), sym (1), grid (minmax|std;
+default: lowbit's default for the scheme), hi (per-layer bits: 7:18@int4+5:11@int8).
 One line of JSON per variant is appended to --out: ppl, Δ%, bits/elt (K, V) at the model's head_dim.
 """
 
@@ -21,7 +22,7 @@ from lowbit.commands.layer_error import fitted_levels, rotations_for
 from lowbit.eval.layer_error import Variant, fake_quant_ppl
 from lowbit.eval.perplexity import full_window_ppl
 from lowbit.models import load
-from lowbit.recipe import parse_kv_scheme
+from lowbit.recipe import parse_kv_scheme, parse_layer_bits
 
 
 def parse_variant(spec: str, rots: dict, geo, calib):
@@ -34,7 +35,8 @@ def parse_variant(spec: str, rots: dict, geo, calib):
                         sink=int(kv["sink"]) if "sink" in kv else None,
                         recent=int(kv["recent"]) if "recent" in kv else None,
                         page=int(kv["page"]) if "page" in kv else None,
-                        clip=clip, lloyd_max=bool(lm), symmetric=kv.get("sym") == "1")
+                        clip=clip, lloyd_max=bool(lm), symmetric=kv.get("sym") == "1",
+                        grid=kv.get("grid"))
     if kv.get("kaxis") == "channel" and s.k.axis != "channel":
         s = replace(s, k=replace(s.k, axis="channel", group=None))
     if "vgroup" in kv:
@@ -58,10 +60,11 @@ def parse_variant(spec: str, rots: dict, geo, calib):
                   for i, st in calib.layers.items()}
     levels = fitted_levels(calib, rot, s, center) if lm == "fit" else {}
     layer_scheme = {}
-    if "hi" in kv:  # hi=7:18:20:23@int4 -> these layers use another scheme (mixed bits per layer)
-        layers, hs = kv["hi"].split("@")
-        h = replace(parse_kv_scheme(hs), rotation=s.rotation)
-        layer_scheme = {int(i): h for i in layers.split(":")}
+    if "hi" in kv:  # hi=7:18:20:23@int4[+5:11@int8] -> per-layer bits, as KVScheme.layer_bits serves them
+        spec_lb = ";".join(part.split("@")[0].replace(":", ",") + "=" + part.split("@")[1]
+                           for part in kv["hi"].split("+"))
+        s_lb = replace(s, layer_bits=parse_layer_bits(spec_lb))
+        layer_scheme = {i: s_lb.for_layer(i) for i, _ in s_lb.layer_bits}
     return Variant(spec, s, rot, levels, center=center, layer_scheme=layer_scheme)
 
 

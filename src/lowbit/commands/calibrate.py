@@ -33,6 +33,8 @@ def add_arguments(p) -> None:
                    help="model dtype while capturing (default bf16, the serving dtype; statistics are summed in float64)")
     p.add_argument("--no-score-weighted", action="store_true", help="skip the attention-weighted V covariance (faster)")
     p.add_argument("--out", required=True, help="new artifact directory")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is faster on a machine shared with other jobs)")
 
 
 def min_tokens(geometry_dims: list[int], seq_len: int, skip: int) -> int:
@@ -136,6 +138,10 @@ def _geometry_doc(geo) -> list[dict]:
 
 
 def run(args) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise LowbitError(f"--threads {args.threads}: give 1 or more")
+        torch.set_num_threads(args.threads)
     from lowbit.calib.corpora import load_text
     from lowbit.models import load
 

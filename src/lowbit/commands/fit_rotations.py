@@ -5,6 +5,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from lowbit.errors import LowbitError
 
 NAME = "fit-rotations"
@@ -26,6 +28,8 @@ def add_arguments(p) -> None:
     p.add_argument("--center", action="store_true", help="fit to the covariance about the calibration mean (kk objective)")
     p.add_argument("--model", default=None, help="check the calibration was made on this model (name and weights sha256)")
     p.add_argument("--out", required=True, help="new rotation-set directory")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch CPU threads (default: torch's choice; 1 is faster on a machine shared with other jobs)")
 
 
 def check_model(calib, model: str) -> None:
@@ -78,6 +82,10 @@ def fit_and_save(calib, out: Path, *, kind: str, objective: str = "kk", mix: str
 
 
 def run(args) -> int:
+    if args.threads is not None:
+        if args.threads < 1:
+            raise LowbitError(f"--threads {args.threads}: give 1 or more")
+        torch.set_num_threads(args.threads)
     from lowbit.calib.stats import load_calibration
 
     out = Path(args.out)
