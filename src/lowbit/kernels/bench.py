@@ -192,7 +192,7 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
                     row[f"{tag}_bytes"] = pb
                     from lowbit.kernels.decode_attention import LAST_LAUNCH
 
-                    rc = cfg.resolve(B, Hkv, D)
+                    rc = cfg.resolve(B, Hkv, D, max(kb, vb))
                     row[f"{tag}_config"] = dict(rc.__dict__, num_splits=LAST_LAUNCH.get("num_splits"))
                     if event_timing:
                         row[f"{tag}_event_ms"] = event_time_ms(fns)

@@ -560,6 +560,11 @@ def _stage2(OP, LSE, OUT, sob, soh, NSPLIT, NCH: tl.constexpr, CH: tl.constexpr,
 # ----------------------------------------------------------------------------------------------
 # Launch defaults per regime, measured on an H200 (benchmarks/NOTES.md, results/*.json).
 DEFAULTS = {
+    # many pairs, head_dim <= 128, codes of <= 4 bits: one-warp programs (no CTA barriers) of 64 tokens
+    # per step, registers capped at 168 (3 warps per scheduler instead of 2; ~72 B of spills) -- run 6:
+    # B16 L32k int2 0.123 vs 0.129 ms, int4 0.149 vs 0.159; int8 and head_dim 256 spill far more
+    # with it (B64 gemma int4 2.0 vs 0.77 ms), so they keep "many".
+    "many_lowbit": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": 168},
     "many": {"num_warps": 4, "warp_tokens": 32, "num_stages": 4, "maxnreg": None},
     "few": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": None},
     "wide": {"num_warps": 1, "warp_tokens": 32, "num_stages": 3, "maxnreg": None},
@@ -588,11 +593,13 @@ class KernelConfig:
     pv_fresh: bool = False
     sz_direct: bool = False
 
-    def resolve(self, batch: int, kv_heads: int, head_dim: int) -> KernelConfig:
+    def resolve(self, batch: int, kv_heads: int, head_dim: int, bits: int = 8) -> KernelConfig:
         """Fill the None fields from DEFAULTS: "many" (sequence, KV head) pairs (>= 64, e.g. B16 with
-        8 KV heads), "few" (long contexts of few sequences: more, smaller programs), "wide" (few
-        pairs with head_dim 256)."""
+        8 KV heads; "many_lowbit" when head_dim <= 128 and `bits`, the wider of K/V, <= 4), "few"
+        (long contexts of few sequences: more, smaller programs), "wide" (few pairs, head_dim 256)."""
         regime = "many" if batch * kv_heads >= 64 else ("wide" if head_dim > 128 else "few")
+        if regime == "many" and head_dim <= 128 and bits <= 4:
+            regime = "many_lowbit"
         d = DEFAULTS[regime]
         return KernelConfig(warp_tokens=self.warp_tokens or d["warp_tokens"], num_splits=self.num_splits,
                             num_warps=self.num_warps or d["num_warps"], num_stages=self.num_stages or d["num_stages"],
@@ -792,7 +799,7 @@ def decode_attention(
         raise LowbitError(f"head_dim {D}/{DV} not supported by the kernel; it takes 64, 128 or 256")
     G = Hq // Hkv
     HP = max(8, _pow2(G))
-    cfg = cfg.resolve(B, Hkv, D)
+    cfg = cfg.resolve(B, Hkv, D, max(k_bits, v_bits) if has_mid else 8)
     BTW, NW, BTD = int(cfg.warp_tokens), int(cfg.num_warps), int(cfg.dense_block)
     for name, v in (("warp_tokens", BTW), ("num_warps", NW), ("dense_block", BTD)):
         if v < 1 or v & (v - 1) or (name != "num_warps" and v < 16):
