@@ -10,54 +10,23 @@ HELP = ("OpenAI-compatible server (/v1/completions, /v1/chat/completions, SSE st
 
 
 def add_kv_flags(p) -> None:
-    """The KV scheme flags every command shares (lowbit.kv.cli_args; the same flags inline when absent)."""
-    try:
-        from lowbit.kv.cli_args import add_kv_arguments
-    except ImportError:
-        add_kv_arguments = None
-    if add_kv_arguments is not None:
-        add_kv_arguments(p, kv_default=None)  # None: the artifact's sidecar scheme, else bf16
-        return
-    p.add_argument("--kv", default=None, help="KV scheme: bf16, int8, int4, int3, int2, kXvY (k4v2), kivi2, kivi4 "
-                   "(default: the artifact's sidecar scheme, else bf16)")
-    p.add_argument("--recipe", default=None, help="KV recipe file (JSON or TOML) instead of --kv and its flags")
-    p.add_argument("--group", type=int, default=None, help="channels per quantization group (default 128 or head_dim)")
-    p.add_argument("--sink", type=int, default=None, help="first tokens kept exact (default 64)")
-    p.add_argument("--recent", type=int, default=None, help="last tokens kept exact (default 256)")
-    p.add_argument("--page", type=int, default=None, help="tokens moved to the middle tier at once (default 16)")
-    p.add_argument("--clip", default=None, help="clip ratio, one for both or K,V (e.g. .96,.92)")
-    p.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels instead of a uniform grid")
-    p.add_argument("--rotation", default=None, help="none | hadamard | PATH of a RotationSet")
+    """The KV scheme flags every command shares (lowbit.kv.cli_args); --kv defaults to the artifact's scheme."""
+    from lowbit.kv.cli_args import add_kv_arguments
+
+    add_kv_arguments(p, kv_default=None)  # None: the artifact's sidecar scheme, else bf16
 
 
 def kv_scheme_from_args(args):
-    """KVScheme from the shared flags, or None when neither --kv nor --recipe was given."""
-    try:
-        from lowbit.kv.cli_args import scheme_from_args as shared
-    except ImportError:
-        shared = None
-    if shared is not None:
-        if args.kv is None and args.recipe is None:
-            given = [f for f in ("group", "sink", "recent", "page", "clip", "rotation") if getattr(args, f) is not None]
-            if given or args.lloyd_max:
-                raise LowbitError(f"--{(given or ['lloyd-max'])[0]} needs --kv SCHEME")
-            return None
-        return shared(args)
-    from lowbit.recipe import load_recipe, parse_kv_scheme
+    """KVScheme from the shared flags (lowbit.kv.cli_args), or None when neither --kv nor --recipe was given."""
+    from lowbit.kv.cli_args import scheme_from_args
 
-    flags = [f for f in ("group", "sink", "recent", "page", "clip", "rotation") if getattr(args, f) is not None]
-    if args.lloyd_max:
-        flags.append("lloyd_max")
-    if args.recipe is not None:
-        if args.kv is not None or flags:
-            raise LowbitError("--recipe holds the whole KV scheme; drop --kv and the other KV flags")
-        return load_recipe(args.recipe)
-    if args.kv is None:
-        if flags:
-            raise LowbitError(f"--{flags[0].replace('_', '-')} needs --kv SCHEME")
+    if args.kv is None and args.recipe is None:
+        given = [f for f in ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid")
+                 if getattr(args, f, None) is not None]
+        if given or args.lloyd_max:
+            raise LowbitError(f"--{(given or ['lloyd-max'])[0].replace('_', '-')} needs --kv SCHEME")
         return None
-    return parse_kv_scheme(args.kv, group=args.group, sink=args.sink, recent=args.recent, clip=args.clip,
-                           lloyd_max=args.lloyd_max, rotation=args.rotation, page=args.page)
+    return scheme_from_args(args)
 
 
 def add_arguments(p) -> None:

@@ -42,7 +42,7 @@ def plan_schemes(kv_text: str | None, flags: dict | None = None, recipe: str | N
     """Parse --kv into schemes; the bf16 reference comes first (added when not listed).
 
     flags: keyword arguments for lowbit.recipe.parse_kv_scheme (group, sink, recent, clip, lloyd_max,
-    rotation, page, symmetric), applied to every scheme name. recipe: a --recipe file, one more row
+    rotation, page, symmetric, layer_bits, grid), applied to every scheme name. recipe: a --recipe file, one more row
     (named by the file's stem). Unknown names raise LowbitError.
     """
     from lowbit.recipe import load_recipe, parse_kv_scheme
