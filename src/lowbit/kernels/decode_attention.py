@@ -31,8 +31,9 @@ Why it is fast (the arithmetic is in benchmarks/NOTES.md):
   and cancel against the zero term (that cancellation cost 1.7e-3 of accuracy at 128k tokens).
 - Each warp keeps its own softmax state over its own tokens (a batched tl.dot whose batch is the
   warp), so the loop has no cross-warp reduction; warps merge once at the end of the program.
-Measured on an H200 (benchmarks/NOTES.md): int2 3.5x SDPA flash at B16 L32k, 3.4-3.8x at B1 L128k;
-issue/latency-bound, not bandwidth-bound. Capture decode in a CUDA graph: a Python call of the
+Measured on an H200 (benchmarks/NOTES.md, run 7): int2 4.1x / int4 3.5x SDPA flash at B16 L32k,
+int2 3.3x at B1 L128k; latency-bound on each warp's dependency chains at 8-12 resident warps per SM
+(ncu: "wait" stalls lead, DRAM at ~50%), not bandwidth-bound. Capture decode in a CUDA graph: a Python call of the
 wrapper costs ~0.1 ms of host time.
 """
 
