@@ -124,9 +124,8 @@ def main():
         torch.cuda.max_memory_allocated = lambda: 0
         torch.cuda.empty_cache = lambda: None
         torch.cuda.get_device_name = lambda: "cpu"
-    from transformers import DynamicCache
-
     import transformers
+    from transformers import DynamicCache
 
     from lowbit.kv import QuantizedKVCache
     from lowbit.kv.cache import cache_kwargs

@@ -57,7 +57,7 @@ def main():
     x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     RES["copy_tbs"] = 2 * x.nbytes / do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median") / 1e9
-    del x, y
+    x = y = None  # free the 4 GB
     log(f"d2d copy {RES['copy_tbs']:.2f} TB/s")
 
     # ---- sweep ----

@@ -9,12 +9,12 @@ import sys
 os.environ.setdefault("TRITON_INTERPRET", "0")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "src"))
 
+import json
+
 import torch
 
 from lowbit.kernels import bench
 from lowbit.kernels.decode_attention import KernelConfig
-
-import json
 
 B, L, bits = (int(x) for x in sys.argv[1:4])
 fields = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}

@@ -107,7 +107,7 @@ def main():
     x = torch.empty(2 * 2**30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
     RES["copy_tbs"] = 2 * x.nbytes / do_bench(lambda: y.copy_(x), warmup=10, rep=50, return_mode="median") / 1e9
-    del x, y
+    x = y = None  # free the 4 GB
     log(f"d2d copy {RES['copy_tbs']:.2f} TB/s")
 
     RES["sdpa"], RES["sweep"] = {}, []
@@ -157,8 +157,8 @@ def main():
                        "1", "--section", "SpeedOfLight", "--section", "SchedulerStats", "--section", "WarpStateStats",
                        "--section", "Occupancy", "--section", "LaunchStats", "--section", "ComputeWorkloadAnalysis",
                        "--section", "MemoryWorkloadAnalysis", "--metrics",
-                       "smsp__inst_executed.sum,smsp__cycles_active.avg,sm__cycles_elapsed.avg,"
-                       "smsp__issue_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum",
+                       ("smsp__inst_executed.sum,smsp__cycles_active.avg,sm__cycles_elapsed.avg,"
+                        "smsp__issue_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum"),
                        sys.executable, os.path.join(HERE, "ncu_case.py"), *args]
                 p = subprocess.run(cmd, capture_output=True, text=True, timeout=150, check=False)
                 with open(os.path.join(a.out, f"ncu_{tag}.txt"), "w") as f:
