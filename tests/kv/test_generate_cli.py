@@ -51,6 +51,16 @@ def test_generate_prints_continuation_and_summary(tiny_loader, capsys):
     assert "int2: K,V int2" in out.err
 
 
+def test_generate_layer_bits_and_grid_flags(tiny_loader, capsys):
+    rc = main(["generate", "--model", "tiny", "--kv", "int2", "--sink", "4", "--recent", "8", "--page", "4",
+               "--layer-bits", "0=int4", "--grid", "minmax", "--rotation", "none",
+               "--prompt", "z" * 40, "--max-new-tokens", "3", "--device", "cpu"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert "middle K 4.50 / V 4.50" in out.out  # the one layer holds int4 (head_dim 64: + 2 x 16 / 64)
+    assert "layers 0=int4" in out.err and "asym" in out.err and "rotation none" in out.err
+
+
 def test_generate_recipe_file(tiny_loader, tmp_path, capsys):
     r = tmp_path / "kv.toml"
     r.write_text('scheme = "k4v2"\nsink = 4\nrecent = 8\npage = 4\nrotation = "hadamard"\n')
@@ -68,6 +78,9 @@ def test_generate_recipe_file(tiny_loader, tmp_path, capsys):
         (["--kv", "int7"], "unknown KV scheme"),
         (["--kv", "int4", "--clip", "0.9,0.8,0.7"], "clip"),
         (["--recipe", "r.toml", "--kv", "int4"], "--recipe holds the whole KV scheme"),
+        (["--recipe", "r.toml", "--layer-bits", "0=int4"], "drop --layer-bits"),
+        (["--kv", "int2", "--layer-bits", "0=int5"], "per-layer bits 'int5' unknown"),
+        (["--kv", "int2", "--grid", "std", "--clip", "0.9"], "drop the clip ratio"),
         ([], "give a KV scheme"),
     ],
 )
