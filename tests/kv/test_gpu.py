@@ -39,3 +39,16 @@ def test_fused_decode_kernel_matches_torch_path(model, name):
     print(name, dict(b_cache.backend_calls), b_cache.backend_notes[:2], f"rel {rel_err(b, a):.2e}")
     assert b_cache.backend_calls["triton"] > 0
     assert rel_err(b, a) < 5e-3  # the kernel dequantizes in fp16 (2.0e-3 seen for k4v2 on an H200)
+
+
+def test_per_layer_bits_on_cuda_take_the_kernel(model):
+    """Layers of different bits each reach the kernel with their own codec (std grid at 2 bits, min/max at 4)."""
+    ids = tiny_tokenizer_free_inputs(model.config, 2, 50, seed=3).cuda()
+    chunks = [36] + [1] * 14
+    s = scheme("int2", sink=4, recent=8, page=4, layer_bits="0=int4")
+    a = run_chunks(model, QuantizedKVCache(model, s, decode_backend="torch"), ids, None, chunks)
+    cache = QuantizedKVCache(model, s, decode_backend="auto")
+    b = run_chunks(model, cache, ids, None, chunks)
+    assert [lay.k_codec.bits for lay in cache.layers][:1] == [4] and cache.layers[-1].k_codec.bits == 2
+    assert cache.backend_calls["triton"] == 14 * len(cache.layers)
+    assert rel_err(b, a) < 5e-3
