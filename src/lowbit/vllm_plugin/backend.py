@@ -19,10 +19,17 @@ For a directory with the sidecar:
     That memory is outside vLLM's KV budget (--kv-cache-memory-bytes) and is logged at start-up.
   - a chunk's queries attend to their own chunk as it arrived and to the history as stored,
     as lowbit's runtime does.
+  - sliding-window layers (gemma3: 5 of 6 layers, window 512): a query sees the last `window`
+    positions only. vLLM frees the blocks before the window (and may reuse them at once), so
+    for such a layer the attention reads a request's packed cache and its arena only from the
+    block holding the lowest position its first query can see, and the arena drops dense rows
+    once no future query can see them (paged.py). Sink tokens of a sliding layer are exact
+    while inside the window and not attended after, as in lowbit's runtime (kv/layer.py); the
+    recent tier is exact inside the window. Tested against lowbit's runtime on gemma3-270m
+    (benchmarks/results/serve/README.md).
 
 Not supported (refused at start-up, never silently served otherwise): per-channel (KIVI) keys,
-Lloyd-Max levels, alibi, attention sinks, encoder attention, CUDA. Sliding-window models are
-not tested (vLLM frees blocks outside the window; the arena assumes it does not).
+Lloyd-Max levels, per-layer bits, alibi, attention sinks, encoder attention, CUDA.
 The attention here is plain torch (dequantize chunk by chunk); no fused kernel on CPU.
 """
 
@@ -145,13 +152,17 @@ class LowbitMetadataBuilder(AttentionMetadataBuilder[LowbitMetadata]):
               fast_build: bool = False) -> LowbitMetadata:
         m = common_attn_metadata
         arenas = [_ARENAS[n] for n in self.layer_names if n in _ARENAS]
-        if arenas:  # drop the dense blocks no running request needs (finished requests)
+        if arenas:  # drop the dense blocks no running request needs (finished requests, rows out of a window)
             table, lens = m.block_table_tensor, m.seq_lens.cpu().tolist()
-            live = set()
-            for r, n in enumerate(lens):
-                live |= arenas[0].needed_blocks(table[r], n)
+            qsl = m.query_start_loc_cpu.tolist()
+            live_by_window: dict = {}  # one group may mix windows when vLLM unifies the specs
             for a in arenas:
-                a.retain(live)
+                if a.window not in live_by_window:
+                    live = set()
+                    for r, n in enumerate(lens):  # from the lowest position this step's queries see
+                        live |= a.needed_blocks(table[r], n, a.visible_from(n - (qsl[r + 1] - qsl[r])))
+                    live_by_window[a.window] = live
+                a.retain(live_by_window[a.window])
         return LowbitMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc_cpu,
                               seq_lens=m.seq_lens.cpu(), block_table=m.block_table_tensor,
                               slot_mapping=m.slot_mapping)
@@ -224,7 +235,8 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
             if md is None:  # profiling / warm-up pass: nothing real to keep
                 return
             if self.arena is None:
-                self.arena = paged.TierArena(sch.sink, sch.recent, cache.shape[2], self.dense_dtype)
+                self.arena = paged.TierArena(sch.sink, sch.recent, cache.shape[2], self.dense_dtype,
+                                             window=self.sliding_window)
                 _ARENAS[layer.layer_name] = self.arena
             positions, row_lens = paged.token_positions(md.query_start_loc, md.seq_lens, key.shape[0])
         self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv, positions=positions,

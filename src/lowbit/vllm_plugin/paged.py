@@ -16,6 +16,16 @@ arrived (rotated, model dtype) -- lowbit's runtime semantics (QuantizedKVLayer.b
 attends to itself exactly during its prefill, later steps read it as stored. The history streams
 `chunk_tokens` tokens at a time through lowbit.kv.attention.online_attention, so a long history
 is never dequantized at once.
+
+Sliding-window layers (window W: a query at position p sees keys in (p - W, p], HF's and vLLM's
+convention). vLLM frees -- and may hand to another request -- every block whose tokens all lie
+before `num_computed_tokens - W + 1`, i.e. before the lowest key the first query of the step can
+see (`visible_from`). So for such a layer `attend` reads a request's cache and arena only from
+the block holding that position on (never a block vLLM may have freed), the window mask drops
+the rows of that first block that are out of reach, and the arena keeps a dense row only while
+a future query can still see it. This is lowbit's runtime (QuantizedKVLayer._evict_before): on a
+sliding layer the sink tokens are exact while inside the window and not attended once they
+leave it, and the recent tier is exact inside the window.
 Queries are rotated by R_k, the output is un-rotated by R_v^T. Query head j reads KV head j // G.
 """
 
@@ -33,6 +43,7 @@ DEFAULT_CHUNK_TOKENS = 1024
 class TierArena:
     """Dense copies of the exact tiers of one layer: each request's first `sink` tokens and its last
     `recent` tokens, {block id: (k, v) [H, block_size, D]} in the model dtype, rotated.
+    `window`: the layer's sliding window (None: full attention).
 
     lowbit's runtime with page 1 holds a token dense when its position p < sink or
     p >= seq_len - recent (seq_len: tokens stored after this step), and packed otherwise; so does
@@ -43,10 +54,14 @@ class TierArena:
     that request's own writes before it reads them. `retain(live)` drops blocks no live request
     needs (finished requests); a row that is missing when read raises instead of being read from
     its codes.
+    Sliding window: only rows at positions >= visible_from(first query) are ever read, and a
+    request's blocks below that position are never touched (vLLM may have given them to another
+    request); `evict` drops what the next query can no longer see.
     """
 
-    def __init__(self, sink: int, recent: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, sink: int, recent: int, block_size: int, dtype: torch.dtype, window: int | None = None):
         self.sink, self.recent, self.bs, self.dtype = int(sink), int(recent), int(block_size), dtype
+        self.window = int(window) if window else None
         self.k: dict[int, torch.Tensor] = {}
         self.v: dict[int, torch.Tensor] = {}
 
@@ -57,6 +72,14 @@ class TierArena:
     def dense_from(self, seq_len: int) -> int:
         """First position of the recent window when the request holds seq_len tokens."""
         return max(self.sink, seq_len - self.recent) if self.recent else seq_len
+
+    def visible_from(self, q0: int) -> int:
+        """Lowest key position a query at position >= q0 can see (0 on a full-attention layer)."""
+        return visible_from(q0, self.window)
+
+    def dense_rows(self, lo: int, hi: int, seq_len: int) -> list[int]:
+        """Positions in [lo, hi) held dense when the request holds seq_len tokens (sink, recent)."""
+        return list(range(lo, min(self.sink, hi))) + list(range(max(lo, self.dense_from(seq_len)), hi))
 
     def store(self, slots: torch.Tensor, positions: torch.Tensor, seq_lens_of_rows: torch.Tensor,
               k: torch.Tensor, v: torch.Tensor) -> None:
@@ -73,11 +96,12 @@ class TierArena:
             self.k[b][:, off] = kk
             self.v[b][:, off] = vv
 
-    def overlay(self, table_row: torch.Tensor, lo: int, seq_len: int, k: torch.Tensor, v: torch.Tensor):
-        """Replace the rows of k/v [1, H, n, D] (positions lo..lo+n) that are dense tiers by their copies."""
+    def overlay(self, table_row: torch.Tensor, lo: int, seq_len: int, k: torch.Tensor, v: torch.Tensor,
+                vis_lo: int = 0):
+        """Replace the rows of k/v [1, H, n, D] (positions lo..lo+n) that are dense tiers by their copies.
+        Rows before vis_lo (out of every query's window: masked) are left as they are."""
         n = k.shape[2]
-        rows = list(range(lo, min(self.sink, lo + n))) + list(range(max(lo, self.dense_from(seq_len)), lo + n))
-        for j in rows:
+        for j in self.dense_rows(max(lo, vis_lo), lo + n, seq_len):
             b, off = int(table_row[j // self.bs]), j % self.bs
             if b not in self.k:
                 raise RuntimeError(f"lowbit plugin: the dense copy of position {j} (block {b}) is gone; "
@@ -86,18 +110,15 @@ class TierArena:
             v[0, :, j - lo] = self.v[b][:, off].to(v.dtype)
         return k, v
 
-    def needed_blocks(self, table_row: torch.Tensor, seq_len: int) -> set[int]:
-        """Blocks holding a request's dense rows (sink and recent window)."""
-        bs = self.bs
-        idx = set(range(-(-min(self.sink, seq_len) // bs)))
-        if self.recent:
-            idx |= set(range(self.dense_from(seq_len) // bs, -(-seq_len // bs)))
-        return {int(table_row[i]) for i in idx}
+    def needed_blocks(self, table_row: torch.Tensor, seq_len: int, lo: int = 0) -> set[int]:
+        """Blocks holding a request's dense rows (sink and recent window) at positions >= lo."""
+        return {int(table_row[j // self.bs]) for j in self.dense_rows(lo, seq_len, seq_len)}
 
-    def evict(self, table_row: torch.Tensor, seq_len: int) -> None:
-        """Drop this request's blocks that hold no dense row any more."""
-        keep = self.needed_blocks(table_row, seq_len)
-        for i in range(-(-seq_len // self.bs)):
+    def evict(self, table_row: torch.Tensor, seq_len: int, lo: int = 0) -> None:
+        """Drop this request's blocks, from position lo on (the blocks this step could read: vLLM may
+        have freed those below), that hold no dense row a future query (at >= seq_len) can see."""
+        keep = self.needed_blocks(table_row, seq_len, self.visible_from(seq_len))
+        for i in range(lo // self.bs, -(-seq_len // self.bs)):
             b = int(table_row[i])
             if b not in keep:
                 self.k.pop(b, None)
@@ -107,6 +128,11 @@ class TierArena:
         """Keep only blocks in `live` (the dense blocks of the requests vLLM is running)."""
         for b in [b for b in self.k if b not in live]:
             del self.k[b], self.v[b]
+
+
+def visible_from(q0: int, window: int | None) -> int:
+    """Lowest key position a query at position >= q0 sees: q0 - (W - 1) for a window W, else 0."""
+    return max(0, q0 - (window - 1)) if window else 0
 
 
 def write(cache_u8: torch.Tensor, fmt: SlotFormat, key: torch.Tensor, value: torch.Tensor,
@@ -142,14 +168,16 @@ def write(cache_u8: torch.Tensor, fmt: SlotFormat, key: torch.Tensor, value: tor
 
 
 def _blocks(cache_u8, fmt: SlotFormat, table_row: torch.Tensor, seq_len: int, chunk_tokens: int,
-            arena: TierArena | None = None, upto: int | None = None):
-    """Yield (k [1,H,n,D], v [1,H,n,Dv], first slot) for one request's stored rows [0, upto), chunk by
-    chunk; seq_len (the request's length after this step) decides which rows are dense tiers."""
+            arena: TierArena | None = None, upto: int | None = None, start: int = 0):
+    """Yield (k [1,H,n,D], v [1,H,n,Dv], first slot) for one request's stored rows [start, upto),
+    chunk by chunk, from the block holding `start` on (blocks before it are never indexed: on a
+    sliding layer vLLM may have freed them); seq_len (the request's length after this step)
+    decides which rows are dense tiers."""
     bs = cache_u8.shape[2]
     per = max(1, chunk_tokens // bs)  # vLLM blocks per chunk
     upto = seq_len if upto is None else upto
     n_blocks = -(-upto // bs)
-    for b0 in range(0, n_blocks, per):
+    for b0 in range(start // bs, n_blocks, per):
         ids = table_row[b0:min(n_blocks, b0 + per)].long()
         raw = cache_u8[ids]  # [nb, H, bs, C]
         H, C = raw.shape[1], raw.shape[3]
@@ -158,7 +186,7 @@ def _blocks(cache_u8, fmt: SlotFormat, table_row: torch.Tensor, seq_len: int, ch
         n = min(upto - lo, raw.shape[1])
         k, v = fmt.decode(raw[:, :n])
         if arena is not None:
-            k, v = arena.overlay(table_row, lo, seq_len, k, v)
+            k, v = arena.overlay(table_row, lo, seq_len, k, v, vis_lo=start)
         yield k, v, lo
 
 
@@ -173,6 +201,7 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
     query_start_loc [R + 1]: where each request's queries start in `query`;
     new_k [T, Hkv, D], new_v: the new tokens' K/V as they arrived -- their own chunk is attended
     exactly (lowbit's runtime); without them it is read back from the cache like the history.
+    window: the layer's sliding window; the history is read from visible_from(first query) on.
     """
     from lowbit.kv.attention import online_attention
     from lowbit.kv.rotations import rotate, unrotate
@@ -181,6 +210,8 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
     Hkv = cache_u8.shape[1]
     G = Hq // Hkv
     Dv = fmt.codecs["v"].head_dim
+    if arena is not None and (arena.window or None) != (window or None):
+        raise ValueError(f"the tier arena is for window {arena.window}, the attention for {window}")
     out = torch.zeros(T, Hq, Dv, dtype=torch.float32, device=query.device)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
@@ -193,18 +224,20 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
         q = query[q0:q1].float().reshape(lq, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * lq, D)
         q = rotate(q, rot_k).reshape(1, Hkv, G, lq, D)
         q_slots = torch.arange(seq_len - lq, seq_len, device=query.device)
+        vis = visible_from(seq_len - lq, window)
         if new_k is None:
-            blocks = _blocks(cache_u8, fmt, block_table[r], seq_len, chunk_tokens, arena)
+            blocks = _blocks(cache_u8, fmt, block_table[r], seq_len, chunk_tokens, arena, start=vis)
         else:
             ck = rotate(new_k[q0:q1].transpose(0, 1).unsqueeze(0), rot_k).to(new_k.dtype)  # [1, Hkv, lq, D]
             cv = rotate(new_v[q0:q1].transpose(0, 1).unsqueeze(0), rot_v).to(new_v.dtype)
-            hist = _blocks(cache_u8, fmt, block_table[r], seq_len, chunk_tokens, arena, upto=seq_len - lq)
+            hist = _blocks(cache_u8, fmt, block_table[r], seq_len, chunk_tokens, arena, upto=seq_len - lq,
+                           start=vis)
             blocks = itertools.chain(hist, [(ck, cv, seq_len - lq)])
         o = online_attention(q, blocks, q_slots, scaling=scale, window=window, softcap=softcap)  # [1,Hkv,G,lq,Dv]
         o = unrotate(o.reshape(1, Hkv, G * lq, Dv), rot_v).reshape(Hkv, G, lq, Dv)
         out[q0:q1] = o.permute(2, 0, 1, 3).reshape(lq, Hq, Dv)
         if arena is not None:
-            arena.evict(block_table[r], seq_len)
+            arena.evict(block_table[r], seq_len, vis)
     return out
 
 
