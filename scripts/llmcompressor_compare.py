@@ -21,7 +21,8 @@ import sys
 import time
 from pathlib import Path
 
-ROWS = ("w4a16-g64-rtn", "w4a16-g64-gptq", "w8a8-rtn", "w8a8-gptq")
+ROWS = ("w4a16-g64-rtn", "w8a8-rtn", "w8a8-sq-rtn", "w4a16-g64-gptq", "w8a8-gptq", "w8a8-sq-gptq")
+SQ_ALPHA = 0.5  # SmoothQuantModifier smoothing_strength (its default mappings: the two norms -> q/k/v, gate/up)
 
 
 def _weights_args(row: str) -> dict:
@@ -59,8 +60,16 @@ def quantize(model_dir: str, out_root: str, rows, n: int, seq_len: int) -> None:
             mod = GPTQModifier(config_groups=groups, ignore=["lm_head"], block_size=128, dampening_frac=0.01)
         else:
             mod = QuantizationModifier(config_groups=groups, ignore=["lm_head"])
+        recipe = [mod]
+        if "-sq-" in row:
+            try:
+                from llmcompressor.modifiers.transform.smoothquant import SmoothQuantModifier
+            except ImportError:
+                from llmcompressor.modifiers.smoothquant import SmoothQuantModifier
+            recipe = [SmoothQuantModifier(smoothing_strength=SQ_ALPHA), mod]
+        calibrated = row.endswith("gptq") or "-sq-" in row
         t = time.perf_counter()
-        oneshot(model=model, dataset=ds if row.endswith("gptq") else None, recipe=[mod], max_seq_length=seq_len,
+        oneshot(model=model, dataset=ds if calibrated else None, recipe=recipe, max_seq_length=seq_len,
                 num_calibration_samples=n)
         secs = time.perf_counter() - t
         model.save_pretrained(out, save_compressed=True)
@@ -77,12 +86,15 @@ def evaluate(out_root: str, windows: int, seq_len: int) -> None:
     from lowbit.weights.load import load_quantized
 
     res = Path(out_root) / "llmc_results.jsonl"
+    done = {json.loads(x)["row"] for x in res.read_text().splitlines()} if res.exists() else set()
     for d in sorted(Path(out_root).glob("llmc-*")):
+        info = json.loads((d / "llmc_info.json").read_text())
+        if info["row"] in done:
+            continue
         model, tok = load_quantized(d, dtype=torch.float32)
         w = token_windows(tok, load_text("wikitext2"), seq_len, windows)
         t = time.perf_counter()
         ppl = full_window_ppl(model, w)
-        info = json.loads((d / "llmc_info.json").read_text())
         rec = {**info, "ppl": ppl, "eval_s": round(time.perf_counter() - t, 1)}
         with open(res, "a") as f:
             f.write(json.dumps(rec) + "\n")
@@ -98,7 +110,12 @@ def main() -> int:
     ap.add_argument("--calib-seq-len", type=int, default=512)
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     a = ap.parse_args()
+    if a.threads:
+        import torch
+
+        torch.set_num_threads(a.threads)
     if a.mode == "quantize":
         quantize(a.paths[0], a.paths[1], a.rows.split(","), a.calib_seqs, a.calib_seq_len)
     else:
