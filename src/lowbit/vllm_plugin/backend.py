@@ -17,6 +17,8 @@ For a directory with the sidecar:
     (rotated, model dtype) in a per-layer paged.TierArena beside vLLM's cache and read from there;
     blocks leave it when they fall behind a request's window or no running request holds them.
     That memory is outside vLLM's KV budget (--kv-cache-memory-bytes) and is logged at start-up.
+    A prefix-cache hit would skip the writes that fill it, so with tiers the plugin refuses to
+    start unless vLLM runs with --no-enable-prefix-caching.
   - a chunk's queries attend to their own chunk as it arrived and to the history as stored,
     as lowbit's runtime does.
   - sliding-window layers (gemma3: 5 of 6 layers, window 512): a query sees the last `window`
@@ -65,6 +67,7 @@ from lowbit.vllm_plugin.slot import SlotFormat
 log = logging.getLogger("lowbit.vllm_plugin")
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 _ARENAS: dict[str, paged.TierArena] = {}  # layer name -> its arena (this process)
+_WINDOWS_LOGGED: set = set()
 
 
 @dataclass
@@ -196,8 +199,20 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         self.fmt = self.model.fmt(head_size, self.head_size_v)
         self._rot: dict[int, tuple] = {}
         self.tokens_written = 0
-        self.dense_dtype = get_current_vllm_config().model_config.dtype
+        cfg = get_current_vllm_config()
+        self.dense_dtype = cfg.model_config.dtype
+        sch = self.model.scheme
+        if (sch.sink or sch.recent) and getattr(cfg.cache_config, "enable_prefix_caching", False):
+            # a prefix-cache hit skips the writes that fill the dense sink / recent arena, so those
+            # rows would be missing (or another request's) when read
+            raise LowbitError("the lowbit sidecar keeps exact sink/recent tiers, which vLLM's prefix caching "
+                              "would skip: start vLLM with --no-enable-prefix-caching (or export with "
+                              "--sink 0 --recent 0)")
         self.arena: paged.TierArena | None = None  # made on the first write, once the block size is known
+        if sliding_window not in _WINDOWS_LOGGED:
+            _WINDOWS_LOGGED.add(sliding_window)
+            log.warning("lowbit plugin: %s", f"sliding-window layers (window {sliding_window}): the attention and "
+                        "the exact tiers read only the window" if sliding_window else "full-attention layers")
 
     def _rotations(self, layer) -> tuple:
         name = getattr(layer, "layer_name", "")
