@@ -10,6 +10,8 @@
 #     --kv-cache-bytes N  KV cache budget given to vLLM (default 268435456 = 256 MiB), so capacities compare
 #     --max-model-len N   (default 2048)
 #     --out FILE          write the result JSON here (default: stdout only)
+#     --concurrent        after the prompts one at a time, send them all at once and record whether
+#                         each gets the same tokens (results_concurrent, concurrent_equal)
 #     --setup-only        create/refresh the venv and exit
 #
 # MODEL_DIR is a `lowbit export --for vllm` directory (lowbit's packed KV cache) or any HF model
@@ -33,6 +35,7 @@ KV_BYTES=268435456
 MAX_LEN=2048
 OUT=""
 SETUP_ONLY=0
+CONCURRENT=0
 STARTUP_TIMEOUT=1500
 MODEL=""
 while [[ $# -gt 0 ]]; do
@@ -46,7 +49,8 @@ while [[ $# -gt 0 ]]; do
     --max-model-len) MAX_LEN="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
     --setup-only) SETUP_ONLY=1; shift ;;
-    -h|--help) sed -n 2,23p "$0"; exit 0 ;;
+    --concurrent) CONCURRENT=1; shift ;;
+    -h|--help) sed -n 2,27p "$0"; exit 0 ;;
     -*) echo "error: unknown option $1" >&2; exit 2 ;;
     *) MODEL="$1"; shift ;;
   esac
@@ -90,25 +94,34 @@ do
 done
 STARTUP=$(( $(date +%s) - t0 ))
 
-"$PY" - "$PORT" "$MODEL" "$PROMPT" "$MAX_TOKENS" "$LOG" "$STARTUP" "$KV_BYTES" "$OUT" <<'EOF'
+"$PY" - "$PORT" "$MODEL" "$PROMPT" "$MAX_TOKENS" "$LOG" "$STARTUP" "$KV_BYTES" "$OUT" "$CONCURRENT" <<'EOF'
 import json, re, sys, time
 import openai
-port, model, prompt, max_tokens, log, startup, kv_bytes, out = sys.argv[1:]
+port, model, prompt, max_tokens, log, startup, kv_bytes, out, concurrent = sys.argv[1:]
 c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
-text = open(log).read()
-m = re.search(r"KV cache size: ([\d,]+) tokens", text)
-plugin = [l.split("lowbit plugin: ", 1)[1] for l in text.splitlines() if "lowbit plugin: " in l]
-results = []
-for p in prompt.split("\n===\n"):
+def one(p):
     t = time.time()
     r = c.completions.create(model="model", prompt=p, max_tokens=int(max_tokens), temperature=0, logprobs=3,
                              extra_body={"return_tokens_as_token_ids": True})
     lp = r.choices[0].logprobs
     top = [{k: round(v, 3) for k, v in d.items()} for d in (lp.top_logprobs or [])] if lp else None
     ids = [int(t.split(":", 1)[1]) for t in lp.tokens] if lp else None  # "token_id:N"
-    results.append({"prompt_tail": p[-80:], "prompt_chars": len(p), "text": r.choices[0].text, "token_ids": ids, "top_logprobs": top, "usage": r.usage.model_dump(),
-                    "seconds": round(time.time() - t, 2)})
-res = {"model_dir": model, "results": results, "text": results[0]["text"], "token_ids": results[0]["token_ids"],
+    return {"prompt_tail": p[-80:], "prompt_chars": len(p), "text": r.choices[0].text, "token_ids": ids, "top_logprobs": top, "usage": r.usage.model_dump(),
+            "seconds": round(time.time() - t, 2)}
+prompts = prompt.split("\n===\n")
+results = [one(p) for p in prompts]
+extra = {}
+if concurrent == "1":
+    from concurrent.futures import ThreadPoolExecutor
+    t = time.time()
+    with ThreadPoolExecutor(len(prompts)) as ex:
+        conc = list(ex.map(one, prompts))
+    extra = {"results_concurrent": conc, "concurrent_seconds": round(time.time() - t, 2),
+             "concurrent_equal": [a["token_ids"] == b["token_ids"] for a, b in zip(results, conc)]}
+text = open(log).read()  # read after the requests: the plugin logs what it saw while serving
+m = re.search(r"KV cache size: ([\d,]+) tokens", text)
+plugin = [l.split("lowbit plugin: ", 1)[1] for l in text.splitlines() if "lowbit plugin: " in l]
+res = {"model_dir": model, "results": results, **extra, "text": results[0]["text"], "token_ids": results[0]["token_ids"],
        "startup_s": int(startup),
        "kv_cache_memory_bytes": int(kv_bytes), "kv_cache_tokens": int(m.group(1).replace(",", "")) if m else None,
        "lowbit_plugin_log": sorted(set(plugin))}

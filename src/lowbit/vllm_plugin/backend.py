@@ -68,6 +68,7 @@ log = logging.getLogger("lowbit.vllm_plugin")
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
 _ARENAS: dict[str, paged.TierArena] = {}  # layer name -> its arena (this process)
 _WINDOWS_LOGGED: set = set()
+_REUSE_SEEN: list = []
 
 
 @dataclass
@@ -166,6 +167,17 @@ class LowbitMetadataBuilder(AttentionMetadataBuilder[LowbitMetadata]):
                         live |= a.needed_blocks(table[r], n, a.visible_from(n - (qsl[r + 1] - qsl[r])))
                     live_by_window[a.window] = live
                 a.retain(live_by_window[a.window])
+            w = arenas[0].window
+            if w and not _REUSE_SEEN and len(lens) > 1:  # evidence in the log that freed blocks get reused
+                below, held = set(), set()
+                for r, n in enumerate(lens):
+                    vis = paged.visible_from(n - (qsl[r + 1] - qsl[r]), w)
+                    below |= {int(b) for b in table[r, : vis // arenas[0].bs].tolist()}
+                    held |= {int(b) for b in table[r, vis // arenas[0].bs: -(-n // arenas[0].bs)].tolist()}
+                if below & held:
+                    _REUSE_SEEN.append(True)
+                    log.warning("lowbit plugin: %s", f"sliding window {w}: a block vLLM freed below one request's "
+                                "window now holds another request's tokens (never read by the first)")
         return LowbitMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc_cpu,
                               seq_lens=m.seq_lens.cpu(), block_table=m.block_table_tensor,
                               slot_mapping=m.slot_mapping)
