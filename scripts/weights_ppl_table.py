@@ -8,7 +8,7 @@ save_compressed -> load_quantized -> PPL, so the number belongs to the files on 
     .venv/bin/python scripts/weights_ppl_table.py --out runs/weights-table \\
         --configs w4a16-g64:rtn,w4a16-g64:gptq,w4a16-g64:rtn:rotate,w4a16-g64:gptq:rotate
 
-Config flags after SCHEME:METHOD: rotate, noclip, wclip, noseq, noact, damp=X, smooth=ALPHA
+Config flags after SCHEME:METHOD: rotate, noclip, wclip, noseq, noact, damp=X, smooth=ALPHA|auto
 (SmoothQuant before quantizing; calibrated on the same calibration tokens).
 --device cuda runs calibration, GPTQ and the evaluation on a GPU (export and reload stay on CPU);
 --save-tokens / --tokens carry the exact token ids (eval windows + calibration) to another host,
@@ -111,7 +111,7 @@ def main() -> None:
             if f.startswith("damp="):
                 opts["damp"] = float(f[5:])
             if f.startswith("smooth="):
-                opts["smooth"] = float(f[7:])
+                opts["smooth"] = "auto" if f[7:] == "auto" else float(f[7:])
         row = "-".join([scheme.name, method] + [f.replace("rotate", "rot") for f in flags])
         if row in done:
             continue

@@ -86,3 +86,36 @@ def test_bad_alpha_and_gemma3_and_missing_calib_are_refused():
     assert torch.equal(g.model.layers[0].input_layernorm.weight, w0)
     with pytest.raises(LowbitError, match="--smooth needs calibration"):
         quantize_model(small_model(), parse_weight_scheme("w8a8"), method="rtn", smooth=0.5)
+
+
+@torch.no_grad()
+def test_auto_alpha_keeps_logits_and_never_raises_the_calibration_error():
+    # "auto" scores each mapping with the scheme's own quantizers: the chosen scales must not make
+    # the quantized outputs on the calibration sample worse than no smoothing, and the fp model is unchanged
+    from lowbit.weights.smooth import AUTO_ALPHAS, quantized_output_error
+
+    scheme = parse_weight_scheme("w8a8")
+    m = _outlier_model(heads=3, kv_heads=1)
+    ids = token_ids(batch=2, seq=17, seed=5)
+    ref = m(ids).logits
+    calib = [token_ids(batch=2, seq=19, seed=s) for s in (7, 8)]
+    attn = m.model.layers[0].self_attn
+    x = {}
+    input_absmax(m, {"q": attn.q_proj}, calib, keep=512, samples=x)  # all 76 rows, as the search sees them
+    assert x["q"].shape == (76, 96)
+    ws = [attn.q_proj.weight.clone(), attn.k_proj.weight.clone(), attn.v_proj.weight.clone()]
+    norm0 = m.model.layers[0].input_layernorm.weight.clone()
+    info = smooth_model(m, calib, alpha="auto", scheme=scheme)
+    torch.testing.assert_close(m(ids).logits, ref, atol=2e-4, rtol=2e-4)
+    assert sum(info["alphas_used"].values()) == 2 * 4  # 2 layers x 4 mappings
+    assert set(info["alphas_used"]) <= {"none", *map(str, AUTO_ALPHAS)}
+    assert info["alphas_used"].get("none", 0) < 8  # the planted outliers make smoothing worth it somewhere
+    # layer 0's q/k/v mapping: the folded scales score no worse than no smoothing on that sample
+    s = norm0.double() / m.model.layers[0].input_layernorm.weight.double()
+    plain = quantized_output_error(x["q"], ws, torch.ones(96, dtype=torch.float64), scheme)
+    assert quantized_output_error(x["q"], ws, s, scheme) <= plain * (1 + 1e-6)
+
+
+def test_auto_alpha_needs_the_scheme():
+    with pytest.raises(LowbitError, match="needs the weight scheme"):
+        smooth_model(small_model(), [token_ids()], alpha="auto")

@@ -30,10 +30,11 @@ def add_arguments(p) -> None:
     p.add_argument("--method", choices=("gptq", "rtn"), default="gptq", help="GPTQ (default) or round-to-nearest")
     p.add_argument("--rotate", action="store_true",
                    help="fold a Hadamard rotation of the residual stream and V/O heads into the weights first")
-    p.add_argument("--smooth", type=float, default=None, metavar="ALPHA",
-                   help="SmoothQuant with migration strength ALPHA in (0, 1) (0.5 usual) before quantizing, folded "
-                        "into the norms / v_proj / up_proj so the checkpoint stays plain (for w8a8 / w4a8); "
-                        "calibrates on --calib whatever the method")
+    p.add_argument("--smooth", type=_alpha, default=None, metavar="ALPHA|auto",
+                   help="SmoothQuant with migration strength ALPHA in (0, 1) (0.5 usual), or 'auto' (per layer and "
+                        "mapping, the alpha whose quantized outputs best match on calibration inputs), before "
+                        "quantizing; folded into the norms / v_proj / up_proj so the checkpoint stays plain (for "
+                        "w8a8 / w4a8); calibrates on --calib whatever the method")
     p.add_argument("--calib", default="stdlib", help="GPTQ calibration text: stdlib (default) | wikitext2 | PATH")
     p.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
                    help=f"calibration tokens, a multiple of --calib-seq-len (default {DEFAULT_CALIB_TOKENS})")
@@ -53,6 +54,18 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="new output directory (never overwritten)")
 
 
+def _alpha(text: str):
+    """--smooth's value: 'auto' or a float (range checked in run, to give lowbit's one-line error)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        import argparse
+
+        raise argparse.ArgumentTypeError(f"expected a number in (0, 1) or 'auto', got {text!r}") from None
+
+
 def run(args) -> int:
     from lowbit.calib.corpora import load_text, token_windows
     from lowbit.models import load
@@ -63,7 +76,7 @@ def run(args) -> int:
     scheme = parse_weight_scheme(args.weights)
     if os.path.lexists(args.out):
         raise LowbitError(f"{args.out} already exists; checkpoints are never overwritten: choose a new --out")
-    if args.smooth is not None and not (0 < args.smooth < 1):
+    if args.smooth not in (None, "auto") and not (0 < args.smooth < 1):
         raise LowbitError(f"--smooth {args.smooth}: the migration strength must be in (0, 1); 0.5 is the usual value")
     if not (0 < args.damp < 10):
         raise LowbitError(f"--damp {args.damp} is outside (0, 10); the usual value is 0.01")

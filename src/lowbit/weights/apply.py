@@ -124,14 +124,15 @@ def quantize_model(
     scale_dtype: torch.dtype = torch.float32,
     calib_dtype: torch.dtype | None = None,
     weighted_clip: bool = False,
-    smooth: float | None = None,
+    smooth: float | str | None = None,
 ) -> QuantizeReport:
     """Quantize `model` in place (see module docstring). calib: int64 [n, T] token ids (GPTQ only).
 
     calib_dtype: run the calibration forwards under CPU autocast to this dtype (torch.bfloat16:
     several times faster matmuls on CPUs with bf16 units); the Hessians still accumulate in
     float32 from the float32 hidden states, and GPTQ works on the float32 weights. None: model dtype.
-    smooth: SmoothQuant migration strength alpha in (0, 1) (None: no smoothing); needs calib.
+    smooth: SmoothQuant migration strength alpha in (0, 1), or "auto" (per-mapping search scored with
+    this scheme's quantizers on calibration inputs); None: no smoothing. Needs calib.
     """
     t0 = time.perf_counter()
     if method not in ("gptq", "rtn"):
@@ -169,7 +170,8 @@ def quantize_model(
         targets, _ = target_linears(model, ignore)  # same modules; rotation replaced no module
     if smooth is not None:
         dev = next(model.parameters()).device
-        report.smoothing = smooth_model(model, [b.to(dev) for b in _batches(calib, batch_size)], smooth, autocast)
+        report.smoothing = smooth_model(model, [b.to(dev) for b in _batches(calib, batch_size)], smooth, autocast,
+                                         scheme=scheme)
 
     def done(name: str, lin: nn.Linear, qw: QuantizedWeight) -> None:
         _set_module(model, name, _to_qlinear(lin, qw, scheme, scale_dtype))
