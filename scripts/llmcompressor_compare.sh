@@ -3,14 +3,14 @@
 #
 #   scripts/llmcompressor_compare.sh OUT_ROOT [VENV_DIR]
 #
-# llm-compressor gets its own venv (default ../venvs/llmcompressor beside the repo), created on
+# llm-compressor gets its own venv (default ../venvs/llmc beside the repo), created on
 # first use with the CPU torch (constraints-cpu.txt). It quantizes the fp32 model that lowbit
 # converted from the GGUF (lowbit's model cache) into OUT_ROOT/llmc-<row>; lowbit's venv then
 # measures WikiText-2 PPL of each (OUT_ROOT/llmc_results.jsonl). Heavy; not part of CI.
 set -euo pipefail
 OUT=${1:?usage: $0 OUT_ROOT [VENV_DIR]}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-VENV=${2:-$ROOT/../venvs/llmcompressor}
+VENV=${2:-$ROOT/../venvs/llmc}
 LLMC_VERSION=0.14.0.1
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
