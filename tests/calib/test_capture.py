@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from lowbit.calib.capture import attention_layers, capture_attention
+from lowbit.calib.capture import capture_attention
 from lowbit.calib.stats import STATS_FILE, StatsCollector, load_calibration
 from lowbit.commands.calibrate import check_tokens_arg, collect, min_tokens, write_calibration
 from lowbit.errors import LowbitError
@@ -98,7 +98,7 @@ def test_sliding_window_mask_reaches_the_observer():
     """On gemma's sliding layers the observer's mask allows only keys inside the window (mass follows it)."""
     from lowbit.calib.capture import allowed_mask
 
-    model, config = tiny_model("gemma3-270m", num_layers=1, vocab_size=99)
+    model, _config = tiny_model("gemma3-270m", num_layers=1, vocab_size=99)
     model.config.sliding_window = 4
     for layer in model.model.layers:
         layer.self_attn.sliding_window = 4
@@ -120,7 +120,7 @@ def test_sliding_window_mask_reaches_the_observer():
 
 
 def test_every_layer_must_see_the_tokens():
-    model, geo = _tiny("smollm2-135m", 3)
+    model, _geo = _tiny("smollm2-135m", 3)
     windows = tiny_tokenizer_free_inputs(model.config, 2, 31)
     col = collect(model, windows, skip=4)
     assert all(col.layers[i].seen == 62 for i in range(3))

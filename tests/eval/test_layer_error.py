@@ -6,7 +6,14 @@ import pytest
 import torch
 
 from lowbit.calib.capture import capture_attention
-from lowbit.eval.layer_error import Harness, Variant, dequantized_kv, measure_layers, quantize_tensor, tiered_attention
+from lowbit.eval.layer_error import (
+    Harness,
+    Variant,
+    dequantized_kv,
+    measure_layers,
+    quantize_tensor,
+    tiered_attention,
+)
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
 from lowbit.recipe import parse_kv_scheme
 from lowbit.rotation.hadamard import hadamard
@@ -66,7 +73,7 @@ def test_rotation_roundtrip_and_per_head():
     k = torch.randn(1, 3, 20, 64, generator=g)
     R = torch.stack([hadamard(64), torch.eye(64), hadamard(64).flip(0)])
     var = Variant("x", s, rot={0: (R, R)})
-    kh, vh = dequantized_kv(k, k, var, 0)
+    kh, _vh = dequantized_kv(k, k, var, 0)
     # head 1 uses the identity: same as no rotation
     kh0, _ = dequantized_kv(k, k, Variant("n", s), 0)
     torch.testing.assert_close(kh[:, 1], kh0[:, 1])
@@ -79,7 +86,7 @@ def test_measure_orders_bits_and_replace_ppl_counts_rows():
 
     m, cfg = _model("gemma3-270m", 2)
     windows = tiny_tokenizer_free_inputs(cfg, 2, 80, seed=2)
-    mk = lambda n: Variant(n, parse_kv_scheme(n, sink=16, recent=16, page=16))  # noqa: E731
+    mk = lambda n: Variant(n, parse_kv_scheme(n, sink=16, recent=16, page=16))
     db = measure_layers(m, windows, [mk("int2"), mk("int4"), mk("int8")])
     for layer in (0, 1):
         assert db["int2"][layer] > db["int4"][layer] + 6 > db["int8"][layer] + 12
@@ -92,8 +99,8 @@ def test_measure_orders_bits_and_replace_ppl_counts_rows():
 
 
 def test_fitted_levels_and_table(tmp_path):
-    from lowbit.commands.calibrate import collect, write_calibration
     from lowbit.calib.stats import load_calibration
+    from lowbit.commands.calibrate import collect, write_calibration
     from lowbit.commands.layer_error import fitted_levels, format_table, heatmap
     from lowbit.models.geometry import ModelGeometry
 

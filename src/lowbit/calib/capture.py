@@ -15,7 +15,7 @@ observer returns a tensor [B, T, Hq, Dv], which then replaces the attention outp
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from transformers import AttentionInterface

@@ -48,10 +48,8 @@ def fit_and_save(calib, out: Path, *, kind: str, objective: str = "kk", mix: str
                  bit_reversal: bool = False, center: bool = False) -> Path:
     """Fit every layer of `calib` and write a RotationSet artifact at `out` (nothing is left on error)."""
     from lowbit.artifacts import sha256_file
-    from lowbit.rotation.fit import fit_rotations
+    from lowbit.rotation.fit import MIXES, fit_rotations
     from lowbit.rotation.rotation_set import RotationSet
-
-    from lowbit.rotation.fit import MIXES
 
     mixes = [m.strip() for m in mix.split(",")]
     if len(mixes) == 1:
