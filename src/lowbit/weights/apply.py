@@ -197,7 +197,7 @@ def quantize_model(
             prefix = _prefix_of(model, layer)
             mine = {n: m for n, m in targets.items() if n.startswith(prefix + ".")}
             outs = []
-            with HessianCollector(mine, gemm_dtype=calib_dtype) as hc, autocast():
+            with HessianCollector(mine) as hc, autocast():
                 for h in hidden:
                     hc.new_batch()
                     out = run_layer(layer, h, layer_kwargs[i])
