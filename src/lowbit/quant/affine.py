@@ -91,6 +91,44 @@ def _round_up(t32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return r
 
 
+def _groups(x: torch.Tensor, bits: int, group: int | None, scale_dtype: torch.dtype):
+    """Checks shared by the quantizers; returns (bits, g, xg float32 [..., D//g, g])."""
+    bits = check_bits(bits)
+    if not torch.is_floating_point(x):
+        raise LowbitError(f"quantize expects a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise LowbitError("quantize expects at least one dim (groups run along the last dim)")
+    if scale_dtype not in _SCALE_DTYPES:
+        raise LowbitError(f"scale_dtype {scale_dtype} unsupported; use one of {_SCALE_DTYPES}")
+    D = x.shape[-1]
+    g = check_group(D, group)
+    return bits, g, x.float().reshape(*x.shape[:-1], D // g, g)
+
+
+def _lay_grid(xg: torch.Tensor, center: torch.Tensor, step: torch.Tensor, bits: int, scale_dtype: torch.dtype):
+    """The grid of 2**bits levels `step` apart centred on `center` ([..., G] each), stored in scale_dtype.
+
+    Groups with step 0 get scale 1, zero = center, codes 0 (exact for constant groups). The scale is
+    rounded up to scale_dtype (the grid still spans the range), the zero derived from it and rounded,
+    and the codes computed against those stored values. Returns codes uint8 [..., G, g], scale, zero.
+    """
+    if not torch.isfinite(step).all() or not torch.isfinite(center).all():
+        raise LowbitError("quantize got inf or NaN values in x; clean the input before quantizing")
+    qmax = (1 << bits) - 1
+    live = step > 0
+    scale = torch.where(live, step, torch.ones_like(step))
+    if scale_dtype != torch.float32:
+        scale = _round_up(scale, scale_dtype).float()
+    # Grid centered on the range; with a rounded-up scale it spans a bit more.
+    zero = torch.where(live, center - scale * (qmax * 0.5), center)
+    scale_s, zero_s = scale.to(scale_dtype), zero.to(scale_dtype)
+    if not (torch.isfinite(scale_s).all() and torch.isfinite(zero_s).all()):
+        raise LowbitError(f"scale/zero overflow {scale_dtype}; values too large for it, use scale_dtype=torch.float32")
+    zero = zero_s.float()
+    codes = torch.round((xg - zero.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, qmax)
+    return codes.to(torch.uint8), scale_s, zero_s
+
+
 def quantize(
     x: torch.Tensor,
     bits: int,
@@ -107,19 +145,8 @@ def quantize(
     Constant groups reconstruct exactly (scale 1, codes 0, zero = the value). Returns
     AffineQuantized(codes uint8 [..., D], scale [..., D//group], zero [..., D//group]).
     """
-    bits = check_bits(bits)
     r = _check_clip(clip_ratio)
-    if not torch.is_floating_point(x):
-        raise LowbitError(f"quantize expects a floating-point tensor, got {x.dtype}")
-    if x.dim() == 0:
-        raise LowbitError("quantize expects at least one dim (groups run along the last dim)")
-    if scale_dtype not in _SCALE_DTYPES:
-        raise LowbitError(f"scale_dtype {scale_dtype} unsupported; use one of {_SCALE_DTYPES}")
-    D = x.shape[-1]
-    g = check_group(D, group)
-    qmax = (1 << bits) - 1
-
-    xg = x.float().reshape(*x.shape[:-1], D // g, g)  # [..., G, g]
+    bits, g, xg = _groups(x, bits, group, scale_dtype)  # xg [..., G, g]
     if symmetric:
         amax = xg.abs().amax(dim=-1)  # [..., G]
         center = torch.zeros_like(amax)
@@ -128,28 +155,8 @@ def quantize(
         lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # [..., G]
         center = (lo + hi) * 0.5
         half = (hi - lo) * (0.5 * r)
-    if not torch.isfinite(half).all() or not torch.isfinite(center).all():
-        raise LowbitError("quantize got inf or NaN values in x; clean the input before quantizing")
-
-    live = half > 0  # zero-range groups get scale 1, zero = value, codes 0 -> exact
-    scale = torch.where(live, half * (2.0 / qmax), torch.ones_like(half))
-    if scale_dtype != torch.float32:
-        scale = _round_up(scale, scale_dtype).float()
-    # Grid centered on the (clipped) range; with a rounded-up scale it spans a bit more.
-    zero = torch.where(live, center - scale * (qmax * 0.5), center)
-    if scale_dtype != torch.float32:
-        scale_s, zero_s = scale.to(scale_dtype), zero.to(scale_dtype)
-        if not (torch.isfinite(scale_s).all() and torch.isfinite(zero_s).all()):
-            raise LowbitError(
-                f"scale/zero overflow {scale_dtype}; values too large for it, use scale_dtype=torch.float32"
-            )
-        zero = zero_s.float()
-    else:
-        scale_s, zero_s = scale, zero
-
-    codes = torch.round((xg - zero.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, qmax)
-    codes = codes.to(torch.uint8).reshape(x.shape)
-    return AffineQuantized(codes, scale_s, zero_s, bits, g, bool(symmetric), r)
+    codes, scale, zero = _lay_grid(xg, center, half * (2.0 / ((1 << bits) - 1)), bits, scale_dtype)
+    return AffineQuantized(codes.reshape(x.shape), scale, zero, bits, g, bool(symmetric), r)
 
 
 def quantize_std(
@@ -171,33 +178,12 @@ def quantize_std(
     """
     from lowbit.quant.lloyd_max import gaussian_uniform_step
 
-    bits = check_bits(bits)
     if bits not in (2, 3, 4):
         raise LowbitError(f"the std-placed grid is for 2, 3 or 4 bits, got {bits}; use the min/max grid at 8 bits")
-    if not torch.is_floating_point(x):
-        raise LowbitError(f"quantize expects a floating-point tensor, got {x.dtype}")
-    if x.dim() == 0:
-        raise LowbitError("quantize expects at least one dim (groups run along the last dim)")
-    if scale_dtype not in _SCALE_DTYPES:
-        raise LowbitError(f"scale_dtype {scale_dtype} unsupported; use one of {_SCALE_DTYPES}")
-    D = x.shape[-1]
-    g = check_group(D, group)
-    qmax = (1 << bits) - 1
-    xg = x.float().reshape(*x.shape[:-1], D // g, g)  # [..., G, g]
+    bits, g, xg = _groups(x, bits, group, scale_dtype)  # xg [..., G, g]
     mean, std = xg.mean(dim=-1), xg.std(dim=-1, correction=0)  # [..., G]
-    if not torch.isfinite(mean).all() or not torch.isfinite(std).all():
-        raise LowbitError("quantize got inf or NaN values in x; clean the input before quantizing")
-    live = std > 0
-    scale = torch.where(live, std * gaussian_uniform_step(bits), torch.ones_like(std))
-    if scale_dtype != torch.float32:
-        scale = _round_up(scale, scale_dtype).float()
-    zero = torch.where(live, mean - scale * (qmax * 0.5), mean)
-    scale_s, zero_s = scale.to(scale_dtype), zero.to(scale_dtype)
-    if not (torch.isfinite(scale_s).all() and torch.isfinite(zero_s).all()):
-        raise LowbitError(f"scale/zero overflow {scale_dtype}; values too large for it, use scale_dtype=torch.float32")
-    zero = zero_s.float()
-    codes = torch.round((xg - zero.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, qmax)
-    return AffineQuantized(codes.to(torch.uint8).reshape(x.shape), scale_s, zero_s, bits, g, False, 1.0)
+    codes, scale, zero = _lay_grid(xg, mean, std * gaussian_uniform_step(bits), bits, scale_dtype)
+    return AffineQuantized(codes.reshape(x.shape), scale, zero, bits, g, False, 1.0)
 
 
 def dequantize(q: AffineQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
