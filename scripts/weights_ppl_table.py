@@ -9,7 +9,8 @@ save_compressed -> load_quantized -> PPL, so the number belongs to the files on 
         --configs w4a16-g64:rtn,w4a16-g64:gptq,w4a16-g64:rtn:rotate,w4a16-g64:gptq:rotate
 
 Config flags after SCHEME:METHOD: rotate, noclip, wclip, noseq, noact, damp=X, smooth=ALPHA|auto
-(SmoothQuant before quantizing; calibrated on the same calibration tokens).
+(SmoothQuant before quantizing; calibrated on the same calibration tokens); METHOD signround takes
+iters=N and lr=X.
 --device cuda runs calibration, GPTQ and the evaluation on a GPU (export and reload stay on CPU);
 --save-tokens / --tokens carry the exact token ids (eval windows + calibration) to another host,
 whose Python stdlib (the calibration text) may differ.
@@ -36,6 +37,7 @@ from lowbit.eval.perplexity import full_window_ppl
 from lowbit.models import load
 from lowbit.weights.apply import quantize_model
 from lowbit.weights.scheme import parse_weight_scheme
+from lowbit.weights.signround import SignRoundConfig
 
 ALL = ",".join(f"{s}:{m}{r}" for s in ("w4a16-g64", "w8a16", "w8a8", "w4a8-g64")
                for r in ("", ":rotate") for m in ("rtn", "gptq"))
@@ -112,6 +114,9 @@ def main() -> None:
                 opts["damp"] = float(f[5:])
             if f.startswith("smooth="):
                 opts["smooth"] = "auto" if f[7:] == "auto" else float(f[7:])
+        if method == "signround":
+            sr = {k: float(f.split("=")[1]) for f in flags for k in ("iters", "lr") if f.startswith(k + "=")}
+            opts["signround"] = SignRoundConfig(iters=int(sr.get("iters", 200)), lr=sr.get("lr"))
         row = "-".join([scheme.name, method] + [f.replace("rotate", "rot") for f in flags])
         if row in done:
             continue
@@ -131,7 +136,7 @@ def _run_row(a, lm, tok, windows, calib, dev, cd, out, res_path, base, scheme, m
     from lowbit.weights.load import load_quantized
     model = copy.deepcopy(lm.model)
     t = time.perf_counter()
-    use_calib = method == "gptq" or "smooth" in opts
+    use_calib = method != "rtn" or "smooth" in opts
     rep = quantize_model(model, scheme, method=method, calib=calib if use_calib else None, rotate=rotate,
                          calib_dtype=cd, **opts)
     q_s = time.perf_counter() - t
@@ -153,6 +158,7 @@ def _run_row(a, lm, tok, windows, calib, dev, cd, out, res_path, base, scheme, m
          "threads": torch.get_num_threads(), "host": a.host, "device": a.device, "smoothing": rep.smoothing,
          "delta_pct": 100 * (ppl / base - 1), "quantize_s": round(q_s, 1), "eval_s": round(time.perf_counter() - t, 1),
          "counts": rep.counts(), "damp_raised": rep.damp_raised,
+         "signround": None if method != "signround" else {"config": opts["signround"].to_dict(), "layers": rep.signround},
          "ckpt_bytes": None if ck is None else sum(f.stat().st_size for f in ck.glob("*.safetensors")),
          "evaluated": "in-memory" if ck is None else "exported checkpoint"}
     _append(res_path, r)

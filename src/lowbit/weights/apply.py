@@ -1,4 +1,4 @@
-"""Quantize a model's linears in place: optional rotation, then RTN or sequential GPTQ.
+"""Quantize a model's linears in place: optional rotation, then RTN, sequential GPTQ or SignRound.
 
     report = quantize_model(model, scheme, method="gptq", calib=ids, rotate=True)
 
@@ -37,10 +37,12 @@ from lowbit.weights.hooks import HessianCollector, capture_layer_inputs, run_lay
 from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.rotate import rotate_model
 from lowbit.weights.scheme import WeightScheme
+from lowbit.weights.signround import SignRoundConfig, tune_layer
 from lowbit.weights.smooth import smooth_model
 
 log = logging.getLogger("lowbit.weights")
 DEFAULT_IGNORE = ("lm_head",)
+METHODS = ("gptq", "rtn", "signround")
 
 
 @dataclass
@@ -57,6 +59,7 @@ class QuantizeReport:
     smoothing: dict | None = None
     damp_raised: dict[str, float] = field(default_factory=dict)  # linear -> damp that factorised, if > asked
     proxy_loss: dict[str, float] = field(default_factory=dict)
+    signround: dict[int, dict] = field(default_factory=dict)  # layer index -> tune_layer's stats
     calib_tokens: int = 0
     seconds: float = 0.0
 
@@ -125,6 +128,7 @@ def quantize_model(
     calib_dtype: torch.dtype | None = None,
     weighted_clip: bool = False,
     smooth: float | str | None = None,
+    signround: SignRoundConfig | None = None,
 ) -> QuantizeReport:
     """Quantize `model` in place (see module docstring). calib: int64 [n, T] token ids (GPTQ only).
 
@@ -133,12 +137,15 @@ def quantize_model(
     float32 from the float32 hidden states, and GPTQ works on the float32 weights. None: model dtype.
     smooth: SmoothQuant migration strength alpha in (0, 1), or "auto" (per-mapping search scored with
     this scheme's quantizers on calibration inputs); None: no smoothing. Needs calib.
+    signround: SignRound's settings when method == "signround" (None: SignRoundConfig()).
     """
     t0 = time.perf_counter()
-    if method not in ("gptq", "rtn"):
-        raise LowbitError(f"unknown method {method!r}; use gptq or rtn")
-    if method == "gptq" and (calib is None or calib.numel() == 0):
-        raise LowbitError("GPTQ needs calibration tokens (--calib); or use --method rtn")
+    if method not in METHODS:
+        raise LowbitError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
+    if method in ("gptq", "signround") and (calib is None or calib.numel() == 0):
+        raise LowbitError(f"{method} needs calibration tokens (--calib); or use --method rtn")
+    if signround is not None and method != "signround":
+        raise LowbitError(f"SignRound settings were given but the method is {method}; use --method signround")
     if smooth is not None and (calib is None or calib.numel() == 0):
         raise LowbitError("--smooth needs calibration tokens (--calib) to measure the activations")
     model.eval()
@@ -151,12 +158,12 @@ def quantize_model(
         except LowbitError as e:
             raise LowbitError(f"{name}: {e}") from None
     layers = decoder_layers(model)
-    if method == "gptq":  # GPTQ sees linears through the decoder layers only: refuse the rest up front
+    if method != "rtn":  # calibrated methods see linears through the decoder layers only: refuse the rest up front
         prefixes = tuple(_prefix_of(model, layer) + "." for layer in layers)
         outside = sorted(n for n in targets if not n.startswith(prefixes))
         if outside:
             raise LowbitError(
-                f"{len(outside)} linear(s) outside the decoder layers would be skipped by GPTQ (e.g. {outside[0]}); "
+                f"{len(outside)} linear(s) outside the decoder layers would be skipped by {method} (e.g. {outside[0]}); "
                 "add them to the ignore list or use --method rtn"
             )
     report = QuantizeReport(scheme, method, len(layers), ignored=ignored)
@@ -186,6 +193,9 @@ def quantize_model(
         for name, lin in targets.items():
             g = scheme.group_for(lin.in_features)
             done(name, lin, rtn_quantize(lin.weight, bits, g, sym, clip_search=clip_search, scale_dtype=scale_dtype))
+    elif method == "signround":
+        _signround(model, layers, targets, scheme, calib, batch_size, signround or SignRoundConfig(), autocast,
+                   scale_dtype, done, report)
     else:
         batches = _batches(calib, batch_size)
         report.calib_tokens = int(calib.numel())
@@ -227,6 +237,38 @@ def quantize_model(
         )
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _signround(model, layers, targets, scheme, calib, batch_size, cfg, autocast, scale_dtype, done, report) -> None:
+    """Sequential SignRound: per layer, tune on (quantized-model inputs -> unquantized outputs)."""
+    # minibatches have the calibration batch shape: the recorded layer kwargs (masks, position
+    # embeddings) are for that shape
+    batches = _batches(calib, cfg.batch or batch_size)
+    bs = batches[0].shape[0]
+    if cfg.batch and bs != cfg.batch:
+        raise LowbitError(f"SignRound batch {cfg.batch} does not divide the {calib.shape[0]} calibration sequences")
+    report.calib_tokens = int(calib.numel())
+    with autocast():
+        hidden, layer_kwargs = capture_layer_inputs(model, layers, batches)
+    x_fp = torch.cat(hidden)  # [n, T, d] the unquantized model's hidden states
+    x_q = x_fp.clone()  # the quantized model's
+    del hidden
+    for i, layer in enumerate(layers):
+        tl = time.perf_counter()
+        prefix = _prefix_of(model, layer)
+        mine = {n: m for n, m in targets.items() if n.startswith(prefix + ".")}
+        with autocast():
+            y_fp = torch.cat([run_layer(layer, x_fp[j:j + bs], layer_kwargs[i]) for j in range(0, len(x_fp), bs)])
+        result, stats = tune_layer(layer, mine, x_q, y_fp, layer_kwargs[i], scheme, cfg, batch=bs,
+                                   autocast=autocast, scale_dtype=scale_dtype)
+        for name, qw in result.items():
+            done(name, mine[name], qw)
+        report.signround[i] = stats
+        with autocast():
+            x_q = torch.cat([run_layer(layer, x_q[j:j + bs], layer_kwargs[i]) for j in range(0, len(x_q), bs)])
+        x_fp = y_fp
+        log.info("layer %d/%d signround in %.1fs: loss %.3g -> %.3g (step %d)", i + 1, len(layers),
+                 time.perf_counter() - tl, stats["loss_rtn"], stats["loss_best"], stats["best_step"])
 
 
 def _prefix_of(model: nn.Module, layer: nn.Module) -> str:

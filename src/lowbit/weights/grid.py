@@ -77,22 +77,48 @@ def snapped_zero(scale: torch.Tensor, zero_point: torch.Tensor, bits: int) -> to
     return -(zero_point.float() + (1 << (bits - 1))) * scale.float()
 
 
-def _affine_params(w: torch.Tensor, bits: int, group: int, symmetric: bool, clip: float, scale_dtype):
-    """affine.quantize's (scale, zero) [out, G] for w [out, in]; asymmetric ranges include 0.
+def group_range(w: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-group (min, max) of w [out, in], float32 [out, in // group] each."""
+    out, n = w.shape
+    wg = w.float().reshape(out, n // group, group)
+    return wg.amin(-1), wg.amax(-1)
+
+
+def _range_params(lo: torch.Tensor, hi: torch.Tensor, bits: int, symmetric: bool, clip: float, scale_dtype):
+    """affine.quantize's (scale, zero) [out, G] for groups whose min/max are lo/hi [out, G].
 
     affine lays a group's grid out from the group's min and max alone (amax when symmetric), so it
     is handed each group's summary [min, max, 0] as a group of 3: the same scale and zero as the
     full group plus a zero element, at a fraction of the cost (the clip search calls this often).
-    scale_dtype: the dtype the checkpoint stores scales in (affine rounds the scale to it, upward).
+    Asymmetric ranges thus always include 0. scale_dtype: the dtype the checkpoint stores scales in
+    (affine rounds the scale to it, upward).
     """
-    out, n = w.shape
-    wg = w.float().reshape(out, n // group, group)
-    lo, hi = wg.amin(-1), wg.amax(-1)  # [out, G]
+    out = lo.shape[0]
     summary = torch.stack([lo, hi] + ([] if symmetric else [torch.zeros_like(lo)]), dim=-1)  # [out, G, 2|3]
     k = summary.shape[-1]
     q = affine.quantize(summary.reshape(out, -1), bits, k, symmetric=symmetric, clip_ratio=clip,
                         scale_dtype=scale_dtype)
     return q.scale.float(), q.zero.float()
+
+
+def _affine_params(w: torch.Tensor, bits: int, group: int, symmetric: bool, clip: float, scale_dtype):
+    """affine.quantize's (scale, zero) [out, G] for w [out, in] (see _range_params)."""
+    lo, hi = group_range(w, group)
+    return _range_params(lo, hi, bits, symmetric, clip, scale_dtype)
+
+
+def grid_for_range(
+    lo: torch.Tensor, hi: torch.Tensor, bits: int, group: int, symmetric: bool, scale_dtype=torch.float32
+) -> Grid:
+    """The integer grid whose groups span [lo, hi] ([out, G] each; a tuned range, e.g. SignRound's).
+
+    The same layout as grid_for_clip at ratio 1.0 on weights with those group minima and maxima;
+    `clip` is 1.0 (the tuned range is itself the clipping).
+    """
+    scale, zero = _range_params(lo.float(), hi.float(), bits, symmetric, 1.0, scale_dtype)
+    zp = ct_zero_point(scale, zero, bits, symmetric)
+    clip_t = torch.ones(scale.shape, device=scale.device)
+    return Grid(scale.float(), zp, snapped_zero(scale, zp, bits), clip_t, bits, group, symmetric)
 
 
 def grid_for_clip(

@@ -1,0 +1,257 @@
+"""SignRound: tune each weight's rounding and each group's range on a decoder layer's output.
+
+Cheng et al. 2023, "Optimize Weight Rounding via Signed Gradient Descent for the Quantization of
+LLMs" (the method behind Intel's AutoRound), written here from the paper's description.
+
+For one decoder layer, every linear W [out, in] (G = in // group groups) gets trainable
+    v      [out, in]  rounding offset in [-0.5, 0.5]               (0: round to nearest)
+    a, b   [out, G]   factors in [MIN_RANGE, 1] on each group's min and max   (1: plain min/max)
+and the layer runs with its weights fake-quantized on the integer grid compressed-tensors stores:
+
+    lo' = min(a * lo, 0),  hi' = max(b * hi, 0)          (symmetric: amax' = b * max|w|)
+    s = (hi' - lo') / qmax,  z = clamp(round(-lo' / s), 0, qmax)
+    W_hat = (clamp(round(W / s + v) + z, 0, qmax) - z) * s
+
+round() passes its gradient straight through. The loss is the mean squared difference between the
+layer's output on its quantized-model inputs and the unquantized layer's output on its
+unquantized-model inputs, so each layer also corrects the drift the layers before it left. Each
+step runs a random minibatch of calibration sequences and moves every parameter by
+lr_t * sign(grad), lr_t decaying linearly from lr to 0 over `iters` steps. The loss over the whole
+calibration set is measured before the first step (that is plain min/max RTN: v = 0, a = b = 1)
+and every `eval_every` steps; the parameters with the lowest one are kept, so the result never
+scores worse than RTN on the calibration set.
+
+The result goes through the same grid and encoder as RTN and GPTQ: grid.grid_for_range(a*lo, b*hi)
+lays out the integer grid, and grid.quantize_on(W + v * s) gives the codes (round(W / s + v) on that
+grid). Schemes with int8 activations fake-quantize each linear's input per token (symmetric int8,
+as QuantLinear does) inside the loop too, so the weights learn to absorb that error as well.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from lowbit.errors import LowbitError
+from lowbit.weights.gptq import QuantizedWeight
+from lowbit.weights.grid import group_range, grid_for_range, quantize_on
+from lowbit.weights.scheme import WeightScheme
+
+log = logging.getLogger("lowbit.weights.signround")
+
+MIN_RANGE = 0.5  # smallest factor on a group's min / max (halving the range is already far past useful)
+SIGNROUND_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SignRoundConfig:
+    """iters: signed-gradient steps per decoder layer; lr: step size at the start (None: 1 / iters,
+    so v can cross at most about half a step); batch: sequences per step (None: the calibration
+    batch size); eval_every: steps between full-calibration losses; seed: minibatch order."""
+
+    iters: int = 200
+    lr: float | None = None
+    batch: int | None = None
+    eval_every: int = 50
+    seed: int = 0
+    version: int = SIGNROUND_VERSION
+
+    def __post_init__(self):
+        if self.iters < 0:
+            raise LowbitError(f"SignRound iters must be >= 0, got {self.iters}")
+        if self.lr is not None and not self.lr > 0:
+            raise LowbitError(f"SignRound lr must be > 0, got {self.lr}")
+        if self.eval_every < 1:
+            raise LowbitError(f"SignRound eval_every must be >= 1, got {self.eval_every}")
+
+    @property
+    def step_size(self) -> float:
+        return self.lr if self.lr is not None else 1.0 / max(self.iters, 1)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _round_ste(x: torch.Tensor) -> torch.Tensor:
+    """round(x) forward, identity gradient."""
+    return x + (torch.round(x) - x).detach()
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """Per-token symmetric int8 fake quantization of x [..., in] (QuantLinear's a8 rounding), STE gradient."""
+    amax = x.detach().float().abs().amax(dim=-1, keepdim=True)
+    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
+    xq = (torch.round(x.float() / s).clamp(-128, 127) * s).to(x.dtype)
+    return x + (xq - x).detach()
+
+
+class TunedLinear(nn.Module):
+    """A linear whose weight is fake-quantized with trainable rounding (v) and range (a, b).
+
+    W is the frozen float32 weight [out, in]; see the module docstring for the formula.
+    """
+
+    def __init__(self, lin: nn.Linear, scheme: WeightScheme, scale_dtype: torch.dtype = torch.float32):
+        super().__init__()
+        W = lin.weight.detach().float()
+        out, n = W.shape
+        self.bits, self.group, self.symmetric = scheme.w_bits, scheme.group_for(n), scheme.symmetric
+        self.act_int8 = scheme.a_bits == 8
+        self.scale_dtype = scale_dtype
+        self.register_buffer("W", W.clone())
+        lo, hi = group_range(W, self.group)  # [out, G]
+        self.register_buffer("lo", lo)
+        self.register_buffer("hi", hi)
+        self.bias = None if lin.bias is None else lin.bias.detach()
+        self.v = nn.Parameter(torch.zeros_like(W))
+        self.a = nn.Parameter(torch.ones_like(lo))
+        self.b = nn.Parameter(torch.ones_like(lo))
+
+    def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Differentiable (s, z) [out, G]; z is the unsigned integer zero index (2**(b-1) when symmetric)."""
+        qmax = (1 << self.bits) - 1
+        if self.symmetric:
+            amax = torch.maximum(self.lo.abs(), self.hi.abs()) * self.b
+            s = 2.0 * amax / qmax
+            z = torch.full_like(s, float(1 << (self.bits - 1)))
+        else:
+            lo = torch.clamp(self.a * self.lo, max=0.0)
+            hi = torch.clamp(self.b * self.hi, min=0.0)
+            s = (hi - lo) / qmax
+            s = torch.where(s > 0, s, torch.ones_like(s))
+            z = torch.clamp(_round_ste(-lo / s), 0, qmax)
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return s, z
+
+    def weight_hat(self) -> torch.Tensor:
+        """float32 [out, in]: the fake-quantized weight at the current v, a, b."""
+        out, n = self.W.shape
+        G, g = n // self.group, self.group
+        s, z = self._scale_zero()
+        s3, z3 = s.unsqueeze(-1), z.unsqueeze(-1)  # [out, G, 1]
+        w3 = self.W.reshape(out, G, g)
+        v3 = self.v.reshape(out, G, g)
+        q = torch.clamp(_round_ste(w3 / s3 + v3) + z3, 0, (1 << self.bits) - 1)
+        return ((q - z3) * s3).reshape(out, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.act_int8:
+            x = fake_quantize_activations(x)
+        return F.linear(x, self.weight_hat(), self.bias)
+
+    @torch.no_grad()
+    def signed_step(self, lr: float) -> None:
+        """p -= lr * sign(grad) for v, a, b; clamp to their ranges; clear the gradients."""
+        for p, lo, hi in ((self.v, -0.5, 0.5), (self.a, MIN_RANGE, 1.0), (self.b, MIN_RANGE, 1.0)):
+            if p.grad is not None:
+                p.sub_(lr * torch.sign(p.grad)).clamp_(lo, hi)
+                p.grad = None
+
+    def state(self) -> tuple[torch.Tensor, ...]:
+        return tuple(p.detach().clone() for p in (self.v, self.a, self.b))
+
+    @torch.no_grad()
+    def load(self, st: tuple[torch.Tensor, ...]) -> None:
+        for p, t in zip((self.v, self.a, self.b), st):
+            p.copy_(t)
+
+    @torch.no_grad()
+    def finalize(self) -> QuantizedWeight:
+        """Codes and grid through the shared quantizer: grid_for_range(a*lo, b*hi), codes of W + v*s."""
+        grid = grid_for_range(self.a * self.lo, self.b * self.hi, self.bits, self.group, self.symmetric,
+                              self.scale_dtype)
+        s = grid.scale.repeat_interleave(self.group, dim=1)  # [out, in]
+        codes = quantize_on(self.W + self.v * s, grid)
+        return QuantizedWeight(codes, grid, "signround")
+
+
+def _swap(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    for name, m in root.named_modules():
+        if m is old:
+            parent, _, child = name.rpartition(".")
+            setattr(root.get_submodule(parent) if parent else root, child, new)
+            return
+    raise LowbitError("linear not found in its decoder layer")
+
+
+def _first(out):
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+@torch.no_grad()
+def tune_layer(
+    layer: nn.Module,
+    linears: dict[str, nn.Linear],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    layer_kwargs: dict,
+    scheme: WeightScheme,
+    cfg: SignRoundConfig,
+    *,
+    batch: int,
+    autocast=None,
+    scale_dtype: torch.dtype = torch.float32,
+) -> tuple[dict[str, QuantizedWeight], dict]:
+    """SignRound on one decoder layer (see module docstring).
+
+    layer: the decoder layer holding `linears` (name -> nn.Linear, left in place on return);
+    inputs: [n, T, d] hidden states the quantized model feeds this layer; targets: [n, T, d] the
+    unquantized layer's outputs on the unquantized model's hidden states; layer_kwargs: what the layer
+    is called with for `batch` sequences (n must be a multiple of `batch`); autocast: a callable
+    giving a context manager for the forwards (None: none).
+    Returns (name -> QuantizedWeight, stats {loss_rtn, loss_best, best_step}).
+    """
+    import contextlib
+
+    ac = autocast or contextlib.nullcontext
+    n = inputs.shape[0]
+    if n % batch:
+        raise LowbitError(f"SignRound: {n} calibration sequences do not split into batches of {batch}")
+    tuned = {name: TunedLinear(lin, scheme, scale_dtype).to(lin.weight.device) for name, lin in linears.items()}
+    frozen = [(p, p.requires_grad) for p in layer.parameters()]
+    for p, _ in frozen:
+        p.requires_grad_(False)
+    swapped: list[str] = []
+
+    def full_loss() -> float:
+        tot = 0.0
+        with ac():
+            for i in range(0, n, batch):
+                out = _first(layer(inputs[i:i + batch], **layer_kwargs))
+                tot += float((out.float() - targets[i:i + batch].float()).pow(2).mean())
+        return tot / (n // batch)
+
+    try:
+        for name, lin in linears.items():
+            _swap(layer, lin, tuned[name])
+            swapped.append(name)
+        gen = torch.Generator().manual_seed(cfg.seed)
+        loss_rtn = best = full_loss()
+        best_step, best_state = 0, {k: t.state() for k, t in tuned.items()}
+        lr = cfg.step_size
+        for step in range(cfg.iters):
+            idx = torch.randperm(n, generator=gen)[:batch].to(inputs.device)
+            with torch.enable_grad(), ac():
+                out = _first(layer(inputs[idx], **layer_kwargs))
+                loss = (out.float() - targets[idx].float()).pow(2).mean()
+            loss.backward()
+            lr_t = lr * (1.0 - step / cfg.iters)
+            for t in tuned.values():
+                t.signed_step(lr_t)
+            if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.iters:
+                cur = full_loss()
+                if cur < best:
+                    best, best_step, best_state = cur, step + 1, {k: t.state() for k, t in tuned.items()}
+        for k, t in tuned.items():
+            t.load(best_state[k])
+        result = {name: t.finalize() for name, t in tuned.items()}
+    finally:
+        for name in swapped:
+            _swap(layer, tuned[name], linears[name])
+        for p, rg in frozen:
+            p.requires_grad_(rg)
+    return result, {"loss_rtn": loss_rtn, "loss_best": best, "best_step": best_step}
