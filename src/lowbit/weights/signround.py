@@ -9,8 +9,8 @@ For one decoder layer, every linear W [out, in] (G = in // group groups) gets tr
 and the layer runs with its weights fake-quantized on the integer grid compressed-tensors stores:
 
     lo' = min(a * lo, 0),  hi' = max(b * hi, 0)          (symmetric: amax' = b * max|w|)
-    s = (hi' - lo') / qmax,  z = clamp(round(-lo' / s), 0, qmax)
-    W_hat = (clamp(round(W / s + v) + z, 0, qmax) - z) * s
+    s = (hi' - lo') / qmax,  z = clamp(round(-lo' / s), 0, qmax),  zero = -z * s
+    W_hat = clamp(round((W - zero) / s + v), 0, qmax) * s + zero
 
 round() passes its gradient straight through. The loss is the mean squared difference between the
 layer's output on its quantized-model inputs and the unquantized layer's output on its
@@ -22,8 +22,8 @@ and every `eval_every` steps; the parameters with the lowest one are kept, so th
 scores worse than RTN on the calibration set.
 
 The result goes through the same grid and encoder as RTN and GPTQ: grid.grid_for_range(a*lo, b*hi)
-lays out the integer grid, and grid.quantize_on(W + v * s) gives the codes (round(W / s + v) on that
-grid). Schemes with int8 activations fake-quantize each linear's input per token (symmetric int8,
+lays out the integer grid, and grid.quantize_on(W + v * s) gives the codes (round((W - zero) / s + v)
+on that grid). Schemes with int8 activations fake-quantize each linear's input per token (symmetric int8,
 as QuantLinear does) inside the loop too, so the weights learn to absorb that error as well.
 """
 
@@ -112,31 +112,32 @@ class TunedLinear(nn.Module):
         self.b = nn.Parameter(torch.ones_like(lo))
 
     def _scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Differentiable (s, z) [out, G]; z is the unsigned integer zero index (2**(b-1) when symmetric)."""
+        """Differentiable (s, zero) [out, G] of the integer grid, laid out as grid.grid_for_range does
+        (affine's centred layout, then the zero snapped to an integer number of steps): x = c * s + zero."""
         qmax = (1 << self.bits) - 1
         if self.symmetric:
             amax = torch.maximum(self.lo.abs(), self.hi.abs()) * self.b
-            s = 2.0 * amax / qmax
-            z = torch.full_like(s, float(1 << (self.bits - 1)))
-        else:
-            lo = torch.clamp(self.a * self.lo, max=0.0)
-            hi = torch.clamp(self.b * self.hi, min=0.0)
-            s = (hi - lo) / qmax
+            s = amax * (2.0 / qmax)  # affine's float order, so untrained codes equal RTN's bit for bit
             s = torch.where(s > 0, s, torch.ones_like(s))
-            z = torch.clamp(_round_ste(-lo / s), 0, qmax)
+            return s, -float(1 << (self.bits - 1)) * s
+        lo = torch.clamp(self.a * self.lo, max=0.0)
+        hi = torch.clamp(self.b * self.hi, min=0.0)
+        s = ((hi - lo) * 0.5) * (2.0 / qmax)
         s = torch.where(s > 0, s, torch.ones_like(s))
-        return s, z
+        zero = (lo + hi) * 0.5 - s * (qmax * 0.5)
+        z = torch.clamp(_round_ste(-zero / s), 0, qmax)  # unsigned zero index = compressed-tensors' zp + 2**(b-1)
+        return s, -z * s
 
     def weight_hat(self) -> torch.Tensor:
-        """float32 [out, in]: the fake-quantized weight at the current v, a, b."""
+        """float32 [out, in]: the fake-quantized weight at the current v, a, b (grid.encode/decode's formulas)."""
         out, n = self.W.shape
         G, g = n // self.group, self.group
-        s, z = self._scale_zero()
-        s3, z3 = s.unsqueeze(-1), z.unsqueeze(-1)  # [out, G, 1]
+        s, zero = self._scale_zero()
+        s3, z3 = s.unsqueeze(-1), zero.unsqueeze(-1)  # [out, G, 1]
         w3 = self.W.reshape(out, G, g)
         v3 = self.v.reshape(out, G, g)
-        q = torch.clamp(_round_ste(w3 / s3 + v3) + z3, 0, (1 << self.bits) - 1)
-        return ((q - z3) * s3).reshape(out, n)
+        c = torch.clamp(_round_ste((w3 - z3) / s3 + v3), 0, (1 << self.bits) - 1)
+        return (c * s3 + z3).reshape(out, n)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.act_int8:
@@ -162,8 +163,8 @@ class TunedLinear(nn.Module):
     @torch.no_grad()
     def finalize(self) -> QuantizedWeight:
         """Codes and grid through the shared quantizer: grid_for_range(a*lo, b*hi), codes of W + v*s."""
-        grid = grid_for_range(self.a * self.lo, self.b * self.hi, self.bits, self.group, self.symmetric,
-                              self.scale_dtype)
+        a = self.b if self.symmetric else self.a  # symmetric grids scale max|w| by b alone
+        grid = grid_for_range(a * self.lo, self.b * self.hi, self.bits, self.group, self.symmetric, self.scale_dtype)
         s = grid.scale.repeat_interleave(self.group, dim=1)  # [out, in]
         codes = quantize_on(self.W + self.v * s, grid)
         return QuantizedWeight(codes, grid, "signround")
