@@ -38,7 +38,7 @@ from torch.nn import functional as F
 
 from lowbit.errors import LowbitError
 from lowbit.weights.gptq import QuantizedWeight
-from lowbit.weights.grid import group_range, grid_for_range, quantize_on
+from lowbit.weights.grid import grid_for_range, group_range, quantize_on
 from lowbit.weights.scheme import WeightScheme
 
 log = logging.getLogger("lowbit.weights.signround")
@@ -98,7 +98,7 @@ class TunedLinear(nn.Module):
     def __init__(self, lin: nn.Linear, scheme: WeightScheme, scale_dtype: torch.dtype = torch.float32):
         super().__init__()
         W = lin.weight.detach().float()
-        out, n = W.shape
+        n = W.shape[1]
         self.bits, self.group, self.symmetric = scheme.w_bits, scheme.group_for(n), scheme.symmetric
         self.act_int8 = scheme.a_bits == 8
         self.scale_dtype = scale_dtype
