@@ -127,7 +127,7 @@ def main() -> None:
                 raise
             traceback.print_exc()
             print(f"{row}: FAILED (see above); going on", flush=True)
-    _table(res_path, out / "table.md")
+    _table(res_path, out / "table.md", base)
 
 
 def _run_row(a, lm, tok, windows, calib, dev, cd, out, res_path, base, scheme, method, flags, rotate, opts, row):
@@ -180,9 +180,8 @@ def _append(path: Path, rec: dict) -> None:
         f.write(json.dumps(rec) + "\n")
 
 
-def _table(res_path: Path, md: Path) -> None:
+def _table(res_path: Path, md: Path, base: float) -> None:
     rows = [json.loads(x) for x in res_path.read_text().splitlines()]
-    base = next(r for r in rows if r["row"] == "fp32")["ppl"]
     lines = [f"fp32 PPL {base:.3f}", "", "| scheme | method | rotation | options | PPL | ΔPPL | quantize s (threads) |",
              "|---|---|---|---|---|---|---|"]
     for r in rows:
