@@ -91,18 +91,25 @@ def _round_up(t32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return r
 
 
+def grouped(x: torch.Tensor, group: int | None, who: str = "quantize") -> tuple[int, torch.Tensor]:
+    """x [..., D] -> (g, xg float32 [..., D//g, g]) after the input checks every group quantizer shares
+    (`who` names the caller in the error)."""
+    if not torch.is_floating_point(x):
+        raise LowbitError(f"{who} expects a floating-point tensor, got {x.dtype}")
+    if x.dim() == 0:
+        raise LowbitError(f"{who} expects at least one dim (groups run along the last dim)")
+    D = x.shape[-1]
+    g = check_group(D, group)
+    return g, x.float().reshape(*x.shape[:-1], D // g, g)
+
+
 def _groups(x: torch.Tensor, bits: int, group: int | None, scale_dtype: torch.dtype):
     """Checks shared by the quantizers; returns (bits, g, xg float32 [..., D//g, g])."""
     bits = check_bits(bits)
-    if not torch.is_floating_point(x):
-        raise LowbitError(f"quantize expects a floating-point tensor, got {x.dtype}")
-    if x.dim() == 0:
-        raise LowbitError("quantize expects at least one dim (groups run along the last dim)")
     if scale_dtype not in _SCALE_DTYPES:
         raise LowbitError(f"scale_dtype {scale_dtype} unsupported; use one of {_SCALE_DTYPES}")
-    D = x.shape[-1]
-    g = check_group(D, group)
-    return bits, g, x.float().reshape(*x.shape[:-1], D // g, g)
+    g, xg = grouped(x, group)
+    return bits, g, xg
 
 
 def _lay_grid(xg: torch.Tensor, center: torch.Tensor, step: torch.Tensor, bits: int, scale_dtype: torch.dtype):

@@ -22,7 +22,7 @@ from statistics import NormalDist
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.quant.affine import check_group
+from lowbit.quant.affine import grouped
 
 GAUSSIAN_BITS = (1, 2, 3, 4)
 FIT_BITS = tuple(range(1, 9))
@@ -152,15 +152,9 @@ def _group_stats(xg: torch.Tensor, stat_dtype: torch.dtype):
 
 def _normalize(x: torch.Tensor, group: int | None, stat_dtype=torch.float32):
     """x [..., D] -> z float32 [..., G, g] (per-group standardized), mean_s, std_s, g."""
-    if not torch.is_floating_point(x):
-        raise LowbitError(f"Lloyd-Max expects a floating-point tensor, got {x.dtype}")
-    if x.dim() == 0:
-        raise LowbitError("Lloyd-Max expects at least one dim (groups run along the last dim)")
     if stat_dtype not in _STAT_DTYPES:
         raise LowbitError(f"stat_dtype {stat_dtype} unsupported; use one of {_STAT_DTYPES}")
-    D = x.shape[-1]
-    g = check_group(D, group)
-    xg = x.float().reshape(*x.shape[:-1], D // g, g)  # [..., G, g]
+    g, xg = grouped(x, group, "Lloyd-Max")  # [..., G, g]
     mean_s, std_s, mean, std = _group_stats(xg, stat_dtype)
     # zero-std groups: divide by 1; the stored std 0 then reconstructs the mean exactly
     safe = torch.where(std > 0, std, torch.ones_like(std))

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError
-from lowbit.weights.arch import decoder_layers
+from lowbit.weights.arch import decoder_layers, set_module
 from lowbit.weights.gptq import QuantizedWeight, gptq_quantize, rtn_quantize
 from lowbit.weights.hooks import HessianCollector, capture_layer_inputs, run_layer
 from lowbit.weights.qlinear import QuantLinear
@@ -91,11 +91,6 @@ def target_linears(model: nn.Module, ignore=DEFAULT_IGNORE) -> tuple[dict[str, n
         if isinstance(m, nn.Linear):
             (ignored.append(name) if is_ignored(name, ignore) else targets.__setitem__(name, m))
     return targets, ignored
-
-
-def _set_module(root: nn.Module, name: str, new: nn.Module) -> None:
-    parent, _, child = name.rpartition(".")
-    setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
 def _to_qlinear(lin: nn.Linear, qw: QuantizedWeight, scheme: WeightScheme, scale_dtype) -> QuantLinear:
@@ -181,7 +176,7 @@ def quantize_model(
                                          scheme=scheme)
 
     def done(name: str, lin: nn.Linear, qw: QuantizedWeight) -> None:
-        _set_module(model, name, _to_qlinear(lin, qw, scheme, scale_dtype))
+        set_module(model, name, _to_qlinear(lin, qw, scheme, scale_dtype))
         report.quantized.append(name)
         if qw.proxy_loss is not None:
             report.proxy_loss[name] = qw.proxy_loss

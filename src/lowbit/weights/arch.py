@@ -16,6 +16,12 @@ from torch import nn
 from lowbit.errors import LowbitError
 
 
+def set_module(root: nn.Module, name: str, new: nn.Module) -> None:
+    """Replace the submodule of `root` at dotted path `name` with `new`."""
+    parent, _, child = name.rpartition(".")
+    setattr(root.get_submodule(parent) if parent else root, child, new)
+
+
 @dataclass(frozen=True)
 class ArchSpec:
     """Module paths relative to the causal-LM model (layers) or to one decoder layer (the rest)."""

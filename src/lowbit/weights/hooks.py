@@ -25,7 +25,8 @@ class _Stop(Exception):
     pass
 
 
-def _first(out):
+def first_output(out):
+    """A module's main output: the first element when it returns a tuple."""
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
@@ -82,7 +83,7 @@ def capture_layer_inputs(
 @torch.no_grad()
 def run_layer(layer: nn.Module, hidden: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """One decoder layer on hidden [B, T, d] -> [B, T, d]."""
-    return _first(layer(hidden, **kwargs))
+    return first_output(layer(hidden, **kwargs))
 
 
 class HessianCollector:

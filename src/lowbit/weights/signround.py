@@ -29,7 +29,7 @@ as QuantLinear does) inside the loop too, so the weights learn to absorb that er
 
 from __future__ import annotations
 
-import logging
+import contextlib
 from dataclasses import asdict, dataclass
 
 import torch
@@ -37,11 +37,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from lowbit.errors import LowbitError
+from lowbit.weights.arch import set_module
 from lowbit.weights.gptq import QuantizedWeight
 from lowbit.weights.grid import grid_for_range, group_range, quantize_on
+from lowbit.weights.hooks import first_output
+from lowbit.weights.qlinear import quantize_activations_per_token
 from lowbit.weights.scheme import WeightScheme
-
-log = logging.getLogger("lowbit.weights.signround")
 
 MIN_RANGE = 0.5  # smallest factor on a group's min / max (halving the range is already far past useful)
 SIGNROUND_VERSION = 1
@@ -83,10 +84,9 @@ def _round_ste(x: torch.Tensor) -> torch.Tensor:
 
 def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
     """Per-token symmetric int8 fake quantization of x [..., in] (QuantLinear's a8 rounding), STE gradient."""
-    amax = x.detach().float().abs().amax(dim=-1, keepdim=True)
-    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    xq = (torch.round(x.float() / s).clamp(-128, 127) * s).to(x.dtype)
-    return x + (xq - x).detach()
+    xq, s = quantize_activations_per_token(x.detach().reshape(-1, x.shape[-1]))  # int8 [M, in], [M, 1]
+    x_hat = (xq.float() * s).reshape(x.shape).to(x.dtype)
+    return x + (x_hat - x).detach()
 
 
 class TunedLinear(nn.Module):
@@ -170,19 +170,6 @@ class TunedLinear(nn.Module):
         return QuantizedWeight(codes, grid, "signround")
 
 
-def _swap(root: nn.Module, old: nn.Module, new: nn.Module) -> None:
-    for name, m in root.named_modules():
-        if m is old:
-            parent, _, child = name.rpartition(".")
-            setattr(root.get_submodule(parent) if parent else root, child, new)
-            return
-    raise LowbitError("linear not found in its decoder layer")
-
-
-def _first(out):
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 @torch.no_grad()
 def tune_layer(
     layer: nn.Module,
@@ -206,8 +193,6 @@ def tune_layer(
     giving a context manager for the forwards (None: none).
     Returns (name -> QuantizedWeight, stats {loss_rtn, loss_best, best_step}).
     """
-    import contextlib
-
     ac = autocast or contextlib.nullcontext
     n = inputs.shape[0]
     if n % batch:
@@ -216,19 +201,23 @@ def tune_layer(
     frozen = [(p, p.requires_grad) for p in layer.parameters()]
     for p, _ in frozen:
         p.requires_grad_(False)
+    path = {id(m): p for p, m in layer.named_modules()}  # module -> its path inside the layer
+    missing = [name for name, lin in linears.items() if id(lin) not in path]
+    if missing:
+        raise LowbitError(f"SignRound: {missing[0]} is not inside the decoder layer it was given with")
     swapped: list[str] = []
 
     def full_loss() -> float:
         tot = 0.0
         with ac():
             for i in range(0, n, batch):
-                out = _first(layer(inputs[i:i + batch], **layer_kwargs))
+                out = first_output(layer(inputs[i:i + batch], **layer_kwargs))
                 tot += float((out.float() - targets[i:i + batch].float()).pow(2).mean())
         return tot / (n // batch)
 
     try:
         for name, lin in linears.items():
-            _swap(layer, lin, tuned[name])
+            set_module(layer, path[id(lin)], tuned[name])
             swapped.append(name)
         gen = torch.Generator().manual_seed(cfg.seed)
         loss_rtn = best = full_loss()
@@ -237,7 +226,7 @@ def tune_layer(
         for step in range(cfg.iters):
             idx = torch.randperm(n, generator=gen)[:batch].to(inputs.device)
             with torch.enable_grad(), ac():
-                out = _first(layer(inputs[idx], **layer_kwargs))
+                out = first_output(layer(inputs[idx], **layer_kwargs))
                 loss = (out.float() - targets[idx].float()).pow(2).mean()
             loss.backward()
             lr_t = lr * (1.0 - step / cfg.iters)
@@ -252,7 +241,7 @@ def tune_layer(
         result = {name: t.finalize() for name, t in tuned.items()}
     finally:
         for name in swapped:
-            _swap(layer, tuned[name], linears[name])
+            set_module(layer, path[id(linears[name])], linears[name])
         for p, rg in frozen:
             p.requires_grad_(rg)
     return result, {"loss_rtn": loss_rtn, "loss_best": best, "best_step": best_step}
