@@ -9,7 +9,8 @@ save_compressed -> load_quantized -> PPL, so the number belongs to the files on 
         --configs w4a16-g64:rtn,w4a16-g64:gptq,w4a16-g64:rtn:rotate,w4a16-g64:gptq:rotate
 
 Config flags after SCHEME:METHOD: rotate, noclip, wclip, noseq, noact, damp=X, smooth=ALPHA|auto
-(SmoothQuant before quantizing; calibrated on the same calibration tokens); METHOD signround takes
+(SmoothQuant before quantizing; calibrated on the same calibration tokens), tune=STEPS and tlr=X
+(end-to-end scale tuning after the method, lowbit.weights.tune_scales); METHOD signround takes
 iters=N and lr=X.
 --device cuda runs calibration, GPTQ and the evaluation on a GPU (export and reload stay on CPU);
 --save-tokens / --tokens carry the exact token ids (eval windows + calibration) to another host,
@@ -38,6 +39,7 @@ from lowbit.models import load
 from lowbit.weights.apply import quantize_model
 from lowbit.weights.scheme import parse_weight_scheme
 from lowbit.weights.signround import SignRoundConfig
+from lowbit.weights.tune_scales import ScaleTuneConfig, tune_scales
 
 ALL = ",".join(f"{s}:{m}{r}" for s in ("w4a16-g64", "w8a16", "w8a8", "w4a8-g64")
                for r in ("", ":rotate") for m in ("rtn", "gptq"))
@@ -114,6 +116,9 @@ def main() -> None:
                 opts["damp"] = float(f[5:])
             if f.startswith("smooth="):
                 opts["smooth"] = "auto" if f[7:] == "auto" else float(f[7:])
+        tn = {k: float(f.split("=")[1]) for f in flags for k in ("tune", "tlr") if f.startswith(k + "=")}
+        if "tune" in tn:
+            opts["tune"] = ScaleTuneConfig(steps=int(tn["tune"]), **({"lr": tn["tlr"]} if "tlr" in tn else {}))
         if method == "signround":
             sr = {k: float(f.split("=")[1]) for f in flags for k in ("iters", "lr") if f.startswith(k + "=")}
             opts["signround"] = SignRoundConfig(iters=int(sr.get("iters", 200)), lr=sr.get("lr"))
@@ -130,15 +135,40 @@ def main() -> None:
     _table(res_path, out / "table.md", base)
 
 
+_BASE: dict = {}  # the last tuned row's base: {key: (quantized model before tuning, report, seconds)}
+
+
 def _run_row(a, lm, tok, windows, calib, dev, cd, out, res_path, base, scheme, method, flags, rotate, opts, row):
-    """Quantize one row, export + reload (unless --in-memory), evaluate, append its record."""
+    """Quantize one row, export + reload (unless --in-memory), evaluate, append its record.
+
+    Rows that differ only in their scale tuning settings (tune=, tlr=) share one quantization: the
+    base model is kept in memory and each row tunes a copy of it against the unquantized model.
+    """
     from lowbit.weights.export import save_compressed  # (compressed-tensors: not needed --in-memory)
     from lowbit.weights.load import load_quantized
-    model = copy.deepcopy(lm.model)
     t = time.perf_counter()
-    use_calib = method != "rtn" or "smooth" in opts
-    rep = quantize_model(model, scheme, method=method, calib=calib if use_calib else None, rotate=rotate,
-                         calib_dtype=cd, **opts)
+    use_calib = method != "rtn" or "smooth" in opts or "tune" in opts
+    tune = opts.pop("tune", None)
+    if tune is None:
+        model = copy.deepcopy(lm.model)
+        rep = quantize_model(model, scheme, method=method, calib=calib if use_calib else None, rotate=rotate,
+                             calib_dtype=cd, **opts)
+    else:
+        key = "-".join([scheme.name, method] + [f for f in flags if not f.startswith(("tune=", "tlr="))])
+        if key not in _BASE:
+            _BASE.clear()
+            m0 = copy.deepcopy(lm.model)
+            r0 = quantize_model(m0, scheme, method=method, calib=calib if use_calib else None, rotate=rotate,
+                                calib_dtype=cd, **opts)
+            _BASE[key] = (m0, r0, time.perf_counter() - t)
+            t = time.perf_counter()
+        m0, r0, base_s = _BASE[key]
+        model, rep = copy.deepcopy(m0), copy.deepcopy(r0)
+        ac = (lambda: torch.autocast(dev.type, dtype=cd)) if cd is not None else None
+        rep.scale_tuning = {"config": tune.to_dict(), **tune_scales(model, lm.model, calib, tune, autocast=ac)}
+        rep.scale_tuning["seconds"] = round(time.perf_counter() - t, 1)
+        rep.calib_tokens = int(calib.numel())
+        t -= base_s  # quantize_s: the base quantization + this tuning
     q_s = time.perf_counter() - t
     ck = out / f"ckpt-{row}"
     if a.in_memory:
@@ -147,7 +177,7 @@ def _run_row(a, lm, tok, windows, calib, dev, cd, out, res_path, base, scheme, m
         model.to("cpu")
         save_compressed(model, tok, scheme, ck, inputs={"model": lm.name, "weights_sha256": lm.weights_sha256},
                         recipe={"scheme": scheme.to_dict(), "method": method, "rotation": rep.rotation,
-                                "smoothing": rep.smoothing},
+                                "smoothing": rep.smoothing, "scale_tuning": rep.scale_tuning},
                         counts=rep.counts(), ignore=["lm_head"])
         del model
         qm, _ = load_quantized(ck)
@@ -159,11 +189,14 @@ def _run_row(a, lm, tok, windows, calib, dev, cd, out, res_path, base, scheme, m
          "delta_pct": 100 * (ppl / base - 1), "quantize_s": round(q_s, 1), "eval_s": round(time.perf_counter() - t, 1),
          "counts": rep.counts(), "damp_raised": rep.damp_raised,
          "signround": None if method != "signround" else {"config": opts["signround"].to_dict(), "layers": rep.signround},
+         "scale_tuning": rep.scale_tuning,
          "ckpt_bytes": None if ck is None else sum(f.stat().st_size for f in ck.glob("*.safetensors")),
          "evaluated": "in-memory" if ck is None else "exported checkpoint"}
     _append(res_path, r)
     del qm
-    print(f"{row:28s} PPL {ppl:8.3f}  {r['delta_pct']:+7.2f}%  quantize {q_s:6.1f}s", flush=True)
+    st = rep.scale_tuning
+    kl = "" if st is None else f"  holdout KL {st['kl_holdout_before']:.4f} -> {st['kl_holdout_after']:.4f}"
+    print(f"{row:28s} PPL {ppl:8.3f}  {r['delta_pct']:+7.2f}%  quantize {q_s:6.1f}s{kl}", flush=True)
     if ck is not None and not a.keep_checkpoints:
         _remove(ck)
 

@@ -22,6 +22,7 @@ outputs of step (1) (one pass per layer, later layers see unquantized inputs).
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import re
 import time
@@ -39,6 +40,7 @@ from lowbit.weights.rotate import rotate_model
 from lowbit.weights.scheme import WeightScheme
 from lowbit.weights.signround import SignRoundConfig, tune_layer
 from lowbit.weights.smooth import smooth_model
+from lowbit.weights.tune_scales import ScaleTuneConfig, tune_scales
 
 log = logging.getLogger("lowbit.weights")
 DEFAULT_IGNORE = ("lm_head",)
@@ -60,6 +62,7 @@ class QuantizeReport:
     damp_raised: dict[str, float] = field(default_factory=dict)  # linear -> damp that factorised, if > asked
     proxy_loss: dict[str, float] = field(default_factory=dict)
     signround: dict[int, dict] = field(default_factory=dict)  # layer index -> tune_layer's stats
+    scale_tuning: dict | None = None  # tune_scales' stats
     calib_tokens: int = 0
     seconds: float = 0.0
 
@@ -124,6 +127,7 @@ def quantize_model(
     weighted_clip: bool = False,
     smooth: float | str | None = None,
     signround: SignRoundConfig | None = None,
+    tune: ScaleTuneConfig | None = None,
 ) -> QuantizeReport:
     """Quantize `model` in place (see module docstring). calib: int64 [n, T] token ids (GPTQ only).
 
@@ -133,6 +137,8 @@ def quantize_model(
     smooth: SmoothQuant migration strength alpha in (0, 1), or "auto" (per-mapping search scored with
     this scheme's quantizers on calibration inputs); None: no smoothing. Needs calib.
     signround: SignRound's settings when method == "signround" (None: SignRoundConfig()).
+    tune: after the method, tune every quantized group's scale end to end against the unquantized
+    model's logits (tune_scales.py; a copy of the unquantized model is kept meanwhile). Needs calib.
     """
     t0 = time.perf_counter()
     if method not in METHODS:
@@ -143,6 +149,8 @@ def quantize_model(
         raise LowbitError(f"SignRound settings were given but the method is {method}; use --method signround")
     if smooth is not None and (calib is None or calib.numel() == 0):
         raise LowbitError("--smooth needs calibration tokens (--calib) to measure the activations")
+    if tune is not None and (calib is None or calib.numel() == 0):
+        raise LowbitError("scale tuning (--tune-scales) needs calibration tokens (--calib) to compare the logits on")
     model.eval()
     targets, ignored = target_linears(model, ignore)
     if not targets:
@@ -167,6 +175,7 @@ def quantize_model(
     def autocast():
         return contextlib.nullcontext() if calib_dtype is None else torch.autocast(device, dtype=calib_dtype)
 
+    teacher = copy.deepcopy(model) if tune is not None else None  # unquantized, before any rotation
     if rotate:
         report.rotation = rotate_model(model)
         targets, _ = target_linears(model, ignore)  # same modules; rotation replaced no module
@@ -230,6 +239,16 @@ def quantize_model(
             f"{len(report.skipped)} linear(s) outside the ignore list were not quantized "
             f"(e.g. {report.skipped[0]}); add them to the ignore list or quantize them"
         )
+    if tune is not None:
+        tt = time.perf_counter()
+        report.calib_tokens = int(calib.numel())
+        report.scale_tuning = {"config": tune.to_dict(),
+                               **tune_scales(model, teacher, calib, tune, autocast=autocast)}
+        report.scale_tuning["seconds"] = round(time.perf_counter() - tt, 1)
+        del teacher
+        st = report.scale_tuning
+        log.info("scale tuning: holdout KL %.4g -> %.4g (%s) in %.1fs", st["kl_holdout_before"],
+                 st["kl_holdout_after"], "kept" if st["kept"] else "not lower: quantizer's scales kept", st["seconds"])
     report.seconds = time.perf_counter() - t0
     return report
 
