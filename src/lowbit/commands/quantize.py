@@ -3,8 +3,10 @@
     lowbit quantize --model smollm2-135m --weights w4a16-g64 --method gptq --rotate \\
         --calib stdlib --calib-tokens 65536 --out out/smollm2-w4a16-g64
     lowbit quantize --model smollm2-135m --weights w8a8 --method gptq --smooth 0.5 --out out/smollm2-w8a8-sq
-    lowbit quantize --model smollm2-135m --weights w4a16-g32 --method signround --rotate --device cuda \
-        --out out/smollm2-w4a16-g32-sr
+    lowbit quantize --model smollm2-135m --weights w4a16-g32 --method signround --rotate --tune-scales 300 \\
+        --device cuda --out out/smollm2-w4a16-g32-sr-tuned     # the best W4A16 measured (+8.95% PPL, H200)
+    lowbit quantize --model smollm2-135m --weights w8a8 --method rtn --rotate --smooth 0.5 --tune-scales 300 \\
+        --out out/smollm2-w8a8-tuned                           # the best W8A8 measured (+0.23% PPL, H200)
 """
 
 from __future__ import annotations
