@@ -47,7 +47,7 @@ class ScaleTuneConfig:
     batch: calibration sequences per step; holdout: fraction of the calibration sequences held out
     (at least one) to check the tuning generalises; seed: minibatch order."""
 
-    steps: int = 200
+    steps: int = 300
     lr: float = 1e-3
     batch: int = 4
     holdout: float = 0.125
