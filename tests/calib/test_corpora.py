@@ -54,3 +54,26 @@ def test_too_short_corpus_errors_with_counts():
         token_windows(CharTokenizer(), "abcde", seq_len=2, n=3)
     with pytest.raises(LowbitError):
         token_windows(CharTokenizer(), "abcde", seq_len=0, n=1)
+
+
+def test_wikitext2_is_found_from_the_current_directory_not_the_package(monkeypatch, tmp_path):
+    # the README's layout, rebuilt around a temporary "checkout": <root>/main (cwd) beside <root>/shared
+    root = tmp_path / "root"
+    raw = root / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+    raw.parent.mkdir(parents=True)
+    raw.write_text(" = Valkyria Chronicles = \n", encoding="utf-8")
+    (root / "main").mkdir()
+    monkeypatch.chdir(root / "main")
+    assert load_text("wikitext2") == " = Valkyria Chronicles = \n"
+    assert not corpora.WIKITEXT2_PATH.is_absolute()  # not pinned to where the module was installed
+    monkeypatch.chdir(tmp_path)  # elsewhere: the same default is missing and says what to do
+    with pytest.raises(LowbitError, match=r"WikiText-2 is not at .*wiki.test.raw .*pass --data PATH"):
+        load_text("wikitext2")
+
+
+def test_wikitext2_path_argument_wins(tmp_path):
+    p = tmp_path / "w.raw"
+    p.write_text("seven words of text in a file", encoding="utf-8")
+    assert load_text("wikitext2", wikitext2_path=p) == "seven words of text in a file"
+    with pytest.raises(LowbitError, match="w2.raw"):
+        load_text("wikitext2", wikitext2_path=tmp_path / "w2.raw")

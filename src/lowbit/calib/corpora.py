@@ -4,9 +4,12 @@
         "stdlib"     English prose that ships with Python: the pydoc topic help texts
                      (pydoc_data.topics, ~465 kB), every topic in sorted order. Always present,
                      and a different domain than WikiText -- the default calibration text.
-        "wikitext2"  the WikiText-2 raw test split at WIKITEXT2_PATH (../shared/data/...);
-                     when missing, an error saying to pass a file path instead.
+        "wikitext2"  the WikiText-2 raw test split at WIKITEXT2_PATH, a path relative to the
+                     current directory (../shared/data/wikitext-2-raw/wiki.test.raw: the
+                     README's layout, run from the checkout), or at `wikitext2_path` when
+                     given; when missing, an error saying to pass a file path instead.
         PATH         any UTF-8 text file.
+    No path is derived from where this module lives: an installed wheel has no checkout around it.
     token_windows(tokenizer, text, seq_len, n) -> LongTensor [n, seq_len]
         the first n non-overlapping windows of seq_len tokens of the text (no special tokens added).
 """
@@ -19,8 +22,9 @@ import torch
 
 from lowbit.errors import LowbitError
 
-# The repository lives at <root>/main, the shared data at <root>/shared (see docs/HELPERS.md).
-WIKITEXT2_PATH = Path(__file__).resolve().parents[4] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+# The README's default: relative to the current directory (the checkout's root, beside ../shared),
+# resolved when the text is loaded -- never from this file's location, which in a wheel is site-packages.
+WIKITEXT2_PATH = Path("..") / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 NAMED = ("stdlib", "wikitext2")
 
 
@@ -35,17 +39,21 @@ def stdlib_text() -> str:
     return "\n\n".join(topics[k] for k in sorted(topics))
 
 
-def load_text(spec: str | Path) -> str:
-    """The text named by `spec`: "stdlib", "wikitext2", or the path of a UTF-8 text file."""
+def load_text(spec: str | Path, *, wikitext2_path: str | Path | None = None) -> str:
+    """The text named by `spec`: "stdlib", "wikitext2", or the path of a UTF-8 text file.
+
+    wikitext2_path: where "wikitext2" is read from (default WIKITEXT2_PATH, relative to the
+    current directory)."""
     s = str(spec)
     if s == "stdlib":
         return stdlib_text()
     if s == "wikitext2":
-        if not WIKITEXT2_PATH.is_file():
+        wt = Path(WIKITEXT2_PATH if wikitext2_path is None else wikitext2_path)
+        if not wt.is_file():
             raise LowbitError(
-                f"WikiText-2 is not at {WIKITEXT2_PATH}; download wiki.test.raw and pass --data PATH"
+                f"WikiText-2 is not at {wt} (from {Path.cwd()}); download wiki.test.raw and pass --data PATH"
             )
-        return WIKITEXT2_PATH.read_text(encoding="utf-8")
+        return wt.read_text(encoding="utf-8")
     p = Path(s)
     if not p.is_file():
         raise LowbitError(f"corpus {s!r} is neither {' nor '.join(NAMED)} nor an existing text file")
