@@ -1,6 +1,9 @@
 """End to end through the real caches (issue 6): a random-weight Llama-3-8B-geometry model decoding at 32k.
 
-    PYTHONPATH=src python3 benchmarks/e2e_model.py --out $OUT [--batches 1,16 --context 32768 --steps 12]
+    PYTHONPATH=src python3 benchmarks/e2e_model.py [--out DIR] [--batches 1,16 --context 32768 --steps 12]
+
+Writes DIR/e2e_model.json (default ./lowbit-results/, rewritten after each row of this run; a file left by an
+earlier run is refused, never overwritten). The current result is results/e2e_model_NVIDIA_H200.json.
 
 Model: transformers LlamaForCausalLM built from a LlamaConfig on the GPU in bf16 with its own random
 init (32 layers, 32 q / 8 kv heads, head_dim 128, hidden 4096, intermediate 14336, vocab 128256).
@@ -108,7 +111,8 @@ def dense_bytes(cache) -> int:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="lowbit-results",
+                    help="directory for e2e_model.json (default ./lowbit-results)")
     ap.add_argument("--batches", default="1,16")
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--steps", type=int, default=12)
@@ -116,6 +120,9 @@ def main():
     ap.add_argument("--budget-gb", type=float, default=100.0)
     ap.add_argument("--tiny", action="store_true", help="CPU smoke test: 2 small layers")
     a = ap.parse_args()
+    path = os.path.join(a.out, "e2e_model.json")
+    if os.path.exists(path):
+        sys.exit(f"error: {path} exists and results are never overwritten: pass a new directory with --out")
     global DEV
     if a.tiny:
         DEV = "cpu"
@@ -140,7 +147,6 @@ def main():
     res["model_build_s"] = time.time() - t0
     res["weights_gb"] = sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9
     log(f"model built in {res['model_build_s']:.1f}s, {res['weights_gb']:.1f} GB of weights")
-    path = os.path.join(a.out, "e2e_model.json")
     L = a.context
     for B in (int(x) for x in a.batches.split(",")):
         for kind in ("bf16", "int2"):

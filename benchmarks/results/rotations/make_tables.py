@@ -49,7 +49,7 @@ def main():
             out.append("")
         scr = rows(HERE / f"screen_{model}.jsonl")
         if scr:
-            out.append(f"Screen (mean per-layer attention-output error, 1 window x 1024, lower is better):\n")
+            out.append("Screen (mean per-layer attention-output error, 1 window x 1024, lower is better):\n")
             out.append("| variant | K b/elt | V b/elt | mean dB | worst layer dB |")
             out.append("|---|---|---|---|---|")
             for r in scr:

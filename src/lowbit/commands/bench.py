@@ -1,20 +1,34 @@
-"""`lowbit bench decode-attention`: the fused decode kernel against bf16 SDPA (flash) on the GPU."""
+"""`lowbit bench decode-attention`: the fused decode kernel against bf16 SDPA (flash) on the GPU.
+
+Results go to `--out`, by default `lowbit-results/<benchmark>_<gpu>.json` under the current working
+directory (never beside the package's source), and are never overwritten: a path that exists is refused
+before any GPU time is spent. Curated results are copied into benchmarks/results/ by hand.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
+from pathlib import Path
+
+from lowbit.errors import LowbitError
 
 NAME = "bench"
 HELP = "GPU benchmarks: `bench decode-attention` times int2/int4/int8 decode attention vs bf16 SDPA flash"
 
 
 def _ints(s: str) -> tuple[int, ...]:
+    """'1,16,4k' -> (1, 16, 4096)."""
     out = []
     for part in s.split(","):
         part = part.strip().lower()
         mult = 1024 if part.endswith("k") else 1
-        out.append(int(part.rstrip("k")) * mult)
+        try:
+            out.append(int(part.removesuffix("k")) * mult)
+        except ValueError:
+            raise LowbitError(f"{part!r} in {s!r} is not a count: use integers, optionally with k "
+                              "(e.g. 1,16,4k)") from None
     return tuple(out)
 
 
@@ -26,14 +40,60 @@ def add_arguments(parser) -> None:
                         help="llama3-8b (Hq 32 / Hkv 8 / D 128), gemma3-1b (Hq 4 / Hkv 1 / D 256)")
     parser.add_argument("--bits", default="2,4,8", help="K=V bit widths to time (default 2,4,8)")
     parser.add_argument("--mem-cap-gb", type=float, default=60.0, help="skip shapes whose bf16 KV exceeds this")
-    parser.add_argument("--out", metavar="JSON", help="write results here (default benchmarks/results/decode_attention_<gpu>.json)")
+    parser.add_argument("--out", metavar="JSON",
+                        help="write results to this new file "
+                             "(default ./lowbit-results/decode_attention_<gpu>.json)")
+
+
+RESULTS_DIR = "lowbit-results"
+
+
+def default_out(what: str, gpu: str, cwd: str | os.PathLike | None = None) -> Path:
+    """cwd/lowbit-results/<what>_<gpu>.json, e.g. lowbit-results/decode_attention_NVIDIA_H200.json
+    (dashes in `what` and anything but letters, digits, '.', '_', '-' in the GPU name become '_')."""
+    tag = re.sub(r"[^A-Za-z0-9._-]+", "_", gpu.strip()) or "gpu"
+    return Path(cwd or os.getcwd()) / RESULTS_DIR / f"{what.replace('-', '_')}_{tag}.json"
+
+
+def resolve_out(out: str | None, what: str, gpu: str, cwd: str | os.PathLike | None = None) -> Path:
+    """The path results will be written to: `out` (relative to cwd) or default_out(). Raises
+    LowbitError if it exists (results, like artifacts, are never overwritten) or is a directory."""
+    path = Path(out) if out else default_out(what, gpu, cwd)
+    if not path.is_absolute():
+        path = Path(cwd or os.getcwd()) / path
+    if path.exists():
+        raise _exists(path)
+    return path
+
+
+def _exists(path: Path):
+    return LowbitError(f"{path} exists and results are never overwritten: pass a new path with --out")
+
+
+def write_new(path: Path, res: dict) -> None:
+    """Write JSON to a path that must not exist yet: a temporary file in the same directory, then a
+    hard link (fails if the path appeared meanwhile), so a reader never sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(res, indent=1)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        tmp.write_text(text)
+        try:
+            os.link(tmp, path)
+        except FileExistsError:
+            raise _exists(path) from None
+        except OSError:  # a filesystem without hard links: exclusive create still never overwrites
+            with open(path, "x") as f:
+                f.write(text)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def run(args) -> int:
     import torch
 
-    from lowbit.errors import LowbitError
-
+    if args.out:
+        resolve_out(args.out, args.what, "")  # refuse an existing file before anything else
     if not torch.cuda.is_available():
         raise LowbitError("bench decode-attention needs a CUDA GPU (it times kernels against SDPA flash)")
     from lowbit.kernels import bench
@@ -43,11 +103,8 @@ def run(args) -> int:
     if bad:
         raise LowbitError(f"unknown geometry {bad}; use {sorted(bench.GEOMETRIES)}")
     bits = tuple((b, b) for b in _ints(args.bits))
+    path = resolve_out(args.out, args.what, torch.cuda.get_device_name(0))
     res = bench.run(_ints(args.batch), _ints(args.length), geos, bits, mem_cap_gb=args.mem_cap_gb)
-    path = args.out or os.path.join(
-        "benchmarks", "results", f"decode_attention_{res['env'].get('gpu', 'gpu').replace(' ', '_')}.json")
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(res, f, indent=1)
+    write_new(path, res)
     print(f"wrote {path}")
     return 0
