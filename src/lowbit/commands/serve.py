@@ -51,9 +51,28 @@ def add_arguments(p) -> None:
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 
+SERVE_EXTRA = ("fastapi", "uvicorn")  # what the HTTP server imports, from the `serve` extra
+
+
+def require_serve_extra() -> None:
+    """Refuse, in one line, to start without the `serve` extra (instead of a ModuleNotFoundError traceback)."""
+    import importlib
+
+    missing = []
+    for name in SERVE_EXTRA:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise LowbitError(f"`lowbit serve` needs {' and '.join(missing)} (the serve extra), not installed here: "
+                          "pip install 'lowbit[serve]'")
+
+
 def run(args) -> int:
     import logging
 
+    require_serve_extra()  # before the model loads: a missing package fails in a second
     import torch
 
     from lowbit.serve.runtime import load_runtime
