@@ -74,8 +74,36 @@ def test_damp_retries_are_logged_then_the_layer_is_named(caplog):
     ):
         inverse_hessian_chol(H2, 0.01, name="model.layers.3.mlp.down_proj")
     assert sum("retrying" in r.message for r in caplog.records) == 4
-    U, used = inverse_hessian_chol(H, 0.01, name="x")
-    assert used >= 0.01 and torch.isfinite(U).all()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="lowbit.weights.gptq"):
+        U, used = inverse_hessian_chol(H, 0.01, name="x")
+    # eigenvalues of H are ~1e-7, 1 (x62) and ~2, mean diag 1: the asked 1% factorises at once, so
+    # nothing is retried, and the factor is of the DAMPED matrix: U upper with U^T U = (H + 0.01 I)^-1,
+    # whose norm the damp caps at 1/0.01 (the undamped inverse would reach ~1e7)
+    assert used == pytest.approx(0.01) and not caplog.records
+    assert torch.equal(U, torch.triu(U))
+    Hd = H.double() + used * torch.eye(64, dtype=torch.float64)
+    Hinv = U.double().T @ U.double()
+    torch.testing.assert_close(Hinv @ Hd, torch.eye(64, dtype=torch.float64), atol=1e-4, rtol=0)
+    assert torch.linalg.matrix_norm(Hinv, ord=2) <= 1 / used * 1.001
+
+
+def test_damp_ladder_stops_at_the_first_damp_that_makes_h_definite(caplog):
+    # H = Q diag(lam) Q^T with one eigenvalue -0.02 and mean diag m = (62 + 0.5 - 0.02) / 64 ~ 0.976:
+    # damp 1% adds 0.0098 (still indefinite), the next rung 10**0.5 % adds 0.031 (definite) -> used
+    n = 64
+    Q, _ = torch.linalg.qr(torch.randn(n, n, generator=torch.Generator().manual_seed(3), dtype=torch.float64))
+    lam = torch.ones(n, dtype=torch.float64)
+    lam[0], lam[1] = -0.02, 0.5
+    H = (Q * lam) @ Q.T
+    m = float(torch.diagonal(H).mean())
+    with caplog.at_level(logging.WARNING, logger="lowbit.weights.gptq"):
+        U, used = inverse_hessian_chol(H.float(), 0.01, name="q_proj")
+    assert used == pytest.approx(0.01 * 10**0.5)
+    assert [("retrying" in r.message, "needed damp" in r.message) for r in caplog.records] == [(True, False),
+                                                                                               (False, True)]
+    Hd = H.float().double() + used * m * torch.eye(n, dtype=torch.float64)
+    torch.testing.assert_close(U.double().T @ U.double() @ Hd, torch.eye(n, dtype=torch.float64), atol=1e-4, rtol=0)
 
 
 def test_bad_shapes_are_errors():
