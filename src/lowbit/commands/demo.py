@@ -34,9 +34,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--windows", type=int, default=2, help="windows to score (default 2)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 2048, capped by context)")
     parser.add_argument("--data", default="stdlib", help="stdlib (default) | wikitext2 | PATH")
-    # 1 thread by default: the demo must finish in minutes on a small (possibly shared) CPU, and with
-    # other jobs on the cores 2 torch threads measured 4x slower than 1 (12 vs 3 minutes)
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads (default 1)")
+    # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
     parser.add_argument("--max-new-tokens", type=int, default=20, help="tokens of the greedy continuation (default 20)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

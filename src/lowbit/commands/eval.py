@@ -43,8 +43,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-full-window", action="store_true",
                         help="skip the plain full-window forward that checks the bf16 chunked PPL")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's choice; 1 is faster on a machine shared with other jobs)")
+    # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
     # --kv and the scheme flags shared with `lowbit generate`; here --kv takes a comma list
     add_kv_arguments(parser, kv_default="bf16")
     for action in parser._actions:

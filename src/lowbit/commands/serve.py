@@ -46,8 +46,7 @@ def add_arguments(p) -> None:
                    help="prompt tokens fed per scheduling round, so long prompts do not stall others (default 256)")
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default float32: fastest on most CPUs)")
-    p.add_argument("--threads", type=int, default=None,
-                   help="torch CPU threads for the model (default: torch's choice, one per core)")
+    # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
 
 

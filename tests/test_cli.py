@@ -1,0 +1,115 @@
+"""The `lowbit` command itself: lazy discovery, the thread policy, interrupts, the first help line."""
+
+import importlib
+import os
+import pkgutil
+import signal
+import subprocess
+import sys
+import types
+
+import pytest
+
+import lowbit.cli as cli
+import lowbit.commands
+from lowbit.artifacts.writer import ArtifactWriter
+
+
+def test_help_imports_no_command_module_nor_torch():
+    # `lowbit --help` took ~5 s because it imported every command (and torch + transformers)
+    code = ("import sys, lowbit.cli as c; p = c.build_parser(); h = p.format_help(); "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers', 'numpy') "
+            "or m.startswith('lowbit.commands.')]; print(h.splitlines()[0]); print('BAD', bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    first, bad = out.splitlines()[0], out.splitlines()[-1]
+    assert bad == "BAD []"
+    assert first.startswith("lowbit: low-bit KV cache and weights")  # the first line says what lowbit is
+
+
+def test_command_table_matches_the_modules():
+    names = sorted(i.name for i in pkgutil.iter_modules(lowbit.commands.__path__) if not i.name.startswith("_"))
+    assert sorted(m for m, _ in lowbit.commands.COMMANDS.values()) == names  # every module listed, once
+    for name, (module, help_) in lowbit.commands.COMMANDS.items():
+        mod = importlib.import_module(f"lowbit.commands.{module}")
+        assert mod.NAME == name and mod.HELP == help_, name
+
+
+def test_command_help_still_lists_its_flags(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["eval", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].startswith("perplexity, KL and top-1")
+    assert "--kv" in out and "--seq-len" in out and "--threads N" in out
+
+
+@pytest.fixture
+def restore_threads():
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("argv,want", [(["models"], 1), (["--threads", "3", "models"], 3),
+                                       (["models", "--threads", "2"], 2),
+                                       (["--threads", "3", "models", "--threads", "2"], 2)])
+def test_one_thread_policy_for_every_command(argv, want, restore_threads, capsys):
+    import torch
+
+    torch.set_num_threads(4)  # whatever torch chose: the policy overrides it
+    assert cli.main(argv) == 0
+    assert torch.get_num_threads() == want
+
+
+def test_threads_refuses_zero(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--threads", "0", "models"])
+    assert e.value.code == 2
+    assert "give 1 or more threads" in capsys.readouterr().err
+
+
+def _fake_command(monkeypatch, run):
+    """Register `lowbit fake --out DIR` whose run is `run(args)`."""
+    mod = types.SimpleNamespace(NAME="fake", HELP="a test command",
+                                add_arguments=lambda p: p.add_argument("--out", default=None), run=run)
+    monkeypatch.setitem(lowbit.commands.COMMANDS, "fake", ("fake", "a test command"))
+    real = cli.load_command
+    monkeypatch.setattr(cli, "load_command", lambda name: mod if name == "fake" else real(name))
+
+
+@pytest.mark.parametrize("how,code,word", [("int", 130, "Ctrl-C"), ("term", 143, "SIGTERM")])
+def test_interrupt_removes_staging_and_says_so(how, code, word, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "art"
+
+    def run(args):
+        with ArtifactWriter(args.out, kind="t", artifact_class="generic", inputs={}, recipe={}) as w:
+            (w.path / "half.bin").write_bytes(b"x" * 99)
+            if how == "int":
+                raise KeyboardInterrupt
+            os.kill(os.getpid(), signal.SIGTERM)  # the handler raises in this (main) thread
+            raise AssertionError("SIGTERM did not interrupt")
+
+    _fake_command(monkeypatch, run)
+    before = signal.getsignal(signal.SIGTERM)
+    assert cli.main(["fake", "--out", str(out)]) == code
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert f"interrupted ({word})" in err and f"not written: {out}" in err
+    assert not out.exists() and list(tmp_path.iterdir()) == []  # staging removed
+    assert signal.getsignal(signal.SIGTERM) is before  # handler restored
+
+
+def test_interrupt_after_outputs_says_what_was_kept(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "done"
+
+    def run(args):
+        with ArtifactWriter(args.out, kind="t", artifact_class="generic", inputs={}, recipe={}) as w:
+            (w.path / "a.bin").write_bytes(b"1")
+        raise KeyboardInterrupt
+
+    _fake_command(monkeypatch, run)
+    assert cli.main(["fake", "--out", str(out)]) == 130
+    err = capsys.readouterr().err
+    assert f"kept {out}" in err and (out / "manifest.json").is_file()
