@@ -3,9 +3,8 @@
 import pytest
 import torch
 
+from lowbit.calib.run import collect, write_calibration
 from lowbit.calib.stats import LayerStats, load_calibration
-from lowbit.commands.calibrate import collect, write_calibration
-from lowbit.commands.fit_rotations import fit_and_save
 from lowbit.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
@@ -16,6 +15,7 @@ from lowbit.rotation.fit import (
     fit_layer,
     rotation_from_cov,
 )
+from lowbit.rotation.fit_run import fit_and_save
 from lowbit.rotation.hadamard import hadamard
 from lowbit.rotation.rotation_set import RotationSet
 

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
+from lowbit.calib.run import collect, write_calibration
 from lowbit.calib.stats import load_calibration
-from lowbit.commands.calibrate import collect, write_calibration
-from lowbit.commands.fit_rotations import fit_and_save
 from lowbit.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
 from lowbit.recipe import parse_kv_scheme
+from lowbit.rotation.fit_run import fit_and_save
 
 
 def test_fitted_rotation_in_cache_exact_at_16_bits(tmp_path):

@@ -1,0 +1,128 @@
+"""Calibration: post-RoPE Q/K/V sufficient statistics per layer and KV head -> a calibration artifact.
+
+    counts = calibrate(lowbit.models.resolve("smollm2-135m"), "stdlib", text, Path("calib"),
+                       tokens=32768, seq_len=1024, skip=64)
+    col = collect(model, windows[N, T])          # StatsCollector, every attention layer checked
+    write_calibration(col, out, geometry, inputs, tokens=N*T, seq_len=T)
+
+`lowbit calibrate` parses its flags and calls calibrate(); tests and other tools call collect() /
+write_calibration() directly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+
+DEFAULT_TOKENS = 32768
+DEFAULT_SEQ_LEN = 1024
+DEFAULT_SKIP = 64
+# A D x D covariance needs well over D samples to be estimated; fewer than this many tokens per
+# layer (after the skipped sink positions) is refused rather than fitted into a noisy rotation.
+MIN_TOKENS_PER_DIM = 8
+
+
+def min_tokens(geometry_dims: list[int], seq_len: int, skip: int) -> int:
+    """Smallest --tokens accepted: MIN_TOKENS_PER_DIM x the widest head_dim after skipping the sink positions."""
+    need_stats = MIN_TOKENS_PER_DIM * max(geometry_dims)
+    per_seq = seq_len - skip
+    n_seq = -(-need_stats // per_seq)
+    return n_seq * seq_len
+
+
+def check_tokens_arg(tokens: int, seq_len: int) -> int:
+    """Number of sequences for --tokens/--seq-len; the tokens must fill whole sequences."""
+    if seq_len < 1 or tokens < 1 or tokens % seq_len:
+        raise LowbitError(f"--tokens {tokens} is not a positive multiple of --seq-len {seq_len}: "
+                          f"pick e.g. {max(1, tokens // max(seq_len, 1)) * seq_len}")
+    return tokens // seq_len
+
+
+@torch.no_grad()
+def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_weighted: bool = True, sample_per_seq: int = 16,
+            progress=None):
+    """Feed windows [N, T] (one sequence per forward, no cache) through `model` under the capture.
+
+    Returns the StatsCollector. Raises LowbitError unless every attention layer saw N*T tokens.
+    """
+    from lowbit.calib.capture import attention_layers, capture_attention
+    from lowbit.calib.stats import StatsCollector
+
+    layers = [m.layer_idx for m in attention_layers(model)]
+    col = StatsCollector(skip=skip, sample_per_seq=sample_per_seq, score_weighted=score_weighted)
+    with capture_attention(model, col):
+        for n, w in enumerate(windows):
+            # logits_to_keep=1: the lm_head over every position is wasted work for calibration
+            model(w[None], use_cache=False, logits_to_keep=1)
+            if progress:
+                progress(n + 1, len(windows))
+    col.check_tokens(layers, windows.numel())
+    return col
+
+
+def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_len: int, skip: int,
+              score_weighted: bool = True) -> dict:
+    """Tokenize `text`, collect statistics with `loaded.model`, write the artifact. Returns counts."""
+    geo = loaded.geometry
+    if seq_len <= skip:
+        raise LowbitError(f"--seq-len {seq_len} must exceed --skip {skip}")
+    dims = [max(lg.head_dim_k, lg.head_dim_v) for lg in geo.layers]
+    need = min_tokens(dims, seq_len, skip)
+    if tokens < need:
+        raise LowbitError(
+            f"too few calibration tokens: {tokens} gives fewer than {MIN_TOKENS_PER_DIM} x head_dim ({max(dims)}) "
+            f"statistics tokens per layer after skipping {skip} per sequence; use --tokens {need} or more"
+        )
+    from lowbit.calib.corpora import token_windows
+
+    try:
+        windows = token_windows(loaded.tokenizer, text, seq_len, check_tokens_arg(tokens, seq_len))
+    except LowbitError as e:
+        raise LowbitError(f"calibration data {data_spec}: {e}") from None
+    t0 = time.time()
+
+    def progress(n, total):
+        if n == total or n % max(1, total // 8) == 0:
+            print(f"  {n}/{total} sequences, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
+
+    col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted, progress=progress)
+    seconds = time.time() - t0
+    inputs = {
+        "model": loaded.name,
+        "weights_sha256": loaded.weights_sha256,
+        "data": data_spec,
+        "data_sha256": hashlib.sha256(text.encode()).hexdigest(),
+    }
+    counts = write_calibration(col, out, geo, inputs, tokens=tokens, seq_len=seq_len)
+    return {**counts, "seconds": round(seconds, 1)}
+
+
+def write_calibration(col, out: Path, geo, inputs: dict, *, tokens: int, seq_len: int) -> dict:
+    """Write a collector's statistics as a calibration artifact (atomic; nothing left on error)."""
+    from lowbit.artifacts import ArtifactWriter
+
+    if sorted(col.layers) != [lg.index for lg in geo.layers]:
+        raise LowbitError(f"captured attention layers {sorted(col.layers)}, the model has {geo.num_layers}: "
+                          "some layers bypassed the capture")
+    recipe = {"tokens": tokens, "seq_len": seq_len, "skip": col.skip, "score_weighted": col.score_weighted,
+              "dtype": str(next(iter(col.dtypes), "?"))}
+    n_seq = tokens // seq_len
+    with ArtifactWriter(out, kind="calibration", artifact_class="generic", inputs=inputs, recipe=recipe) as w:
+        col.save(w.path, {**inputs, **recipe, "geometry": _geometry_doc(geo)})
+        w.counts = {"layers": len(col.layers), "tokens": tokens, "sequences": n_seq,
+                    "stats_tokens_per_layer": tokens - col.skip * n_seq}
+    return dict(w.counts)
+
+
+def _geometry_doc(geo) -> list[dict]:
+    return [
+        {"index": lg.index, "attention": lg.attention, "window": lg.window, "num_q_heads": lg.num_q_heads,
+         "num_kv_heads": lg.num_kv_heads, "head_dim_k": lg.head_dim_k, "head_dim_v": lg.head_dim_v}
+        for lg in geo.layers
+    ]
