@@ -99,9 +99,10 @@ def test_measure_orders_bits_and_replace_ppl_counts_rows():
 
 
 def test_fitted_levels_and_table(tmp_path):
+    from lowbit.calib.run import collect, write_calibration
     from lowbit.calib.stats import load_calibration
-    from lowbit.commands.calibrate import collect, write_calibration
-    from lowbit.commands.layer_error import fitted_levels, format_table, heatmap
+    from lowbit.commands.layer_error import fitted_levels
+    from lowbit.eval.layer_error import format_table, heatmap
     from lowbit.models.geometry import ModelGeometry
 
     m, cfg = _model()

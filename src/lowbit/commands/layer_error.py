@@ -3,11 +3,8 @@
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import replace
 from pathlib import Path
-
-import torch
 
 from lowbit.errors import LowbitError
 
@@ -98,57 +95,17 @@ def fitted_levels(calib, rot: dict, scheme, center: dict | None = None) -> dict:
     return out
 
 
-def format_table(db: dict[str, dict[int, float]], ppl: dict[str, float] | None = None, ref_ppl: float | None = None) -> str:
-    names = list(db)
-    layers = sorted({i for d in db.values() for i in d})
-    lines = ["| layer | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
-    for i in layers:
-        lines.append(f"| {i} | " + " | ".join(f"{db[n].get(i, float('nan')):.1f}" for n in names) + " |")
-    lines.append("| mean | " + " | ".join(f"{sum(db[n].values()) / len(db[n]):.1f}" for n in names) + " |")
-    if ppl:
-        lines.append("| PPL | " + " | ".join(f"{ppl[n]:.3f}" for n in names) + " |")
-        if ref_ppl:
-            lines.append("| ΔPPL | " + " | ".join(f"{100 * (ppl[n] / ref_ppl - 1):+.2f}%" for n in names) + " |")
-    return "\n".join(lines)
-
-
-def heatmap(db: dict[str, dict[int, float]], path: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = list(db)
-    layers = sorted({i for d in db.values() for i in d})
-    m = torch.tensor([[db[n].get(i, float("nan")) for i in layers] for n in names])
-    fig, ax = plt.subplots(figsize=(max(6, 0.32 * len(layers) + 2), 0.6 * len(names) + 1.6))
-    im = ax.imshow(m.numpy(), aspect="auto", cmap="viridis_r")
-    ax.set_yticks(range(len(names)), names)
-    ax.set_xticks(range(len(layers)), [str(i) for i in layers], fontsize=7)
-    ax.set_xlabel("layer")
-    ax.set_title(title, fontsize=9)
-    for r in range(len(names)):
-        for c in range(len(layers)):
-            v = m[r, c].item()
-            if math.isfinite(v):
-                ax.text(c, r, f"{v:.0f}", ha="center", va="center", fontsize=6, color="w")
-    fig.colorbar(im, ax=ax, label="attention-output error (dB)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
 def run(args) -> int:
     from lowbit.calib.corpora import load_text, token_windows
-    from lowbit.eval.layer_error import Variant, fake_quant_ppl, measure_layers
+    from lowbit.eval.layer_error import Variant, fake_quant_ppl, format_table, heatmap, measure_layers
     from lowbit.eval.perplexity import full_window_ppl
-    from lowbit.models import load
+    from lowbit.models import resolve
 
     out = Path(args.out) if args.out else None
     if out is not None and out.exists():
         raise LowbitError(f"{out} already exists; choose a new --out")
     scheme = build_scheme(args)
-    lm = load(args.model)
+    lm = resolve(args.model)
     scheme.validate(lm.geometry) if scheme.rotation == "none" else None
     if args.seq_len <= scheme.sink + scheme.recent:
         raise LowbitError(f"--seq-len {args.seq_len} leaves no quantized middle after sink {scheme.sink} + "

@@ -246,3 +246,46 @@ def fake_quant_ppl(model, windows: torch.Tensor, variant: Variant) -> tuple[floa
     if variant.scheme.quantized and rows == 0:
         raise LowbitError("the fake-quant run quantized zero rows (windows shorter than sink + recent?)")
     return ppl, rows
+
+
+def format_table(db: dict[str, dict[int, float]], ppl: dict[str, float] | None = None, ref_ppl: float | None = None) -> str:
+    """Markdown table: one row per layer, one column per variant (dB), then the mean, and with `ppl`
+    the fake-quant perplexity (and its change vs `ref_ppl`) of each variant."""
+    names = list(db)
+    layers = sorted({i for d in db.values() for i in d})
+    lines = ["| layer | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+    for i in layers:
+        lines.append(f"| {i} | " + " | ".join(f"{db[n].get(i, float('nan')):.1f}" for n in names) + " |")
+    lines.append("| mean | " + " | ".join(f"{sum(db[n].values()) / len(db[n]):.1f}" for n in names) + " |")
+    if ppl:
+        lines.append("| PPL | " + " | ".join(f"{ppl[n]:.3f}" for n in names) + " |")
+        if ref_ppl:
+            lines.append("| ΔPPL | " + " | ".join(f"{100 * (ppl[n] / ref_ppl - 1):+.2f}%" for n in names) + " |")
+    return "\n".join(lines)
+
+
+def heatmap(db: dict[str, dict[int, float]], path, title: str) -> None:
+    """PNG at `path`: variants x layers, each cell its error in dB (lower is better)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(db)
+    layers = sorted({i for d in db.values() for i in d})
+    m = torch.tensor([[db[n].get(i, float("nan")) for i in layers] for n in names])
+    fig, ax = plt.subplots(figsize=(max(6, 0.32 * len(layers) + 2), 0.6 * len(names) + 1.6))
+    im = ax.imshow(m.numpy(), aspect="auto", cmap="viridis_r")
+    ax.set_yticks(range(len(names)), names)
+    ax.set_xticks(range(len(layers)), [str(i) for i in layers], fontsize=7)
+    ax.set_xlabel("layer")
+    ax.set_title(title, fontsize=9)
+    for r in range(len(names)):
+        for c in range(len(layers)):
+            v = m[r, c].item()
+            if math.isfinite(v):
+                ax.text(c, r, f"{v:.0f}", ha="center", va="center", fontsize=6, color="w")
+    fig.colorbar(im, ax=ax, label="attention-output error (dB)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
