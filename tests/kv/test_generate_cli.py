@@ -35,7 +35,7 @@ def tiny_loader(monkeypatch):
         geo = ModelGeometry.from_config(model.config, name=name)
         return LoadedModel(model=model, tokenizer=CharTokenizer(), name=name, weights_sha256="0" * 64, geometry=geo)
 
-    monkeypatch.setattr(lowbit.models, "load", fake_load)
+    monkeypatch.setattr(lowbit.models, "resolve", fake_load)
     return calls
 
 

@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 from lowbit.calib.corpora import WIKITEXT2_PATH
-from lowbit.commands.generate import generate
+from lowbit.generate import generate
 from lowbit.kv import QuantizedKVCache
 from lowbit.models import BUILTINS, load
 from lowbit.recipe import parse_kv_scheme

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from lowbit.commands.demo import PROMPT, greedy_continuation
+from lowbit.generate import PROMPT, greedy_continuation
 from lowbit.models import BUILTINS, load
 
 pytestmark = pytest.mark.slow

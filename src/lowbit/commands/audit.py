@@ -23,11 +23,9 @@ def run(args) -> int:
 
     from lowbit.errors import LowbitError
 
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda" and not torch.cuda.is_available():
-        raise LowbitError("--device cuda but no CUDA device is visible; use --device cpu (Triton interpreter)")
+    from lowbit.device import resolve_device
+
+    device = resolve_device(args.device).type  # no CUDA -> LowbitError; cpu runs the Triton interpreter
     if device == "cpu" and "lowbit.kernels.decode_attention" not in sys.modules and os.environ.get(
             "TRITON_INTERPRET") != "1":
         # Triton reads TRITON_INTERPRET when the kernels are defined (import time): run the CPU audit

@@ -15,13 +15,13 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.models.load import is_cached, load
+from lowbit.generate import PROMPT, greedy_continuation
+from lowbit.models.load import is_cached, resolve
 from lowbit.models.registry import BUILTINS
 
 NAME = "demo"
 HELP = "eval bf16 vs lowbit int4/int2 (Hadamard) vs HF quanto KV on smollm2-135m: table + plot in minutes"
 
-PROMPT = "The capital of France is"
 DEMO_KV = "bf16,int4@hadamard,int2@hadamard"
 DEMO_PEERS = "hf-quanto-int2,hf-quanto-int4"
 
@@ -37,18 +37,6 @@ def add_arguments(parser) -> None:
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
     parser.add_argument("--max-new-tokens", type=int, default=20, help="tokens of the greedy continuation (default 20)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
-
-
-def greedy_continuation(lm, prompt: str, max_new_tokens: int) -> str:
-    """Greedy-decode `max_new_tokens` after `prompt`; returns only the new text."""
-    if lm.tokenizer is None:
-        raise LowbitError(f"{lm.name} has no tokenizer files: add them to the model directory")
-    enc = lm.tokenizer(prompt, return_tensors="pt").to(lm.model.device)
-    pad = lm.tokenizer.pad_token_id
-    with torch.no_grad():
-        out = lm.model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=lm.tokenizer.eos_token_id if pad is None else pad)
-    return lm.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
 
 
 def run(args) -> int:
@@ -69,7 +57,7 @@ def run(args) -> int:
     if args.model in BUILTINS and not is_cached(args.model, args.cache_dir):
         print(f"{args.model}: first load converts the GGUF into the cache (about a minute)", flush=True)
     t_start = time.perf_counter()
-    lm = load(args.model, cache_dir=args.cache_dir, dtype=torch.bfloat16)
+    lm = resolve(args.model, cache_dir=args.cache_dir, dtype=torch.bfloat16)
     print(f"loaded {lm.name} in {time.perf_counter() - t_start:.1f} s from {lm.path}")
     print(f"weights sha256 {lm.weights_sha256}")
     print(lm.geometry.summary())

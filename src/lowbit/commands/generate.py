@@ -10,11 +10,11 @@ Prints the continuation, then one line of memory accounting measured from the ca
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.generate import generate, read_prompt
 from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
 
 NAME = "generate"
@@ -36,48 +36,15 @@ def add_arguments(parser) -> None:
     parser.add_argument("--cache-dir", default=None, help="cache root for built-in models (default ~/.cache/lowbit)")
 
 
-def read_prompt(args) -> str:
-    if args.prompt is not None:
-        text = args.prompt
-    else:
-        p = Path(args.prompt_file)
-        if not p.is_file():
-            raise LowbitError(f"prompt file {p} not found")
-        text = p.read_text(encoding="utf-8")
-    if not text.strip():
-        raise LowbitError("the prompt is empty; pass some text")
-    return text
-
-
-def generate(lm, scheme, prompt: str, max_new_tokens: int, *, decode_backend: str = "auto"):
-    """Greedy-generate through a fresh QuantizedKVCache. Returns (new token ids [N], cache)."""
-    from lowbit.kv import QuantizedKVCache
-    from lowbit.kv.cache import cache_kwargs
-
-    if lm.tokenizer is None:
-        raise LowbitError(f"model {lm.name} has no tokenizer; generate needs one")
-    model = lm.model
-    cache = QuantizedKVCache(model, scheme, geometry=lm.geometry, decode_backend=decode_backend)
-    dev = next(model.parameters()).device
-    enc = lm.tokenizer(prompt, return_tensors="pt").to(dev)
-    pad = lm.tokenizer.pad_token_id if lm.tokenizer.pad_token_id is not None else lm.tokenizer.eos_token_id
-    with torch.no_grad():
-        out = model.generate(
-            **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad,
-            **cache_kwargs(model, cache),
-        )
-    return out[0, enc["input_ids"].shape[1]:], cache
-
-
 def run(args) -> int:
-    from lowbit.models import load
+    from lowbit.models import resolve
 
     if args.max_new_tokens < 1:
         raise LowbitError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     scheme = scheme_from_args(args)  # bad flags fail before the model loads
-    prompt = read_prompt(args)
+    prompt = read_prompt(args.prompt, args.prompt_file)
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    lm = load(args.model, cache_dir=args.cache_dir, dtype=DTYPES[args.dtype], device=device)
+    lm = resolve(args.model, cache_dir=args.cache_dir, dtype=DTYPES[args.dtype], device=device)
     scheme.validate(lm.geometry)
     new, cache = generate(lm, scheme, prompt, args.max_new_tokens, decode_backend=args.decode_backend)
     print(f"# {scheme.describe()}", file=sys.stderr)

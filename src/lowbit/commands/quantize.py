@@ -78,15 +78,9 @@ def add_arguments(p) -> None:
 
 
 def _device(name: str) -> torch.device:
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise LowbitError(f"--device {name!r} is not a device; use cpu or cuda") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise LowbitError("--device cuda: this torch sees no CUDA GPU; use --device cpu")
-    if dev.type not in ("cpu", "cuda"):
-        raise LowbitError(f"--device {name!r}: only cpu and cuda are supported")
-    return dev
+    from lowbit.device import resolve_device
+
+    return resolve_device(name)
 
 
 def _alpha(text: str):
