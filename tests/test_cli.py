@@ -113,3 +113,24 @@ def test_interrupt_after_outputs_says_what_was_kept(tmp_path, monkeypatch, capsy
     assert cli.main(["fake", "--out", str(out)]) == 130
     err = capsys.readouterr().err
     assert f"kept {out}" in err and (out / "manifest.json").is_file()
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
+@pytest.mark.parametrize("argv", [["generate", "--model", "smollm2-135m", "--prompt", "x", "--kv", "int4"],
+                                  ["quantize", "--model", "smollm2-135m", "--weights", "w8a16", "--out", "never"],
+                                  ["audit", "kernels"]])
+def test_device_cuda_without_cuda_is_one_line(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert cli.main([*argv, "--device", "cuda"]) == 2  # before any model is loaded
+    assert capsys.readouterr().err == "error: --device cuda: CUDA is not available on this machine; use --device cpu\n"
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name,msg", [("meta", "only cpu and cuda"), ("nonsense", "is not a device")])
+def test_resolve_device_refuses(name, msg):
+    from lowbit.device import resolve_device
+    from lowbit.errors import LowbitError
+
+    with pytest.raises(LowbitError, match=msg):
+        resolve_device(name)
+    assert resolve_device("cpu").type == "cpu" and resolve_device(None).type in ("cpu", "cuda")
