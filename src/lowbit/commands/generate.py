@@ -13,6 +13,7 @@ import sys
 
 import torch
 
+from lowbit.device import resolve_device
 from lowbit.errors import LowbitError
 from lowbit.generate import generate, read_prompt
 from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
@@ -43,7 +44,7 @@ def run(args) -> int:
         raise LowbitError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     scheme = scheme_from_args(args)  # bad flags fail before the model loads
     prompt = read_prompt(args.prompt, args.prompt_file)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)  # before loading: no CUDA -> one-line error, not an AssertionError
     lm = resolve(args.model, cache_dir=args.cache_dir, dtype=DTYPES[args.dtype], device=device)
     scheme.validate(lm.geometry)
     new, cache = generate(lm, scheme, prompt, args.max_new_tokens, decode_backend=args.decode_backend)
