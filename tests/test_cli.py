@@ -10,8 +10,8 @@ import types
 
 import pytest
 
-import lowbit.cli as cli
 import lowbit.commands
+from lowbit import cli
 from lowbit.artifacts.writer import ArtifactWriter
 
 
