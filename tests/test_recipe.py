@@ -97,10 +97,13 @@ def test_validate_against_geometry():
     with pytest.raises(LowbitError, match="mla-latent"):
         parse_kv_scheme("int4").validate(mla)
     nohad = replace(sm, layers=[replace(sm.layers[0], head_dim_k=52, head_dim_v=52)])
+    # files and rotation orders are checked where the scheme is resolved (validate is pure data)
+    from lowbit.kv.plan import resolve
+
     with pytest.raises(LowbitError, match="no Hadamard matrix of order 52"):
-        parse_kv_scheme("int4", group=4, rotation="hadamard").validate(nohad)
+        resolve(parse_kv_scheme("int4", group=4, rotation="hadamard"), nohad)
     with pytest.raises(LowbitError, match="not found"):
-        parse_kv_scheme("int4", rotation="/nonexistent/rot").validate(sm)
+        resolve(parse_kv_scheme("int4", rotation="/nonexistent/rot"), sm)
     with pytest.raises(LowbitError, match="fold_v_rotation needs a rotation"):
         parse_kv_scheme("int4", rotation="none", fold_v_rotation=True)
 
@@ -115,7 +118,7 @@ def test_recipe_files(tmp_path):
     t.write_text('scheme = "int2"\nlloyd_max = true\nrotation = "rots"\n[v]\nbits = 4\n')
     s2 = load_recipe(t)
     assert (s2.k.bits, s2.k.lloyd_max, s2.v.bits) == (2, True, 4)
-    assert s2.rotation == str((tmp_path / "rots").resolve())  # relative to the recipe file
+    assert s2.rotation.path == str((tmp_path / "rots").resolve())  # relative to the recipe file
     # to_dict round trip
     s3 = parse_kv_scheme("kivi2", rotation="hadamard")
     assert kv_scheme_from_dict(s3.to_dict()) == s3

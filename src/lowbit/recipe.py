@@ -58,6 +58,46 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+_SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+
+
+def _check_ref(kind: str, path, sha256) -> None:
+    if not isinstance(path, str) or not path:
+        raise LowbitError(f"{kind} path must be a non-empty string, got {path!r}")
+    if sha256 is not None and (not isinstance(sha256, str) or not _SHA_RE.match(sha256)):
+        raise LowbitError(f"{kind} sha256 {sha256!r} is not 64 lowercase hex digits; copy it from the artifact's manifest")
+
+
+@dataclass(frozen=True)
+class RotationRef:
+    """A fitted RotationSet directory, pinned by the sha256 of its rotations file (None: not pinned
+    yet; `lowbit.kv.plan.resolve` opens the file once, checks it and pins it in the plan's scheme)."""
+
+    path: str
+    sha256: str | None = None
+
+    def __post_init__(self):
+        _check_ref("rotation", self.path, self.sha256)
+
+    def __str__(self) -> str:
+        return self.path + (f" (sha256 {self.sha256[:12]})" if self.sha256 else "")
+
+
+@dataclass(frozen=True)
+class LevelsRef:
+    """A per-layer Lloyd-Max levels artifact (`lowbit.kv.plan.save_levels`), pinned by the sha256 of
+    its levels file like RotationRef. Layers / tensors it lacks use the scheme's own levels."""
+
+    path: str
+    sha256: str | None = None
+
+    def __post_init__(self):
+        _check_ref("levels", self.path, self.sha256)
+
+    def __str__(self) -> str:
+        return self.path + (f" (sha256 {self.sha256[:12]})" if self.sha256 else "")
+
+
 @dataclass(frozen=True)
 class TensorQuant:
     """How one of K / V is stored in the middle tier.
@@ -66,7 +106,8 @@ class TensorQuant:
     group: token axis: channels per group (None = DEFAULT_GROUP, or head_dim when smaller);
            channel axis: tokens per block, must equal the scheme's page (None = page).
     clip: range ratio in (0, 1] (see lowbit.quant.affine); lloyd_max: non-uniform levels
-          (Gaussian-optimal per layer by default) with mean/std per group in place of zero/scale.
+          with mean/std per group in place of zero/scale; `levels` (2**bits ascending values in
+          units of the group's std) names them, None = Gaussian-optimal for the bits.
     grid: "minmax" (a uniform grid over each group's [min, max], shrunk by clip) or "std" (a
           uniform grid at the Gaussian-optimal step from each group's mean and std,
           lowbit.quant.affine.quantize_std; 2-4 bits). Both store scale/zero and dequantize as
@@ -80,6 +121,7 @@ class TensorQuant:
     axis: str = "token"
     group: int | None = None
     grid: str = "minmax"
+    levels: tuple | None = None
 
     def __post_init__(self):
         if not _is_int(self.bits) or self.bits not in KV_BITS:
@@ -101,6 +143,21 @@ class TensorQuant:
             raise LowbitError("Lloyd-Max levels already bound the range (their end levels); drop the clip ratio")
         if self.lloyd_max and self.symmetric:
             raise LowbitError("Lloyd-Max levels are symmetric around each group's mean already; drop 'symmetric'")
+        if self.levels is not None:
+            if not self.lloyd_max:
+                raise LowbitError("levels are given but lloyd_max is off; set lloyd_max = true or drop the levels")
+            try:
+                lv = tuple(float(x) for x in self.levels)
+            except (TypeError, ValueError):
+                raise LowbitError(f"Lloyd-Max levels must be a list of numbers, got {self.levels!r}") from None
+            if len(lv) != 1 << self.bits:
+                raise LowbitError(
+                    f"{len(lv)} Lloyd-Max levels given for {self.bits}-bit codes, which need {1 << self.bits}; "
+                    "fit levels for this bit width"
+                )
+            if any(b <= a for a, b in zip(lv, lv[1:])):
+                raise LowbitError("Lloyd-Max levels must be strictly ascending; refit them")
+            object.__setattr__(self, "levels", lv)
         if self.grid not in GRIDS:
             raise LowbitError(f"grid {self.grid!r} unknown; use 'minmax' (range from min/max) or 'std' (from mean/std)")
         if self.grid == "std":
@@ -142,7 +199,7 @@ class TensorQuant:
             parts.append("per-channel over page-token blocks")
         else:
             parts += ["per-token", f"g{self.group}" if self.group is not None else "g<=128"]
-        parts.append("lloyd-max" if self.lloyd_max else ("std-grid" if self.grid == "std" else ("sym" if self.symmetric else "asym")))
+        parts.append(("lloyd-max" + (" fitted" if self.levels else "")) if self.lloyd_max else ("std-grid" if self.grid == "std" else ("sym" if self.symmetric else "asym")))
         if self.clip != 1.0:
             parts.append(f"clip {self.clip:g}")
         return " ".join(parts)
@@ -152,8 +209,10 @@ class TensorQuant:
 class KVScheme:
     """How the KV cache holds every layer. Frozen and versioned: it goes into manifests as is.
 
-    rotation: "none", "hadamard" (per layer, hadamard(head_dim)) or the path of a RotationSet
-    directory (per layer [D, D] or per KV head [H_kv, D, D]).
+    rotation: "none", "hadamard" (per layer, hadamard(head_dim)) or a RotationRef to a fitted
+    RotationSet directory (per layer [D, D] or per KV head [H_kv, D, D]); a plain path string is
+    taken as an unpinned RotationRef. levels: a LevelsRef to per-layer fitted Lloyd-Max levels.
+    This is data only: nothing here opens a file. `lowbit.kv.plan.resolve` opens, checks and pins.
     fold_v_rotation: R_v is folded into v_proj / o_proj weights (V arrives already rotated and the
     output needs no un-rotation); valid only for one rotation per layer.
     """
@@ -164,9 +223,10 @@ class KVScheme:
     sink: int = DEFAULT_SINK
     recent: int = DEFAULT_RECENT
     page: int = DEFAULT_PAGE
-    rotation: str = "none"
+    rotation: str | RotationRef = "none"
     fold_v_rotation: bool = False
     layer_bits: tuple = ()
+    levels: LevelsRef | None = None
     version: int = KV_SCHEME_VERSION
 
     def __post_init__(self):
@@ -195,8 +255,24 @@ class KVScheme:
                     f"{which} is grouped per channel over blocks of the page ({self.page} tokens) but its group "
                     f"is {t.group}; set the group to {self.page} or the page to {t.group}"
                 )
-        if not isinstance(self.rotation, str) or not self.rotation:
+        rot = self.rotation
+        if isinstance(rot, dict):  # the to_dict form
+            rot = RotationRef(**rot)
+        if isinstance(rot, str) and rot and rot not in ("none", "hadamard"):
+            rot = RotationRef(rot)
+        if not (isinstance(rot, RotationRef) or rot in ("none", "hadamard")):
             raise LowbitError(f"rotation must be 'none', 'hadamard' or a RotationSet path, got {self.rotation!r}")
+        object.__setattr__(self, "rotation", rot)
+        lv = self.levels
+        if isinstance(lv, dict):
+            lv = LevelsRef(**lv)
+        elif isinstance(lv, str):
+            lv = LevelsRef(lv)
+        if lv is not None and not isinstance(lv, LevelsRef):
+            raise LowbitError(f"levels must be a levels artifact path, got {self.levels!r}")
+        if lv is not None and not (self.k.lloyd_max or self.v.lloyd_max):
+            raise LowbitError("a levels file is given but neither K nor V uses Lloyd-Max levels; add --lloyd-max")
+        object.__setattr__(self, "levels", lv)
         if self.fold_v_rotation and self.rotation == "none":
             raise LowbitError("fold_v_rotation needs a rotation to fold; set rotation or drop fold_v_rotation")
 
@@ -222,6 +298,8 @@ class KVScheme:
         """One line, e.g. 'int2: K int2 per-token g<=128 asym, V ... | sink 64, recent 256, page 16 | rotation none'."""
         kv = f"K,V {self.k.describe()}" if self.k == self.v else f"K {self.k.describe()}, V {self.v.describe()}"
         rot = f"rotation {self.rotation}" + (" (V folded into weights)" if self.fold_v_rotation else "")
+        if self.levels is not None:
+            rot += f" | levels {self.levels}"
         lay = f" | layers {format_layer_bits(self.layer_bits)}" if self.layer_bits else ""
         return f"{self.name}: {kv} | sink {self.sink}, recent {self.recent}, page {self.page} | {rot}{lay}"
 
@@ -234,9 +312,8 @@ class KVScheme:
         """Check this scheme against a model's geometry (lowbit.models.ModelGeometry); returns self.
 
         Raises LowbitError for an unsupported attention type (named), a group that does not
-        divide a head_dim, a head_dim the packing cannot split, a Hadamard of an unsupported
-        order, a RotationSet whose layers / KV heads / dims do not match, or a per-head rotation
-        combined with folding V's rotation into the weights.
+        divide a head_dim, or a head_dim the packing cannot split. Pure: it opens no file. The
+        rotation and levels files are checked by `lowbit.kv.plan.resolve`, which calls this first.
         """
         layers = list(getattr(geometry, "layers", []))
         if not layers:
@@ -248,13 +325,9 @@ class KVScheme:
                 f"layer_bits names layer(s) {', '.join(map(str, missing))} but the model has layers "
                 f"{min(ids)}..{max(ids)}; fix the per-layer bits"
             )
-        if self.layer_bits:
-            for g in layers:
-                self.for_layer(g.index)._validate_layer(g)
-        else:
-            for g in layers:
-                self._validate_layer(g)
-        return self._validate_rotation(geometry, layers)
+        for g in layers:
+            self.for_layer(g.index)._validate_layer(g)
+        return self
 
     def _validate_layer(self, g) -> None:
         if g.attention not in SUPPORTED_ATTENTION:
@@ -281,29 +354,6 @@ class KVScheme:
                     f"layer {g.index}: {which} head_dim {d} is not a multiple of {per_byte} "
                     f"({t.container_bits}-bit codes per byte); use 8 or 16 bits for this model"
                 )
-
-    def _validate_rotation(self, geometry, layers) -> KVScheme:
-        if self.rotation == "hadamard":
-            from lowbit.rotation.hadamard import is_supported_order
-
-            for g in layers:
-                for d in {g.head_dim_k, g.head_dim_v}:
-                    if not is_supported_order(d):
-                        raise LowbitError(
-                            f"layer {g.index}: no Hadamard matrix of order {d}; use rotation 'none' or a fitted RotationSet"
-                        )
-        elif self.rotation != "none":
-            from lowbit.rotation.rotation_set import RotationSet
-
-            rs = RotationSet.load(self.rotation)
-            rs.validate_against(geometry)
-            if self.fold_v_rotation and rs.per_head:
-                raise LowbitError(
-                    f"rotation {self.rotation} is per KV head (format v2); folding V's rotation into the weights "
-                    "needs one rotation per layer: drop fold_v_rotation or use a per-layer (v1) rotation"
-                )
-        return self
-
 
 # ---------------------------------------------------------------- parsing
 _KV_RE = re.compile(r"^k(\d+)v(\d+)$")
@@ -426,6 +476,7 @@ def parse_kv_scheme(
     fold_v_rotation: bool = False,
     layer_bits=None,
     grid: str | None = None,
+    levels=None,
 ) -> KVScheme:
     """Scheme string + flags -> KVScheme.
 
@@ -434,7 +485,8 @@ def parse_kv_scheme(
     sink 0, page 32 (KIVI's recipe). clip: one ratio for both or (K, V) / "K,V".
     Flags given override the scheme's defaults; None keeps them. layer_bits: per-layer bits
     overrides ("7,18=int4;5=int8", see parse_layer_bits). grid: "minmax" | "std" for the
-    quantized tensors (see TensorQuant).
+    quantized tensors (see TensorQuant). rotation: "none" | "hadamard" | a RotationSet path or
+    RotationRef; levels: a per-layer levels artifact path or LevelsRef (with lloyd_max).
 
     Defaults (what `--kv int2` means without flags) are the best data-free recipe measured on the
     built-in models: rotation "hadamard" whenever K or V is stored at 4 bits or fewer (plain int4
@@ -492,16 +544,32 @@ def parse_kv_scheme(
         recent=defaults["recent"] if recent is None else recent,
         page=defaults["page"] if page is None else page,
         rotation=(("hadamard" if min(kb, vb) <= 4 and k_axis == "token" else "none") if rotation is None
-                  else str(rotation)),
+                  else rotation if isinstance(rotation, RotationRef) else str(rotation)),
         fold_v_rotation=bool(fold_v_rotation),
         layer_bits=parse_layer_bits(layer_bits),
+        levels=levels,
     )
 
 
 # ---------------------------------------------------------------- files
-_TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group", "grid"}
+_TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group", "grid", "levels"}
 _FILE_FIELDS = {"scheme", "group", "sink", "recent", "page", "clip", "lloyd_max", "rotation", "symmetric",
-                "fold_v_rotation", "layer_bits", "grid", "k", "v", "version", "name"}
+                "fold_v_rotation", "layer_bits", "grid", "k", "v", "version", "name", "levels"}
+
+
+def _ref_from_field(value, cls, what: str, base_dir: Path | None):
+    """A rotation / levels field of a recipe file: a path string or a {path, sha256} table; relative
+    paths are taken relative to the recipe file's directory."""
+    if value is None or value in ("none", "hadamard") and cls is RotationRef:
+        return value
+    if isinstance(value, str):
+        value = {"path": value}
+    if not isinstance(value, dict) or set(value) - {"path", "sha256"} or "path" not in value:
+        raise LowbitError(f"KV recipe {what} must be a path or a table {{path, sha256}}, got {value!r}")
+    path = value["path"]
+    if isinstance(path, str) and base_dir is not None and not Path(path).is_absolute():
+        path = str((Path(base_dir) / path).resolve())
+    return cls(path=path, sha256=value.get("sha256"))
 
 
 def read_recipe_file(path) -> dict:
@@ -537,9 +605,8 @@ def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
     scheme_name = d.get("scheme", d.get("name"))
     if scheme_name is None:
         raise LowbitError("KV recipe needs a 'scheme' (e.g. scheme = \"int4\")")
-    rotation = d.get("rotation")
-    if rotation not in (None, "none", "hadamard") and base_dir is not None and not Path(rotation).is_absolute():
-        rotation = str((Path(base_dir) / rotation).resolve())
+    rotation = _ref_from_field(d.get("rotation"), RotationRef, "rotation", base_dir)
+    levels = _ref_from_field(d.get("levels"), LevelsRef, "levels", base_dir)
     s = parse_kv_scheme(
         str(scheme_name),
         group=d.get("group") if not isinstance(d.get("k"), dict) else None,
@@ -567,6 +634,8 @@ def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
         if bad:
             raise LowbitError(f"KV recipe {which}: unknown field(s) {', '.join(bad)}; allowed: {', '.join(sorted(_TENSOR_FIELDS))}")
         s = replace(s, **{which: replace(getattr(s, which), **t)})
+    if levels is not None:
+        s = replace(s, levels=levels)
     if "version" in d and d["version"] != KV_SCHEME_VERSION:
         raise LowbitError(f"KV recipe version {d['version']!r} is not supported (this lowbit reads {KV_SCHEME_VERSION})")
     return s

@@ -32,8 +32,9 @@ def test_kernel_decode_matches_torch_path(gemma):
 
 def test_strict_kernel_backend_refuses_what_it_cannot_take(gemma):
     ids = tiny_tokenizer_free_inputs(gemma.config, 1, 22, seed=5)
-    cache = QuantizedKVCache(gemma, scheme("int4", sink=2, recent=4, page=2, lloyd_max=True), decode_backend="triton")
+    # the plan refuses it when the cache is built, before any token (the reason names the rule)
     with pytest.raises(LowbitError, match="Lloyd-Max"):
+        cache = QuantizedKVCache(gemma, scheme("int4", sink=2, recent=4, page=2, lloyd_max=True), decode_backend="triton")
         run_chunks(gemma, cache, ids, None, [21, 1])
     auto = QuantizedKVCache(gemma, scheme("int4", lloyd_max=True), decode_backend="auto")
     run_chunks(gemma, auto, ids, None, [21, 1])  # CPU + auto: the torch path, no complaint

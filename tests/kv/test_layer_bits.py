@@ -86,4 +86,7 @@ def test_std_grid_goes_to_the_fused_kernel():
     gemma = fast_model("gemma3-270m")
     cache = QuantizedKVCache(gemma, scheme("int2", sink=2, recent=4, page=2), decode_backend="torch")
     run_chunks(gemma, cache, _ids(gemma, 1, 20), None, [18, 1, 1])
-    assert all(cache._kernel_reason(lay, lay.view(), None, None) is None for lay in cache.layers)
+    from lowbit.kv import backends
+
+    kernel = backends.get("triton-decode")
+    assert all(kernel.why_not(lay.plan, "decode", "cuda") is None for lay in cache.layers)

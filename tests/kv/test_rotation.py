@@ -7,6 +7,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.kv import QuantizedKVCache
+from lowbit.kv.plan import resolve
 from lowbit.kv.rotations import fold_v_into_weights
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
@@ -96,7 +97,7 @@ def test_per_head_rotation_cannot_be_folded(geometry, tmp_path):
     path = make_set(geometry, per_head=True).save(tmp_path / "rot2")
     s = replace(scheme("int4"), rotation=str(path), fold_v_rotation=True)
     with pytest.raises(LowbitError, match="per KV head"):
-        s.validate(geometry)
+        resolve(s, geometry)
 
 
 # ------------------------------------------------------------------ RotationSet files
@@ -131,7 +132,7 @@ def test_rotation_set_mismatches_are_refused(geometry, tmp_path):
     # the scheme refuses it at construction of the cache, before any token
     path = rs.save(tmp_path / "rs")
     with pytest.raises(LowbitError, match="fitted for model"):
-        replace(scheme("int4"), rotation=str(path)).validate(other)
+        resolve(replace(scheme("int4"), rotation=str(path)), other)
     assert g0.index == 0
 
 

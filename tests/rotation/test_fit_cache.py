@@ -8,6 +8,7 @@ from lowbit.calib.stats import load_calibration
 from lowbit.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
+from lowbit.kv.plan import resolve
 from lowbit.recipe import parse_kv_scheme
 from lowbit.rotation.fit_run import fit_and_save
 
@@ -32,4 +33,4 @@ def test_fitted_rotation_in_cache_exact_at_16_bits(tmp_path):
     # the same set is refused by gemma's geometry (another model)
     _, gcfg = tiny_model("gemma3-270m", num_layers=2, vocab_size=99)
     with pytest.raises(LowbitError, match="fitted for model 'smollm2-135m'"):
-        parse_kv_scheme("int2", rotation=str(tmp_path / "rot")).validate(ModelGeometry.from_config(gcfg, name="gemma3-270m"))
+        resolve(parse_kv_scheme("int2", rotation=str(tmp_path / "rot")), ModelGeometry.from_config(gcfg, name="gemma3-270m"))

@@ -134,9 +134,13 @@ def test_export_ships_a_rotation_set(tiny_dir, tmp_path):
                  "--out", str(out)]) == 0
     assert (out / "rotations" / "rotations.safetensors").is_file()
     side = sidecar.read(out)
-    assert side["kv_scheme"]["rotation"] == "rotations"  # relative: the directory can move
+    assert side["kv_scheme"]["rotation"]["path"] == "rotations"  # relative: the directory can move
+    from lowbit.artifacts import sha256_file
+
+    # ... and pinned by the sha256 of the shipped rotations file
+    assert side["kv_scheme"]["rotation"]["sha256"] == sha256_file(out / "rotations" / "rotations.safetensors")
     rt = load_runtime(str(out))
-    assert rt.scheme.rotation == str((out / "rotations").resolve())
+    assert rt.scheme.rotation.path == str((out / "rotations").resolve())
     from lowbit.serve.kvcache import CacheFactory
 
     CacheFactory(rt.model, rt.scheme, rt.geometry)  # the cache accepts the shipped per-head rotations

@@ -129,11 +129,11 @@ class PagedEmulation:
     def __init__(self, model, scheme, geometry, block_size=16, num_blocks=64):
         from transformers import AttentionInterface
 
-        from lowbit.kv.rotations import layer_rotations
+        from lowbit.kv.plan import resolve
 
         g = geometry.layers[0]
         self.fmt = SlotFormat(scheme, g.head_dim_k, g.head_dim_v, torch.float32)
-        self.rots = layer_rotations(scheme, geometry)
+        self.rots = [(lp.rot_k, lp.rot_v) for lp in resolve(scheme, geometry).layers]
         self.caches = [torch.zeros(num_blocks, g.num_kv_heads, block_size, self.fmt.slot_bytes, dtype=torch.uint8)
                        for _ in geometry.layers]
         self.table = torch.randperm(num_blocks)[None]

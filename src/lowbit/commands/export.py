@@ -26,17 +26,15 @@ from dataclasses import replace
 from pathlib import Path
 
 from lowbit.errors import LowbitError
+from lowbit.models.load import TOKENIZER_FILES, model_dir, model_name
 
 NAME = "export"
 HELP = "write a model directory for another engine: --for vllm (config, tokenizer, weights, KV sidecar, manifest)"
 
 TARGETS = ("vllm",)
-# What vLLM's loader reads from a model directory (weights matched by suffix below).
-_COPY_NAMES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",
-               "special_tokens_map.json", "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json",
-               "added_tokens.json", "recipe.yaml")
-_TOKENIZER_NAMES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json", "special_tokens_map.json",
-                    "vocab.json", "merges.txt", "chat_template.jinja", "chat_template.json", "added_tokens.json")
+# What vLLM's loader reads from a model directory (weights matched by suffix below); the tokenizer
+# files are lowbit.models' one list.
+_COPY_NAMES = ("config.json", "generation_config.json", *TOKENIZER_FILES, "recipe.yaml")
 _WEIGHT_SUFFIXES = (".safetensors", ".safetensors.index.json")
 
 
@@ -51,36 +49,16 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="new directory to write (never overwritten)")
 
 
-def model_dir(name_or_path: str) -> Path:
-    """The HF directory behind a built-in (converted once into lowbit's cache) or a local path."""
-    from lowbit.models.registry import BUILTINS
-
-    if name_or_path in BUILTINS:
-        from lowbit.models.load import ensure_cached
-
-        return ensure_cached(BUILTINS[name_or_path])
-    p = Path(name_or_path).expanduser()
-    if not (p / "config.json").is_file():
-        raise LowbitError(f"--model {name_or_path}: not a built-in ({', '.join(BUILTINS)}) nor a directory with config.json")
-    return p
-
-
 def vllm_scheme(scheme):
     """The scheme the vLLM plugin serves: every token packed on write (page 1), dense sink and recent tiers.
 
     Refuses what the plugin does not implement (named), instead of exporting a sidecar it would
     serve differently."""
-    for which, t in (("K", scheme.k), ("V", scheme.v)):
-        if t.quantized and t.axis != "token":
-            raise LowbitError(f"{which} is grouped per channel (KIVI); the vLLM plugin supports per-token groups only")
-        if t.lloyd_max:
-            raise LowbitError(f"{which} uses Lloyd-Max levels; the vLLM plugin supports uniform grids only")
-    if scheme.fold_v_rotation:
-        raise LowbitError("fold_v_rotation is not supported by the vLLM plugin; drop it")
-    if scheme.layer_bits:
-        # vLLM sizes one KV slot for every layer of a model's KV spec group; mixed bits would need
-        # one group per bit width (not built).
-        raise LowbitError("per-layer bits (layer_bits) are not supported by the vLLM plugin; export one bit width")
+    from lowbit.vllm_plugin.slot import scheme_reason
+
+    reason = scheme_reason(scheme)
+    if reason:
+        raise LowbitError(reason)
     return replace(scheme, page=1)
 
 
@@ -99,7 +77,10 @@ def run(args) -> int:
     if scheme is None:
         scheme = parse_kv_scheme(args.kv)
     scheme = vllm_scheme(scheme)
-    src = model_dir(args.model)
+    try:
+        src = model_dir(args.model)  # a built-in's converted cache dir, or the local HF dir
+    except LowbitError as e:
+        raise LowbitError(f"--model: {e}") from None
     wdir = None
     if args.weights is not None:
         wdir = Path(args.weights).expanduser()
@@ -110,9 +91,19 @@ def run(args) -> int:
     config_dir = wdir or src
     config = json.loads((config_dir / "config.json").read_text())
     # the name RotationSets are checked against (lowbit.models names a local dir by its folder name)
-    name = Path(args.model).name
+    name = model_name(args.model)
     geometry = ModelGeometry.from_config(config, name=name)
-    scheme.validate(geometry)  # group, rotation shapes, attention kinds: refuse before writing anything
+    # group, rotation file + shapes, attention kinds, the plugin's rules: refuse before writing anything
+    from lowbit.kv import backends
+    from lowbit.kv.plan import resolve
+
+    plan = resolve(scheme, geometry, device="cpu")
+    slot = backends.get("vllm-slot")
+    for lp in plan.layers:
+        reason = slot.why_not(lp, "paged", "cpu")
+        if reason:
+            raise LowbitError(f"layer {lp.index}: {reason}")
+    scheme = plan.scheme  # the rotation pinned by its sha256
     if wdir is not None:
         base = ModelGeometry.from_config(json.loads((src / "config.json").read_text()))
         if [g for g in base.layers] != [replace(g) for g in geometry.layers]:
@@ -131,7 +122,7 @@ def run(args) -> int:
                 is_weight = f.name.endswith(_WEIGHT_SUFFIXES)
                 if d is src and wdir is not None and (is_weight or f.name == "config.json"):
                     continue  # the checkpoint's weights and config replace the model's
-                if d is wdir and f.name in _TOKENIZER_NAMES and (w.path / f.name).exists():
+                if d is wdir and f.name in TOKENIZER_FILES and (w.path / f.name).exists():
                     (w.path / f.name).unlink()  # the checkpoint's tokenizer wins
                 if f.is_file() and (f.name in names or is_weight):
                     shutil.copyfile(f, w.path / f.name)
@@ -140,14 +131,14 @@ def run(args) -> int:
         if not weights:
             raise LowbitError(f"{config_dir} has no *.safetensors weights; vLLM needs safetensors")
         if scheme.rotation not in ("none", "hadamard"):
-            rs_src = Path(scheme.rotation)
+            rs_src = Path(scheme.rotation.path)
             shutil.copytree(rs_src, w.path / sidecar.ROTATION_DIR)
             rotation_rel = sidecar.ROTATION_DIR
         wsha = sha256_file(w.path / weights[0]) if len(weights) == 1 else None
         side = sidecar.build(scheme, geometry, model_name=name, weights_sha256=wsha, rotation_rel=rotation_rel)
         sidecar.write(w.path, side)
         w.inputs = {**inputs, "weights_sha256": wsha, "weights": str(wdir) if wdir else None,
-                    "rotation": scheme.rotation if rotation_rel else None}
+                    "rotation": scheme.rotation.path if rotation_rel else None}
         w.recipe = {"kv": side["kv_scheme"], "weights": config.get("quantization_config")}
         w.counts = {"layers": geometry.num_layers, "files": len(copied) + 1, "weight_files": len(weights),
                     "quantized_kv_layers": geometry.num_layers if scheme.quantized else 0}

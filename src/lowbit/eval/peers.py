@@ -236,13 +236,19 @@ def lowbit_cache_accounting(cache) -> Accounting:
 
 def lowbit_entry(label: str, scheme, geometry, *, kind: str = "lowbit") -> Entry:
     """A lowbit KVScheme as a row: QuantizedKVCache, "lowbit" attention. The scheme is validated against
-    the geometry now (a LowbitError here is bad input, raised before any forward)."""
-    scheme.validate(geometry)
+    the geometry now (a LowbitError here is bad input, raised before any forward): resolved once per
+    device, every window's cache is built from that plan."""
+    from lowbit.kv.plan import resolve
+
+    plans = {"cpu": resolve(scheme, geometry, device="cpu")}
 
     def make(model):
-        from lowbit.kv.cache import QuantizedKVCache
+        from lowbit.kv.cache import QuantizedKVCache, model_device
 
-        return QuantizedKVCache(model, scheme, geometry=geometry)
+        dev = model_device(model)
+        if dev not in plans:
+            plans[dev] = resolve(scheme, geometry, device=dev)
+        return QuantizedKVCache.from_plan(model, plans[dev])
 
     return Entry(name=label, kind=kind, make_cache=make, account=lowbit_cache_accounting,
                  quantizes=bool(scheme.quantized), attention="lowbit",

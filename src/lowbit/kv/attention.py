@@ -220,3 +220,27 @@ def install_attention(model) -> None:
             f"{type(model).__name__} did not accept the lowbit attention implementation; "
             "it must dispatch attention through transformers' AttentionInterface"
         )
+
+
+# ------------------------------------------------------------------ backend
+def stream_layer(layer, qg: torch.Tensor, keep, scaling: float, softcap=None) -> torch.Tensor:
+    """The torch reference over a QuantizedKVLayer: qg [B, Hkv, G, Lq, D] rotated queries of the chunk
+    just stored -> [B, Hkv, G, Lq, Dv] float32 (the middle streamed chunk_tokens rows at a time)."""
+    Lq = qg.shape[3]
+    q_slots = torch.arange(layer.n - Lq, layer.n, device=qg.device)
+    min_slot = layer.n - Lq - (layer.window - 1) if layer.window else 0
+    return online_attention(qg, layer.blocks(min_slot), q_slots, scaling=scaling, window=layer.window, keep=keep,
+                            softcap=softcap)
+
+
+def _stream_supports(layer, step: str, device: str) -> str | None:
+    return None  # the reference reads every tier the cache can hold (any bits, axis, grid, levels)
+
+
+def _register_backend():
+    from lowbit.kv.backends import Backend, register
+
+    return register(Backend("torch-stream", ("prefill", "decode"), _stream_supports, stream_layer, module=__name__))
+
+
+BACKEND = _register_backend()

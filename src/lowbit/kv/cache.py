@@ -9,10 +9,10 @@ One cache serves one sequence batch (like DynamicCache): build a new one per gen
 It works in a plain forward loop too (feed chunks with `past_key_values=cache` / `cache=cache`
 and the 2-D attention_mask of everything so far, or None without padding).
 
-Decode backend: on CUDA, a one-token query may go to the fused split-K kernel
-(`lowbit.kernels.decode_attention.decode_attention`, which reads the same middle layout, see
-TierView); "auto" uses it when it can take the case, else the torch path, recording why in
-`backend_notes`. `backend_calls` counts what ran, so results can name their backend.
+Decode backend: the plan (lowbit.kv.plan) chose per layer, once: on CUDA a one-token query goes
+to the fused split-K kernel (lowbit.kernels.decode_backend) where it takes the layer, else the
+torch path; the reasons are in `plan.table()` and `backend_notes`. `backend_calls` counts what
+ran, so results can name their backend.
 """
 
 from __future__ import annotations
@@ -26,11 +26,17 @@ from transformers.cache_utils import Cache
 from lowbit.errors import LowbitError
 from lowbit.kv import attention as attn
 from lowbit.kv.layer import QuantizedKVLayer
-from lowbit.kv.rotations import layer_rotations, rotate, unrotate
-from lowbit.recipe import KVScheme, parse_kv_scheme
+from lowbit.kv.rotations import rotate, rotation_key, unrotate
+from lowbit.recipe import KVScheme
 
 log = logging.getLogger(__name__)
-DECODE_BACKENDS = ("auto", "torch", "triton")
+
+def model_device(model) -> str:
+    """'cuda' or 'cpu': where the model's parameters live (a config alone plans for CPU)."""
+    if model is None:
+        return "cpu"
+    p = next(model.parameters(), None)
+    return p.device.type if p is not None else "cpu"
 
 
 def cache_kwargs(model, cache) -> dict:
@@ -52,17 +58,19 @@ def _split_model(model_or_config):
 
 
 class QuantizedKVCache(Cache):
-    """Tiered quantized KV cache (see lowbit.kv.layer for the tiers).
+    """Tiered quantized KV cache (see lowbit.kv.layer for the tiers), built from a resolved Plan.
 
     model_or_config: the transformers model (its attention is switched to "lowbit", which is
         exact with any other cache too) or its config (then call lowbit.kv.install_attention).
-    scheme: KVScheme or a scheme string ("int4", "k4v2", ...). Validated against the model's
-        geometry here, so bad input fails before any token is cached.
+    scheme: KVScheme or a scheme string ("int4", "k4v2", ...), resolved here into a plan
+        (lowbit.kv.plan.resolve: checked against the geometry, rotation / levels files opened once)
+        so bad input fails before any token is cached. A server resolves once and calls
+        `QuantizedKVCache.from_plan(model, plan)` per request instead.
     geometry: a lowbit.models.ModelGeometry (default: from the config); its name is what a
         RotationSet is checked against.
-    levels: Lloyd-Max levels per layer {layer: {"k": [2**bits], "v": [2**bits]}} (default Gaussian).
     chunk_tokens: middle rows dequantized per streamed block on the torch path.
-    decode_backend: "auto" | "torch" | "triton".
+    decode_backend: "auto" | "torch" | "triton" (see lowbit.kv.plan.resolve); the device the plan is
+        resolved for is the model's (CPU for a config).
     """
 
     def __init__(
@@ -71,42 +79,42 @@ class QuantizedKVCache(Cache):
         scheme: KVScheme | str = "bf16",
         *,
         geometry=None,
-        levels: dict | None = None,
         chunk_tokens: int = 1024,
         decode_backend: str = "auto",
+        plan=None,
     ):
         model, config = _split_model(model_or_config)
-        if isinstance(scheme, str):
-            scheme = parse_kv_scheme(scheme)
-        if not isinstance(scheme, KVScheme):
-            raise LowbitError(f"scheme must be a KVScheme or a scheme string, got {type(scheme).__name__}")
-        if decode_backend not in DECODE_BACKENDS:
-            raise LowbitError(f"decode backend {decode_backend!r} unknown; use one of {DECODE_BACKENDS}")
-        if geometry is None:
-            from lowbit.models.geometry import ModelGeometry
+        if plan is None:
+            from lowbit.kv.plan import resolve
 
-            geometry = ModelGeometry.from_config(config)
-        scheme.validate(geometry)
-        if scheme.fold_v_rotation and model is not None and getattr(model, "_lowbit_v_folded", None) != scheme.rotation:
+            if geometry is None:
+                from lowbit.models.geometry import ModelGeometry
+
+                geometry = ModelGeometry.from_config(config)
+            plan = resolve(scheme, geometry, device=model_device(model), decode_backend=decode_backend)
+        scheme = plan.scheme
+        if (scheme.fold_v_rotation and model is not None
+                and getattr(model, "_lowbit_v_folded", None) != rotation_key(scheme.rotation)):
             raise LowbitError(
                 "the scheme folds V's rotation into the weights but this model was not folded: call "
                 "lowbit.kv.rotations.fold_v_into_weights(model, scheme, geometry) first"
             )
-        rots = layer_rotations(scheme, geometry)
-        levels = levels or {}
-        layers = [
-            QuantizedKVLayer(g, scheme.for_layer(g.index), rk, rv, chunk_tokens=chunk_tokens, levels=levels.get(g.index))
-            for g, (rk, rv) in zip(geometry.layers, rots)
-        ]
-        super().__init__(layers=layers)
+        super().__init__(layers=[QuantizedKVLayer(lp, chunk_tokens=chunk_tokens) for lp in plan.layers])
+        self.plan = plan
         self.scheme = scheme
-        self.geometry = geometry
-        self.decode_backend = decode_backend
+        self.geometry = plan.geometry
+        self.decode_backend = plan.decode_backend
         self.backend_calls: Counter = Counter()
         self.backend_notes: list[str] = []
         self._pending: int | None = None
         if model is not None:
             attn.install_attention(model)
+
+    @classmethod
+    def from_plan(cls, model_or_config, plan, *, chunk_tokens: int = 1024) -> QuantizedKVCache:
+        """A new (empty) cache for one generate call from a resolved lowbit.kv.plan.Plan: no file is
+        opened and nothing is re-checked, so building one per request costs only the buffers."""
+        return cls(model_or_config, plan=plan, chunk_tokens=chunk_tokens)
 
     # ---------------------------------------------------------------- write
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -141,11 +149,7 @@ class QuantizedKVCache(Cache):
         qg = rotate(query.reshape(B, Hkv, G * Lq, D), layer.rot_k).reshape(B, Hkv, G, Lq, D)
         out = self._fused_decode(layer, qg, keep, scaling, softcap) if Lq == 1 else None
         if out is None:
-            q_slots = torch.arange(layer.n - Lq, layer.n, device=query.device)
-            min_slot = layer.n - Lq - (layer.window - 1) if layer.window else 0
-            out = attn.online_attention(
-                qg, layer.blocks(min_slot), q_slots, scaling=scaling, window=layer.window, keep=keep, softcap=softcap
-            )
+            out = attn.stream_layer(layer, qg, keep, scaling, softcap)
             self.backend_calls["torch"] += 1
         layer.chunk = None  # the chunk's own exact K/V are needed only by this attention
         Dv = out.shape[-1]
@@ -157,71 +161,36 @@ class QuantizedKVCache(Cache):
             self.backend_notes.append(msg)
             log.info("lowbit KV decode: %s", msg)
 
-    def _kernel_reason(self, layer, view, keep, softcap) -> str | None:
-        """Why the fused kernel cannot take this decode step of `layer` (None: it can)."""
-        kc, vc = layer.k_codec, layer.v_codec
-        if not (kc.quantized and vc.quantized):
-            return "16-bit middle tier (the kernel reads packed codes)"
-        for which, c in (("K", kc), ("V", vc)):
-            if c.tq.axis != "token":
-                return f"{which} grouped per channel (the kernel takes per-token groups)"
-            if c.tq.lloyd_max:
-                return f"{which} uses Lloyd-Max levels (the kernel takes the affine grid)"
-            if c.cbits not in (2, 4, 8) or c.head_dim not in (64, 128, 256) or c.head_dim // c.group not in (1, 2):
-                return f"{which} {c.bits}-bit, head_dim {c.head_dim}, group {c.group} (kernel: 2/4/8 bits, D 64/128/256, group D or D/2)"
-        if softcap:
-            return "attention logit soft-capping"
-        if view.ring_k.shape[-2] == 0:
-            return "the new token was flushed straight into the middle (recent 0)"
-        if keep is not None:
-            return "padding mask (the kernel takes prefix-valid tiers)"
-        return None
-
     def _fused_decode(self, layer, qg, keep, scaling, softcap):
-        """Hook for the fused decode kernel (lowbit.kernels.decode_attention, same middle layout).
+        """The decode step on the backend the plan chose for this layer (lowbit.kernels.decode_backend).
 
         qg [B, Hkv, G, 1, D] rotated. Returns [B, Hkv, G, 1, Dv] float32, or None for the torch path.
-        "auto" uses the kernel on CUDA when it can take the case; "triton" insists (CPU runs it in
-        the Triton interpreter); reasons for falling back are kept in backend_notes.
+        The plan decided once per layer; only per-call rules (padding, soft-capping, where the new
+        token sits) are checked here, by the backend's own `call_reason`.
         """
-        if self.decode_backend == "torch" or (self.decode_backend == "auto" and not qg.is_cuda):
+        choice = layer.plan.backends["decode"]
+        if choice.name != "triton-decode":
+            if choice.reason:
+                self._note(f"layer {layer.layer_idx}: torch path ({choice.reason})")
             return None
-        strict = self.decode_backend == "triton"
-        try:
-            from lowbit.kernels.decode_attention import decode_attention
-        except ImportError as e:
-            if strict:
-                raise LowbitError(f"decode backend 'triton' unavailable: {e}") from None
-            self._note(f"fused decode kernel unavailable ({e}); torch path")
-            return None
-        view = layer.view()
-        reason = self._kernel_reason(layer, view, keep, softcap)
+        from lowbit.kernels import decode_backend
+
+        if qg.device.type != self.plan.device:
+            raise LowbitError(f"the cache was planned for {self.plan.device} but the model runs on {qg.device.type}; "
+                              "resolve the plan for this device")
+        reason = decode_backend.call_reason(layer, keep, softcap)
         if reason:
-            if strict:
+            if self.decode_backend == "triton":
                 raise LowbitError(f"decode backend 'triton' cannot take layer {layer.layer_idx}: {reason}")
             self._note(f"layer {layer.layer_idx}: {reason}; torch path")
             return None
-        B, Hkv, G, _, D = qg.shape
-        q = qg.reshape(B, Hkv * G, D).to(layer.dtype).contiguous()
-        # The kernel has no window mask: hand it only the slots the query sees (>= n - window).
-        # Every tier is a contiguous slot range, so that is a slice of each (row views, no copy).
-        lo = view.n - layer.window if layer.window is not None else 0
-        ring_lo = view.n - view.ring_k.shape[-2]
-        s0, m0, r0 = max(0, lo), max(0, lo - view.mid_lo), max(0, lo - ring_lo)
-        dense = {}
-        if view.sink_k.shape[-2] > s0:
-            dense.update(sink_k=view.sink_k[:, :, s0:], sink_v=view.sink_v[:, :, s0:])
-        if view.ring_k.shape[-2] > r0:
-            dense.update(recent_k=view.ring_k[:, :, r0:], recent_v=view.ring_v[:, :, r0:])
-        mid = (None,) * 6
-        if view.mid_len > m0:
-            mk, mv = view.mid_k, view.mid_v
-            mid = tuple(f[name][:, :, m0:] for f in (mk, mv) for name in ("codes", "scale", "zero"))
-        out = decode_attention(
-            q, *mid, k_bits=layer.k_codec.cbits, v_bits=layer.v_codec.cbits, sm_scale=scaling, **dense
-        )  # [B, Hq, Dv]
+        try:
+            out = decode_backend.run(layer, qg, scaling)
+        except ImportError as e:
+            raise LowbitError(f"the fused decode kernel needs Triton ({e}); pip install 'lowbit[kernels]' "
+                              "or use decode_backend 'torch'") from None
         self.backend_calls["triton"] += 1
-        return out.float().reshape(B, Hkv, G, 1, -1)
+        return out
 
     # ---------------------------------------------------------------- HF API
     @property

@@ -32,7 +32,8 @@ class TensorCodec:
     """Quantize/pack and unpack/dequantize middle rows of one tensor (K or V) of one layer.
 
     tq: the TensorQuant; head_dim: D; page: tokens per channel block (axis "channel").
-    levels: Lloyd-Max levels float32 [2**bits] (default: Gaussian-optimal), ignored otherwise.
+    levels: Lloyd-Max levels float32 [2**bits] fitted for this layer (default: the TensorQuant's own
+    `levels`, else Gaussian-optimal), ignored otherwise.
     """
 
     def __init__(self, tq: TensorQuant, head_dim: int, page: int, levels: torch.Tensor | None = None):
@@ -46,7 +47,7 @@ class TensorCodec:
         if tq.quantized and tq.axis == "token" and head_dim % self.group:
             raise LowbitError(f"group {self.group} does not divide head_dim {head_dim}; pick a divisor")
         if tq.lloyd_max:
-            self.set_levels(levels)
+            self.set_levels(levels if levels is not None else tq.levels)
 
     @property
     def quantized(self) -> bool:

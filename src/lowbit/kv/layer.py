@@ -75,18 +75,19 @@ class QuantizedKVLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, geometry, scheme, rot_k=None, rot_v=None, *, chunk_tokens: int = 1024, levels=None):
+    def __init__(self, plan, *, chunk_tokens: int = 1024):
+        """plan: the layer's lowbit.kv.plan.LayerPlan (codecs, rotations, tiers; nothing is re-resolved)."""
         super().__init__()
-        self.geometry = geometry
+        self.plan = plan
+        self.geometry = geometry = plan.geometry
         self.layer_idx = geometry.index
-        self.scheme = scheme
+        self.scheme = plan.scheme
         self.is_sliding = geometry.attention == "sliding"
-        self.window = geometry.window if self.is_sliding else None
-        self.S, self.R, self.page = scheme.sink, scheme.recent, scheme.page
-        lv = levels or {}
-        self.k_codec = TensorCodec(scheme.k, geometry.head_dim_k, self.page, lv.get("k"))
-        self.v_codec = TensorCodec(scheme.v, geometry.head_dim_v, self.page, lv.get("v"))
-        self.rot_k, self.rot_v = rot_k, rot_v
+        self.window = plan.window
+        self.S, self.R, self.page = plan.sink, plan.recent, plan.page
+        self.k_codec: TensorCodec = plan.k
+        self.v_codec: TensorCodec = plan.v
+        self.rot_k, self.rot_v = plan.rot_k, plan.rot_v
         self._channel_grouped = any(c.quantized and c.tq.axis == "channel" for c in (self.k_codec, self.v_codec))
         # stream the middle in blocks of whole pages
         self.chunk_tokens = max(self.page, int(chunk_tokens) // self.page * self.page)

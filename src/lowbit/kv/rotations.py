@@ -1,4 +1,4 @@
-"""The rotations the KV cache applies: resolve a scheme's rotation per layer, rotate, fold into weights.
+"""The rotations the KV cache applies: rotate, un-rotate, fold V's into weights (lowbit.kv.plan resolves them).
 
 Stored K is k @ R_k and stored V is v @ R_v in every tier; queries are rotated by the same R_k
 (q R_k (k R_k)^T = q k^T for orthogonal R_k) and the attention output is multiplied by R_v^T.
@@ -8,34 +8,9 @@ the query heads that read it).
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
 from lowbit.errors import LowbitError
-
-
-def layer_rotations(scheme, geometry) -> list[tuple[torch.Tensor | None, torch.Tensor | None]]:
-    """[(R_k, R_v)] per layer, float32 on CPU, from scheme.rotation ('none' | 'hadamard' | RotationSet dir).
-
-    With scheme.fold_v_rotation, R_v is returned as None: V arrives already rotated from the
-    folded weights and the output needs no un-rotation.
-    """
-    rot = scheme.rotation
-    if rot == "none":
-        out = [(None, None) for _ in geometry.layers]
-    elif rot == "hadamard":
-        from lowbit.rotation.hadamard import hadamard
-
-        out = [(hadamard(g.head_dim_k), hadamard(g.head_dim_v)) for g in geometry.layers]
-    else:
-        from lowbit.rotation.rotation_set import RotationSet
-
-        rs = RotationSet.load(rot).validate_against(geometry)
-        out = [(rs.k[i].float(), rs.v[i].float()) for i in range(rs.num_layers)]
-    if scheme.fold_v_rotation:
-        out = [(rk, None) for rk, _ in out]
-    return out
 
 
 def rotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
@@ -77,7 +52,9 @@ def fold_v_into_weights(model, scheme, geometry) -> None:
     marker = getattr(model, "_lowbit_v_folded", None)
     if marker is not None:
         raise LowbitError(f"V rotation {marker!r} is already folded into this model's weights; load a fresh model")
-    full = layer_rotations(replace(scheme, fold_v_rotation=False), geometry)
+    from lowbit.kv.plan import load_rotations
+
+    full = load_rotations(scheme.rotation, geometry).per_layer
     mods = _attention_modules(model)
     for g in geometry.layers:
         rv = full[g.index][1]
@@ -101,4 +78,10 @@ def fold_v_into_weights(model, scheme, geometry) -> None:
         wo = m.o_proj.weight  # [hidden, Hq*D]: out = sum_j W_j o_j = sum_j (W_j R)(R^T o_j)... o_j' = o_j R
         w = wo.float().view(wo.shape[0], Hq, D)
         wo.copy_(torch.matmul(w, r).reshape_as(wo).to(wo.dtype))
-    model._lowbit_v_folded = scheme.rotation
+    model._lowbit_v_folded = rotation_key(scheme.rotation)
+
+
+def rotation_key(rotation) -> str:
+    """What identifies a scheme's rotation for the folded-weights marker: 'hadamard' or the set's path
+    (pinned or not: the plan pins a RotationRef after the weights may have been folded)."""
+    return rotation if isinstance(rotation, str) else rotation.path

@@ -90,7 +90,6 @@ class CacheFactory:
         self.model = model
         self.scheme = scheme
         self.geometry = geometry
-        scheme.validate(geometry)  # bad group / rotation / attention type: refuse before serving
         cls = _quantized_cache_class()
         if cls is None and scheme.quantized:
             raise LowbitError(
@@ -98,11 +97,20 @@ class CacheFactory:
                 "serve with --kv bf16 or install a lowbit that has the quantized cache"
             )
         self.cls = cls
+        self.plan = None
+        if cls is not None:
+            # resolved once (rotation / levels files opened here, never per request); bad group /
+            # rotation / attention type: refused before serving
+            from lowbit.kv.cache import model_device
+            from lowbit.kv.plan import resolve
+
+            self.plan = resolve(scheme, geometry, device=model_device(model))
+            self.scheme = self.plan.scheme
         # probe once so a broken combination fails at start-up, not on the first request
         probe = self.new()
         self.cache_class = type(probe).__name__
         held = getattr(probe, "scheme", None)
-        if held is not None and held != scheme:  # report only what the cache really holds
+        if held is not None and held != self.scheme:  # report only what the cache really holds
             raise LowbitError(f"the KV cache was built with scheme {held.name!r}, not the requested {scheme.name!r}")
 
     def new(self):
@@ -110,7 +118,7 @@ class CacheFactory:
             from transformers import DynamicCache
 
             return DynamicCache(config=self.model.config)
-        return self.cls(self.model, self.scheme, geometry=self.geometry)
+        return self.cls.from_plan(self.model, self.plan)
 
 
 def served_scheme(factory: CacheFactory) -> dict:
@@ -129,6 +137,6 @@ def served_scheme(factory: CacheFactory) -> dict:
         "sink": s.sink,
         "recent": s.recent,
         "page": s.page,
-        "rotation": s.rotation,
+        "rotation": s.to_dict()["rotation"],
         "recipe": s.to_dict(),
     }

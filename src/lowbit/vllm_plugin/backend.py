@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import ClassVar
@@ -66,9 +66,6 @@ from lowbit.vllm_plugin.slot import SlotFormat
 
 log = logging.getLogger("lowbit.vllm_plugin")
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
-_ARENAS: dict[str, paged.TierArena] = {}  # layer name -> its arena (this process)
-_WINDOWS_LOGGED: set = set()
-_REUSE_SEEN: list = []
 
 
 @dataclass
@@ -80,6 +77,7 @@ class LowbitModel:
     geometry: object
     formats: dict  # (head_dim_k, head_dim_v) -> SlotFormat
     rotations: list  # [(R_k, R_v)] per layer
+    windows_logged: set = field(default_factory=set)  # sliding windows whose layers were described in the log
 
     def fmt(self, dk: int, dv: int) -> SlotFormat:
         return self.formats[(dk, dv)]
@@ -94,7 +92,7 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
         return None
     from transformers import AutoConfig
 
-    from lowbit.kv.rotations import layer_rotations
+    from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
 
     side = sidecar.read(p)
@@ -104,10 +102,11 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
     if scheme.page != 1:
         raise LowbitError(f"{p}: the sidecar has page {scheme.page}; the vLLM plugin packs every token on write "
                           "(page 1): export again with `lowbit export --for vllm`")
-    scheme.validate(geometry)
+    plan = resolve(scheme, geometry, device="cpu")  # opens and checks the exported rotation set once
+    scheme = plan.scheme
     dims = {(g.head_dim_k, g.head_dim_v) for g in geometry.layers}
     formats = {d: SlotFormat(scheme, d[0], d[1], dense_dtype) for d in dims}
-    rots = layer_rotations(scheme, geometry)
+    rots = [(lp.rot_k, lp.rot_v) for lp in plan.layers]
     for d, f in formats.items():
         log.warning("lowbit plugin: %s KV %s | head_dim %s: %s", p.name, scheme.describe(), d, f.describe())
     if scheme.sink or scheme.recent:
@@ -119,23 +118,47 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
     return LowbitModel(path=str(p), scheme=scheme, geometry=geometry, formats=formats, rotations=rots)
 
 
-_active: list[LowbitModel | None] = []  # what this process resolved last (vLLM serves one model per process)
+class ResolvedModels:
+    """The models resolved from a vLLM config in force, {(path, dtype): LowbitModel | None}.
+
+    vLLM asks some backend questions (customize_spec from the worker's get_kv_cache_spec, for one)
+    without a config in force. vLLM runs one model per process, so such a question is answered
+    from the one model resolved here; with none resolved yet, or several, it is an error naming
+    them -- never the last one seen."""
+
+    def __init__(self):
+        self.models: dict = {}
+
+    def resolve(self, path: str, dtype: torch.dtype) -> LowbitModel | None:
+        m = _load(path, dtype)
+        self.models[(path, dtype)] = m
+        return m
+
+    def only(self) -> LowbitModel | None:
+        if len(self.models) == 1:
+            return next(iter(self.models.values()))
+        if not self.models:
+            raise LowbitError("lowbit plugin: vLLM asked about the attention backend outside a model config "
+                              "before any model was loaded in this process; report this with the vLLM version")
+        names = ", ".join(sorted(f"{p} ({d})" for p, d in self.models))
+        raise LowbitError(f"lowbit plugin: this process loaded several models ({names}) and vLLM asked outside a "
+                          "model config which one: serve one model per vLLM process")
 
 
-def current_model() -> LowbitModel | None:
-    """The lowbit model of the vLLM config in force; outside a config context (vLLM asks some
-    backend questions without one), the one this process resolved last."""
+RESOLVED = ResolvedModels()  # this process's models (vLLM serves one per process)
+
+
+def current_model(resolved: ResolvedModels = RESOLVED) -> LowbitModel | None:
+    """The lowbit model of the vLLM config in force (None: its directory has no sidecar, stock vLLM).
+    Outside a config context: the one model this process resolved (ResolvedModels.only), else LowbitError."""
     try:
         cfg = get_current_vllm_config()
     except AssertionError:
-        return _active[-1] if _active else None
+        return resolved.only()
     mc = getattr(cfg, "model_config", None)
     if mc is None:
-        return _active[-1] if _active else None
-    m = _load(str(mc.model), mc.dtype)
-    if not _active or _active[-1] is not m:
-        _active.append(m)
-    return m
+        return resolved.only()
+    return resolved.resolve(str(mc.model), mc.dtype)
 
 
 # ------------------------------------------------------------------- metadata
@@ -151,11 +174,20 @@ class LowbitMetadata(AttentionMetadata):
 class LowbitMetadataBuilder(AttentionMetadataBuilder[LowbitMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._layers_config = vllm_config
+        self._reuse_logged = False
+
+    def arenas(self) -> list[paged.TierArena]:
+        """The tier arenas of this group's layers, each owned by its layer's LowbitAttentionImpl (made on
+        its first write), found through vLLM's own table of layers (static_forward_context)."""
+        ctx = getattr(getattr(self._layers_config, "compilation_config", None), "static_forward_context", None) or {}
+        found = (getattr(getattr(ctx.get(n), "impl", None), "arena", None) for n in self.layer_names)
+        return [a for a in found if a is not None]
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LowbitMetadata:
         m = common_attn_metadata
-        arenas = [_ARENAS[n] for n in self.layer_names if n in _ARENAS]
+        arenas = self.arenas()
         if arenas:  # drop the dense blocks no running request needs (finished requests, rows out of a window)
             table, lens = m.block_table_tensor, m.seq_lens.cpu().tolist()
             qsl = m.query_start_loc_cpu.tolist()
@@ -168,14 +200,14 @@ class LowbitMetadataBuilder(AttentionMetadataBuilder[LowbitMetadata]):
                     live_by_window[a.window] = live
                 a.retain(live_by_window[a.window])
             w = arenas[0].window
-            if w and not _REUSE_SEEN and len(lens) > 1:  # evidence in the log that freed blocks get reused
+            if w and not self._reuse_logged and len(lens) > 1:  # evidence in the log that freed blocks get reused
                 below, held = set(), set()
                 for r, n in enumerate(lens):
                     vis = paged.visible_from(n - (qsl[r + 1] - qsl[r]), w)
                     below |= {int(b) for b in table[r, : vis // arenas[0].bs].tolist()}
                     held |= {int(b) for b in table[r, vis // arenas[0].bs: -(-n // arenas[0].bs)].tolist()}
                 if below & held:
-                    _REUSE_SEEN.append(True)
+                    self._reuse_logged = True
                     log.warning("lowbit plugin: %s", f"sliding window {w}: a block vLLM freed below one request's "
                                 "window now holds another request's tokens (never read by the first)")
         return LowbitMetadata(num_actual_tokens=m.num_actual_tokens, query_start_loc=m.query_start_loc_cpu,
@@ -221,8 +253,8 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
                               "would skip: start vLLM with --no-enable-prefix-caching (or export with "
                               "--sink 0 --recent 0)")
         self.arena: paged.TierArena | None = None  # made on the first write, once the block size is known
-        if sliding_window not in _WINDOWS_LOGGED:
-            _WINDOWS_LOGGED.add(sliding_window)
+        if sliding_window not in self.model.windows_logged:
+            self.model.windows_logged.add(sliding_window)
             log.warning("lowbit plugin: %s", f"sliding-window layers (window {sliding_window}): the attention and "
                         "the exact tiers read only the window" if sliding_window else "full-attention layers")
 
@@ -262,9 +294,9 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
             if md is None:  # profiling / warm-up pass: nothing real to keep
                 return
             if self.arena is None:
+                # owned by this impl; the metadata builder finds it through vLLM's layer table
                 self.arena = paged.TierArena(sch.sink, sch.recent, cache.shape[2], self.dense_dtype,
                                              window=self.sliding_window)
-                _ARENAS[layer.layer_name] = self.arena
             positions, row_lens = paged.token_positions(md.query_start_loc, md.seq_lens, key.shape[0])
         self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv, positions=positions,
                                            row_seq_lens=row_lens, arena=self.arena)

@@ -33,11 +33,13 @@ def build(scheme, geometry, *, model_name: str, weights_sha256: str | None, rota
     directory relative to the model directory, when the scheme's rotation is a RotationSet."""
     from dataclasses import replace
 
+    from lowbit.recipe import RotationRef
+
     rot = scheme.rotation
     if rot not in ("none", "hadamard"):
         if rotation_rel is None:
             raise LowbitError(f"scheme rotation {rot} is a RotationSet: export it into the model directory first")
-        scheme = replace(scheme, rotation=rotation_rel)
+        scheme = replace(scheme, rotation=RotationRef(rotation_rel, rot.sha256))  # relative, still pinned
     dims = sorted({g.head_dim_k for g in geometry.layers} | {g.head_dim_v for g in geometry.layers})
     resolved = {}
     for which, t in (("k", scheme.k), ("v", scheme.v)):

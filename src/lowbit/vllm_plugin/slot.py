@@ -44,6 +44,43 @@ class _Field:
         return self.width * _dtype_bytes(self.dtype)
 
 
+# ------------------------------------------------------------------ capability rules (the "vllm-slot" backend)
+def scheme_reason(scheme) -> str | None:
+    """Model-wide rules: why the plugin cannot serve `scheme` at all (None: it can)."""
+    if scheme.fold_v_rotation:
+        return "fold_v_rotation (V rotation folded into the weights) is not supported by the vLLM plugin; drop it"
+    if scheme.layer_bits:
+        # vLLM sizes one KV cell for every layer of a cache group; mixed bits need one group per width.
+        return ("per-layer bits (layer_bits) are not supported by the vLLM plugin (one cell size for every layer); "
+                "export one bit width")
+    return None
+
+
+def codecs_reason(k_codec, v_codec) -> str | None:
+    """Per-layer rules: the plugin stores per-token groups on a uniform grid (or 16-bit rows)."""
+    for which, c in (("K", k_codec), ("V", v_codec)):
+        if c.quantized and c.tq.axis != "token":
+            return f"{which} is grouped per channel (KIVI); the vLLM plugin supports per-token groups only"
+        if c.tq.lloyd_max:
+            return f"{which} uses Lloyd-Max levels; the vLLM plugin supports uniform grids only"
+    return None
+
+
+def _supports(layer, step: str, device: str) -> str | None:
+    if device != "cpu":
+        return f"device {device} (the vLLM plugin runs on vLLM's CPU platform only)"
+    return scheme_reason(layer.scheme) or codecs_reason(layer.k, layer.v)
+
+
+def _register_backend():
+    from lowbit.kv.backends import Backend, register
+
+    return register(Backend("vllm-slot", ("paged",), _supports, None, module=__name__))
+
+
+BACKEND = _register_backend()
+
+
 class SlotFormat:
     """Byte layout of one (token, KV head) cell for one layer, and its encode/decode.
 
@@ -54,16 +91,12 @@ class SlotFormat:
     def __init__(self, scheme, head_dim_k: int, head_dim_v: int, dense_dtype: torch.dtype = torch.float16):
         from lowbit.kv.codec import SCALE_DTYPE, TensorCodec
 
-        if getattr(scheme, "layer_bits", ()):
-            raise LowbitError("the vLLM plugin serves one bit width for every layer; this sidecar has "
-                              "per-layer bits (layer_bits): export without them")
         self.scheme = scheme
         self.codecs = {"k": TensorCodec(scheme.k, head_dim_k, scheme.page),
                        "v": TensorCodec(scheme.v, head_dim_v, scheme.page)}
-        for which, c in self.codecs.items():
-            if c.quantized and (c.tq.axis != "token" or c.tq.lloyd_max):
-                raise LowbitError(f"the vLLM plugin stores per-token uniform groups; {which.upper()} is "
-                                  f"{c.tq.describe()}: export a per-token uniform scheme")
+        reason = scheme_reason(scheme) or codecs_reason(self.codecs["k"], self.codecs["v"])
+        if reason:
+            raise LowbitError(f"the vLLM plugin cannot store this scheme: {reason}")
         self.dense_dtype = dense_dtype
         self.fields: list[_Field] = []
         off = 0
