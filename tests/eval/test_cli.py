@@ -17,6 +17,7 @@ def no_model_work(monkeypatch):
         raise AssertionError("the model was loaded before the bad input was refused")
 
     monkeypatch.setattr(lowbit.models, "load", refuse)
+    monkeypatch.setattr(lowbit.models, "resolve", refuse)
 
 
 def _err(capsys) -> str:

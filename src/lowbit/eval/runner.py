@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -109,61 +109,40 @@ def _bytes_bound_check(text: str, seq_len: int, windows: int) -> None:
                           "use fewer/shorter windows or a longer text")
 
 
-def _early_tokenizer(model: str, cache_dir):
-    """The model's tokenizer without loading weights, when that is cheap (cached built-in or local dir)."""
-    from transformers import AutoTokenizer
-
-    from lowbit.models.load import cache_path, is_cached
-    from lowbit.models.registry import BUILTINS
-
-    try:
-        if model in BUILTINS:
-            return AutoTokenizer.from_pretrained(cache_path(model, cache_dir)) if is_cached(model, cache_dir) else None
-        p = Path(model).expanduser()
-        if p.is_dir() and any((p / f).is_file() for f in ("tokenizer.json", "tokenizer.model", "vocab.json")):
-            return AutoTokenizer.from_pretrained(p)
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def _load_model(o: EvalOptions, lm=None):
-    """(model, tokenizer, geometry, info dict). `lm`: an already loaded LoadedModel (else loaded here).
+    """(model, tokenizer, geometry, info dict). `lm`: an already loaded LoadedModel (else resolved here).
 
-    --weights DIR evaluates a compressed-tensors checkpoint instead, loaded by
-    lowbit.weights.load_quantized (QuantLinear modules, no decompression); its tokenizer comes from the
-    checkpoint, else from --model. --model's own weights are then not loaded.
+    --weights DIR evaluates a compressed-tensors checkpoint instead, which lowbit.models.resolve loads
+    through lowbit.weights.load_quantized (QuantLinear modules, no decompression); its tokenizer comes
+    from the checkpoint, else from --model, whose own weights are then not loaded. The geometry is
+    named after --model, so RotationSets fitted for that model apply to its quantized weights.
     """
     import lowbit.models
-    from lowbit.models.geometry import ModelGeometry
+    from lowbit.models import load_tokenizer, model_name
 
     dtype = DTYPES[o.dtype]
     if o.weights is not None:
-        try:
-            from lowbit.weights.load import load_quantized
-        except ImportError:
-            raise LowbitError("--weights needs lowbit.weights.load_quantized, which this lowbit does not provide; "
-                              "evaluate without --weights") from None
-        from lowbit.models.load import sha256_file
-
-        wdir = Path(o.weights)
-        model, tok = load_quantized(wdir, dtype=dtype)
+        q = lowbit.models.resolve(o.weights, cache_dir=o.cache_dir, dtype=dtype)
+        if q.provenance.get("source") != "quantized-checkpoint":
+            raise LowbitError(f"--weights {o.weights}: its config.json has no quantization_config; "
+                              "pass a checkpoint written by `lowbit quantize`")
+        tok = q.tokenizer
         if tok is None:
-            tok = lm.tokenizer if lm is not None else _early_tokenizer(o.model, o.cache_dir)
+            tok = lm.tokenizer if lm is not None else load_tokenizer(o.model, o.cache_dir)
         if tok is None:
-            tok = lowbit.models.load(o.model, cache_dir=o.cache_dir, dtype=dtype).tokenizer
-        files = {f.name: sha256_file(f) for f in sorted(wdir.glob("*.safetensors"))}
-        geometry = ModelGeometry.from_config(model.config)
-        info = {"name": f"{o.model} + {wdir.name}", "weights_sha256": files, "dtype": o.dtype,
-                "path": str(wdir.resolve()), "geometry": geometry.summary(),
-                "weights": {"dir": str(wdir.resolve()), "manifest": (wdir / "manifest.json").is_file()}}
-        return model.eval(), tok, geometry, info
+            tok = lowbit.models.resolve(o.model, cache_dir=o.cache_dir, dtype=dtype).tokenizer
+        geometry = replace(q.geometry, name=lm.name if lm is not None else model_name(o.model))
+        p = q.provenance
+        info = {"name": f"{o.model} + {Path(o.weights).name}", "weights_sha256": p["weights_files"], "dtype": o.dtype,
+                "path": p["path"], "geometry": geometry.summary(),
+                "weights": {"dir": p["path"], "manifest": p["manifest"]}, "provenance": p}
+        return q.model, tok, geometry, info
     if lm is None:
-        lm = lowbit.models.load(o.model, cache_dir=o.cache_dir, dtype=dtype)
+        lm = lowbit.models.resolve(o.model, cache_dir=o.cache_dir, dtype=dtype)
     elif lm.model.dtype != dtype:
         raise LowbitError(f"the loaded model is {lm.model.dtype}, not the {o.dtype} asked; load it with that dtype")
     info = {"name": lm.name, "weights_sha256": lm.weights_sha256, "dtype": o.dtype, "path": str(lm.path),
-            "geometry": lm.geometry.summary(), "weights": None}
+            "geometry": lm.geometry.summary(), "weights": None, "provenance": lm.provenance}
     return lm.model, lm.tokenizer, lm.geometry, info
 
 
@@ -199,6 +178,7 @@ def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
     from lowbit.eval import report as rep
     from lowbit.eval.harness import evaluate
     from lowbit.eval.perplexity import full_window_ppl
+    from lowbit.models import load_tokenizer
 
     console = console or _console()
     schemes, peers, seq_len = check_options(o)
@@ -206,7 +186,7 @@ def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
         torch.set_num_threads(o.threads)
     text = load_text(o.data)
     _bytes_bound_check(text, seq_len, o.windows)
-    tok = loaded.tokenizer if loaded is not None else _early_tokenizer(o.model, o.cache_dir)
+    tok = loaded.tokenizer if loaded is not None else load_tokenizer(o.model, o.cache_dir)
     windows = token_windows(tok, text, seq_len, o.windows) if tok is not None else None
 
     t0 = time.perf_counter()
