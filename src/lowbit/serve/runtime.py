@@ -4,12 +4,11 @@ MODEL_OR_ARTIFACT is a built-in name (smollm2-135m), a Hugging Face model direct
 directory written by `lowbit export --for vllm` (it carries lowbit_kv.json, the KV sidecar,
 whose scheme is used unless --kv is given; the sidecar is checked against the model). A
 directory whose config.json has a `quantization_config` (a compressed-tensors checkpoint from
-`lowbit quantize`) and `--weights DIR` are loaded through lowbit.weights.load_quantized.
+`lowbit quantize`) and `--weights DIR` are loaded by lowbit.models.resolve, through lowbit.weights.load_quantized.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,29 +32,6 @@ class Runtime:
     eos_token_ids: list[int]
 
 
-def _is_quantized_checkpoint(path: Path) -> bool:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    return isinstance(cfg.get("quantization_config"), dict)
-
-
-def _load_weights(path: Path, dtype):
-    """A compressed-tensors checkpoint through lowbit's loader (lowbit.weights.load.load_quantized)."""
-    try:
-        from lowbit.weights.load import load_quantized
-    except ImportError:
-        raise LowbitError(
-            f"{path} holds quantized weights but this lowbit has no lowbit.weights.load.load_quantized; "
-            "serve the unquantized model instead"
-        ) from None
-    model, tok = load_quantized(path, dtype=dtype)
-    cfg = json.loads((path / "config.json").read_text())
-    info = {"path": str(path), "quantization_config": cfg.get("quantization_config")}
-    return model, tok, info
-
-
 def _eos_ids(model, tokenizer) -> list[int]:
     ids = set()
     for src in (getattr(model, "generation_config", None), getattr(model, "config", None)):
@@ -72,27 +48,33 @@ def _eos_ids(model, tokenizer) -> list[int]:
 def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None, dtype=torch.float32,
                  max_context: int | None = None, name: str | None = None) -> Runtime:
     """kv: a KVScheme, or None (the artifact's sidecar, else bf16)."""
-    from lowbit.models import load
-    from lowbit.models.geometry import ModelGeometry
+    from lowbit.models import load_tokenizer, resolve
     from lowbit.recipe import parse_kv_scheme
     from lowbit.vllm_plugin import sidecar
 
     src = Path(model_or_artifact).expanduser()
     side = sidecar.read(src) if src.is_dir() and sidecar.has_sidecar(src) else None
-    weights_info = None
-    if weights is not None or (src.is_dir() and _is_quantized_checkpoint(src)):
-        wdir = Path(weights).expanduser() if weights is not None else src
+    if weights is not None:
+        wdir = Path(weights).expanduser()
         if not wdir.is_dir():
             raise LowbitError(f"--weights {weights}: not a directory; pass a checkpoint written by `lowbit quantize`")
-        model, tok, weights_info = _load_weights(wdir, dtype)
+        loaded = resolve(wdir, dtype=dtype)
+        if loaded.provenance.get("source") != "quantized-checkpoint":
+            raise LowbitError(f"--weights {weights}: its config.json has no quantization_config; "
+                              "pass a checkpoint written by `lowbit quantize`")
+        tok = loaded.tokenizer or load_tokenizer(model_or_artifact)
         if tok is None:
-            tok = load(model_or_artifact, dtype=dtype).tokenizer if weights is not None else None
-        geometry = ModelGeometry.from_config(model.config, name=name or src.name)
-        served_name = name or (src.name if src.is_dir() else str(model_or_artifact))
+            tok = resolve(model_or_artifact, dtype=dtype).tokenizer
     else:
-        loaded = load(model_or_artifact, dtype=dtype)
-        model, tok, geometry = loaded.model, loaded.tokenizer, loaded.geometry
-        served_name = name or loaded.name
+        loaded = resolve(model_or_artifact, dtype=dtype)  # a quantized checkpoint loads via lowbit.weights
+        tok = loaded.tokenizer
+    model, geometry, served_name = loaded.model, loaded.geometry, name or loaded.name
+    weights_info = None
+    if loaded.provenance.get("source") == "quantized-checkpoint":
+        weights_info = {"path": loaded.provenance["path"], "quantization_config": loaded.provenance["quantization_config"]}
+        # quantized weights are served under the model's name (the folder or built-in given first)
+        served_name = name or (src.name if src.is_dir() else str(model_or_artifact))
+        geometry = replace(geometry, name=name or src.name)
     if tok is None:
         raise LowbitError(f"{model_or_artifact} has no tokenizer files; serve a model directory that includes them")
     if side is not None:
