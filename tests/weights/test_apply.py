@@ -21,7 +21,7 @@ def test_gptq_sequential_quantizes_every_linear_and_beats_rtn_on_calibration_tex
     errs = {}
     for method in ("rtn", "gptq"):
         m = small_model()
-        rep = quantize_model(m, parse_weight_scheme("w4a16-g32"), method=method, calib=calib, batch_size=3)
+        rep = quantize_model(m, parse_weight_scheme("w4a16-g32-asym"), method=method, calib=calib, batch_size=3)
         c = rep.counts()
         assert c["layers"] == 2 and c["quantized_linears"] == 14 and c["skipped_linears"] == 0
         assert c["ignored_linears"] == 1 and rep.ignored == ["lm_head"]
@@ -55,9 +55,9 @@ def test_linear_outside_layers_would_be_skipped_error():
     m = small_model()
     m.extra_proj = nn.Linear(96, 96)
     with pytest.raises(LowbitError, match="extra_proj"):
-        quantize_model(m, parse_weight_scheme("w4a16-g32"), method="gptq", calib=token_ids(batch=2, seq=8))
+        quantize_model(m, parse_weight_scheme("w4a16-g32-asym"), method="gptq", calib=token_ids(batch=2, seq=8))
     # ignoring it by name (or regex) is fine; rtn quantizes it
-    rep = quantize_model(m, parse_weight_scheme("w4a16-g32"), method="rtn", ignore=["lm_head", "re:extra.*"])
+    rep = quantize_model(m, parse_weight_scheme("w4a16-g32-asym"), method="rtn", ignore=["lm_head", "re:extra.*"])
     assert "extra_proj" in rep.ignored
 
 

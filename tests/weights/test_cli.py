@@ -27,7 +27,7 @@ def calib_file(tmp_path_factory):
 
 def test_quantize_gptq_rotate_writes_a_loadable_checkpoint(tmp_path, model_dir, calib_file, capsys):
     out = tmp_path / "ckpt"
-    rc = main(["quantize", "--model", str(model_dir), "--weights", "w4a16-g32", "--method", "gptq", "--rotate",
+    rc = main(["quantize", "--model", str(model_dir), "--weights", "w4a16-g32-asym", "--method", "gptq", "--rotate",
                "--calib", str(calib_file), "--calib-tokens", "96", "--calib-seq-len", "16", "--out", str(out)])
     assert rc == 0
     assert "14 linears quantized, 1 ignored, 0 skipped" in capsys.readouterr().out

@@ -14,7 +14,7 @@ from lowbit.weights.scheme import parse_weight_scheme
 
 from .helpers import small_model, token_ids
 
-SCHEMES = ["w4a16-g32", "w4a16-g32-sym", "w8a16", "w8a8", "w4a8-g32"]
+SCHEMES = ["w4a16-g32-asym", "w4a16-g32", "w8a16", "w8a8", "w4a8-g32"]
 
 
 def _quantized(scheme, rotate=False, tie=True):
@@ -49,7 +49,7 @@ def test_roundtrip_through_lowbit_loader_is_exact(tmp_path, scheme):
 
 
 def test_safetensors_layout(tmp_path):
-    m, _, _ = _quantized("w4a16-g32")
+    m, _, _ = _quantized("w4a16-g32-asym")
     sd = checkpoint_state(m, torch.float32)
     p = "model.layers.0.mlp.down_proj"  # [96, 160]
     assert sd[f"{p}.weight_packed"].dtype == torch.int32 and sd[f"{p}.weight_packed"].shape == (96, 160 * 4 // 32)
@@ -62,7 +62,7 @@ def test_safetensors_layout(tmp_path):
     assert f"{p}.weight_zero_point" not in sd8
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32", "w8a16", "w4a16-g32-sym"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-asym", "w8a16", "w4a16-g32"])
 def test_compressed_tensors_decompressor_gives_our_weights(tmp_path, scheme):
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationScheme
@@ -78,7 +78,7 @@ def test_compressed_tensors_decompressor_gives_our_weights(tmp_path, scheme):
     torch.testing.assert_close(dense.float(), ql.dequantized_weight(), atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a16-g32-sym", "w8a16", "w8a8"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-asym", "w4a16-g32", "w8a16", "w8a8"])
 def test_transformers_from_pretrained_loads_it(tmp_path, scheme):
     from transformers import AutoModelForCausalLM
     from transformers.utils.quantization_config import CompressedTensorsConfig

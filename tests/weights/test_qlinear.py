@@ -16,7 +16,7 @@ def _qlin(name, out=13, n=192, bias=True, seed=0):
     return QuantLinear.from_codes(q.codes, q.grid, s, b), q, b
 
 
-@pytest.mark.parametrize("name", ["w4a16-g64", "w4a16-g64-sym", "w8a16"])
+@pytest.mark.parametrize("name", ["w4a16-g64-asym", "w4a16-g64", "w8a16"])
 def test_a16_forward_is_linear_with_the_dequantized_weight(name):
     m, q, b = _qlin(name)
     torch.testing.assert_close(m.dequantized_weight(), q.dequantize(), atol=1e-6, rtol=0)

@@ -31,7 +31,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF dir")
     p.add_argument("--weights", required=True,
-                   help="scheme: w4a16-g128 | w4a16-g64 | w4a16-g64-sym | w8a16 | w8a8 | w4a8 (| w4a8-g64, w4a16-gN[-sym])")
+                   help="scheme: w4a16-g128 | w4a16-g64 | w4a16-g64-asym | w8a16 | w8a8 | w4a8 (| w4a8-g64, w4a16-gN[-asym])")
     p.add_argument("--method", choices=("gptq", "rtn", "signround"), default="gptq",
                    help="GPTQ (default), round-to-nearest, or SignRound (each layer's rounding and group ranges "
                         "tuned by signed gradient descent on its output; the most accurate, and the slowest: "

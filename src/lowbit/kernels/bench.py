@@ -128,9 +128,10 @@ def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0):
         sets.append(t)
 
     def mk(t):
-        def f():
-            return decode_attention(q, t["kc"], t["ks"], t["kz"], t["vc"], t["vs"], t["vz"], k_bits=kbits,
-                                    v_bits=vbits, config=cfg, out=out)
+        def f():  # the set keeps what its last call launched (t["launch"]: decode_attention.Launch)
+            o, t["launch"] = decode_attention(q, t["kc"], t["ks"], t["kz"], t["vc"], t["vs"], t["vz"], k_bits=kbits,
+                                              v_bits=vbits, config=cfg, out=out, return_launch=True)
+            return o
         return f
 
     return [mk(t) for t in sets], sets
@@ -190,10 +191,9 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
                     row[f"{tag}_ratio"] = t_ref / t
                     row[f"{tag}_tbs"] = pb / t / 1e9
                     row[f"{tag}_bytes"] = pb
-                    from lowbit.kernels.decode_attention import LAST_LAUNCH
-
                     rc = cfg.resolve(B, Hkv, D, max(kb, vb))
-                    row[f"{tag}_config"] = dict(rc.__dict__, num_splits=LAST_LAUNCH.get("num_splits"))
+                    launch = keep[0].get("launch")  # what the timed calls launched
+                    row[f"{tag}_config"] = dict(rc.__dict__, num_splits=launch.num_splits if launch else None)
                     if event_timing:
                         row[f"{tag}_event_ms"] = event_time_ms(fns)
                     del fns, keep

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import triton
@@ -346,7 +347,7 @@ def _mid_block(t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
     return m_new, l_v, o0, o1, lz0, lz1
 
 
-# The split arguments are not specialised (divisibility, == 1): the occupancy probe (_blocks_per_sm)
+# The split arguments are not specialised (divisibility, == 1): the occupancy probe (DeviceInfo.blocks_per_sm)
 # compiles with placeholder values and must get the very kernel the launch uses (same SASS loop).
 @triton.jit(do_not_specialize=["split_tokens", "NSM", "NSPLIT"])
 def _stage1(
@@ -618,8 +619,51 @@ def _pow2(n: int) -> int:
 
 
 _PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 5, 8: 3}  # fallback when occupancy is unknown (run 2, benchmarks/NOTES.md)
-LAST_LAUNCH: dict = {}  # what the last call launched (num_splits, grid, split_tokens): benchmarks record it
-_OCC: dict = {}  # compiled-kernel key -> resident programs per SM
+
+
+@dataclass(frozen=True)
+class Launch:
+    """What one decode_attention call launched (`return_launch=True` returns it with the output):
+    middle-tier splits per (sequence, KV head), the stage-1 grid (splits + dense?, Hkv, B), middle
+    tokens per split, the resolved launch config, resident programs per SM used to pick the splits
+    (None: the fixed rule, or splits given), and the mode: "interpreter" (CPU tensors through
+    Triton's interpreter) or "compiled" (CUDA)."""
+
+    num_splits: int
+    grid: tuple[int, int, int]
+    split_tokens: int
+    config: KernelConfig
+    blocks_per_sm: int | None
+    mode: str
+
+
+class DeviceInfo:
+    """Facts about one CUDA device that hold for the life of the process: its SM count and, per
+    compiled stage-1 variant, the programs resident per SM. One object per device index
+    (`device_info`); caches of facts about the hardware, never of a call's choices."""
+
+    def __init__(self, index: int):
+        self.index = int(index)
+        self.sms = int(torch.cuda.get_device_properties(self.index).multi_processor_count)
+        self._occupancy: dict = {}  # compiled-kernel key -> resident programs per SM (None: probe failed)
+
+    def blocks_per_sm(self, consts: dict, probe_args) -> int | None:
+        key = (tuple(sorted(consts.items())), tuple(
+            (a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else None for a in probe_args(None, None)[:40]))
+        if key not in self._occupancy:
+            self._occupancy[key] = _probe_blocks_per_sm(torch.device("cuda", self.index), consts, probe_args)
+        return self._occupancy[key]
+
+
+def cuda_index(dev: torch.device) -> int:
+    """The explicit index of a CUDA device ("cuda" alone means the current device at call time)."""
+    return dev.index if dev.index is not None else torch.cuda.current_device()
+
+
+@cache
+def device_info(index: int) -> DeviceInfo:
+    """The DeviceInfo of CUDA device `index` (one per device, keyed by its explicit index)."""
+    return DeviceInfo(index)
 
 
 def pick_num_splits(batch: int, kv_heads: int, max_tokens: int, block_t: int, sms: int = 132,
@@ -651,14 +695,11 @@ def pick_num_splits(batch: int, kv_heads: int, max_tokens: int, block_t: int, sm
     return best
 
 
-def _blocks_per_sm(dev: torch.device, consts: dict, probe_args) -> int | None:
+def _probe_blocks_per_sm(dev: torch.device, consts: dict, probe_args) -> int | None:
     """Programs of the stage-1 kernel resident per SM, from the compiled kernel's registers (per
     sub-partition: 16384 registers, allocated per warp in units of 8 per thread) and shared memory.
-    Compiles (or finds) the kernel with placeholder split arguments; None if that fails."""
-    key = (dev.index, tuple(sorted(consts.items())), tuple(
-        (a.dtype, a.data_ptr() % 16) if isinstance(a, torch.Tensor) else None for a in probe_args(None, None)[:40]))
-    if key in _OCC:
-        return _OCC[key]
+    Compiles (or finds) the kernel with placeholder split arguments; None if that fails.
+    Cached per device and kernel variant by DeviceInfo.blocks_per_sm."""
     try:
         part = torch.empty(16, dtype=torch.float32, device=dev)
         k = _stage1.warmup(*probe_args(part, part), grid=(1, 1, 1), MID_ITERS=0, **consts)
@@ -676,7 +717,6 @@ def _blocks_per_sm(dev: torch.device, consts: dict, probe_args) -> int | None:
 
         logging.getLogger(__name__).info("decode_attention: occupancy probe failed (%r); fixed split rule", e)
         occ = None
-    _OCC[key] = occ
     return occ
 
 
@@ -759,7 +799,8 @@ def decode_attention(
     recent_lens: torch.Tensor | int | None = None,
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
-) -> torch.Tensor:
+    return_launch: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, Launch]:
     """Attention of one query token per sequence over the sink / packed middle / recent tiers.
 
     q        [B, Hq, D] (bf16/fp16/fp32); Hq = G * Hkv, q head h reads KV head h // G.
@@ -771,8 +812,10 @@ def decode_attention(
     sink_k/sink_v, recent_k/recent_v  [B, Hkv, N, D] / [B, Hkv, N, Dv] dense tiers (any float dtype),
              valid slots [0, *_lens[b]) (default: all N).
     sm_scale softmax scale (default 1/sqrt(D)).
-    Returns [B, Hq, Dv] in q's dtype (or writes into `out`). A sequence with no valid token gets 0.
-    CPU tensors run through the Triton interpreter (TRITON_INTERPRET=1 must be set before import).
+    Returns [B, Hq, Dv] in q's dtype (or writes into `out`). A sequence with no valid token gets 0;
+    with return_launch, (out, Launch): what this call launched (the caller owns the record).
+    CPU tensors run through the Triton interpreter (TRITON_INTERPRET=1 must be set before import);
+    see `interpreted`.
     """
     cfg = config or KernelConfig()
     check_mode(q.device)
@@ -866,18 +909,21 @@ def decode_attention(
         REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
         num_warps=NW, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
+    per_sm = None
     if has_mid:
         nsm = cfg.num_splits
         if not nsm:
-            per_sm = None if interp else _blocks_per_sm(dev, consts, lambda p, l: args(p, l, BT, 2, 3))
-            nsm = pick_num_splits(B, Hkv, T, BT, _sm_count(dev), NW, blocks_per_sm=per_sm)
+            info = None if interp else device_info(cuda_index(dev))
+            per_sm = None if interp else info.blocks_per_sm(consts, lambda p, l: args(p, l, BT, 2, 3))
+            nsm = pick_num_splits(B, Hkv, T, BT, 8 if interp else info.sms, NW, blocks_per_sm=per_sm)
         nsm = max(1, int(nsm))
         split_tokens = max(BT, math.ceil(max(T, 1) / nsm / BT) * BT)
         nsm = max(1, math.ceil(max(T, 1) / split_tokens))
     else:
         nsm, split_tokens = 0, BT
     nsplit = nsm + (1 if (has_sink or has_rec) else 0)
-    LAST_LAUNCH.update(num_splits=nsm, grid=(nsplit, Hkv, B), split_tokens=split_tokens)
+    launch = Launch(num_splits=nsm, grid=(nsplit, Hkv, B), split_tokens=split_tokens, config=cfg,
+                    blocks_per_sm=per_sm, mode="interpreter" if interp else "compiled")
     part = torch.empty((B, Hq, nsplit, DV), dtype=torch.float32, device=dev)
     lse = torch.empty((B, Hq, nsplit), dtype=torch.float32, device=dev)
     _stage1[(nsplit, Hkv, B)](*args(part, lse, split_tokens, nsm, nsplit),
@@ -885,18 +931,26 @@ def decode_attention(
     ch = min(32, max(16, _pow2(nsplit)))
     _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
                      DV=DV, num_warps=4)
-    return out
+    return (out, launch) if return_launch else out
 
 
 def interpreted() -> bool:
-    """True if this process imported the kernels under TRITON_INTERPRET=1 (read by @triton.jit at
-    import time in triton 3.6): they then run on CPU tensors only."""
+    """True if the kernels are Triton-interpreter functions (CPU tensors only), read from the kernel
+    objects at each call.
+
+    Why not a lowbit switch: in triton 3.6 `@triton.jit` itself picks, when this module is imported,
+    an interpreter function or a compiled one (from TRITON_INTERPRET, which triton reads, not lowbit).
+    lowbit reads no environment variable and keeps no mode flag of its own: it asks the kernel
+    objects what they are, every call (`check_mode`), and refuses tensors on a device those objects
+    cannot run on instead of switching silently. Rebuilding the kernels in the other mode at call
+    time would need a second copy of every @triton.jit helper, for a mode a process never mixes."""
     from triton.runtime.interpreter import InterpretedFunction
 
     return isinstance(_stage1, InterpretedFunction)
 
 
 def check_mode(dev: torch.device) -> None:
+    """Refuse tensors on a device the kernels, as triton built them, cannot run on (see `interpreted`)."""
     if dev.type == "cuda" and interpreted():
         raise LowbitError("this process imported lowbit.kernels under TRITON_INTERPRET=1 (the CPU "
                           "interpreter); run GPU work in a process without it")
@@ -904,14 +958,3 @@ def check_mode(dev: torch.device) -> None:
         raise LowbitError(f"decode_attention on {dev.type} tensors needs the Triton interpreter: set "
                           "TRITON_INTERPRET=1 before lowbit.kernels is imported, or use CUDA tensors")
 
-
-_SMS: dict = {}
-
-
-def _sm_count(dev: torch.device) -> int:
-    if dev.type != "cuda":
-        return 8
-    i = dev.index if dev.index is not None else torch.cuda.current_device()
-    if i not in _SMS:
-        _SMS[i] = torch.cuda.get_device_properties(i).multi_processor_count
-    return _SMS[i]

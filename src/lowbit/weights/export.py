@@ -18,12 +18,19 @@ Per quantized linear, with q = signed codes (c - 2**(b-1)) and G = in // group:
     PREFIX.weight             int8 [out, in] = q   (w4a8: values in [-8, 7])
     PREFIX.weight_scale       [out, G]             (w8a8: G = 1)
 Reconstruction (compressed-tensors' dequantize): w = (q - zero_point) * scale.
+
+These are bit for bit the tensors compressed-tensors' own compressors (PackedQuantizationCompressor,
+NaiveQuantizationCompressor: what llm-compressor saves through) write for the same scale, zero-point
+and weight; tests/weights/test_plain_load.py pins that, so the format cannot drift unnoticed.
+Asymmetric W4 (`-asym`) is written the upstream way too, yet plain transformers 5.24 does not open it
+(see lowbit.weights.scheme): save_compressed logs how to load it.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import logging
 
 import torch
 from safetensors.torch import save_file
@@ -33,7 +40,12 @@ from lowbit.artifacts import ArtifactWriter
 from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.scheme import WeightScheme
 
+log = logging.getLogger("lowbit.weights")
+
 ARTIFACT_KIND = "weights-compressed-tensors"
+# How plain transformers (5.24) opens an asymmetric W4 checkpoint; its plain load raises (zero-point MISMATCH).
+ASYM_LOAD_RECIPE = ("AutoModelForCausalLM.from_pretrained(dir, quantization_config="
+                    "CompressedTensorsConfig(dequantize=True))")
 WEIGHTS_FILE = "model.safetensors"
 
 
@@ -140,6 +152,9 @@ def save_compressed(
         if tokenizer is not None:
             tokenizer.save_pretrained(w.path)
         w.counts = dict(counts)
+    if not scheme.symmetric:
+        log.warning("%s is asymmetric: lowbit, vLLM and transformers 5.17 load it as is; transformers 5.24 needs %s",
+                    scheme.name, ASYM_LOAD_RECIPE)
     return w.manifest
 
 

@@ -9,10 +9,15 @@ and loads every other tensor as is. A lowbit artifact (manifest.json) is verifie
 whose sha256 does not match is refused.
 
 transformers can load the same directory on its own (compressed-tensors decompresses it):
-    AutoModelForCausalLM.from_pretrained(dir)                       # symmetric schemes, w8a8
+    AutoModelForCausalLM.from_pretrained(dir)                       # w4a16 (symmetric), w8a16, w8a8, w4a8
     AutoModelForCausalLM.from_pretrained(dir, quantization_config=CompressedTensorsConfig(dequantize=True))
 The `dequantize=True` form (transformers 5.24; `run_compressed=False` is its deprecated spelling)
-is the one that loads asymmetric W4 (weight_zero_point): it decompresses to dense weights at load.
+is the one that loads asymmetric W4 (`-asym`, packed weight_zero_point) on transformers 5.24: its
+plain load reports weight_zero_point MISMATCH and raises, for llm-compressor's checkpoints too (an
+upstream bug; transformers 5.17 loads it plainly). See lowbit.weights.scheme.
+
+A damaged directory is one LowbitError naming the bad file: a file that no longer matches the
+manifest, or (no manifest) a safetensors file that cannot be read (truncated, not safetensors).
 """
 
 from __future__ import annotations
@@ -52,7 +57,7 @@ def scheme_from_ct(qc: dict) -> WeightScheme:
             raise LowbitError("unsupported activation quantization; lowbit runs dynamic per-token int8 only")
         a_bits = 8
     bits, sym = int(w["num_bits"]), bool(w.get("symmetric", True))
-    name = f"w{bits}a{a_bits}" + (f"-g{group}" if group else "") + ("-sym" if sym and bits == 4 and a_bits == 16 else "")
+    name = f"w{bits}a{a_bits}" + (f"-g{group}" if group else "") + ("" if sym else "-asym")  # parse_weight_scheme's names
     return WeightScheme(name, bits, group, sym, a_bits)
 
 
@@ -92,11 +97,26 @@ def _verify_artifact(path: Path) -> None:
     if not (path / "manifest.json").is_file():
         return  # a plain compressed-tensors dir (e.g. from llm-compressor): nothing to verify
     from lowbit.artifacts import all_ok, verify
+    from lowbit.artifacts.verify import OK
 
     status = verify(path)
     if not all_ok(status):
-        bad = [f"{s.path} {s.status}" if hasattr(s, "path") else str(s) for s in status]
-        raise LowbitError(f"{path} does not match its manifest ({'; '.join(bad[:3])}); the checkpoint is corrupt")
+        bad = [f"{s.path} {s.status}" for s in status if s.status != OK]  # the files that failed, not the good ones
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise LowbitError(f"{path} does not match its manifest ({', '.join(bad[:3])}{more}): the checkpoint is "
+                          "corrupt; re-run `lowbit quantize` or copy it again")
+
+
+def _read_safetensors(f: Path) -> dict[str, torch.Tensor]:
+    """load_file, with an unreadable file (truncated, not safetensors) as one LowbitError naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        return load_file(str(f))
+    except (SafetensorError, OSError) as e:
+        why = " ".join(str(e).split()) or type(e).__name__  # one line
+        raise LowbitError(f"{f} is not a readable safetensors file ({why}): the checkpoint is truncated or "
+                          "corrupt; re-run `lowbit quantize` or copy it again") from None
 
 
 def load_quantized(path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module, object]:
@@ -120,7 +140,7 @@ def load_quantized(path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module
         raise LowbitError(f"{path} holds no .safetensors files")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(str(f)))
+        sd.update(_read_safetensors(f))
 
     config = AutoConfig.from_pretrained(path)
     if hasattr(config, "quantization_config"):

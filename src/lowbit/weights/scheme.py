@@ -1,12 +1,22 @@
 """WeightScheme: what a weight-quantization run stores, parsed from the CLI's scheme names.
 
 Names (case-insensitive):
-    w4a16-g128, w4a16-g64, w4a16-g32     4-bit weights, groups of G along in_features, asymmetric
-    w4a16-g64-sym  (any -gN-sym)         the same, symmetric (no zero-point)
+    w4a16-g128, w4a16-g64, w4a16-g32     4-bit weights, groups of G along in_features, symmetric
+                                         (no zero-point; `-sym` is accepted and means the same)
+    w4a16-g64-asym  (any -gN-asym)       the same, asymmetric (a zero-point per group)
     w8a16                                8-bit weights, one scale per output channel, symmetric
     w8a8                                 int8 per-channel weights + dynamic per-token int8 activations
     w4a8, w4a8-g64                       4-bit symmetric group weights (G 128 by default) + dynamic
                                          per-token int8 activations
+
+Why W4 is symmetric unless `-asym` is asked: an asymmetric pack-quantized checkpoint (packed
+`weight_zero_point`, the layout compressed-tensors' own compressor and llm-compressor write) does
+not load in plain `AutoModelForCausalLM.from_pretrained` on transformers 5.24 (compressed-tensors
+0.19 / 0.20): its loader expects the zero-point unpacked, reports MISMATCH and raises. It loads
+there only with `quantization_config=CompressedTensorsConfig(dequantize=True)`; transformers 5.17
+loads it plainly. tests/weights/test_plain_load.py pins that behaviour. Until it is fixed upstream
+the default W4 name is the scheme every loader opens. (Before this change `w4a16-gN` meant the
+asymmetric scheme: results recorded under that name are `w4a16-gN-asym` now.)
 
 The scheme maps 1:1 onto a compressed-tensors QuantizationScheme (see `ct_scheme`), so what we
 compute is exactly what a compressed-tensors loader (transformers, vLLM) reconstructs.
@@ -20,15 +30,15 @@ from dataclasses import asdict, dataclass
 from lowbit.errors import LowbitError
 
 SCHEME_VERSION = 1
-KNOWN = ("w4a16-g128", "w4a16-g64", "w4a16-g64-sym", "w8a16", "w8a8", "w4a8")
-_RE = re.compile(r"^w(?P<w>4|8)a(?P<a>16|8)(?:-g(?P<g>\d+))?(?P<sym>-sym)?$")
+KNOWN = ("w4a16-g128", "w4a16-g64", "w4a16-g64-asym", "w8a16", "w8a8", "w4a8")
+_RE = re.compile(r"^w(?P<w>4|8)a(?P<a>16|8)(?:-g(?P<g>\d+))?(?P<sym>-sym|-asym)?$")
 
 
 @dataclass(frozen=True)
 class WeightScheme:
     """One weight-quantization recipe.
 
-    name:       canonical name (what `parse_weight_scheme` was given, lower-cased)
+    name:       canonical name (what `parse_weight_scheme` was given, lower-cased, `-sym` dropped)
     w_bits:     4 or 8
     group:      group size along in_features, or None for one group per output channel
     symmetric:  True: x = q * scale, q signed; False: x = (q - zero_point) * scale
@@ -74,22 +84,25 @@ def parse_weight_scheme(name: str) -> WeightScheme:
     key = name.strip().lower()
     m = _RE.match(key)
     if m is None:
-        raise LowbitError(f"unknown weight scheme {name!r}; use one of {', '.join(KNOWN)} (or w4a16-gN[-sym])")
+        raise LowbitError(f"unknown weight scheme {name!r}; use one of {', '.join(KNOWN)} (or w4a16-gN[-asym])")
     w, a = int(m["w"]), int(m["a"])
     g = int(m["g"]) if m["g"] else None
-    sym = bool(m["sym"])
+    asym = m["sym"] == "-asym"
+    if m["sym"] == "-sym":
+        key = key[: -len("-sym")]  # symmetric is the default: one name per scheme
     if g is not None and (g < 8 or g % 8):
         raise LowbitError(f"weight scheme {name!r}: group must be a multiple of 8 and >= 8, got {g}")
     if w == 8:
         # 8-bit weights are per output channel and symmetric (the compressed-tensors W8 presets)
-        if g is not None or sym:
+        if g is not None or m["sym"]:
             raise LowbitError(f"weight scheme {name!r}: 8-bit weights are per-channel symmetric; use w8a16 or w8a8")
         return WeightScheme(key, 8, None, True, a)
     if a == 16:
         if g is None:
             raise LowbitError(f"weight scheme {name!r}: 4-bit weights need a group, e.g. w4a16-g128 or w4a16-g64")
-        return WeightScheme(key, 4, g, sym, 16)
+        return WeightScheme(key, 4, g, not asym, 16)
     # w4a8: activations are int8 symmetric per token; weights symmetric so the int matmul needs no zero term
-    if m["sym"]:
-        key = key[: -len("-sym")]
+    if asym:
+        raise LowbitError(f"weight scheme {name!r}: w4a8 weights are symmetric (the int8 matmul has no zero term); "
+                          "drop -asym")
     return WeightScheme(key, 4, g or 128, True, 8)
