@@ -62,7 +62,8 @@ def test_tokenizer_without_weights_and_one_file_list(hf_dir, tmp_path):
     assert not is_quantized_checkpoint(d) and not is_quantized_checkpoint(bare)
 
 
-def test_quantized_checkpoint_loads_through_lowbit_weights(hf_dir, tmp_path):
+def test_quantized_checkpoint_loads_through_lowbit_weights(hf_dir, tmp_path, capsys):
+    from lowbit.cli import main
     from lowbit.weights.apply import quantize_model
     from lowbit.weights.export import save_compressed
     from lowbit.weights.qlinear import QuantLinear
@@ -83,6 +84,10 @@ def test_quantized_checkpoint_loads_through_lowbit_weights(hf_dir, tmp_path):
     ids = torch.tensor([[4, 5, 6, 9]])
     with torch.no_grad():
         torch.testing.assert_close(lm.model(ids).logits, model(ids).logits, atol=1e-4, rtol=1e-4)
+    # quantizing it again is refused (one line), nothing written
+    assert main(["quantize", "--model", str(ckpt), "--weights", "w8a16", "--method", "rtn",
+                 "--out", str(tmp_path / "again")]) == 2
+    assert "is already a quantized checkpoint" in capsys.readouterr().err and not (tmp_path / "again").exists()
 
 
 @pytest.mark.parametrize("kind, msg", [

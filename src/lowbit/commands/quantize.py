@@ -97,7 +97,7 @@ def _alpha(text: str):
 
 def run(args) -> int:
     from lowbit.calib.corpora import load_text, token_windows
-    from lowbit.models import load
+    from lowbit.models import resolve
     from lowbit.weights.apply import DEFAULT_IGNORE, quantize_model
     from lowbit.weights.export import save_compressed
     from lowbit.weights.scheme import parse_weight_scheme
@@ -131,7 +131,9 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     t0 = time.perf_counter()
-    lm = load(args.model, dtype=torch.float32)
+    lm = resolve(args.model, dtype=torch.float32)
+    if lm.provenance.get("source") == "quantized-checkpoint":
+        raise LowbitError(f"--model {args.model} is already a quantized checkpoint; quantize the unquantized model")
     calib, calib_info = None, None
     if args.method != "rtn" or args.smooth is not None or tune is not None:
         if args.calib_seq_len < 1 or args.calib_tokens < 1 or args.calib_tokens % args.calib_seq_len:
