@@ -31,7 +31,7 @@ def _linear(out=7, n=96, seed=0, bias=False):
     return lin
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a16-g32-sym", "w8a16", "w4a8-g32"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-asym", "w4a16-g32", "w8a16", "w4a8-g32"])
 def test_untrained_tuned_linear_is_plain_rtn(scheme):
     """v = 0, a = b = 1: the codes and grid are exactly RTN's (no clip search)."""
     s = parse_weight_scheme(scheme)
@@ -44,7 +44,7 @@ def test_untrained_tuned_linear_is_plain_rtn(scheme):
     torch.testing.assert_close(t.weight_hat(), ref.dequantize(), rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a16-g32-sym", "w8a8"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-asym", "w4a16-g32", "w8a8"])
 def test_fake_quant_twin_matches_the_shared_encoder_after_tuning_moves(scheme):
     """After arbitrary v, a, b: weight_hat (what training sees) == finalize's dequantized codes (what is stored)."""
     s = parse_weight_scheme(scheme)
@@ -77,7 +77,7 @@ def test_fake_quantized_activations_equal_quantlinears_rounding_with_identity_gr
 
 
 def test_signed_step_moves_by_lr_and_clamps():
-    t = TunedLinear(_linear(), parse_weight_scheme("w4a16-g32"))
+    t = TunedLinear(_linear(), parse_weight_scheme("w4a16-g32-asym"))
     t.v.grad = torch.ones_like(t.v)
     t.a.grad = -torch.ones_like(t.a)  # a would grow past 1: clamped
     t.b.grad = torch.ones_like(t.b)
@@ -90,7 +90,7 @@ def test_signed_step_moves_by_lr_and_clamps():
     assert torch.allclose(t.v, torch.full_like(t.v, -0.5))
 
 
-def _layer_setup(scheme_name="w4a16-g32"):
+def _layer_setup(scheme_name="w4a16-g32-asym"):
     model = small_model()
     ids = token_ids(batch=8, seq=16, seed=3)
     batches = list(ids.split(4))
@@ -103,7 +103,7 @@ def _layer_setup(scheme_name="w4a16-g32"):
     return layer, mine, x, y, kw[0], parse_weight_scheme(scheme_name)
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a8-g32"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-asym", "w4a8-g32"])
 def test_tuning_lowers_the_layer_output_error_and_leaves_the_layer_as_it_was(scheme):
     layer, mine, x, y, kw, s = _layer_setup(scheme)
     before = {n: m.weight.clone() for n, m in mine.items()}
@@ -132,7 +132,7 @@ def test_zero_iters_is_rtn_and_keeps_the_rtn_loss():
 
 def test_quantize_model_signround_beats_rtn_on_calibration_text_and_exports(tmp_path):
     calib = token_ids(batch=8, seq=16, seed=4)
-    s = parse_weight_scheme("w4a16-g32")
+    s = parse_weight_scheme("w4a16-g32-asym")
     ref = small_model()
     with torch.no_grad():
         base = ref(calib).logits
@@ -157,7 +157,7 @@ def test_quantize_model_signround_beats_rtn_on_calibration_text_and_exports(tmp_
 
 
 def test_signround_needs_calibration_and_settings_need_the_method():
-    s = parse_weight_scheme("w4a16-g32")
+    s = parse_weight_scheme("w4a16-g32-asym")
     with pytest.raises(LowbitError, match="signround needs calibration"):
         quantize_model(small_model(), s, method="signround")
     with pytest.raises(LowbitError, match="method is gptq"):
@@ -170,7 +170,7 @@ def test_signround_needs_calibration_and_settings_need_the_method():
 
 def test_cli_signround_writes_its_settings_and_per_layer_losses(tmp_path, model_dir, calib_file, capsys):  # noqa: F811
     out = tmp_path / "ckpt"
-    rc = main(["quantize", "--model", str(model_dir), "--weights", "w4a16-g32", "--method", "signround",
+    rc = main(["quantize", "--model", str(model_dir), "--weights", "w4a16-g32-asym", "--method", "signround",
                "--iters", "8", "--calib", str(calib_file), "--calib-tokens", "64", "--calib-seq-len", "16",
                "--out", str(out)])
     assert rc == 0 and "14 linears quantized" in capsys.readouterr().out

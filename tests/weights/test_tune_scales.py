@@ -19,7 +19,7 @@ from .helpers import small_model, token_ids
 from .test_cli import calib_file, model_dir  # noqa: F401 (fixtures)
 
 
-def _quantized(scheme="w4a16-g32", method="rtn", scale_dtype=torch.float32, seed=0):
+def _quantized(scheme="w4a16-g32-asym", method="rtn", scale_dtype=torch.float32, seed=0):
     model = small_model(seed=seed)
     teacher = small_model(seed=seed)
     quantize_model(model, parse_weight_scheme(scheme), method=method, clip_search=False, scale_dtype=scale_dtype)
@@ -30,7 +30,7 @@ def _qlinears(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a16-g32-sym", "w8a16", "w8a8", "w4a8-g32"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-asym", "w4a16-g32", "w8a16", "w8a8", "w4a8-g32"])
 def test_untuned_twin_is_the_quantlinear(scheme):
     """r = 0: the trainable twin computes what QuantLinear computes (int8 activations included)."""
     model, _ = _quantized(scheme)
@@ -62,7 +62,7 @@ def test_token_kl_is_zero_for_equal_logits_and_positive_otherwise():
     assert float(token_kl(a + 3.0, a)) == pytest.approx(0.0, abs=1e-5)  # softmax ignores a shift
 
 
-@pytest.mark.parametrize("scheme", ["w4a16-g32", "w4a8-g32"])
+@pytest.mark.parametrize("scheme", ["w4a16-g32-asym", "w4a8-g32"])
 def test_tuning_lowers_the_holdout_kl_keeps_the_codes_and_the_model_measures_what_was_reported(scheme):
     model, teacher = _quantized(scheme)
     calib = token_ids(batch=64, seq=32, seed=5)  # enough tokens to generalise (8 x 16 overfits: see below)
@@ -107,7 +107,7 @@ def test_zero_steps_changes_nothing():
 def test_quantize_model_with_tuning_exports_what_it_measured(tmp_path):
     """RTN + rotation + bf16 scales + tuning -> checkpoint -> reload: the same scales and codes."""
     calib = token_ids(batch=64, seq=32, seed=7)
-    s = parse_weight_scheme("w4a16-g32")
+    s = parse_weight_scheme("w4a16-g32-asym")
     m = small_model()
     rep = quantize_model(m, s, method="rtn", calib=calib, rotate=True, scale_dtype=torch.bfloat16, clip_search=False,
                          tune=ScaleTuneConfig(steps=40, lr=0.005, batch=4))
@@ -126,7 +126,7 @@ def test_quantize_model_with_tuning_exports_what_it_measured(tmp_path):
 
 
 def test_bad_settings_are_refused():
-    s = parse_weight_scheme("w4a16-g32")
+    s = parse_weight_scheme("w4a16-g32-asym")
     with pytest.raises(LowbitError, match="needs calibration tokens"):
         quantize_model(small_model(), s, method="rtn", tune=ScaleTuneConfig())
     model, teacher = _quantized()
@@ -141,7 +141,7 @@ def test_bad_settings_are_refused():
 
 def test_cli_tune_scales_records_its_settings_and_holdout_kl(tmp_path, model_dir, calib_file, capsys):  # noqa: F811
     out = tmp_path / "ckpt"
-    rc = main(["quantize", "--model", str(model_dir), "--weights", "w4a16-g32", "--method", "rtn",
+    rc = main(["quantize", "--model", str(model_dir), "--weights", "w4a16-g32-asym", "--method", "rtn",
                "--tune-scales", "6", "--tune-lr", "0.01", "--calib", str(calib_file), "--calib-tokens", "64",
                "--calib-seq-len", "16", "--out", str(out)])
     assert rc == 0 and "scale tuning" in capsys.readouterr().out
