@@ -6,7 +6,7 @@ text, 128 x 512 tokens. Every quantized row goes through the exported checkpoint
 save_compressed -> load_quantized -> PPL, so the number belongs to the files on disk.
 
     .venv/bin/python scripts/weights_ppl_table.py --out runs/weights-table \\
-        --configs w4a16-g64:rtn,w4a16-g64:gptq,w4a16-g64:rtn:rotate,w4a16-g64:gptq:rotate
+        --configs w4a16-g64-asym:rtn,w4a16-g64-asym:gptq,w4a16-g64-asym:rtn:rotate,w4a16-g64-asym:gptq:rotate
 
 Config flags after SCHEME:METHOD: rotate, noclip, wclip, noseq, noact, damp=X, smooth=ALPHA|auto
 (SmoothQuant before quantizing; calibrated on the same calibration tokens), tune=STEPS and tlr=X
@@ -41,7 +41,7 @@ from lowbit.weights.scheme import parse_weight_scheme
 from lowbit.weights.signround import SignRoundConfig
 from lowbit.weights.tune_scales import ScaleTuneConfig, tune_scales
 
-ALL = ",".join(f"{s}:{m}{r}" for s in ("w4a16-g64", "w8a16", "w8a8", "w4a8-g64")
+ALL = ",".join(f"{s}:{m}{r}" for s in ("w4a16-g64-asym", "w8a16", "w8a8", "w4a8-g64")
                for r in ("", ":rotate") for m in ("rtn", "gptq"))
 
 
