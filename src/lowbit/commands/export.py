@@ -54,17 +54,11 @@ def vllm_scheme(scheme):
 
     Refuses what the plugin does not implement (named), instead of exporting a sidecar it would
     serve differently."""
-    for which, t in (("K", scheme.k), ("V", scheme.v)):
-        if t.quantized and t.axis != "token":
-            raise LowbitError(f"{which} is grouped per channel (KIVI); the vLLM plugin supports per-token groups only")
-        if t.lloyd_max:
-            raise LowbitError(f"{which} uses Lloyd-Max levels; the vLLM plugin supports uniform grids only")
-    if scheme.fold_v_rotation:
-        raise LowbitError("fold_v_rotation is not supported by the vLLM plugin; drop it")
-    if scheme.layer_bits:
-        # vLLM sizes one KV slot for every layer of a model's KV spec group; mixed bits would need
-        # one group per bit width (not built).
-        raise LowbitError("per-layer bits (layer_bits) are not supported by the vLLM plugin; export one bit width")
+    from lowbit.vllm_plugin.slot import scheme_reason
+
+    reason = scheme_reason(scheme)
+    if reason:
+        raise LowbitError(reason)
     return replace(scheme, page=1)
 
 
@@ -99,7 +93,17 @@ def run(args) -> int:
     # the name RotationSets are checked against (lowbit.models names a local dir by its folder name)
     name = model_name(args.model)
     geometry = ModelGeometry.from_config(config, name=name)
-    scheme.validate(geometry)  # group, rotation shapes, attention kinds: refuse before writing anything
+    # group, rotation file + shapes, attention kinds, the plugin's rules: refuse before writing anything
+    from lowbit.kv import backends
+    from lowbit.kv.plan import resolve
+
+    plan = resolve(scheme, geometry, device="cpu")
+    slot = backends.get("vllm-slot")
+    for lp in plan.layers:
+        reason = slot.why_not(lp, "paged", "cpu")
+        if reason:
+            raise LowbitError(f"layer {lp.index}: {reason}")
+    scheme = plan.scheme  # the rotation pinned by its sha256
     if wdir is not None:
         base = ModelGeometry.from_config(json.loads((src / "config.json").read_text()))
         if [g for g in base.layers] != [replace(g) for g in geometry.layers]:
@@ -127,14 +131,14 @@ def run(args) -> int:
         if not weights:
             raise LowbitError(f"{config_dir} has no *.safetensors weights; vLLM needs safetensors")
         if scheme.rotation not in ("none", "hadamard"):
-            rs_src = Path(scheme.rotation)
+            rs_src = Path(scheme.rotation.path)
             shutil.copytree(rs_src, w.path / sidecar.ROTATION_DIR)
             rotation_rel = sidecar.ROTATION_DIR
         wsha = sha256_file(w.path / weights[0]) if len(weights) == 1 else None
         side = sidecar.build(scheme, geometry, model_name=name, weights_sha256=wsha, rotation_rel=rotation_rel)
         sidecar.write(w.path, side)
         w.inputs = {**inputs, "weights_sha256": wsha, "weights": str(wdir) if wdir else None,
-                    "rotation": scheme.rotation if rotation_rel else None}
+                    "rotation": scheme.rotation.path if rotation_rel else None}
         w.recipe = {"kv": side["kv_scheme"], "weights": config.get("quantization_config")}
         w.counts = {"layers": geometry.num_layers, "files": len(copied) + 1, "weight_files": len(weights),
                     "quantized_kv_layers": geometry.num_layers if scheme.quantized else 0}
