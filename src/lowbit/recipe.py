@@ -35,6 +35,7 @@ import json
 import re
 import tomllib
 from dataclasses import asdict, dataclass, field, replace
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -155,7 +156,7 @@ class TensorQuant:
                     f"{len(lv)} Lloyd-Max levels given for {self.bits}-bit codes, which need {1 << self.bits}; "
                     "fit levels for this bit width"
                 )
-            if any(b <= a for a, b in zip(lv, lv[1:])):
+            if any(b <= a for a, b in pairwise(lv)):
                 raise LowbitError("Lloyd-Max levels must be strictly ascending; refit them")
             object.__setattr__(self, "levels", lv)
         if self.grid not in GRIDS:

@@ -10,8 +10,9 @@ from lowbit.eval.layer_error import (
     Harness,
     Variant,
     dequantized_kv,
+    fake_quantize,
+    layer_codec,
     measure_layers,
-    quantize_tensor,
     tiered_attention,
 )
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
@@ -59,7 +60,7 @@ def test_channel_axis_groups_blocks_of_page_tokens():
     g = torch.Generator().manual_seed(0)
     x = torch.randn(1, 2, 16 + 3 * 16 + 5, 8, generator=g)
     x[..., 3] *= 100  # an outlier channel: per-channel scales keep the others fine
-    y = quantize_tensor(x, s.k, page=16, sink=16)
+    y = fake_quantize(layer_codec(s.k, 8, 16), x, sink=16)
     assert torch.equal(y[:, :, :16], x[:, :, :16]) and torch.equal(y[:, :, -5:], x[:, :, -5:])
     blk = x[:, :, 16:32]  # one block: each channel min/max over its 16 tokens is exact at the extremes
     assert torch.allclose(y[:, :, 16:32].amax(2), blk.amax(2), atol=1e-2 * blk.abs().amax().item())
@@ -99,9 +100,9 @@ def test_measure_orders_bits_and_replace_ppl_counts_rows():
 
 
 def test_fitted_levels_and_table(tmp_path):
+    from lowbit.calib.levels import fitted_levels
     from lowbit.calib.run import collect, write_calibration
     from lowbit.calib.stats import load_calibration
-    from lowbit.commands.layer_error import fitted_levels
     from lowbit.eval.layer_error import format_table, heatmap
     from lowbit.models.geometry import ModelGeometry
 

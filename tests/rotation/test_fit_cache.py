@@ -6,9 +6,9 @@ import torch
 from lowbit.calib.run import collect, write_calibration
 from lowbit.calib.stats import load_calibration
 from lowbit.errors import LowbitError
+from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
-from lowbit.kv.plan import resolve
 from lowbit.recipe import parse_kv_scheme
 from lowbit.rotation.fit_run import fit_and_save
 

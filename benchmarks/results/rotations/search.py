@@ -18,7 +18,8 @@ from dataclasses import replace
 import torch
 
 from lowbit.calib.corpora import load_text, token_windows
-from lowbit.commands.layer_error import fitted_levels, rotations_for
+from lowbit.calib.levels import fitted_levels
+from lowbit.commands.layer_error import _variant_rotations as rotations_for
 from lowbit.eval.layer_error import Variant, fake_quant_ppl
 from lowbit.eval.perplexity import full_window_ppl
 from lowbit.models import load

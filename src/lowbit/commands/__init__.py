@@ -54,6 +54,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "pin": ("pin", (
         'record every file of DIR (bytes + sha256) in DIR/manifest.json; refuses if already pinned'
     )),
+    "plan": ("plan", (
+        'resolve a KV recipe for a model and print per layer: window, K/V bits and grid, rotation, decode '
+        'backend and why'
+    )),
     "quantize": ("quantize", (
         "quantize a model's linear weights (GPTQ, RTN or SignRound, optionally end-to-end scale tuning) "
         'and write a compressed-tensors checkpoint'

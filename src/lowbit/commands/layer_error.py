@@ -45,58 +45,20 @@ def build_scheme(args):
     return s
 
 
-def rotations_for(spec: str, geometry) -> tuple[str, dict]:
-    """(name, layer -> (R_k, R_v)) for 'none', 'hadamard' or a RotationSet directory checked against geometry."""
-    if spec == "none":
-        return "none", {}
-    if spec == "hadamard":
-        from lowbit.rotation.hadamard import hadamard
+def _variant_rotations(spec: str, geometry) -> tuple[str, dict]:
+    """(name, layer -> (R_k, R_v)) for 'none' | 'hadamard' | a RotationSet dir, resolved by the plan's loader."""
+    from lowbit.kv.plan import load_rotations
+    from lowbit.recipe import RotationRef
 
-        out = {}
-        for g in geometry.layers:
-            try:
-                out[g.index] = (hadamard(g.head_dim_k), hadamard(g.head_dim_v))
-            except LowbitError as e:
-                raise LowbitError(f"layer {g.index}: {e}") from None
-        return "hadamard", out
-    from lowbit.rotation.rotation_set import RotationSet
-
-    rs = RotationSet.load(spec)
-    rs.validate_against(geometry)
-    return Path(spec).name, {i: (rs.k[i], rs.v[i]) for i in range(rs.num_layers)}
-
-
-def fitted_levels(calib, rot: dict, scheme, center: dict | None = None) -> dict:
-    """layer -> (levels_k, levels_v): Lloyd-Max codebooks fitted on the calibration sample as the cache
-    would see it (rotated, then standardized per group)."""
-    from lowbit.eval.layer_error import _rotate
-    from lowbit.quant.lloyd_max import fit_levels
-
-    out = {}
-    for i, st in calib.layers.items():
-        rk, rv = rot.get(i, (None, None))
-        mk, mv = (center or {}).get(i, (None, None))
-        pair = []
-        for which, tq, R, mu in (("k", scheme.k, rk, mk), ("v", scheme.v, rv, mv)):
-            if not tq.lloyd_max:
-                pair.append(None)
-                continue
-            x = st.sample(which).permute(1, 0, 2)[None]  # [1, H, N, D]
-            if mu is not None:
-                x = x - mu.float()[None, :, None, :]
-            x = _rotate(x, R)
-            if tq.axis == "channel":
-                n = x.shape[2] // scheme.page * scheme.page
-                x = x[:, :, :n].reshape(1, x.shape[1], -1, scheme.page, x.shape[-1]).transpose(-1, -2)
-                pair.append(fit_levels(x, tq.bits, group=scheme.page))
-            else:
-                pair.append(fit_levels(x, tq.bits, group=tq.group_for(x.shape[-1], scheme.page)))
-        out[i] = tuple(pair)
-    return out
+    rot = spec if spec in ("none", "hadamard") else RotationRef(spec)
+    r = load_rotations(rot, geometry)
+    name = spec if spec in ("none", "hadamard") else Path(spec).name
+    return name, {g.index: r.per_layer[g.index] for g in geometry.layers}
 
 
 def run(args) -> int:
     from lowbit.calib.corpora import load_text, token_windows
+    from lowbit.calib.levels import fitted_levels
     from lowbit.eval.layer_error import Variant, fake_quant_ppl, format_table, heatmap, measure_layers
     from lowbit.eval.perplexity import full_window_ppl
     from lowbit.models import resolve
@@ -106,7 +68,7 @@ def run(args) -> int:
         raise LowbitError(f"{out} already exists; choose a new --out")
     scheme = build_scheme(args)
     lm = resolve(args.model)
-    scheme.validate(lm.geometry) if scheme.rotation == "none" else None
+    scheme.validate(lm.geometry)
     if args.seq_len <= scheme.sink + scheme.recent:
         raise LowbitError(f"--seq-len {args.seq_len} leaves no quantized middle after sink {scheme.sink} + "
                           f"recent {scheme.recent}; use a longer window")
@@ -121,7 +83,7 @@ def run(args) -> int:
             raise LowbitError("--levels-from fits Lloyd-Max levels: add --lloyd-max")
     variants = []
     for spec in [s.strip() for s in args.rotations.split(",") if s.strip()]:
-        name, rot = rotations_for(spec, lm.geometry)
+        name, rot = _variant_rotations(spec, lm.geometry)
         levels = fitted_levels(calib, rot, scheme) if calib is not None else {}
         variants.append(Variant(name, scheme, rot, levels))
     windows = token_windows(lm.tokenizer, load_text(args.data), args.seq_len, args.windows)

@@ -20,21 +20,23 @@ mode "replace": the model runs on the quantized attention of one variant, so err
     serving; the perplexity of that run is the fast full-window fake-quant number (the protocol of
     DESIGN.md's tables). The cache's chunked evaluation (`lowbit eval`) is the serving-exact one.
 
-Quantizers: lowbit.quant.affine (uniform, fp16 scale/zero like the cache) and lowbit.quant.lloyd_max
-(levels * std + mean per group); keys grouped per token (groups of `group` channels) or per channel
-over blocks of `page` tokens starting at the sink (KIVI).
+Quantizer: the cache's own codec (lowbit.kv.codec.TensorCodec: encode -> decode, the same code every
+write path of the cache uses) and rotations (lowbit.kv.rotations; resolved by lowbit.kv.plan), so the
+dB tables that choose per-layer bits measure the code that serves. Keys grouped per token (groups of
+`group` channels) or per channel over blocks of `page` tokens starting at the sink (KIVI).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from lowbit.calib.capture import allowed_mask, capture_attention
 from lowbit.errors import LowbitError
-from lowbit.quant import affine, lloyd_max
+from lowbit.kv.codec import TensorCodec
+from lowbit.kv.rotations import rotate, unrotate
 
 
 @dataclass
@@ -63,53 +65,32 @@ class Variant:
         return self.layer_scheme.get(layer, self.scheme)
 
 
-def _rotate(x: torch.Tensor, R: torch.Tensor | None, inverse: bool = False) -> torch.Tensor:
-    """x [B, H, T, D] @ R (or @ Rᵀ); R [D, D] or [H, D, D]."""
-    if R is None:
-        return x
-    R = R.to(x.dtype)
-    if inverse:
-        R = R.transpose(-1, -2)
-    if R.dim() == 2:
-        return x @ R
-    return torch.einsum("bhtd,hde->bhte", x, R)
+def layer_codec(tq, head_dim: int, page: int, *, levels: torch.Tensor | None = None,
+                clip: float | None = None) -> TensorCodec:
+    """The cache's codec (lowbit.kv.codec.TensorCodec, the one quantizer) for one tensor of one layer,
+    with a variant's per-layer clip ratio (a clipped range is a min/max grid) or fitted levels."""
+    if clip is not None and tq.quantized and not tq.lloyd_max:
+        tq = replace(tq, grid="minmax", clip=float(clip))
+    return TensorCodec(tq, head_dim, page, levels)
 
 
-def quantize_tensor(x: torch.Tensor, tq, *, page: int, sink: int, levels: torch.Tensor | None = None,
-                    clip: float | None = None) -> torch.Tensor:
-    """Fake-quantize x [B, H, T, D] (already rotated) as the cache's middle tier would; float32 out.
-
-    Token axis: groups of tq.group_for(D) channels per token. Channel axis: each channel over blocks
-    of `page` tokens counted from `sink`; a trailing partial block and the sink rows are returned
-    exact (they never leave the sink / recent tiers).
-    """
+def fake_quantize(codec: TensorCodec, x: torch.Tensor, *, sink: int) -> torch.Tensor:
+    """x [B, H, T, D] (already rotated) -> what the cache's middle tier returns for it, float32:
+    codec.decode(codec.encode(x)). Token axis: every row. Channel axis: blocks of `page` tokens
+    counted from `sink`; the sink rows and a trailing partial block come back exact (they never
+    leave the sink / recent tiers)."""
     x = x.float()
-    if not tq.quantized:
+    if not codec.quantized:
         return x
-    clip_r = tq.clip if clip is None else clip
-    D = x.shape[-1]
-
-    def q(y: torch.Tensor, group: int) -> torch.Tensor:
-        if tq.lloyd_max:
-            lv = levels if levels is not None else lloyd_max.gaussian_levels(tq.bits)
-            return lloyd_max.decode(lloyd_max.encode(y, lv, group, stat_dtype=torch.float16))
-        if tq.grid == "std" and clip is None:
-            return affine.dequantize(affine.quantize_std(y, tq.bits, group, scale_dtype=torch.float16))
-        return affine.fake_quantize(y, tq.bits, group, symmetric=tq.symmetric, clip_ratio=clip_r,
-                                    scale_dtype=torch.float16)
-
-    if tq.axis == "token":
-        return q(x, tq.group_for(D, page))
-    T = x.shape[2]
-    n = max(0, (T - sink) // page)
+    if codec.tq.axis == "token":
+        return codec.decode(codec.encode(x, torch.float32))
+    page = codec.page
+    n = max(0, (x.shape[2] - sink) // page)
     if n == 0:
         return x
-    blk = x[:, :, sink : sink + n * page]  # [B, H, n*page, D]
-    B, H = x.shape[:2]
-    blk = blk.reshape(B, H, n, page, D).transpose(-1, -2)  # [B, H, n, D, page]: a group = one channel's block
-    blk = q(blk, page).transpose(-1, -2).reshape(B, H, n * page, D)
     out = x.clone()
-    out[:, :, sink : sink + n * page] = blk
+    blk = x[:, :, sink : sink + n * page]
+    out[:, :, sink : sink + n * page] = codec.decode(codec.encode(blk, torch.float32))
     return out
 
 
@@ -125,8 +106,10 @@ def dequantized_kv(k, v, variant: Variant, layer: int):
         k = k - mk.float()[None, :, None, :]
     if mv is not None:
         v = v - mv.float()[None, :, None, :]
-    kh = _rotate(quantize_tensor(_rotate(k, rk), s.k, page=s.page, sink=s.sink, levels=lk, clip=ck), rk, True)
-    vh = _rotate(quantize_tensor(_rotate(v, rv), s.v, page=s.page, sink=s.sink, levels=lv, clip=cv), rv, True)
+    kc = layer_codec(s.k, k.shape[-1], s.page, levels=lk, clip=ck)
+    vc = layer_codec(s.v, v.shape[-1], s.page, levels=lv, clip=cv)
+    kh = unrotate(fake_quantize(kc, rotate(k, rk), sink=s.sink), rk)
+    vh = unrotate(fake_quantize(vc, rotate(v, rv), sink=s.sink), rv)
     if mk is not None:
         kh = kh + mk.float()[None, :, None, :]
     if mv is not None:
@@ -289,3 +272,17 @@ def heatmap(db: dict[str, dict[int, float]], path, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+# ------------------------------------------------------------------ backend
+def _fake_quant_supports(layer, step: str, device: str) -> str | None:
+    return None  # encode -> decode through the layer's own codec: every scheme the cache can hold
+
+
+def _register_backend():
+    from lowbit.kv.backends import Backend, register
+
+    return register(Backend("fake-quant", ("fake-quant",), _fake_quant_supports, dequantized_kv, module=__name__))
+
+
+BACKEND = _register_backend()

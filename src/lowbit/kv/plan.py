@@ -238,7 +238,7 @@ def load_levels(ref: LevelsRef, geometry) -> tuple[dict, str]:
         model = (f.metadata() or {}).get("model")
         if model and geometry.name and model != geometry.name:
             raise LowbitError(f"levels {root} were fitted for model {model!r}, not {geometry.name!r}; fit levels for this model")
-        for key in f.keys():
+        for key in f.keys():  # noqa: SIM118 (safe_open is not iterable)
             _, i, which = key.split(".")
             out.setdefault(int(i), {})[which] = f.get_tensor(key).float()
     n = geometry.num_layers

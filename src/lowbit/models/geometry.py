@@ -211,3 +211,30 @@ def _layer_kinds(cfg: dict, n_layers: int, window: Any, model_type: str) -> list
             f"(supported: {', '.join(_LAYER_TYPES)})"
         )
     return [_LAYER_TYPES[t] for t in types]
+
+
+def geometry_of(name_or_dir) -> ModelGeometry:
+    """A model's geometry from its config alone (no weights): a built-in's stored config, or
+    DIR/config.json. The name is what resolve() calls the model (what RotationSets are checked against)."""
+    import json
+    import os
+    from pathlib import Path
+
+    from lowbit.errors import LowbitError
+    from lowbit.models.registry import BUILTINS, get_builtin
+
+    key = os.fspath(name_or_dir)
+    if key in BUILTINS:
+        return ModelGeometry.from_config(BUILTINS[key].config_dict(), name=key)
+    p = Path(key).expanduser()
+    if p.is_dir():
+        cfg = p / "config.json"
+        if not cfg.is_file():
+            raise LowbitError(f"{p} has no config.json: pass a Hugging Face model directory or a built-in name")
+        try:
+            d = json.loads(cfg.read_text())
+        except ValueError as e:
+            raise LowbitError(f"{cfg} is not valid JSON ({e})") from None
+        return ModelGeometry.from_config(d, name=p.resolve().name)
+    get_builtin(key)  # raises: unknown model, lists the built-ins
+    raise LowbitError(f"model {key!r} not found")
