@@ -20,7 +20,7 @@ import torch
 
 def main() -> int:
     from lowbit.generate import generate
-    from lowbit.models import load
+    from lowbit.models import resolve
     from lowbit.recipe import parse_kv_scheme
     from lowbit.vllm_plugin import sidecar
 
@@ -35,7 +35,7 @@ def main() -> int:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     scheme = sidecar.scheme_of(sidecar.read(a.export), a.export) if a.export else parse_kv_scheme(a.kv)
-    lm = load(a.model, dtype=torch.float32, device="cpu")
+    lm = resolve(a.model, dtype=torch.float32, device="cpu")
     for f in a.prompt_file:
         t = time.time()
         with open(f, encoding="utf-8") as fh:
