@@ -95,7 +95,7 @@ def test_dead_hook_aborts(tiny_smollm, random_windows):
     model, config = tiny_smollm
     geo = ModelGeometry.from_config(config)
     e = lowbit_entry("int2", parse_kv_scheme("int2", sink=32, recent=32), geo)
-    with pytest.raises(LowbitError, match=r"int2 quantized 0 K/V rows .*dead hook"):
+    with pytest.raises(LowbitError, match=r"int2 quantized 0 K/V rows .*never quantized a token"):
         evaluate(model, random_windows(99, 2, 60), [reference_entry(), e], chunk=16, progress=False)
 
 
@@ -105,7 +105,7 @@ def test_dead_hook_of_a_cache_off_the_write_path(tiny_smollm, random_windows):
     geo = ModelGeometry.from_config(config)
     e = lowbit_entry("int4", parse_kv_scheme("int4", sink=0, recent=16), geo)
     e.account = lambda cache: Accounting()
-    with pytest.raises(LowbitError, match="dead hook"):
+    with pytest.raises(LowbitError, match="never quantized a token"):
         evaluate(model, random_windows(99, 1, 40), [reference_entry(), e], chunk=16, progress=False)
 
 

@@ -51,6 +51,7 @@ def run(args) -> int:
         model=args.model, kv=DEMO_KV, peers=DEMO_PEERS, data=args.data, seq_len=args.seq_len, windows=args.windows,
         dtype="bf16", cache_dir=args.cache_dir, json_out=str(out / "demo.json"), markdown_out=str(out / "demo.md"),
         plot_out=str(out / "demo.png"), progress=not args.no_progress, threads=args.threads,
+        overwrite=True,  # --out is the demo's own folder: a rerun replaces its files and says "replaced"
         kv_flags={"rotation": None},
     )
     check_options(opts)  # bad input before loading anything

@@ -43,6 +43,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-full-window", action="store_true",
                         help="skip the plain full-window forward that checks the bf16 chunked PPL")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace existing --json / --markdown / --plot files (default: refuse them before any work)")
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
     # --kv and the scheme flags shared with `lowbit generate`; here --kv takes a comma list
     add_kv_arguments(parser, kv_default="bf16")
@@ -61,6 +63,7 @@ def options_from_args(args) -> EvalOptions:
         windows=args.windows, weights=args.weights, dtype=args.dtype, cache_dir=args.cache_dir,
         json_out=args.json_out, markdown_out=args.markdown_out, plot_out=args.plot_out,
         full_window=not args.no_full_window, progress=not args.no_progress, threads=args.threads,
+        overwrite=args.overwrite,
         kv_flags=kv_flags(args), recipe=args.recipe,
     )
 

@@ -165,8 +165,9 @@ def _dead_hook_check(entries: list[Entry], results: list[EntryResult], live: lis
                 live.remove(i)
                 continue
             raise LowbitError(
-                f"scheme {entries[i].name} quantized 0 K/V rows in the first window (dead hook): the cache is "
-                "not quantizing; check sink + recent against --seq-len, or that the cache is on the write path"
+                f"scheme {entries[i].name} quantized 0 K/V rows in the first window: its cache never quantized a "
+                "token (the window fits in sink + recent, or the model wrote K/V around the cache); lengthen "
+                "--seq-len past sink + recent + page, or lower --sink / --recent"
             )
 
 

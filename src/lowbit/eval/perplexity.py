@@ -43,12 +43,16 @@ class Scores:
     kl:   sum over tokens of KL(ref || this) = sum_v p_ref (log p_ref - log p_this)
     top1: count of tokens whose argmax equals the reference's argmax
     n:    tokens scored
+    dnll, dnll2: sums of d and d^2, d = this row's -log p(target) minus the reference's on the same
+          token (0 for the reference itself): the paired spread behind delta_ppl_se_pct
     """
 
     nll: float = 0.0
     kl: float = 0.0
     top1: int = 0
     n: int = 0
+    dnll: float = 0.0
+    dnll2: float = 0.0
 
     @property
     def ppl(self) -> float:
@@ -62,6 +66,16 @@ class Scores:
     def top1_pct(self) -> float:
         return 100.0 * self.top1 / self.n if self.n else float("nan")
 
+    def delta_ppl_se_pct(self) -> float | None:
+        """Standard error of this row's ΔPPL % against the reference, from the per-token paired NLL
+        differences: ΔPPL % = 100 (exp(mean d) - 1), so SE = 100 exp(mean d) sd(d) / sqrt(n). Tokens of
+        one window are correlated, so this is a lower bound on the true noise. None below 2 tokens."""
+        if self.n < 2:
+            return None
+        mean = self.dnll / self.n
+        var = max(0.0, (self.dnll2 - self.n * mean * mean) / (self.n - 1))
+        return 100.0 * math.exp(mean) * math.sqrt(var / self.n)
+
     def add(self, logp: torch.Tensor, targets: torch.Tensor, ref_logp: torch.Tensor | None = None,
             ref_p: torch.Tensor | None = None, ref_top: torch.Tensor | None = None) -> None:
         """Add T scored tokens. logp, ref_logp: [T, V] float32 log-probs; targets: [T] int64.
@@ -71,10 +85,14 @@ class Scores:
         t = int(targets.shape[0])
         if t == 0:
             return
-        self.nll += float(-logp.gather(1, targets[:, None]).sum(dtype=torch.float64))
+        nll = -logp.gather(1, targets[:, None])[:, 0]  # [T]
+        self.nll += float(nll.sum(dtype=torch.float64))
         if ref_logp is None:
             self.top1 += t
         else:
+            d = (nll - -ref_logp.gather(1, targets[:, None])[:, 0]).double()  # [T] paired NLL difference
+            self.dnll += float(d.sum())
+            self.dnll2 += float((d * d).sum())
             # KL(ref || this): the reference's probabilities weight the log ratio
             ref_p = ref_logp.exp() if ref_p is None else ref_p
             ref_top = ref_logp.argmax(-1) if ref_top is None else ref_top

@@ -2,7 +2,8 @@
 
 The JSON is the record: `protocol` (windows, tokens, chunk, scored positions), `model`, `data`,
 `versions`, `full_window` (the bf16 chunked-vs-plain-forward check) and `results`, one entry per row:
-    scheme, kind, status ("ok" or "cannot run: <reason>"), config, ppl, delta_ppl_pct, kl, top1,
+    scheme, kind, status ("ok" or "cannot run: <reason>"), config, ppl, delta_ppl_pct,
+    delta_ppl_se_pct (its standard error from per-token paired NLL differences; a lower bound), kl, top1,
     bits_per_elt (quantized tier; null when nothing is quantized), avg_bits_per_elt (all tiers),
     quantized_rows, seconds (wall), time_vs_bf16, cpu_seconds, cpu_vs_bf16, tokens_scored
 Numbers are null where a row could not run; nothing is printed that was not measured.
@@ -19,7 +20,7 @@ from pathlib import Path
 from lowbit.errors import LowbitError
 
 SCHEMA_VERSION = 1
-RESULT_KEYS = ("scheme", "kind", "status", "config", "ppl", "delta_ppl_pct", "kl", "top1", "bits_per_elt",
+RESULT_KEYS = ("scheme", "kind", "status", "config", "ppl", "delta_ppl_pct", "delta_ppl_se_pct", "kl", "top1", "bits_per_elt",
                "avg_bits_per_elt", "quantized_rows", "seconds", "time_vs_bf16", "cpu_seconds", "cpu_vs_bf16",
                "tokens_scored", "backend")
 
@@ -46,6 +47,7 @@ def result_rows(results) -> list[dict]:
             "config": r.config,
             "ppl": _finite(r.scores.ppl) if ok else None,
             "delta_ppl_pct": _finite(r.delta_ppl_pct) if ok else None,
+            "delta_ppl_se_pct": (_finite(r.scores.delta_ppl_se_pct()) if ok and r.kind != "reference" else None),
             "kl": _finite(r.scores.mean_kl) if ok else None,
             "top1": _finite(r.scores.top1_pct) if ok else None,
             "bits_per_elt": _finite(a.bits_per_elt) if ok else None,
@@ -188,6 +190,8 @@ def print_table(report: dict, console=None) -> None:
     for row in skipped:
         console.print(f"[yellow]{row['scheme']}: {row['status']}[/yellow]")
     console.print(protocol_line(report))
+    for w in noise_warnings(report):
+        console.print(f"[yellow]{w}[/yellow]")
     line = full_window_line(report)
     if line:
         console.print(line if report["full_window"]["ok"] else f"[bold red]{line}[/bold red]")
@@ -196,6 +200,7 @@ def print_table(report: dict, console=None) -> None:
 def to_markdown(report: dict) -> str:
     """A markdown page: protocol, versions, the table, the full-window check, row configs."""
     out = [f"# lowbit eval: {report['model']['name']}", "", protocol_line(report), ""]
+    out += [f"> {w}\n" for w in noise_warnings(report)]
     v = report["versions"]
     git = v.get("lowbit_git")
     out.append("versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val and k != "lowbit_git")
@@ -236,6 +241,46 @@ _KIND_LABELS = {"reference": "bf16 reference", "lowbit": "lowbit", "lowbit-peer"
                 "hf-quantized": "HF QuantizedCache"}
 
 
+NOISE_SE = 2.0  # a |ΔPPL| under this many standard errors is called within noise
+
+
+def noise_warnings(report: dict) -> list[str]:
+    """One line per row whose ΔPPL is within NOISE_SE standard errors of 0 (too few tokens scored to
+    tell it from the reference)."""
+    out = []
+    n = report["protocol"]["tokens_scored"]
+    for row in report["results"]:
+        d, se = row.get("delta_ppl_pct"), row.get("delta_ppl_se_pct")
+        if row["status"] != "ok" or d is None or not se or abs(d) >= NOISE_SE * se:
+            continue
+        out.append(f"warning: {row['scheme']} ΔPPL {d:+.2f}% is within noise (standard error ±{se:.2f}% over {n} "
+                   f"scored tokens, a lower bound: neighbouring tokens correlate); score more with --windows")
+    return out
+
+
+def _pct_ticks(lo: float, hi: float) -> list[float]:
+    """ΔPPL tick values covering [lo, hi]: 0, 0.5, then 1-2-5 steps per decade (decades only when that
+    would crowd the axis), up to the first step at or above hi (and likewise below lo)."""
+    def side(x: float) -> list[float]:
+        steps = [0.5] + [m * 10.0 ** e for e in range(7) for m in (1, 2, 5)]
+        if x > 20:  # more than ~two decades: 1-2-5 labels would overlap
+            steps = [0.5] + [10.0 ** e for e in range(7)]
+        out = []
+        for t in steps:
+            out.append(t)
+            if t >= x:
+                break
+        return out
+
+    return sorted({0.0, *side(max(hi, 0.0)), *(-t for t in side(-min(lo, 0.0)) if lo < 0)})
+
+
+def _pct_label(t: float) -> str:
+    if t == 0:
+        return "0"
+    return f"{t:+,.0f}%" if abs(t) >= 1 else f"{t:+.1f}%"
+
+
 def write_plot(report: dict, path) -> Path:
     """PNG of ΔPPL % (symlog) against bits/elt: filled marker = quantized tier, hollow = average over
     all tiers (sink and recent included), joined per scheme. The bf16 reference sits at (16, 0)."""
@@ -246,8 +291,10 @@ def write_plot(report: dict, path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     fig, ax = plt.subplots(figsize=(7.5, 4.8), dpi=120)
+    ys, xs = [], []
     for row in report["results"]:
         if row["status"] != "ok" or row["delta_ppl_pct"] is None:
             continue
@@ -262,20 +309,36 @@ def write_plot(report: dict, path) -> Path:
         if xa is not None and xa != xq:
             ax.plot([xa], [y], "o", mfc="none", color=color)
             ax.plot([xq, xa], [y, y], "-", lw=0.6, color=color, alpha=0.5)
-        ax.annotate(row["scheme"], (xq, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        # labels right of the point, except near the right edge (the bf16 reference at 16), where they go left
+        right_edge = xq >= 12
+        ax.annotate(row["scheme"], (xq, y), textcoords="offset points", xytext=(-5 if right_edge else 5, 5),
+                    ha="right" if right_edge else "left", fontsize=8)
+        ys.append(y)
+        xs += [v for v in (xq, xa) if v is not None]
     ax.set_yscale("symlog", linthresh=1.0)
+    # percent tick labels (+1%, +10%, +100%) instead of symlog's 10^k, and ticks inside the linear part
+    ticks = _pct_ticks(min(ys, default=0.0), max(ys, default=0.0))
+    ax.set_yticks(ticks)
+    ax.set_yticklabels([_pct_label(t) for t in ticks])
+    ax.yaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    if xs:
+        ax.set_xlim(max(0.0, min(xs) - 0.6), max(xs) + 0.6)
+    ax.tick_params(labelsize=9)
     ax.axhline(0.0, color="grey", lw=0.5)
-    ax.set_xlabel("bits per element (filled: quantized tier; hollow: average over all tiers)")
-    ax.set_ylabel("ΔPPL vs bf16 (%)")
+    ax.set_xlabel("bits per element (K and V, scale/zero included)", fontsize=10)
+    ax.set_ylabel("ΔPPL vs bf16 (%, log scale above 1%)", fontsize=10)
     pr = report["protocol"]
     ax.set_title(f"{report['model']['name']} on {report['data']['name']}: {pr['windows']} x {pr['seq_len']} tokens, "
-                 f"chunk {pr['chunk']}", fontsize=9)
-    ax.grid(True, which="both", lw=0.3, alpha=0.5)
+                 f"chunk {pr['chunk']}", fontsize=10)
+    ax.grid(True, which="major", lw=0.3, alpha=0.5)
     from matplotlib.lines import Line2D
 
     kinds = {row["kind"] for row in report["results"] if row["status"] == "ok"}
-    ax.legend(handles=[Line2D([], [], marker="o", ls="", color=c, label=_KIND_LABELS[k])
-                       for k, c in _KIND_COLORS.items() if k in kinds], fontsize=8, loc="upper right")
+    handles = [Line2D([], [], marker="o", ls="", color=c, label=_KIND_LABELS[k])
+               for k, c in _KIND_COLORS.items() if k in kinds]
+    handles += [Line2D([], [], marker="o", ls="", color="grey", label="quantized tier"),
+                Line2D([], [], marker="o", ls="", color="grey", mfc="none", label="average over all tiers")]
+    ax.legend(handles=handles, fontsize=8, loc="upper right")
     fig.tight_layout()
     p.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(p)

@@ -46,6 +46,7 @@ class EvalOptions:
     threads: int | None = None
     kv_flags: dict = field(default_factory=dict)
     recipe: str | None = None
+    overwrite: bool = False  # replace existing --json/--markdown/--plot files (else refused before loading)
 
 
 def model_context(model: str) -> int | None:
@@ -88,7 +89,8 @@ def check_options(o: EvalOptions):
             raise LowbitError(f"--seq-len must be >= 2 (one token of context and one target), got {seq_len}")
         if ctx is not None and seq_len > ctx:
             raise LowbitError(f"--seq-len {seq_len} is longer than the context of {o.model} ({ctx} tokens); "
-                              f"use --seq-len {min(DEFAULT_SEQ_LEN, ctx)} or less")
+                              f"use --seq-len {ctx} or less (default {min(DEFAULT_SEQ_LEN, ctx)})")
+    check_quantizes(schemes, peers, seq_len, ctx, o.model)
     if str(o.data) not in ("stdlib", "wikitext2") and not Path(o.data).is_file():
         raise LowbitError(f"--data {o.data}: no such file; use wikitext2, stdlib or the path of a UTF-8 text file")
     if o.weights is not None and not Path(o.weights).is_dir():
@@ -98,7 +100,35 @@ def check_options(o: EvalOptions):
     for what, p in (("--json", o.json_out), ("--markdown", o.markdown_out), ("--plot", o.plot_out)):
         if p is not None and Path(p).is_dir():
             raise LowbitError(f"{what} {p} is a directory; give a file path")
+        # like artifacts, a report is never overwritten silently: refused here, before any work
+        if p is not None and Path(p).exists() and not o.overwrite:
+            raise LowbitError(f"{what} {p} already exists; give a new path, delete it, or pass --overwrite")
     return schemes, peers, seq_len
+
+
+def check_quantizes(schemes, peers, seq_len: int, ctx: int | None, model: str) -> None:
+    """Refuse, before loading anything, a window too short for a quantizing row to quantize any token:
+    its sink + recent tiers (model dtype) would hold the whole window and the row would measure bf16."""
+    from lowbit.recipe import parse_kv_scheme
+
+    rows = [(s.label, s.scheme) for s in schemes if s.scheme is not None]
+    rows += [(p, parse_kv_scheme(p)) for p in peers if not p.startswith("hf-")]
+    for label, sch in rows:
+        # tokens leave the recent ring for the quantized middle a page at a time, once it holds recent + page
+        need = sch.sink + sch.recent + sch.page
+        if not sch.quantized or seq_len >= need:
+            continue
+        lower = f"lower --sink / --recent (e.g. --sink {sch.page} --recent {_fit_recent(seq_len, sch)})"
+        fix = (f"{model}'s context is {ctx} tokens, so {lower}" if ctx is not None and need > ctx else
+               f"use --seq-len {need} or more, or {lower}")
+        raise LowbitError(f"--seq-len {seq_len} is shorter than {label}'s sink {sch.sink} + recent {sch.recent} + "
+                          f"one page of {sch.page} = {need} tokens, so it would quantize nothing (the whole window "
+                          f"stays in the model dtype): {fix}")
+
+
+def _fit_recent(seq_len: int, sch) -> int:
+    """A recent size (multiple of the page) that leaves about half of a seq_len window to the quantized middle."""
+    return max(sch.page, (seq_len // 2 - sch.page) // sch.page * sch.page)
 
 
 def _bytes_bound_check(text: str, seq_len: int, windows: int) -> None:
@@ -225,10 +255,9 @@ def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
     data = {"name": str(o.data), "chars": len(text)}
     report = rep.build_report(protocol=protocol, model=model_info, data=data, results=results, full_window=full)
     rep.print_table(report, console)
-    if o.json_out:
-        console.print(f"wrote {rep.write_json(report, o.json_out)}")
-    if o.markdown_out:
-        console.print(f"wrote {rep.write_markdown(report, o.markdown_out)}")
-    if o.plot_out:
-        console.print(f"wrote {rep.write_plot(report, o.plot_out)}")
+    for path, write in ((o.json_out, rep.write_json), (o.markdown_out, rep.write_markdown),
+                        (o.plot_out, rep.write_plot)):
+        if path:
+            verb = "replaced" if Path(path).exists() else "wrote"  # exists only under --overwrite
+            console.print(f"{verb} {write(report, path)}")
     return report

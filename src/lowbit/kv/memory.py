@@ -100,6 +100,11 @@ class MemoryReport:
         }
 
     def summary(self, cache) -> str:
+        """One line of numbers; preceded by a line saying so when a quantizing scheme quantized nothing."""
+        note = nothing_quantized_note(cache)
+        return f"{note}\n{self._numbers(cache)}" if note else self._numbers(cache)
+
+    def _numbers(self, cache) -> str:
         bk, bv = self.middle_bits_per_element()
         n = max((layer.n for layer in cache.layers), default=0)
         bits = (
@@ -118,6 +123,22 @@ class MemoryReport:
             f"recent {self.total('recent') / MiB:.2f}) | {bpt:.1f} B/token/layer vs {ref:.1f} {dense} dense{ratio} | "
             f"attention calls: {backend}"
         )
+
+
+def nothing_quantized_note(cache) -> str | None:
+    """One line when the scheme quantizes but no row reached the middle tier (every token still sits
+    in the model-dtype sink + recent tiers, so the cache is as large as a dense one), else None."""
+    quantizes = any(layer.k_codec.quantized or layer.v_codec.quantized for layer in cache.layers)
+    n = max((layer.n for layer in cache.layers), default=0)
+    if not quantizes or n == 0 or cache.quantized_rows_total():
+        return None
+    s = cache.scheme
+    dtype = str(getattr(cache.layers[0], "dtype", "")).replace("torch.", "") or "the model dtype"
+    # tokens leave the recent ring a page at a time, once it holds recent + page tokens
+    start = s.sink + s.recent + s.page
+    return (f"note: nothing quantized: all {n} tokens sit in the sink ({s.sink}) and recent ({s.recent}) tiers, kept "
+            f"in {dtype}; quantizing starts at {start} tokens (sink + recent + one page of {s.page}): use a longer "
+            f"input, or lower --sink / --recent (multiples of --page) to quantize shorter contexts")
 
 
 def _nbytes(t) -> int:

@@ -137,7 +137,8 @@ class HessianCollector:
         """Mean x^T x (float32 [in, in]) of the inputs `name` saw; LowbitError if it saw none."""
         owner = self.owner.get(name)
         if owner is None or self.counts.get(owner, 0) == 0:
-            raise LowbitError(f"calibration never reached linear {name} (dead hook); check the model's forward")
+            raise LowbitError(f"calibration never reached linear {name}: its input hook saw no tokens (the model's "
+                              "forward skips it); check the model's forward")
         return self.sums[owner] / self.counts[owner]
 
     def tokens(self, name: str) -> int:
