@@ -66,6 +66,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         'OpenAI-compatible server (/v1/completions, /v1/chat/completions, SSE streaming, /health, '
         "/metrics) on the transformers runtime with lowbit's KV cache"
     )),
+    "validate": ("validate", (
+        'validate an artifact in stages (1 CPU checks, 2 kernel audit, 3 load+decode smoke, 4 PPL/KL vs the '
+        'unquantized model); stops at the first failure; exit 1 if one fails'
+    )),
     "verify": ("verify", (
         'check every file of an artifact against its manifest (OK/FAILED/MISSING/UNLISTED); exit 1 on any'
         ' problem'
