@@ -91,7 +91,7 @@ def interrupted_message(command: str, how: str, outputs: list[Path], existed: se
     absent = [str(p) for p in outputs if not p.exists()]
     # lowbit.artifacts' writer stages into .NAME.tmp-PID beside NAME and removes it on any exception
     staging = [str(s) for p in outputs if (s := p.parent / f".{p.name}.tmp-{os.getpid()}").exists()]
-    parts = [f"interrupted ({how}): `lowbit {command}` stopped before it finished"]
+    parts = [f"interrupted ({how}): `lowbit {command}` stopped"]
     if kept:
         parts.append(f"kept {', '.join(kept)} (written before the interrupt)")
     if absent:

@@ -48,6 +48,8 @@ def add_arguments(p) -> None:
                    help="model dtype (default float32: fastest on most CPUs)")
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--no-request-log", action="store_true",
+                   help="do not log one line per /v1 request on stderr (method, path, status, tokens, seconds)")
 
 
 SERVE_EXTRA = ("fastapi", "uvicorn")  # what the HTTP server imports, from the `serve` extra
@@ -78,6 +80,10 @@ def run(args) -> int:
     from lowbit.serve.server import bind, build, serve_forever, url_of
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
+    if not args.no_request_log:
+        from lowbit.serve.app import enable_request_log
+
+        enable_request_log()
     # bind first: a port in use fails in a second, not after loading the model
     sock = bind(args.host, args.port)
     if args.threads is not None:

@@ -4,19 +4,28 @@
     POST /v1/completions                prompt (text or token ids) -> text; stream=true for SSE
     POST /v1/chat/completions           messages through the model's chat template; stream=true for SSE
     GET  /health                        200 while the engine's worker is alive, else 503
-    GET  /metrics                       JSON (or ?format=prometheus): KV bytes held, quantized
-                                        tokens, tokens/s, requests, queue depth
+    GET  /metrics                       JSON: KV bytes held, quantized tokens, tokens/s, requests,
+                                        queue depth; Prometheus text (format 0.0.4) for
+                                        ?format=prometheus or an Accept header naming text/plain or
+                                        openmetrics (what Prometheus scrapers send); ?format=json wins
 
 Errors use OpenAI's body {"error": {"message", "type", "param", "code"}}: malformed JSON and
 invalid fields -> 400, unknown model -> 404, a prompt that does not fit the context -> 400.
 Each response carries the served scheme in `system_fingerprint` and, as an extension field
 `lowbit`, how many of its tokens sat quantized in its cache when it finished.
+
+Every /v1 request is logged in one line on the `lowbit.serve.requests` logger when it ends (method,
+path, status, id, prompt + completion tokens, finish reason, seconds, quantized tokens); `lowbit
+serve` shows these lines on stderr unless --no-request-log (enable_request_log). /health and
+/metrics are not logged (scrapers would flood the log).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import sys
 import time
 from dataclasses import dataclass
 
@@ -28,7 +37,38 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lowbit import __version__
 from lowbit.serve import engine as eng
+from lowbit.serve.metrics import PROMETHEUS_CONTENT_TYPE, wants_prometheus
 from lowbit.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, unsupported
+
+request_log = logging.getLogger("lowbit.serve.requests")
+
+
+def enable_request_log(stream=None) -> None:
+    """Show the one-line-per-request log on `stream` (default stderr), whatever the root log level."""
+    if not any(getattr(h, "_lowbit_requests", False) for h in request_log.handlers):
+        h = logging.StreamHandler(stream or sys.stderr)
+        h.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
+        h._lowbit_requests = True
+        request_log.addHandler(h)
+    request_log.setLevel(logging.INFO)
+    request_log.propagate = False
+
+
+def request_line(method: str, path: str, status: int, seconds: float, *, rid: str | None = None,
+                 done: dict | None = None, stream: bool = False, error: str | None = None) -> str:
+    """The log line of one request. done: the engine's "done" payload (usage, finish_reason, quantized_tokens)."""
+    parts = [f"{method} {path} {status}"]
+    if rid:
+        parts.append(rid)
+    if done:
+        u = done.get("usage") or {}
+        parts.append(f"{u.get('prompt_tokens', '?')} prompt + {u.get('completion_tokens', '?')} completion tokens "
+                     f"({done.get('finish_reason')}), {done.get('quantized_tokens', 0)} quantized")
+    parts.append(f"{seconds:.2f} s" + (" stream" if stream else ""))
+    if error:
+        parts.append(error if len(error) <= 200 else error[:197] + "...")
+    return " | ".join(parts)
+
 
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context, capped here.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -69,22 +109,36 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
     fingerprint = f"lowbit-{__version__}-kv-{served.scheme['name']}"
     served.created = served.created or int(time.time())
 
-    def err(status: int, message: str, param=None, code=None) -> JSONResponse:
+    def err(status: int, message: str, param=None, code=None, request: Request | None = None) -> JSONResponse:
         engine.metrics.client_error()
+        if request is not None and request.url.path.startswith("/v1/"):
+            t0 = getattr(request.state, "t0", None)
+            request_log.info(request_line(request.method, request.url.path, status,
+                                          time.perf_counter() - t0 if t0 else 0.0, error=message))
         type_ = "invalid_request_error" if status < 500 else "server_error"
         return JSONResponse(error_body(message, type_=type_, param=param, code=code), status_code=status)
 
     @app.exception_handler(RequestValidationError)
     async def _bad_request(request: Request, exc: RequestValidationError):
-        return err(400, _validation_message(exc))
+        return err(400, _validation_message(exc), request=request)
 
     @app.exception_handler(ClientError)
     async def _client_error(request: Request, exc: ClientError):
-        return err(exc.status, exc.message, exc.param, exc.code)
+        return err(exc.status, exc.message, exc.param, exc.code, request=request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return err(exc.status_code, str(exc.detail))
+        return err(exc.status_code, str(exc.detail), request=request)
+
+    @app.middleware("http")
+    async def _start_clock(request: Request, call_next):
+        request.state.t0 = time.perf_counter()  # the request log's seconds count from here
+        response = await call_next(request)
+        # generation requests log themselves when they end, errors in err(); here the other /v1 reads
+        if request.method == "GET" and request.url.path.startswith("/v1/") and response.status_code < 400:
+            request_log.info(request_line("GET", request.url.path, response.status_code,
+                                          time.perf_counter() - request.state.t0))
+        return response
 
     # ------------------------------------------------------------ info
     def model_card() -> dict:
@@ -110,11 +164,11 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
         return {"status": "ok", "model": served.id, "kv_scheme": served.scheme["name"]}
 
     @app.get("/metrics")
-    async def metrics(format: str = "json"):
-        if format == "prometheus":
-            return PlainTextResponse(engine.metrics.prometheus())
-        if format != "json":
+    async def metrics(request: Request, format: str | None = None):
+        if format not in (None, "json", "prometheus"):
             raise ClientError(400, f"format {format!r} unknown; use json or prometheus", "format")
+        if format == "prometheus" or (format is None and wants_prometheus(request.headers.get("accept"))):
+            return PlainTextResponse(engine.metrics.prometheus(), media_type=PROMETHEUS_CONTENT_TYPE)
         return {"model": served.id, **engine.metrics.snapshot()}
 
     # ------------------------------------------------------ validation
@@ -169,6 +223,8 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
     # ---------------------------------------------------------- running
     async def run(ids: list[int], req, max_tokens: int, kind: str, stream: bool):
         engine.metrics.request(kind)
+        t0 = time.perf_counter()
+        path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
         params = eng.GenParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                stop=req.stop_list(), seed=req.seed)
         loop = asyncio.get_running_loop()
@@ -185,22 +241,30 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
         created = int(time.time())
         if stream:
             return StreamingResponse(
-                _sse(events, handle, rid, created, kind, req.include_usage()),
+                _sse(events, handle, rid, created, kind, req.include_usage(), t0, path),
                 media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
             )
         parts = []
+        done = False
         try:
             while True:
                 what, payload = await events.get()
                 if what == "delta":
                     parts.append(payload)
                 elif what == "error":
+                    request_log.info(request_line("POST", path, 500, time.perf_counter() - t0, rid=rid, error=payload))
+                    done = True
                     return err(500, payload)
                 else:
                     break
+            done = True
+            request_log.info(request_line("POST", path, 200, time.perf_counter() - t0, rid=rid, done=payload))
         finally:
             handle.cancel()  # no-op once done; drops the request if this handler was cancelled
+            if not done:  # the client went away (or the server is stopping) before the answer
+                request_log.info(request_line("POST", path, 499, time.perf_counter() - t0, rid=rid,
+                                              error="cancelled before the answer"))
         text = "".join(parts)
         choice = ({"index": 0, "text": text, "logprobs": None, "finish_reason": payload["finish_reason"]}
                   if kind == "completions" else
@@ -211,7 +275,7 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
                 "choices": [choice], "usage": payload["usage"],
                 "lowbit": {"kv_scheme": served.scheme["name"], "quantized_tokens": payload["quantized_tokens"]}}
 
-    async def _sse(events, handle, rid, created, kind, include_usage):
+    async def _sse(events, handle, rid, created, kind, include_usage, t0, path):
         obj = "text_completion" if kind == "completions" else "chat.completion.chunk"
 
         def chunk(delta_text=None, finish=None, role=False):
@@ -228,6 +292,7 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
                     "system_fingerprint": fingerprint, "choices": [choice]}
             return f"data: {json.dumps(body)}\n\n"
 
+        ended: dict = {"error": "cancelled mid-stream"}  # what the log line says when the loop does not finish
         try:
             if kind == "chat":
                 yield chunk("", role=True)
@@ -236,9 +301,11 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
                 if what == "delta":
                     yield chunk(payload)
                 elif what == "error":
+                    ended = {"error": payload}
                     yield f"data: {json.dumps(error_body(payload, type_='server_error'))}\n\n"
                     break
                 else:
+                    ended = {"done": payload}
                     yield chunk(None, finish=payload["finish_reason"])
                     if include_usage:
                         body = {"id": rid, "object": obj, "created": created, "model": served.id,
@@ -250,6 +317,8 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
             yield "data: [DONE]\n\n"
         finally:
             handle.cancel()  # client gone mid-stream: the worker drops the request and its cache
+            # the status line was 200 once streaming began; an error or cancel is said in the line itself
+            request_log.info(request_line("POST", path, 200, time.perf_counter() - t0, rid=rid, stream=True, **ended))
 
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest):

@@ -91,23 +91,57 @@ class Metrics:
             }
 
     def prometheus(self) -> str:
-        """The same numbers in Prometheus text format (GET /metrics?format=prometheus)."""
+        """The same numbers in Prometheus text exposition format 0.0.4 (GET /metrics with an Accept header
+        naming text/plain or openmetrics, as Prometheus scrapers send, or GET /metrics?format=prometheus).
+        Every sample has # HELP and # TYPE lines; *_total are counters, the rest gauges."""
         s = self.snapshot()
-        name = s["kv_scheme"].get("name", "?")
-        lines = [
-            f'lowbit_kv_scheme_info{{scheme="{name}",cache="{s["kv_scheme"].get("cache", "?")}"}} 1',
-            f"lowbit_kv_bytes_held {s['kv']['bytes_held']}",
-            f"lowbit_kv_peak_bytes_held {s['kv']['peak_bytes_held']}",
-            f"lowbit_kv_tokens_held {s['kv']['tokens_held']}",
-            f"lowbit_kv_quantized_tokens_held {s['kv']['quantized_tokens_held']}",
-            f"lowbit_kv_quantized_tokens_finished_total {s['kv']['quantized_tokens_total_finished']}",
-            f"lowbit_active_requests {s['kv']['active_requests']}",
-            f"lowbit_queue_depth {s['queue_depth']}",
-            f"lowbit_prompt_tokens_total {s['tokens']['prompt_total']}",
-            f"lowbit_generated_tokens_total {s['tokens']['generated_total']}",
-            f"lowbit_generated_tokens_per_second_busy {s['tokens']['per_s_busy']}",
-            f"lowbit_client_errors_total {s['client_errors']}",
+        sch = s["kv_scheme"]
+        kv, tok = s["kv"], s["tokens"]
+        samples = [  # (name, type, help, [(labels, value)])
+            ("lowbit_kv_scheme_info", "gauge", "the KV scheme served (always 1)",
+             [({"scheme": sch.get("name", "?"), "cache": sch.get("cache", "?")}, 1)]),
+            ("lowbit_uptime_seconds", "gauge", "seconds since the server started", [({}, s["uptime_s"])]),
+            ("lowbit_kv_bytes_held", "gauge", "KV cache bytes held now, measured from the tensors",
+             [({}, kv["bytes_held"])]),
+            ("lowbit_kv_peak_bytes_held", "gauge", "largest KV bytes held so far", [({}, kv["peak_bytes_held"])]),
+            ("lowbit_kv_tokens_held", "gauge", "tokens held in the KV caches now", [({}, kv["tokens_held"])]),
+            ("lowbit_kv_quantized_tokens_held", "gauge", "of those, tokens held quantized",
+             [({}, kv["quantized_tokens_held"])]),
+            ("lowbit_kv_quantized_tokens_finished_total", "counter",
+             "tokens held quantized at the end of finished requests", [({}, kv["quantized_tokens_total_finished"])]),
+            ("lowbit_active_requests", "gauge", "requests being generated", [({}, kv["active_requests"])]),
+            ("lowbit_queue_depth", "gauge", "requests waiting for a slot", [({}, s["queue_depth"])]),
+            ("lowbit_prompt_tokens_total", "counter", "prompt tokens prefilled", [({}, tok["prompt_total"])]),
+            ("lowbit_generated_tokens_total", "counter", "tokens generated", [({}, tok["generated_total"])]),
+            ("lowbit_generated_tokens_per_second_busy", "gauge", "generated tokens per second of worker compute",
+             [({}, tok["per_s_busy"])]),
+            ("lowbit_client_errors_total", "counter", "requests answered with a 4xx error",
+             [({}, s["client_errors"])]),
+            ("lowbit_requests_total", "counter", "requests received, by endpoint",
+             [({"endpoint": k}, v) for k, v in s["requests"].items()]),
+            ("lowbit_finished_total", "counter", "requests finished, by reason",
+             [({"reason": k}, v) for k, v in s["finished"].items()]),
         ]
-        lines += [f'lowbit_requests_total{{endpoint="{k}"}} {v}' for k, v in s["requests"].items()]
-        lines += [f'lowbit_finished_total{{reason="{k}"}} {v}' for k, v in s["finished"].items()]
+        lines = []
+        for name, kind, help_, values in samples:
+            lines += [f"# HELP {name} {help_}", f"# TYPE {name} {kind}"]
+            for labels, v in values:
+                lab = ",".join(f'{k}="{_escape(str(x))}"' for k, x in labels.items())
+                lines.append(f"{name}{{{lab}}} {v}" if lab else f"{name} {v}")
         return "\n".join(lines) + "\n"
+
+
+PROMETHEUS_CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+def wants_prometheus(accept: str | None) -> bool:
+    """True when an Accept header asks for Prometheus text (text/plain or openmetrics) rather than JSON.
+    `*/*` alone (curl, browsers' fetch) gets JSON, the default."""
+    a = (accept or "").lower()
+    if "application/json" in a:
+        return False
+    return "text/plain" in a or "openmetrics" in a
+
+
+def _escape(v: str) -> str:
+    return v.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
