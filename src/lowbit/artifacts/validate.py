@@ -71,7 +71,7 @@ class Options:
     base: str | None = None  # quantized weights: the unquantized base (default: manifest inputs)
     device: str = "cpu"
     stages: tuple = (1, 2, 3, 4)
-    kv: str = DEFAULT_ROTATION_KV  # rotation sets only
+    kv: str | None = None  # rotation sets only: the scheme run with them (None: DEFAULT_ROTATION_KV)
     max_ppl_increase: float = DEFAULT_MAX_PPL_INCREASE
     max_kl: float = DEFAULT_MAX_KL
     json: str | None = None
@@ -332,6 +332,9 @@ def _cpu_kv_export(ctx: Context, st: _Stage) -> None:
                  f"{bdir} is another model than the export's ({diff}); pass the model it was exported from as --base")
         ctx.ref_src = str(bdir)
     else:
+        if ctx.opts.base is not None:
+            raise LowbitError("--base: this export ships the model's own unquantized weights, which are their own "
+                              "reference; drop --base")
         st.check("weights", True, "the model's own (unquantized) weights; reference = the same model, plain cache")
 
 
@@ -373,7 +376,7 @@ def _cpu_rotations(ctx: Context, st: _Stage) -> None:
     geometry = ModelGeometry.from_config(_config(mdir), name=name)
     rs.validate_against(geometry)
     st.check("model", True, f"{mdir} ({name}): layers, KV heads and head dims fit the rotations")
-    scheme = parse_kv_scheme(ctx.opts.kv, rotation=str(ctx.root))
+    scheme = parse_kv_scheme(ctx.opts.kv or DEFAULT_ROTATION_KV, rotation=str(ctx.root))
     _plan_checks(ctx, st, scheme, geometry)
     ctx.geometry = geometry
     ctx.test_src = str(mdir)
@@ -436,7 +439,7 @@ def _audit_rows(cases: list, device: str) -> list[dict]:
                 "print(json.dumps(_audit_rows(json.load(sys.stdin), 'cpu')))")
         env = dict(os.environ, TRITON_INTERPRET="1")
         p = subprocess.run([sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True,
-                           env=env, timeout=3600)
+                           env=env, timeout=3600, check=False)
         if p.returncode:
             tail = " ".join((p.stderr or p.stdout).strip().splitlines()[-1:])
             raise LowbitError(f"the kernel audit (Triton interpreter) failed: {tail}")
@@ -464,7 +467,7 @@ def stage_kernel_audit(ctx: Context) -> dict:
         return st.result()
     try:
         rows = _audit_rows(cases, ctx.opts.device)
-    except Exception as e:  # a kernel that does not compile or crashes is this stage's failure
+    except Exception as e:  # noqa: BLE001 -- a kernel that does not compile or crashes is this stage's failure
         st.check("decode kernel", False, _one_line(e))
         return st.result()
     for r in rows:
@@ -539,7 +542,7 @@ def stage_smoke(ctx: Context) -> dict:
     try:
         with torch.no_grad():
             _smoke(ctx, st)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- a model that does not load or run fails this stage, named
         st.check("run", False, _one_line(e))
     return st.result()
 
@@ -598,7 +601,7 @@ def stage_accuracy(ctx: Context) -> dict:
     try:
         with torch.no_grad():
             _accuracy(ctx, st)
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 -- as in stage 3
         st.check("run", False, _one_line(e))
     return st.result()
 
@@ -670,6 +673,20 @@ def check_output(path: str | None) -> None:
             raise LowbitError(f"--json {p}: directory {p.parent} does not exist; create it or choose another path")
 
 
+def _check_flags(root: Path, opts: Options) -> None:
+    """A flag that this artifact's kind would ignore is refused (nothing is ignored silently)."""
+    from lowbit.artifacts import load_manifest
+
+    try:
+        label = KINDS.get(load_manifest(root).kind, (None,))[0]
+    except LowbitError:
+        return  # a damaged manifest is stage 1's finding, not bad input
+    for flag, value, kinds in (("--kv", opts.kv, ("rotations",)), ("--model", opts.model, ("rotations",)),
+                               ("--base", opts.base, ("weights", "kv-export"))):
+        if value is not None and label is not None and label not in kinds:
+            raise LowbitError(f"{flag} is for {' and '.join(kinds)} artifacts but {root} is {label}; drop {flag}")
+
+
 def validate(opts: Options) -> dict:
     """Run the asked stages in order, stopping at the first failing one. Returns the report (JSON-ready).
 
@@ -688,6 +705,7 @@ def validate(opts: Options) -> dict:
 
         resolve_device("cuda")  # no CUDA -> one line, before any stage
     check_output(opts.json)
+    _check_flags(root, opts)
     ctx = Context(root=root, opts=opts)
     runners = {1: stage_cpu_checks, 2: stage_kernel_audit, 3: stage_smoke, 4: stage_accuracy}
     results, failed = [], None
@@ -728,8 +746,8 @@ def write_report(report: dict, path) -> Path:
 
 def format_report(report: dict) -> str:
     """The table `lowbit validate` prints: one line per stage, then its checks."""
-    lines = [f"validate {report['artifact']} ({report['kind'] or 'unknown kind'}) on "
-             f"{report['provenance']['device']['type']}"]
+    head = f"validate {report['artifact']} ({report['kind'] or 'unknown kind'}) on {report['provenance']['device']['type']}"
+    lines = [head]
     for r in report["stages"]:
         lines.append(f"stage {r['stage']} {r['name']:<13} {'ok' if r['ok'] else 'FAILED':<6} {r['seconds']:7.2f} s")
         for c in r["checks"]:

@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--stages", default="1,2,3,4", help="stages to run, e.g. 1,2 (stage 1 always; default 1,2,3,4)")
     p.add_argument("--json", default=None, metavar="OUT",
                    help="also write the report as JSON to OUT (a new file; default: print the table only)")
-    p.add_argument("--kv", default=DEFAULT_ROTATION_KV, metavar="SCHEME",
+    p.add_argument("--kv", default=None, metavar="SCHEME",
                    help=f"rotation sets: the KV scheme run with the rotations in stages 2-4 (default {DEFAULT_ROTATION_KV})")
     p.add_argument("--max-ppl-increase", type=float, default=DEFAULT_MAX_PPL_INCREASE, metavar="PCT",
                    help=f"stage 4 fails above this PPL increase in percent (default {DEFAULT_MAX_PPL_INCREASE:g}: "
