@@ -28,7 +28,7 @@ def test_window_shorter_than_sink_recent_page_refused(tiny_dir, corpus):
 
 
 def test_kivi_peer_checked_too(tiny_dir, corpus):
-    with pytest.raises(LowbitError, match="shorter than kivi2's"):
+    with pytest.raises(LowbitError, match="shorter than kivi2's .* or leave out the peer kivi2"):
         check_options(_opts(tiny_dir, corpus, peers="kivi2", seq_len=40))
 
 
@@ -112,3 +112,20 @@ def test_plot_ticks_are_percent_labels(tmp_path):
     p = rep.write_plot(_report([("bf16", "reference", 0.0, None, None), ("int2", "lowbit", 36.0, 0.5, 2.5)]),
                        tmp_path / "p.png")
     assert p.stat().st_size > 1000
+
+
+def test_warm_up_is_untimed_and_changes_no_score(tiny_dir, corpus):
+    from rich.console import Console
+
+    from lowbit.eval.runner import run_eval
+
+    kw = {"kv": "bf16,int4", "peers": "kivi2", "seq_len": 240, "windows": 1, "chunk": 40, "dtype": "fp32",
+          "progress": False, "full_window": False, "kv_flags": {"sink": 16, "recent": 32}}
+    quiet = Console(quiet=True)
+    cold = run_eval(_opts(tiny_dir, corpus, **kw), console=quiet)
+    warm = run_eval(_opts(tiny_dir, corpus, warmup=True, **kw), console=quiet)
+    assert cold["protocol"]["warmup_tokens"] == 0
+    # kivi2 quantizes from sink 0 + recent 128 + page 32 = 160 tokens, plus one chunk of 40
+    assert warm["protocol"]["warmup_tokens"] == 200
+    for a, b in zip(cold["results"], warm["results"], strict=True):
+        assert (a["scheme"], a["ppl"], a["quantized_rows"]) == (b["scheme"], b["ppl"], b["quantized_rows"])

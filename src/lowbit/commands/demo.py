@@ -52,6 +52,7 @@ def run(args) -> int:
         dtype="bf16", cache_dir=args.cache_dir, json_out=str(out / "demo.json"), markdown_out=str(out / "demo.md"),
         plot_out=str(out / "demo.png"), progress=not args.no_progress, threads=args.threads,
         overwrite=True,  # --out is the demo's own folder: a rerun replaces its files and says "replaced"
+        warmup=True,  # every row runs once untimed first: a one-off stall (a peer's lazy import) is nobody's time
         kv_flags={"rotation": None},
     )
     check_options(opts)  # bad input before loading anything

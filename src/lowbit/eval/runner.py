@@ -47,6 +47,7 @@ class EvalOptions:
     kv_flags: dict = field(default_factory=dict)
     recipe: str | None = None
     overwrite: bool = False  # replace existing --json/--markdown/--plot files (else refused before loading)
+    warmup: bool = False  # run every row untimed over the start of window 0 first (the demo: see warm_up)
 
 
 def model_context(model: str) -> int | None:
@@ -111,14 +112,15 @@ def check_quantizes(schemes, peers, seq_len: int, ctx: int | None, model: str) -
     its sink + recent tiers (model dtype) would hold the whole window and the row would measure bf16."""
     from lowbit.recipe import parse_kv_scheme
 
-    rows = [(s.label, s.scheme) for s in schemes if s.scheme is not None]
-    rows += [(p, parse_kv_scheme(p)) for p in peers if not p.startswith("hf-")]
-    for label, sch in rows:
+    rows = [(s.label, s.scheme, False) for s in schemes if s.scheme is not None]
+    rows += [(p, parse_kv_scheme(p), True) for p in peers if not p.startswith("hf-")]
+    for label, sch, fixed in rows:
         # tokens leave the recent ring for the quantized middle a page at a time, once it holds recent + page
         need = sch.sink + sch.recent + sch.page
         if not sch.quantized or seq_len >= need:
             continue
-        lower = f"lower --sink / --recent (e.g. --sink {sch.page} --recent {_fit_recent(seq_len, sch)})"
+        lower = (f"leave out the peer {label} (its recipe is fixed)" if fixed else
+                 f"lower --sink / --recent (e.g. --sink {sch.page} --recent {_fit_recent(seq_len, sch)})")
         fix = (f"{model}'s context is {ctx} tokens, so {lower}" if ctx is not None and need > ctx else
                f"use --seq-len {need} or more, or {lower}")
         raise LowbitError(f"--seq-len {seq_len} is shorter than {label}'s sink {sch.sink} + recent {sch.recent} + "
@@ -174,6 +176,39 @@ def _load_model(o: EvalOptions, lm=None):
     info = {"name": lm.name, "weights_sha256": lm.weights_sha256, "dtype": o.dtype, "path": str(lm.path),
             "geometry": lm.geometry.summary(), "weights": None, "provenance": lm.provenance}
     return lm.model, lm.tokenizer, lm.geometry, info
+
+
+def warm_up(model, windows, entries, chunk: int) -> int:
+    """Run every entry, untimed and unscored, over the start of window 0: long enough that its first
+    page is quantized (sink + recent + page, plus a chunk), so one-off costs (imports, first kernel
+    launches, a peer's lazy setup, the first quantization) are not charged to one row's seconds.
+    A peer that fails here is left to fail again, and be recorded, in the timed run. Returns tokens fed."""
+    from lowbit.eval.harness import use_attention
+    from lowbit.eval.perplexity import forward_chunk
+
+    def first_quantized(c: dict) -> int:  # lowbit rows: sink + recent + page; HF peers: residual_length + 1
+        return sum(int(c.get(k) or 0) for k in ("sink", "recent", "page")) + int(c.get("residual_length") or 0)
+
+    need = max((first_quantized(e.config) for e in entries), default=0)
+    n = min(int(windows.shape[1]), need + chunk)
+    own = model.config._attn_implementation
+    try:
+        with torch.no_grad():
+            for e in entries:
+                if e.cannot_run:
+                    continue
+                use_attention(model, e.attention or own)
+                try:
+                    cache = e.make_cache(model)
+                    for s in range(0, n, chunk):
+                        forward_chunk(model, windows[0, s:min(s + chunk, n)][None, :], cache)
+                except Exception:
+                    if e.kind != "hf-quantized":
+                        raise
+                del cache
+    finally:
+        use_attention(model, own)
+    return n
 
 
 def build_entries(schemes, peers, geometry, recent: int):
@@ -234,6 +269,7 @@ def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
         recent = o.kv_flags.get("recent") or DEFAULT_RECENT
     entries = build_entries(schemes, peers, geometry, recent)
 
+    warmed = warm_up(model, windows, entries, o.chunk) if o.warmup else 0
     results = evaluate(model, windows, entries, chunk=o.chunk, progress=o.progress)
     full = None
     if o.full_window:
@@ -251,6 +287,7 @@ def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
         "seconds": "wall time of each row's own forward calls (cache work included, scoring excluded); "
                    "cpu_seconds: process CPU time of the same calls",
         "threads": torch.get_num_threads(),
+        "warmup_tokens": warmed,  # tokens of window 0 each row ran untimed before the timed run (0: none)
     }
     data = {"name": str(o.data), "chars": len(text)}
     report = rep.build_report(protocol=protocol, model=model_info, data=data, results=results, full_window=full)
