@@ -134,3 +134,11 @@ def test_resolve_device_refuses(name, msg):
     with pytest.raises(LowbitError, match=msg):
         resolve_device(name)
     assert resolve_device("cpu").type == "cpu" and resolve_device(None).type in ("cpu", "cuda")
+
+
+def test_every_flag_of_every_command_has_help():
+    parser = cli.build_parser(eager=True)
+    sub = next(a for a in parser._actions if isinstance(a, cli._LazySubParsers))
+    missing = [f"{name} {a.option_strings[0]}" for name, p in sub._name_parser_map.items()
+               for a in p._actions if a.option_strings and not a.help]
+    assert missing == []

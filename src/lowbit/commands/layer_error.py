@@ -13,17 +13,24 @@ HELP = "per-layer attention-output error (dB) of each rotation (none, hadamard, 
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, help="built-in name or local HF dir")
+    p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF directory")
     p.add_argument("--kv", default="int2", help="KV scheme: int2, int4, k4v2, kivi2, ... (default int2)")
     p.add_argument("--rotations", default="none,hadamard", help="comma list of none | hadamard | rotation-set dirs")
     p.add_argument("--data", default="wikitext2", help="held-out text: wikitext2 | stdlib | PATH (default wikitext2)")
-    p.add_argument("--windows", type=int, default=2, help="windows (default 2)")
+    p.add_argument("--windows", type=int, default=2, help="consecutive windows of --data to measure on (default 2)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per window (default 1024)")
-    p.add_argument("--group", type=int, default=None, help="channels per group (token axis) / key block (kivi)")
-    p.add_argument("--sink", type=int, default=None)
-    p.add_argument("--recent", type=int, default=None)
-    p.add_argument("--page", type=int, default=None)
-    p.add_argument("--clip", default=None, help="clip ratio, one or K,V")
+    p.add_argument("--group", type=int, default=None,
+                   help="channels per scale/zero group (token axis; default 128 or head_dim if smaller), or tokens "
+                        "per key block (channel axis, KIVI)")
+    p.add_argument("--sink", type=int, default=None,
+                   help="first tokens kept in the model dtype, never quantized (default 64; a multiple of --page)")
+    p.add_argument("--recent", type=int, default=None,
+                   help="last tokens kept in the model dtype (default 256; a multiple of --page); --seq-len must "
+                        "exceed sink + recent for anything to be quantized")
+    p.add_argument("--page", type=int, default=None,
+                   help="tokens moved from the recent ring to the quantized middle at a time (default 16)")
+    p.add_argument("--clip", default=None,
+                   help="clip ratio of the quantization range, one for both or K,V (e.g. 0.96,0.92; default 1)")
     p.add_argument("--k-axis", choices=("token", "channel"), default=None,
                    help="group keys per token or per channel over page-token blocks (KIVI)")
     p.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels (Gaussian-optimal unless --levels-from)")

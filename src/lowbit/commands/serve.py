@@ -47,7 +47,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                    help="model dtype (default float32: fastest on most CPUs)")
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
-    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"))
+    p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
+                   help="level of lowbit's and uvicorn's logs (default warning; debug adds uvicorn's access log)")
     p.add_argument("--no-request-log", action="store_true",
                    help="do not log one line per /v1 request on stderr (method, path, status, tokens, seconds)")
 
