@@ -213,3 +213,17 @@ def test_cpu_audit_runs_in_an_interpreter_child_when_this_process_has_none(monke
     rows = _audit_rows([("t", {"B": 2, "Hq": 3, "Hkv": 1, "D": 64, "T": 9, "kbits": 2, "vbits": 4, "group": 32,
                                "sink": 2, "recent": 3, "ragged": True})], "cpu")
     assert len(rows) == 1 and rows[0]["ok"] and rows[0]["finite"] and rows[0]["rel_l2"] < 1e-3
+
+
+def test_export_with_quantized_weights_is_checked_against_its_base(arts, tmp_path, capsys):
+    """`export --weights CKPT`: the KV plan and the checkpoint's tensors in stage 1, the unquantized model the
+    export names (inputs.model_dir) as the reference of stages 3-4."""
+    out = tmp_path / "expw"
+    assert main(["export", "--for", "vllm", "--model", str(arts / "tiny-smollm2"), "--kv", "int4", "--weights",
+                 str(arts / "ckpt"), "--out", str(out)]) == 0
+    capsys.readouterr()
+    rc, text, _ = _run(capsys, out, "--device", "cpu")
+    print(text)
+    assert rc == 0, text
+    assert "w8a16: 14 quantized linears" in text and f"reference {arts / 'tiny-smollm2'}" in text
+    assert "no weight kernel is used by this artifact on this device" in text and "k4v4 D64 g64" in text

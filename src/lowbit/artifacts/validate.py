@@ -57,6 +57,9 @@ DEFAULT_ROTATION_KV = "int4"  # the scheme a rotation set is run with in stages 
 DEFAULT_MAX_PPL_INCREASE = 50.0  # percent; catches a broken artifact, not a quality bar (set your own)
 DEFAULT_MAX_KL = 0.5  # nats per token, mean KL(reference || artifact)
 SMOKE_DECODE = 4  # greedy tokens decoded in stage 3
+# stage 3 accepts another first token only when the reference itself ranks the two this close (log-prob
+# nats): random test models and real ones both have near-ties that any quantization may flip
+SMOKE_TIE_NATS = 0.1
 ACCURACY_MIN_TOKENS = 512  # stage 4 window length (longer when sink + recent need it)
 CHUNK = 128  # prefill chunk in stage 4 (as serving feeds a prompt)
 
@@ -566,15 +569,16 @@ def _smoke(ctx: Context, st: _Stage) -> None:
     for which, model in (("test", test), ("ref", ref)):
         cache = _new_cache(ctx, model, which)
         logits = _forward(model, ids, cache)[0, -1]
+        first = torch.log_softmax(logits.float(), -1)  # [V] after the prefill
         finite, toks = bool(torch.isfinite(logits).all()), []
         for _ in range(SMOKE_DECODE):
             t = int(torch.argmax(logits))
             toks.append(t)
             logits = _forward(model, torch.tensor([[t]], device=dev), cache)[0, -1]
             finite = finite and bool(torch.isfinite(logits).all())
-        out[which] = (toks, finite, cache)
-    toks, finite, cache = out["test"]
-    rtoks = out["ref"][0]
+        out[which] = (toks, finite, cache, first)
+    toks, finite, cache, _ = out["test"]
+    rtoks, ref_first = out["ref"][0], out["ref"][3]
     st.check("finite logits", finite, f"prefill {n} tokens + {SMOKE_DECODE} decode steps: every logit finite"
              if finite else "NaN/Inf in the artifact's logits")
     if _kv_quantized(ctx):
@@ -588,9 +592,15 @@ def _smoke(ctx: Context, st: _Stage) -> None:
                      "times as the plan says" if calls.get("triton") else f"the plan chose the kernel but it never "
                      f"ran: {'; '.join(cache.backend_notes[:2])}")
     agree = sum(a == b for a, b in zip(toks, rtoks))
-    st.check("greedy token", toks[0] == rtoks[0], f"first greedy token {toks[0]} = reference's; {agree}/{len(toks)} "
-             f"decoded tokens agree (artifact {toks}, reference {rtoks})" if toks[0] == rtoks[0] else
-             f"first greedy token {toks[0]} but the reference path gives {rtoks[0]} (artifact {toks}, reference {rtoks})")
+    seq = f"{agree}/{len(toks)} decoded tokens agree (artifact {toks}, reference {rtoks})"
+    # how far below its own top-1 the reference puts the artifact's token: a near-tie may go either way
+    gap = float(ref_first[rtoks[0]] - ref_first[toks[0]])
+    if toks[0] == rtoks[0]:
+        st.check("greedy token", True, f"first greedy token {toks[0]} = reference's; {seq}")
+    else:
+        st.check("greedy token", gap <= SMOKE_TIE_NATS, f"first greedy token {toks[0]}, reference {rtoks[0]}: "
+                 f"{'a near-tie' if gap <= SMOKE_TIE_NATS else 'not a near-tie'} ({gap:.3f} nats apart in the "
+                 f"reference, tie tolerance {SMOKE_TIE_NATS:g}); {seq}")
 
 
 # ------------------------------------------------------------------ stage 4: accuracy
