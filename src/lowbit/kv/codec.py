@@ -79,10 +79,11 @@ class TensorCodec:
         return self.page if (self.quantized and self.tq.axis == "channel" and name != "codes") else 1
 
     # ------------------------------------------------------------- encode
-    def encode(self, x: torch.Tensor, dense_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def encode(self, x: torch.Tensor, dense_dtype: torch.dtype, *, checks: bool = True) -> dict[str, torch.Tensor]:
         """x [B, H, T, D] (already rotated) -> stored fields (see module docstring).
 
         For axis 'channel', T must be a multiple of the page (the layer flushes whole pages).
+        checks=False: no host-synchronising input checks (a captured GPU step; same arithmetic).
         """
         if not self.quantized:
             return {"dense": x.to(dense_dtype)}
@@ -93,15 +94,15 @@ class TensorCodec:
                 raise LowbitError(f"channel-grouped rows come in pages of {self.page}, got {T}")
             # [B,H,T,D] -> [B,H,T/page,D,page]: groups run over the page's tokens, one per channel
             xt = x.reshape(B, H, T // self.page, self.page, D).transpose(-1, -2)
-            codes, scale, zero = self._quantize_last(xt, self.page)  # codes [B,H,T/p,D,p]; scale [B,H,T/p,D,1]
+            codes, scale, zero = self._quantize_last(xt, self.page, checks)  # codes [B,H,T/p,D,p]; scale [B,H,T/p,D,1]
             codes = codes.transpose(-1, -2).reshape(B, H, T, D)
             scale, zero = scale.squeeze(-1), zero.squeeze(-1)  # [B,H,T/p,D]
         else:
-            codes, scale, zero = self._quantize_last(x, self.group)  # [B,H,T,D], [B,H,T,D/g]
+            codes, scale, zero = self._quantize_last(x, self.group, checks)  # [B,H,T,D], [B,H,T,D/g]
         packed = codes if self.cbits == 8 else packing.pack(codes, self.cbits, LAYOUT)
         return {"codes": packed, "scale": scale, "zero": zero}
 
-    def _quantize_last(self, x: torch.Tensor, group: int):
+    def _quantize_last(self, x: torch.Tensor, group: int, checks: bool = True):
         """Quantize along the last dim in groups; returns codes uint8, scale/zero SCALE_DTYPE [..., n/group]."""
         tq = self.tq
         if tq.lloyd_max:
@@ -110,10 +111,10 @@ class TensorCodec:
             q = lloyd_max.encode(x, self.levels.to(x.device), group, stat_dtype=SCALE_DTYPE)
             return q.codes, q.std, q.mean
         if tq.grid == "std":
-            q = affine.quantize_std(x, tq.bits, group, scale_dtype=SCALE_DTYPE)
+            q = affine.quantize_std(x, tq.bits, group, scale_dtype=SCALE_DTYPE, checks=checks)
         else:
             q = affine.quantize(
-                x, tq.bits, group, symmetric=tq.symmetric, clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE
+                x, tq.bits, group, symmetric=tq.symmetric, clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE, checks=checks
             )
         return q.codes, q.scale, q.zero
 

@@ -85,10 +85,8 @@ def _check_clip(clip_ratio: float) -> float:
 def _round_up(t32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Round a positive float32 tensor to `dtype`, never below its float32 value."""
     r = t32.to(dtype)
-    low = r.float() < t32
-    if low.any():
-        r = torch.where(low, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
-    return r
+    low = r.float() < t32  # branch-free (no host sync): a captured decode step quantizes through here
+    return torch.where(low, torch.nextafter(r, torch.full_like(r, float("inf"))), r)
 
 
 def grouped(x: torch.Tensor, group: int | None, who: str = "quantize") -> tuple[int, torch.Tensor]:
@@ -112,14 +110,17 @@ def _groups(x: torch.Tensor, bits: int, group: int | None, scale_dtype: torch.dt
     return bits, g, xg
 
 
-def _lay_grid(xg: torch.Tensor, center: torch.Tensor, step: torch.Tensor, bits: int, scale_dtype: torch.dtype):
+def _lay_grid(xg: torch.Tensor, center: torch.Tensor, step: torch.Tensor, bits: int, scale_dtype: torch.dtype,
+              checks: bool = True):
     """The grid of 2**bits levels `step` apart centred on `center` ([..., G] each), stored in scale_dtype.
 
     Groups with step 0 get scale 1, zero = center, codes 0 (exact for constant groups). The scale is
     rounded up to scale_dtype (the grid still spans the range), the zero derived from it and rounded,
     and the codes computed against those stored values. Returns codes uint8 [..., G, g], scale, zero.
+    checks=False skips the two finiteness checks (each a host sync): for a captured GPU step, where
+    nothing may synchronise; the arithmetic is the same.
     """
-    if not torch.isfinite(step).all() or not torch.isfinite(center).all():
+    if checks and (not torch.isfinite(step).all() or not torch.isfinite(center).all()):
         raise LowbitError("quantize got inf or NaN values in x; clean the input before quantizing")
     qmax = (1 << bits) - 1
     live = step > 0
@@ -129,7 +130,7 @@ def _lay_grid(xg: torch.Tensor, center: torch.Tensor, step: torch.Tensor, bits: 
     # Grid centered on the range; with a rounded-up scale it spans a bit more.
     zero = torch.where(live, center - scale * (qmax * 0.5), center)
     scale_s, zero_s = scale.to(scale_dtype), zero.to(scale_dtype)
-    if not (torch.isfinite(scale_s).all() and torch.isfinite(zero_s).all()):
+    if checks and not (torch.isfinite(scale_s).all() and torch.isfinite(zero_s).all()):
         raise LowbitError(f"scale/zero overflow {scale_dtype}; values too large for it, use scale_dtype=torch.float32")
     zero = zero_s.float()
     codes = torch.round((xg - zero.unsqueeze(-1)) / scale.unsqueeze(-1)).clamp_(0, qmax)
@@ -144,6 +145,7 @@ def quantize(
     symmetric: bool = False,
     clip_ratio: float = 1.0,
     scale_dtype: torch.dtype = torch.float32,
+    checks: bool = True,
 ) -> AffineQuantized:
     """Quantize x [..., D] in groups of `group` consecutive elements of the last dim.
 
@@ -162,7 +164,7 @@ def quantize(
         lo, hi = xg.amin(dim=-1), xg.amax(dim=-1)  # [..., G]
         center = (lo + hi) * 0.5
         half = (hi - lo) * (0.5 * r)
-    codes, scale, zero = _lay_grid(xg, center, half * (2.0 / ((1 << bits) - 1)), bits, scale_dtype)
+    codes, scale, zero = _lay_grid(xg, center, half * (2.0 / ((1 << bits) - 1)), bits, scale_dtype, checks)
     return AffineQuantized(codes.reshape(x.shape), scale, zero, bits, g, bool(symmetric), r)
 
 
@@ -172,6 +174,7 @@ def quantize_std(
     group: int | None,
     *,
     scale_dtype: torch.dtype = torch.float32,
+    checks: bool = True,
 ) -> AffineQuantized:
     """Uniform grid placed by each group's mean and standard deviation instead of its min/max.
 
@@ -189,7 +192,7 @@ def quantize_std(
         raise LowbitError(f"the std-placed grid is for 2, 3 or 4 bits, got {bits}; use the min/max grid at 8 bits")
     bits, g, xg = _groups(x, bits, group, scale_dtype)  # xg [..., G, g]
     mean, std = xg.mean(dim=-1), xg.std(dim=-1, correction=0)  # [..., G]
-    codes, scale, zero = _lay_grid(xg, mean, std * gaussian_uniform_step(bits), bits, scale_dtype)
+    codes, scale, zero = _lay_grid(xg, mean, std * gaussian_uniform_step(bits), bits, scale_dtype, checks)
     return AffineQuantized(codes.reshape(x.shape), scale, zero, bits, g, False, 1.0)
 
 

@@ -1,0 +1,407 @@
+"""StaticKVCache: capacity-sized packed KV buffers for a batch of slots, written by index arithmetic.
+
+    plan = lowbit.kv.plan.resolve(scheme, geometry, device="cuda")
+    cache = StaticKVCache(model, plan, slots=16, max_context=32768)    # allocates everything once
+    cache.begin_prefill(slot=0, start=0, length=n) ; model forward over the prompt chunk(s)
+    cache.begin_decode(batch=16) ; one-token forward for slots [0, 16) ; cache.advance(active)
+
+Layout per layer (slots B, KV heads H, head_dim D; one trash row at the end of every tier takes the
+writes that must go nowhere, so no write needs a branch):
+
+    full layer, quantized:  sink  [B, H, S+1, D]      positions [0, S)                  model dtype
+                            ring  [B, H, R+1, D]      the last R positions >= S, circular: position p
+                                                      in row (p - S) mod R                model dtype
+                            middle codec fields [B, H, C+1, w]  positions [S, n - R) in row p - S
+                                                      (codes uint8 "strided", scale/zero fp16)
+    sliding layer (window W): ring [B, H, W+1, D] of the last W positions (row p mod W); nothing else
+    nothing quantized (bf16):  one dense buffer [B, H, max_context+1, D], position p in row p
+
+A decode step writes one token per slot at position p = lens[b]: the token leaving the ring
+(position p - R) is encoded by the layer's codec (the one quantizer) into middle row p - R - S, and
+the new token takes its ring row. These are fixed-shape gathers and scatters on device tensors: no
+host synchronisation and no Python branch on a length, so a whole decode step can be captured in a
+CUDA graph. The tiers equal QuantizedKVCache's at page 1 (same codes), so the eager cache is this
+cache's reference. Per-slot lengths make ragged batches: slot b holds lens[b] tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from lowbit.errors import LowbitError
+from lowbit.kv import attention as attn
+from lowbit.kv.rotations import rotate, unrotate
+
+
+def static_reason(layer) -> str | None:
+    """Why the static runtime cannot hold lowbit.kv.plan.LayerPlan `layer` (None: it can)."""
+    for which, c in (("K", layer.k), ("V", layer.v)):
+        if c.quantized and c.tq.axis != "token":
+            return f"{which} is grouped per channel over pages (the static runtime writes one token at a time)"
+    if layer.k.quantized != layer.v.quantized:
+        return "only one of K and V is quantized (the static runtime stores both packed or both dense)"
+    return None
+
+
+class StaticLayer(CacheLayerMixin):
+    """One layer's static buffers (see the module docstring)."""
+
+    is_compileable = True
+
+    def __init__(self, plan, slots: int, max_context: int, device, dtype):
+        super().__init__()
+        self.plan = plan
+        g = plan.geometry
+        self.layer_idx = g.index
+        self.is_sliding = g.attention == "sliding"
+        self.window = plan.window
+        self.H, self.Dk, self.Dv = g.num_kv_heads, g.head_dim_k, g.head_dim_v
+        self.k_codec, self.v_codec = plan.k, plan.v
+        self.quantized = plan.k.quantized
+        self.device, self.dtype = device, dtype
+        kw = {"device": device, "dtype": dtype}
+        B, H = slots, self.H
+        if self.is_sliding:
+            self.kind, self.S, self.R, self.C = "ring", 0, self.window, 0
+        elif self.quantized:
+            self.kind, self.S, self.R = "tiers", plan.sink, plan.recent
+            self.C = max(0, max_context - plan.sink - plan.recent)
+            if self.R == 0:
+                raise LowbitError(f"layer {self.layer_idx}: the static runtime needs recent > 0 (the new token "
+                                  "is read from the ring); use --recent 16 or more")
+        else:
+            self.kind, self.S, self.R, self.C = "dense", 0, 0, max_context
+        self.sink_k = torch.zeros(B, H, self.S + 1, self.Dk, **kw)
+        self.sink_v = torch.zeros(B, H, self.S + 1, self.Dv, **kw)
+        self.ring_k = torch.zeros(B, H, self.R + 1, self.Dk, **kw)
+        self.ring_v = torch.zeros(B, H, self.R + 1, self.Dv, **kw)
+        self.mid: dict[str, dict[str, torch.Tensor]] = {"k": {}, "v": {}}
+        if self.kind == "dense":
+            self.mid = {"k": {"dense": torch.zeros(B, H, self.C + 1, self.Dk, **kw)},
+                        "v": {"dense": torch.zeros(B, H, self.C + 1, self.Dv, **kw)}}
+        elif self.kind == "tiers":
+            for t, codec in (("k", self.k_codec), ("v", self.v_codec)):
+                for name, width in codec.fields().items():
+                    dt = torch.uint8 if name == "codes" else torch.float16
+                    self.mid[t][name] = torch.zeros(B, H, self.C + 1, width, device=device, dtype=dt)
+        self.rot_k = None if plan.rot_k is None else plan.rot_k.to(device, torch.float32)
+        self.rot_v = None if plan.rot_v is None else plan.rot_v.to(device, torch.float32)
+        self.is_initialized = True
+        self.keys = self.values = None
+
+    # ------------------------------------------------------------- bytes
+    def nbytes(self) -> int:
+        ts = [self.sink_k, self.sink_v, self.ring_k, self.ring_v] + [x for d in self.mid.values() for x in d.values()]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    # ------------------------------------------------------------- lengths
+    def tier_lens(self, n: torch.Tensor):
+        """(sink, middle, ring) valid rows per slot for n [B] tokens stored (int32 device tensors)."""
+        if self.kind == "ring":
+            z = torch.zeros_like(n)
+            return z, z, n.clamp(max=self.R)
+        if self.kind == "dense":
+            z = torch.zeros_like(n)
+            return z, n.clamp(max=self.C), z
+        S, R = self.S, self.R
+        return n.clamp(max=S), (n - S - R).clamp(0, self.C), (n - S).clamp(0, R)
+
+    # ------------------------------------------------------------- write
+    def _put(self, buf: torch.Tensor, b: torch.Tensor, rows: torch.Tensor, val: torch.Tensor) -> None:
+        """buf[b[i], :, rows[i]] = val[i] for every i (val [N, H, w]); one scatter, no sync."""
+        buf[b, :, rows] = val.to(buf.dtype)
+
+    def write(self, k: torch.Tensor, v: torch.Tensor, b: torch.Tensor, p: torch.Tensor, *, checks: bool) -> None:
+        """Store tokens k [N, H, Dk], v [N, H, Dv] (rotated, model dtype) of slots b [N] at positions p [N].
+
+        The N writes must not collide: in a decode step one token per slot; in a prefill, positions
+        of one slot in order, chunked so that no two of them share a ring row (len <= R)."""
+        if self.kind == "dense":
+            rows = p.clamp(max=self.C)
+            self._put(self.mid["k"]["dense"], b, rows, k)
+            self._put(self.mid["v"]["dense"], b, rows, v)
+            return
+        if self.kind == "ring":
+            rows = p % self.R
+            self._put(self.ring_k, b, rows, k)
+            self._put(self.ring_v, b, rows, v)
+            return
+        S, R, C = self.S, self.R, self.C
+        in_sink = p < S
+        self._put(self.sink_k, b, torch.where(in_sink, p, S), k)
+        self._put(self.sink_v, b, torch.where(in_sink, p, S), v)
+        ring_row = torch.where(in_sink, R, (p - S) % R)
+        # the token leaving the ring (position p - R) goes to the middle, through the codec
+        leaving = p - R
+        to_mid = leaving >= S
+        mid_row = torch.where(to_mid, (leaving - S).clamp(0, C), C)
+        lk = self.ring_k[b, :, ring_row]  # [N, H, Dk]
+        lv = self.ring_v[b, :, ring_row]
+        for t, codec, x in (("k", self.k_codec, lk), ("v", self.v_codec, lv)):
+            enc = codec.encode(x.unsqueeze(2), self.dtype, checks=checks)  # fields [N, H, 1, w]
+            for name, val in enc.items():
+                self._put(self.mid[t][name], b, mid_row, val[:, :, 0])
+        self._put(self.ring_k, b, ring_row, k)
+        self._put(self.ring_v, b, ring_row, v)
+
+    # ------------------------------------------------------------- read
+    def dense_history(self, b: int, n: int):
+        """Every stored token of slot b (python ints: the prefill path), in position order, rotated:
+        (k [1, H, n', Dk], v, positions [n']) with n' = tokens still held (window for sliding)."""
+        if self.kind == "dense":
+            return self.mid["k"]["dense"][b:b + 1, :, :n], self.mid["v"]["dense"][b:b + 1, :, :n], torch.arange(n)
+        if self.kind == "ring":
+            m = min(n, self.R)
+            pos = torch.arange(n - m, n)
+            rows = (pos % self.R).to(self.ring_k.device)
+            return self.ring_k[b:b + 1, :, rows], self.ring_v[b:b + 1, :, rows], pos
+        S, R = self.S, self.R
+        ns, nm, nr = min(n, S), max(0, min(n - S - R, self.C)), max(0, min(n - S, R))
+        ks, vs = [self.sink_k[b:b + 1, :, :ns]], [self.sink_v[b:b + 1, :, :ns]]
+        if nm:
+            fk = {name: x[b:b + 1, :, :nm] for name, x in self.mid["k"].items()}
+            fv = {name: x[b:b + 1, :, :nm] for name, x in self.mid["v"].items()}
+            ks.append(self.k_codec.decode(fk, self.dtype))
+            vs.append(self.v_codec.decode(fv, self.dtype))
+        pos_r = torch.arange(n - nr, n)
+        rows = ((pos_r - S) % R).to(self.ring_k.device)
+        ks.append(self.ring_k[b:b + 1, :, rows])
+        vs.append(self.ring_v[b:b + 1, :, rows])
+        return torch.cat(ks, 2), torch.cat(vs, 2), torch.cat([torch.arange(ns), torch.arange(S, S + nm), pos_r])
+
+    # ------------------------------------------------------------- HF API
+    def lazy_initialization(self, key_states, value_states):
+        pass
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        raise LowbitError("internal: StaticLayer is written through StaticKVCache.update")
+
+    def get_seq_length(self) -> int:
+        return 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def get_mask_sizes(self, *args, **kwargs):
+        raise LowbitError("the static lowbit cache builds its own masks; run the model with the 'lowbit' attention")
+
+    def reset(self) -> None:
+        pass
+
+    def crop(self, n):
+        raise LowbitError("the static lowbit cache cannot be cropped; reset the slot instead")
+
+    def offload(self):
+        raise LowbitError("the static lowbit cache does not support offloading")
+
+    def prefetch(self):
+        pass
+
+
+class StaticKVCache(Cache):
+    """Static tiered KV cache for `slots` sequences of up to `max_context` tokens (module docstring).
+
+    model_or_config: the transformers model (its attention is switched to "lowbit") or its config.
+    plan: lowbit.kv.plan.Plan resolved for this device. lens: int32 [slots] tokens held per slot.
+    Before a forward, say what it is: `begin_decode(batch)` (one token for each of slots [0, batch),
+    at positions lens[:batch]) or `begin_prefill(slot, start, length)`; after a decode forward,
+    `advance(active)` adds one token to the slots that are live.
+    """
+
+    def __init__(self, model_or_config, plan, *, slots: int, max_context: int, device=None, dtype=None):
+        from lowbit.kv.cache import _split_model, model_device
+
+        model, config = _split_model(model_or_config)
+        if slots < 1 or max_context < 1:
+            raise LowbitError(f"slots ({slots}) and max_context ({max_context}) must be positive")
+        for lp in plan.layers:
+            r = static_reason(lp)
+            if r:
+                raise LowbitError(f"layer {lp.index}: {r}; use a per-token scheme (e.g. --kv int2, k4v2)")
+        if device is None:
+            device = torch.device(model_device(model)) if model is not None else torch.device(plan.device)
+        device = torch.device(device)
+        if device.type != plan.device:
+            raise LowbitError(f"the plan was resolved for {plan.device} but the cache is for {device.type}; "
+                              f"resolve it with device={device.type!r}")
+        if dtype is None:
+            dtype = next(model.parameters()).dtype if model is not None else torch.float32
+        super().__init__(layers=[StaticLayer(lp, slots, max_context, device, dtype) for lp in plan.layers])
+        self.plan, self.scheme, self.geometry = plan, plan.scheme, plan.geometry
+        self.slots, self.max_context, self.device, self.dtype = slots, max_context, device, dtype
+        self.lens = torch.zeros(slots, dtype=torch.int32, device=device)
+        self.use_kernel = device.type == "cuda" and all(
+            lp.backends["decode"].name == "triton-decode" for lp in plan.layers if lp.k.quantized)
+        self._mode: tuple | None = None
+        self._pending: int | None = None
+        self.checks = device.type != "cuda"  # input checks synchronise: never inside a GPU step
+        if model is not None:
+            attn.install_attention(model)
+
+    # ------------------------------------------------------------- control
+    def begin_decode(self, batch: int) -> None:
+        if not 1 <= batch <= self.slots:
+            raise LowbitError(f"decode batch {batch} outside 1..{self.slots} slots")
+        self._mode = ("decode", batch)
+
+    def begin_prefill(self, slot: int, start: int, length: int) -> None:
+        if not 0 <= slot < self.slots:
+            raise LowbitError(f"slot {slot} outside 0..{self.slots - 1}")
+        if start + length > self.max_context:
+            raise LowbitError(f"slot {slot}: {start + length} tokens exceed the cache capacity {self.max_context}; "
+                              "build the cache with a larger max_context")
+        self._mode = ("prefill", slot, start, length)
+
+    def advance(self, active: torch.Tensor) -> None:
+        """lens[:batch] += active (bool/int [batch]) after a decode forward."""
+        b = active.shape[0]
+        self.lens[:b] += active.to(self.lens.dtype)
+
+    def reset_slot(self, slot: int) -> None:
+        self.lens[slot] = 0
+
+    def bytes_held(self) -> int:
+        return sum(layer.nbytes() for layer in self.layers)
+
+    # ------------------------------------------------------------- write
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if self._mode is None:
+            raise LowbitError("StaticKVCache: call begin_decode / begin_prefill before the forward")
+        layer: StaticLayer = self.layers[layer_idx]
+        k = rotate(key_states, layer.rot_k).to(self.dtype)  # [B, H, c, D]
+        v = rotate(value_states, layer.rot_v).to(self.dtype)
+        if self._mode[0] == "decode":
+            batch = self._mode[1]
+            if k.shape[0] != batch or k.shape[2] != 1:
+                raise LowbitError(f"decode step: expected K/V [{batch}, H, 1, D], got {tuple(k.shape)}")
+            p = self.lens[:batch].long()
+            b = torch.arange(batch, device=k.device)
+            layer.write(k[:, :, 0], v[:, :, 0], b, p, checks=self.checks)
+            self._chunk = None
+        else:
+            _, slot, start, length = self._mode
+            c = k.shape[2]
+            if k.shape[0] != 1 or c != length:
+                raise LowbitError(f"prefill of slot {slot}: expected K/V [1, H, {length}, D], got {tuple(k.shape)}")
+            # a sliding ring overwrites rows the chunk's first queries still see: read its history first
+            # (dense rows, nothing quantized there); tiers are read after the writes, as the eager cache does
+            before = layer.dense_history(slot, start) if layer.kind == "ring" else None
+            step = layer.R if layer.kind != "dense" else c
+            step = max(1, step)
+            for a in range(0, c, step):  # no two writes of one call share a ring row
+                n = min(step, c - a)
+                p = torch.arange(start + a, start + a + n, device=k.device)
+                b = torch.full((n,), slot, device=k.device, dtype=torch.long)
+                layer.write(k[0, :, a:a + n].transpose(0, 1), v[0, :, a:a + n].transpose(0, 1), b, p, checks=self.checks)
+            self._chunk = (k, v, before)
+        attn.post_handoff(self, layer_idx, key_states, value_states)
+        return key_states, value_states
+
+    # ------------------------------------------------------------- read
+    def attend(self, layer_idx: int, query: torch.Tensor, attention_mask, *, scaling: float, softcap=None):
+        """query [B, Hq, Lq, D] -> [B, Lq, Hq, Dv] over the slot(s) of the current step."""
+        layer: StaticLayer = self.layers[layer_idx]
+        B, Hq, Lq, D = query.shape
+        G = Hq // layer.H
+        qg = rotate(query.reshape(B, layer.H, G * Lq, D), layer.rot_k)  # [B, H, G*Lq, D] float32
+        if self._mode[0] == "decode":
+            out = self._decode_attention(layer, qg, scaling, softcap)  # [B, H, G, Dv]
+        else:
+            out = self._prefill_attention(layer, qg.reshape(1, layer.H, G, Lq, D), scaling, softcap)
+        Dv = out.shape[-1]
+        out = unrotate(out.reshape(B, layer.H, G * Lq, Dv), layer.rot_v)
+        return out.reshape(B, Hq, Lq, Dv).transpose(1, 2).to(query.dtype).contiguous()
+
+    def _decode_attention(self, layer: StaticLayer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
+        B, H = qg.shape[:2]
+        n = self.lens[:B] + 1  # the token just written is visible
+        sl, ml, rl = layer.tier_lens(n)
+        if self.use_kernel and layer.kind == "tiers" and not softcap:
+            from lowbit.kernels.decode_attention import decode_attention
+
+            mk, mv = layer.mid["k"], layer.mid["v"]
+            C = layer.C
+            mid = (mk["codes"][:B, :, :C], mk["scale"][:B, :, :C], mk["zero"][:B, :, :C],
+                   mv["codes"][:B, :, :C], mv["scale"][:B, :, :C], mv["zero"][:B, :, :C]) if C else (None,) * 6
+            dense = {"recent_k": layer.ring_k[:B, :, :layer.R], "recent_v": layer.ring_v[:B, :, :layer.R],
+                     "recent_lens": rl}
+            if layer.S:
+                dense.update(sink_k=layer.sink_k[:B, :, :layer.S], sink_v=layer.sink_v[:B, :, :layer.S], sink_lens=sl)
+            q = qg.to(self.dtype).reshape(B, -1, qg.shape[-1]).contiguous()
+            out = decode_attention(q, *mid, mid_lens=ml if C else None, k_bits=layer.k_codec.cbits,
+                                   v_bits=layer.v_codec.cbits, sm_scale=scaling, **dense)
+            return out.float().reshape(B, H, -1, out.shape[-1])
+        return self._torch_decode(layer, qg, sl, ml, rl, scaling, softcap)
+
+    def _torch_decode(self, layer, qg, sl, ml, rl, scaling, softcap):
+        """Fixed-shape torch attention over every row of every tier, invalid rows masked (the CPU path,
+        the bf16 path on CUDA, and the torch twin of the kernel path)."""
+        B = qg.shape[0]
+        ks, vs, valid = [], [], []
+        if layer.S:
+            ks.append(layer.sink_k[:B, :, :layer.S])
+            vs.append(layer.sink_v[:B, :, :layer.S])
+            valid.append(torch.arange(layer.S, device=qg.device)[None] < sl[:, None])
+        if layer.C:
+            mk = {name: x[:B, :, :layer.C] for name, x in layer.mid["k"].items()}
+            mv = {name: x[:B, :, :layer.C] for name, x in layer.mid["v"].items()}
+            ks.append(layer.k_codec.decode(mk, self.dtype) if layer.kind == "tiers" else mk["dense"])
+            vs.append(layer.v_codec.decode(mv, self.dtype) if layer.kind == "tiers" else mv["dense"])
+            valid.append(torch.arange(layer.C, device=qg.device)[None] < ml[:, None])
+        if layer.R:
+            ks.append(layer.ring_k[:B, :, :layer.R])
+            vs.append(layer.ring_v[:B, :, :layer.R])
+            valid.append(torch.arange(layer.R, device=qg.device)[None] < rl[:, None])
+        K, V = torch.cat(ks, 2), torch.cat(vs, 2)  # [B, H, N, D]
+        keep = torch.cat(valid, 1)  # [B, N]
+        if layer.kind == "dense" and not softcap and qg.is_cuda:
+            q = qg.to(self.dtype)
+            o = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=keep[:, None, None, :],
+                                                                 scale=scaling)
+            return o.float()
+        s = torch.matmul(qg.float() * scaling, K.float().transpose(-1, -2))  # [B, H, G, N]
+        if softcap:
+            s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
+        return torch.matmul(torch.softmax(s, -1), V.float())
+
+    def _prefill_attention(self, layer: StaticLayer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
+        """Queries of the chunk just written (slot, positions [start, start + c)) over the slot's
+        history as stored before the chunk plus the chunk exact: what QuantizedKVCache computes."""
+        _, slot, start, length = self._mode
+        ck, cv, before = self._chunk
+        # history: rows of positions < start, read back from the tiers after this chunk's writes
+        # (tokens that left the ring during the chunk are seen quantized, as in the eager cache)
+        hk, hv, hpos = before if before is not None else layer.dense_history(slot, start + length)
+        hist = hpos < start
+        hk, hv, hpos = hk[:, :, hist], hv[:, :, hist], hpos[hist]
+        K = torch.cat([hk, ck], 2)
+        V = torch.cat([hv, cv], 2)
+        kpos = torch.cat([hpos, torch.arange(start, start + length)]).to(qg.device)
+        qpos = torch.arange(start, start + length, device=qg.device)
+        keep = kpos[None, :] <= qpos[:, None]  # [c, N] causal
+        if layer.window is not None:
+            keep &= kpos[None, :] > qpos[:, None] - layer.window
+        _, H, G, Lq, D = qg.shape
+        q = qg.reshape(1, H, G * Lq, D)
+        mask = keep.repeat(G, 1)[None, None]  # query row g*Lq + i is position i
+        if not softcap:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.to(self.dtype), K, V, attn_mask=mask, scale=scaling)
+            return o.float().reshape(1, H, G, Lq, -1)
+        s = torch.matmul(q.float() * scaling, K.float().transpose(-1, -2))
+        s = torch.tanh(s / softcap) * softcap
+        s = s.masked_fill(~mask, float("-inf"))
+        return torch.matmul(torch.softmax(s, -1), V.float()).reshape(1, H, G, Lq, -1)
+
+    # ------------------------------------------------------------- HF API
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return int(self.lens.max())
+
+    def crop(self, max_length: int):
+        raise LowbitError("the static lowbit cache cannot be cropped; reset the slot instead")

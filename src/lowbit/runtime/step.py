@@ -1,0 +1,173 @@
+"""The model step the runtime runs: transformers' own modules and weights, driven without generate().
+
+    step = ModelStep(model)                       # refuses a family it has no path for (names those it has)
+    logits = step(input_ids, position_ids, cache)  # embeddings -> every decoder layer -> norm -> lm_head
+    graphs = DecodeGraphs(step, cache, buckets=(1, 2, 4, 8, 16))   # one CUDA graph per batch bucket
+    graphs.replay(batch)                          # one greedy decode step for slots [0, bucket)
+
+Why not model.forward: the top-level forward builds masks and reads lengths on the host (a sync per
+step); the runtime's cache builds its own masks from device lengths, so the step calls the decoder
+layers directly with attention_mask None. The model code stays transformers' (attention, RoPE, MLP,
+norms): only the loop over layers is here. Families (FAMILIES) differ only in how position
+embeddings are made (one rotary for all layers, or one per layer type) and in final soft-capping.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+from lowbit.errors import LowbitError
+
+# model_type -> how its position embeddings are built ("shared": one rotary for every layer;
+# "per-type": rotary_emb(x, pos, layer_type) or a separate local rotary for sliding layers)
+FAMILIES = {"llama": "shared", "mistral": "shared", "qwen2": "shared", "qwen3": "shared",
+            "gemma3_text": "per-type", "gemma3": "per-type"}
+
+
+class ModelStep:
+    """One forward of a transformers causal LM over the lowbit runtime cache (module docstring)."""
+
+    def __init__(self, model):
+        cfg = getattr(model, "config", None)
+        mt = getattr(cfg, "model_type", None)
+        if mt not in FAMILIES:
+            raise LowbitError(f"model type {mt!r} has no runtime step; families with one: {', '.join(sorted(FAMILIES))}")
+        inner = getattr(model, "model", None)
+        if inner is not None and hasattr(inner, "language_model"):
+            inner = inner.language_model
+        if inner is None or not hasattr(inner, "layers") or not hasattr(model, "lm_head"):
+            raise LowbitError(f"{type(model).__name__}: expected .model.layers and .lm_head (a causal LM)")
+        self.model, self.inner, self.lm_head = model, inner, model.lm_head
+        self.config = getattr(inner, "config", cfg)
+        params = inspect.signature(inner.layers[0].forward).parameters
+        self.cache_kw = "cache" if "cache" in params else "past_key_values"  # 5.24 renamed it
+        self.layer_types = list(getattr(self.config, "layer_types", None) or ["full_attention"] * len(inner.layers))
+        self.kind = FAMILIES[mt]
+        rot = getattr(inner, "rotary_emb", None)
+        self.typed_rotary = rot is not None and "layer_type" in inspect.signature(rot.forward).parameters
+        self.softcap = getattr(self.config, "final_logit_softcapping", None)
+
+    def _position_embeddings(self, h: torch.Tensor, position_ids: torch.Tensor) -> list:
+        inner = self.inner
+        if self.kind == "shared":
+            pe = inner.rotary_emb(h, position_ids)
+            return [pe] * len(inner.layers)
+        if self.typed_rotary:
+            per = {t: inner.rotary_emb(h, position_ids, t) for t in set(self.layer_types)}
+            return [per[t] for t in self.layer_types]
+        glob = inner.rotary_emb(h, position_ids)
+        local = inner.rotary_emb_local(h, position_ids) if hasattr(inner, "rotary_emb_local") else glob
+        return [local if t == "sliding_attention" else glob for t in self.layer_types]
+
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, *, last_only: bool = True):
+        """input_ids, position_ids [B, L] -> logits [B, V] (last position) or [B, L, V], float32."""
+        h = self.inner.embed_tokens(input_ids)
+        pes = self._position_embeddings(h, position_ids)
+        kw = {self.cache_kw: cache}
+        for layer, pe in zip(self.inner.layers, pes):
+            out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe, **kw)
+            h = out[0] if isinstance(out, tuple) else out
+        h = self.inner.norm(h)
+        if last_only:
+            h = h[:, -1]
+        logits = self.lm_head(h).float()
+        if self.softcap:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class DecodeGraphs:
+    """One captured greedy decode step per batch bucket over a StaticKVCache (CUDA only).
+
+    A replay of bucket b reads ids[:b] (the last token of each slot), writes every layer's K/V at
+    positions lens[:b], computes the logits, puts argmax into ids[:b] and adds active[:b] to lens:
+    the next replay continues without the host. logits[:b] holds the last step's logits.
+    """
+
+    def __init__(self, step: ModelStep, cache, buckets=DEFAULT_BUCKETS, *, warmup: int = 2):
+        if cache.device.type != "cuda":
+            raise LowbitError("CUDA graph capture needs a CUDA cache; on CPU run the step eagerly (ModelStep)")
+        buckets = sorted({int(b) for b in buckets if b <= cache.slots})
+        if not buckets:
+            raise LowbitError(f"no batch bucket fits the cache's {cache.slots} slots")
+        self.step, self.cache, self.buckets = step, cache, buckets
+        dev = cache.device
+        B = max(buckets)
+        self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
+        self.active = torch.zeros(B, dtype=torch.bool, device=dev)
+        self.logits = None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.pool = None
+        lens0 = cache.lens.clone()
+        for b in reversed(buckets):  # largest first: smaller graphs reuse its memory pool
+            s = torch.cuda.Stream()
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s), torch.no_grad():
+                for _ in range(warmup):
+                    self._body(b)
+                    cache.lens.copy_(lens0)
+            torch.cuda.current_stream().wait_stream(s)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g, pool=self.pool), torch.no_grad():
+                self._body(b)
+            self.pool = g.pool()
+            self.graphs[b] = g
+            cache.lens.copy_(lens0)
+        torch.cuda.synchronize()
+
+    def _body(self, b: int) -> None:
+        cache = self.cache
+        cache.begin_decode(b)
+        pos = cache.lens[:b].long().unsqueeze(1)
+        logits = self.step(self.ids[:b], pos, cache)
+        if self.logits is None or self.logits.shape[0] < logits.shape[0]:
+            self.logits = torch.empty(max(self.buckets), logits.shape[-1], device=logits.device, dtype=logits.dtype)
+        self.logits[:b].copy_(logits)
+        self.ids[:b, 0].copy_(torch.where(self.active[:b], logits.argmax(-1), self.ids[:b, 0]))
+        cache.advance(self.active[:b])
+
+    def bucket_for(self, batch: int) -> int:
+        for b in self.buckets:
+            if b >= batch:
+                return b
+        raise LowbitError(f"batch {batch} is larger than the largest captured bucket ({self.buckets[-1]}); "
+                          "capture larger buckets or lower the batch")
+
+    def replay(self, batch: int) -> int:
+        """Run one decode step for slots [0, bucket(batch)); returns the bucket used."""
+        b = self.bucket_for(batch)
+        self.graphs[b].replay()
+        return b
+
+
+@torch.no_grad()
+def eager_decode(step: ModelStep, cache, ids: torch.Tensor, active: torch.Tensor) -> torch.Tensor:
+    """The same decode step without a graph (CPU, or the captured step's reference): ids [b, 1] ->
+    logits [b, V]; lens[:b] += active."""
+    b = ids.shape[0]
+    cache.begin_decode(b)
+    logits = step(ids, cache.lens[:b].long().unsqueeze(1), cache)
+    cache.advance(active)
+    return logits
+
+
+@torch.no_grad()
+def prefill(step: ModelStep, cache, slot: int, ids: torch.Tensor, *, chunk: int = 2048) -> torch.Tensor:
+    """Feed prompt ids [L] into `slot` (from its current length) in chunks -> logits [V] of the last token."""
+    start = int(cache.lens[slot])
+    L = int(ids.shape[0])
+    if L == 0:
+        raise LowbitError("prefill of an empty prompt")
+    logits = None
+    for a in range(0, L, chunk):
+        c = min(chunk, L - a)
+        cache.begin_prefill(slot, start + a, c)
+        pos = torch.arange(start + a, start + a + c, device=ids.device)[None]
+        logits = step(ids[None, a:a + c], pos, cache)[0]
+    cache.lens[slot] = start + L
+    return logits
