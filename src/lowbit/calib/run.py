@@ -67,8 +67,9 @@ def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_wei
 
 
 def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_len: int, skip: int,
-              score_weighted: bool = True) -> dict:
-    """Tokenize `text`, collect statistics with `loaded.model`, write the artifact. Returns counts."""
+              score_weighted: bool = True, progress: bool | None = None) -> dict:
+    """Tokenize `text`, collect statistics with `loaded.model`, write the artifact. Returns counts.
+    progress: a bar over sequences with ETA (None: when stderr is a terminal; else a line per 1/8)."""
     geo = loaded.geometry
     if seq_len <= skip:
         raise LowbitError(f"--seq-len {seq_len} must exceed --skip {skip}")
@@ -87,11 +88,18 @@ def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_
         raise LowbitError(f"calibration data {data_spec}: {e}") from None
     t0 = time.time()
 
-    def progress(n, total):
-        if n == total or n % max(1, total // 8) == 0:
+    from lowbit.progress import bar
+
+    pb = bar(len(windows), "calibrate", "seq", progress)
+
+    def step(n, total):
+        if pb.enabled:
+            pb.update(1)
+        elif n == total or n % max(1, total // 8) == 0:
             print(f"  {n}/{total} sequences, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
 
-    col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted, progress=progress)
+    with pb:
+        col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted, progress=step)
     seconds = time.time() - t0
     inputs = {
         "model": loaded.name,

@@ -25,6 +25,8 @@ def add_arguments(p) -> None:
                    help="model dtype while capturing (default bf16, the serving dtype; statistics are summed in float64)")
     p.add_argument("--no-score-weighted", action="store_true", help="skip the attention-weighted V covariance (faster)")
     p.add_argument("--out", required=True, help="new artifact directory")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (a line per eighth of the sequences instead; also when stderr is not a terminal)")
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
 
 
@@ -42,7 +44,7 @@ def run(args) -> int:
     loaded = resolve(args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
     text = load_text(args.data)
     counts = calibrate(loaded, args.data, text, out, tokens=args.tokens, seq_len=args.seq_len, skip=args.skip,
-                       score_weighted=not args.no_score_weighted)
+                       score_weighted=not args.no_score_weighted, progress=False if args.no_progress else None)
     print(f"calibration of {loaded.name} on {args.data}: {counts['tokens']} tokens in {counts['sequences']} sequences, "
           f"{counts['layers']} layers, {counts['seconds']} s -> {out}")
     return 0

@@ -29,6 +29,7 @@ def add_arguments(p) -> None:
     p.add_argument("--center", action="store_true", help="fit to the covariance about the calibration mean (kk objective)")
     p.add_argument("--model", default=None, help="check the calibration was made on this model (name and weights sha256)")
     p.add_argument("--out", required=True, help="new rotation-set directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not a terminal)")
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
 
 
@@ -47,7 +48,7 @@ def run(args) -> int:
     if args.model:
         check_model(calib, args.model)
     fit_and_save(calib, out, kind=args.kind, objective=args.objective, mix=args.mix, bit_reversal=args.bit_reversal,
-                 center=args.center)
+                 center=args.center, progress=False if args.no_progress else None)
     print(f"{args.kind} rotations ({args.objective}, mix {args.mix}{', bit-reversal' if args.bit_reversal else ''}) "
           f"for {calib.model}, {len(calib.layers)} layers, {time.time() - t0:.1f} s -> {out}")
     return 0

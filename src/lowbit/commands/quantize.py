@@ -75,6 +75,8 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", choices=tuple(_DTYPES), default="float32",
                    help="dtype of the checkpoint's float tensors (default float32)")
     p.add_argument("--out", required=True, help="new output directory (never overwritten)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar (one log line per decoder layer instead; also when stderr is not a terminal)")
 
 
 def _device(name: str) -> torch.device:
@@ -149,6 +151,7 @@ def run(args) -> int:
         ignore=ignore, damp=args.damp, block=args.block, act_order=not args.no_act_order,
         clip_search=args.clip_search, sequential=not args.no_sequential, scale_dtype=dtype, smooth=args.smooth,
         signround=signround, tune=tune, calib_dtype=torch.bfloat16 if args.calib_dtype == "bfloat16" else None,
+        progress=False if args.no_progress else None,  # None: a bar with ETA when stderr is a terminal
     )
     lm.model.to("cpu")
     recipe = {

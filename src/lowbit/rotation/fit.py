@@ -137,7 +137,14 @@ def _fit_layer(st, kind: str, objective: str, *, mix: str, bit_reversal: bool, c
 
 
 def fit_rotations(calib, kind: str, objective: str = "kk", *, mix: str = "hadamard", bit_reversal: bool = False,
-                  center: bool = False) -> list[FittedLayer]:
-    """Fit every layer of a loaded Calibration, in global layer order."""
-    return [fit_layer(calib.layers[i], kind, objective, mix=mix, bit_reversal=bit_reversal, center=center)
-            for i in sorted(calib.layers)]
+                  center: bool = False, progress: bool | None = False) -> list[FittedLayer]:
+    """Fit every layer of a loaded Calibration, in global layer order.
+    progress: a bar over layers with ETA (lowbit.progress; None: when stderr is a terminal)."""
+    from lowbit.progress import bar
+
+    out = []
+    with bar(len(calib.layers), f"fit {kind}", "layer", progress) as pb:
+        for i in sorted(calib.layers):
+            out.append(fit_layer(calib.layers[i], kind, objective, mix=mix, bit_reversal=bit_reversal, center=center))
+            pb.update(1)
+    return out

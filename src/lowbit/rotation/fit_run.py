@@ -27,8 +27,9 @@ def check_model(calib, model: str) -> None:
 
 
 def fit_and_save(calib, out: Path, *, kind: str, objective: str = "kk", mix: str = "hadamard",
-                 bit_reversal: bool = False, center: bool = False) -> Path:
-    """Fit every layer of `calib` and write a RotationSet artifact at `out` (nothing is left on error)."""
+                 bit_reversal: bool = False, center: bool = False, progress: bool | None = False) -> Path:
+    """Fit every layer of `calib` and write a RotationSet artifact at `out` (nothing is left on error).
+    progress: a bar over layers with ETA (None: when stderr is a terminal)."""
     from lowbit.artifacts import sha256_file
     from lowbit.rotation.fit import MIXES, fit_rotations
     from lowbit.rotation.rotation_set import RotationSet
@@ -38,9 +39,11 @@ def fit_and_save(calib, out: Path, *, kind: str, objective: str = "kk", mix: str
         mixes *= 2
     if len(mixes) != 2 or any(m not in MIXES for m in mixes):
         raise LowbitError(f"--mix {mix!r}: give one of {MIXES} or two as K,V")
-    fitted = fit_rotations(calib, kind, objective, mix=mixes[0], bit_reversal=bit_reversal, center=center)
+    fitted = fit_rotations(calib, kind, objective, mix=mixes[0], bit_reversal=bit_reversal, center=center,
+                           progress=progress)
     if mixes[1] != mixes[0]:
-        fv = fit_rotations(calib, kind, objective, mix=mixes[1], bit_reversal=bit_reversal, center=center)
+        fv = fit_rotations(calib, kind, objective, mix=mixes[1], bit_reversal=bit_reversal, center=center,
+                           progress=progress)
         for f, g in zip(fitted, fv):
             f.v = g.v
     idx = [f.index for f in fitted]

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from lowbit.errors import LowbitError
+from lowbit.progress import bar as progress_bar
 from lowbit.weights.arch import decoder_layers, set_module
 from lowbit.weights.gptq import QuantizedWeight, gptq_quantize, rtn_quantize
 from lowbit.weights.hooks import HessianCollector, capture_layer_inputs, run_layer
@@ -128,6 +129,7 @@ def quantize_model(
     smooth: float | str | None = None,
     signround: SignRoundConfig | None = None,
     tune: ScaleTuneConfig | None = None,
+    progress: bool | None = False,
 ) -> QuantizeReport:
     """Quantize `model` in place (see module docstring). calib: int64 [n, T] token ids (GPTQ only).
 
@@ -139,6 +141,7 @@ def quantize_model(
     signround: SignRound's settings when method == "signround" (None: SignRoundConfig()).
     tune: after the method, tune every quantized group's scale end to end against the unquantized
     model's logits (tune_scales.py; a copy of the unquantized model is kept meanwhile). Needs calib.
+    progress: a bar over decoder layers with ETA (lowbit.progress; None: when stderr is a terminal).
     """
     t0 = time.perf_counter()
     if method not in METHODS:
@@ -198,14 +201,16 @@ def quantize_model(
             g = scheme.group_for(lin.in_features)
             done(name, lin, rtn_quantize(lin.weight, bits, g, sym, clip_search=clip_search, scale_dtype=scale_dtype))
     elif method == "signround":
-        _signround(model, layers, targets, scheme, calib, batch_size, signround or SignRoundConfig(), autocast,
-                   scale_dtype, done, report)
+        with progress_bar(len(layers), "SignRound", "layer", progress) as pb:
+            _signround(model, layers, targets, scheme, calib, batch_size, signround or SignRoundConfig(), autocast,
+                       scale_dtype, done, report, pb)
     else:
         batches = _batches(calib, batch_size)
         report.calib_tokens = int(calib.numel())
         with autocast():
             hidden, layer_kwargs = capture_layer_inputs(model, layers, batches)
         layer_index = {id(layer): i for i, layer in enumerate(layers)}
+        pb = progress_bar(len(layers), "GPTQ", "layer", progress)
         for i, layer in enumerate(layers):
             tl = time.perf_counter()
             prefix = _prefix_of(model, layer)
@@ -230,7 +235,11 @@ def quantize_model(
                 with autocast():
                     outs = [run_layer(layer, h, layer_kwargs[i]) for h in hidden]
             hidden = outs
-            log.info("layer %d/%d quantized in %.1fs", layer_index[id(layer)] + 1, len(layers), time.perf_counter() - tl)
+            pb.update(1)
+            if not pb.enabled:  # the bar says it otherwise
+                log.info("layer %d/%d quantized in %.1fs", layer_index[id(layer)] + 1, len(layers),
+                         time.perf_counter() - tl)
+        pb.close()
     # Anything left as a plain nn.Linear outside the ignore list was skipped: refuse.
     left, _ = target_linears(model, ignore)
     report.skipped = sorted(left)
@@ -253,7 +262,8 @@ def quantize_model(
     return report
 
 
-def _signround(model, layers, targets, scheme, calib, batch_size, cfg, autocast, scale_dtype, done, report) -> None:
+def _signround(model, layers, targets, scheme, calib, batch_size, cfg, autocast, scale_dtype, done, report,
+               pb=None) -> None:
     """Sequential SignRound: per layer, tune on (quantized-model inputs -> unquantized outputs)."""
     # minibatches have the calibration batch shape: the recorded layer kwargs (masks, position
     # embeddings) are for that shape
@@ -281,6 +291,10 @@ def _signround(model, layers, targets, scheme, calib, batch_size, cfg, autocast,
         with autocast():
             x_q = torch.cat([run_layer(layer, x_q[j:j + bs], layer_kwargs[i]) for j in range(0, len(x_q), bs)])
         x_fp = y_fp
+        if pb is not None and pb.enabled:
+            pb.update(1)
+            pb.set_postfix_str(f"loss {stats['loss_rtn']:.3g} -> {stats['loss_best']:.3g}")
+            continue
         log.info("layer %d/%d signround in %.1fs: loss %.3g -> %.3g (step %d)", i + 1, len(layers),
                  time.perf_counter() - tl, stats["loss_rtn"], stats["loss_best"], stats["best_step"])
 
