@@ -45,7 +45,7 @@ def _static_run(m, plan, ids, prompt_len, chunk, steps, slots=None):
 
 @pytest.mark.parametrize("name,over,sname", CASES)
 def test_static_runtime_matches_the_eager_cache(name, over, sname):
-    m, geo, plan = _setup(name, over, sname)
+    m, _geo, plan = _setup(name, over, sname)
     ids = tiny_tokenizer_free_inputs(m.config, 2, 40, seed=1)
     ref = torch.stack([run_chunks(m, QuantizedKVCache.from_plan(m, plan), ids[b:b + 1], None, [13, 13, 4] + [1] * 10)[0, 29:]
                        for b in range(2)])
@@ -61,7 +61,7 @@ def test_static_runtime_matches_the_eager_cache(name, over, sname):
 
 
 def test_ragged_batch_equals_each_sequence_alone():
-    m, geo, plan = _setup("smollm2-135m", {}, "int2")
+    m, _geo, plan = _setup("smollm2-135m", {}, "int2")
     ids = tiny_tokenizer_free_inputs(m.config, 3, 50, seed=2)
     step = ModelStep(m)
     st = StaticKVCache(m, plan, slots=3, max_context=64)
@@ -87,7 +87,7 @@ def test_every_middle_row_goes_through_the_quantizer(monkeypatch):
         return orig(self, torch.full_like(x, sentinel), dense_dtype, **kw)
 
     monkeypatch.setattr(TensorCodec, "encode", poisoned)
-    m, geo, plan = _setup("smollm2-135m", {}, "int4")
+    m, _geo, plan = _setup("smollm2-135m", {}, "int4")
     ids = tiny_tokenizer_free_inputs(m.config, 2, 40, seed=3)
     _, st = _static_run(m, plan, ids, 30, 11, 10)
     for layer in st.layers:

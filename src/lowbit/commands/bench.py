@@ -15,7 +15,8 @@ from pathlib import Path
 from lowbit.errors import LowbitError
 
 NAME = "bench"
-HELP = "GPU benchmarks: `bench decode-attention` times int2/int4/int8 decode attention vs bf16 SDPA flash"
+HELP = ("GPU benchmarks: `bench decode-attention` (the kernel vs bf16 SDPA flash), `bench decode` (end-to-end "
+        "decode steps vs transformers eager and compiled bf16)")
 
 
 def _ints(s: str) -> tuple[int, ...]:
@@ -33,11 +34,17 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["decode-attention"], help="which benchmark")
+    parser.add_argument("what", choices=["decode-attention", "decode"],
+                        help="decode-attention: the kernel vs SDPA flash; decode: end-to-end decode steps "
+                             "(transformers eager / compiled bf16, lowbit runtime bf16 / int4 / int2)")
+    parser.add_argument("--paths", default="hf-eager-bf16,hf-static-compile-bf16,lowbit-bf16,lowbit-int4,lowbit-int2",
+                        help="decode: which paths to time (default all five)")
+    parser.add_argument("--steps", type=int, default=20, help="decode: timed steps per row (default 20)")
     parser.add_argument("--batch", default="1,16,64", help="batch sizes (default 1,16,64)")
     parser.add_argument("--length", default="4k,32k,128k", help="context lengths (default 4k,32k,128k)")
-    parser.add_argument("--geometry", default="llama3-8b,gemma3-1b",
-                        help="llama3-8b (Hq 32 / Hkv 8 / D 128), gemma3-1b (Hq 4 / Hkv 1 / D 256)")
+    parser.add_argument("--geometry", default=None,
+                        help="decode-attention: llama3-8b,gemma3-1b (default both; Hq 32 / Hkv 8 / D 128 and "
+                             "Hq 4 / Hkv 1 / D 256); decode: one random-weight model geometry (default llama3-8b)")
     parser.add_argument("--bits", default="2,4,8", help="K=V bit widths to time (default 2,4,8)")
     parser.add_argument("--mem-cap-gb", type=float, default=60.0, help="skip shapes whose bf16 KV exceeds this")
     parser.add_argument("--out", metavar="JSON",
@@ -95,10 +102,19 @@ def run(args) -> int:
     if args.out:
         resolve_out(args.out, args.what, "")  # refuse an existing file before anything else
     if not torch.cuda.is_available():
-        raise LowbitError("bench decode-attention needs a CUDA GPU (it times kernels against SDPA flash)")
+        raise LowbitError(f"bench {args.what} needs a CUDA GPU (it times GPU kernels against their bf16 baselines)")
+    if args.what == "decode":
+        from lowbit.runtime import bench as e2e
+
+        path = resolve_out(args.out, "decode_e2e", torch.cuda.get_device_name(0))
+        res = e2e.run(args.geometry or "llama3-8b", _ints(args.batch), _ints(args.length),
+                      tuple(p.strip() for p in args.paths.split(",") if p.strip()), steps=args.steps)
+        write_new(path, res)
+        print(f"wrote {path}")
+        return 0
     from lowbit.kernels import bench
 
-    geos = tuple(g.strip() for g in args.geometry.split(","))
+    geos = tuple(g.strip() for g in (args.geometry or "llama3-8b,gemma3-1b").split(","))
     bad = [g for g in geos if g not in bench.GEOMETRIES]
     if bad:
         raise LowbitError(f"unknown geometry {bad}; use {sorted(bench.GEOMETRIES)}")

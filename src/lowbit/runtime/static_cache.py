@@ -212,7 +212,7 @@ class StaticKVCache(Cache):
     def __init__(self, model_or_config, plan, *, slots: int, max_context: int, device=None, dtype=None):
         from lowbit.kv.cache import _split_model, model_device
 
-        model, config = _split_model(model_or_config)
+        model, _ = _split_model(model_or_config)
         if slots < 1 or max_context < 1:
             raise LowbitError(f"slots ({slots}) and max_context ({max_context}) must be positive")
         for lp in plan.layers:

@@ -1,0 +1,234 @@
+"""`lowbit bench decode`: end-to-end decode steps of a random-weight model of a named geometry, side by side.
+
+Paths (one run, same model weights):
+    hf-eager-bf16           transformers model.forward, DynamicCache, SDPA (what a user gets by default)
+    hf-static-compile-bf16  transformers StaticCache + torch.compile(model.forward, mode="reduce-overhead")
+    lowbit-bf16             lowbit runtime: StaticKVCache with nothing quantized, one CUDA graph per step
+    lowbit-int4 / -int2     lowbit runtime, the packed middle read by the fused kernel, one CUDA graph
+
+Context: L tokens of random K/V written into each cache directly (prefill compute is not what is
+timed); then decode steps, each one token per sequence. ms_per_step: median wall time of a step
+(CUDA events around each step / graph replay); gpu_ms_per_step: the kernels' own time (profiler).
+A row whose KV would not fit in the GPU memory left says so (fits: false) instead of running.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from lowbit.errors import LowbitError
+
+GEOMETRIES = {
+    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
+                      max_position_embeddings=1 << 17),
+    # CPU smoke geometry (same head layout, 2 small layers)
+    "tiny-llama": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=1 << 15),
+}
+PATHS = ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2")
+SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2"}
+
+
+def build_model(geometry: str, device: str, dtype=torch.bfloat16):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if geometry not in GEOMETRIES:
+        raise LowbitError(f"unknown geometry {geometry!r}; use one of {', '.join(GEOMETRIES)}")
+    cfg = LlamaConfig(**GEOMETRIES[geometry])
+    torch.manual_seed(0)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = LlamaForCausalLM(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    return model.eval(), cfg
+
+
+def kv_bytes(path: str, cfg, B: int, L: int) -> int:
+    """Bytes of KV the path holds for B sequences at capacity L (what decides `fits`)."""
+    H, D, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
+    if path in ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16"):
+        return B * L * n * H * 2 * D * 2
+    from lowbit.recipe import parse_kv_scheme
+
+    s = parse_kv_scheme(SCHEMES[path])
+    dense = min(L, s.sink + s.recent)
+    bpe = sum(s.bits_per_element(D))  # K + V middle bits per element, scales included
+    return int(B * n * H * (dense * 2 * D * 2 + max(0, L - dense) * D * bpe / 8))
+
+
+def _events_time(fn, steps: int, warmup: int = 3) -> tuple[float, list[float]]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(steps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times), times
+
+
+def _gpu_busy(fn, n: int = 3) -> float | None:
+    try:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(n):
+                fn()
+            torch.cuda.synchronize()
+        return sum(e.self_device_time_total for e in prof.key_averages()) / n / 1e3
+    except Exception:  # noqa: BLE001 -- a profiler that cannot trace graphs: say "not measured"
+        return None
+
+
+def _fill_static(cache, L: int, gen) -> None:
+    """Random K/V for positions [0, L) of every slot, written into the tiers (middle through the codec)."""
+    for layer in cache.layers:
+        dt = cache.dtype
+        B, H = cache.slots, layer.H
+        r = lambda *shape: torch.randn(*shape, device=cache.device, dtype=dt, generator=gen)  # noqa: E731
+        layer.sink_k.copy_(r(*layer.sink_k.shape))
+        layer.sink_v.copy_(r(*layer.sink_v.shape))
+        layer.ring_k.copy_(r(*layer.ring_k.shape))
+        layer.ring_v.copy_(r(*layer.ring_v.shape))
+        if layer.kind == "dense":
+            for t in ("k", "v"):
+                buf = layer.mid[t]["dense"]
+                for a in range(0, L, 4096):
+                    c = min(4096, L - a)
+                    buf[:, :, a:a + c] = r(B, H, c, buf.shape[-1])
+        elif layer.kind == "tiers":
+            n_mid = max(0, min(L - layer.S - layer.R, layer.C))
+            for t, codec in (("k", layer.k_codec), ("v", layer.v_codec)):
+                for a in range(0, n_mid, 2048):
+                    c = min(2048, n_mid - a)
+                    enc = codec.encode(r(B, H, c, codec.head_dim), dt, checks=False)
+                    for name, val in enc.items():
+                        layer.mid[t][name][:, :, a:a + c] = val
+    cache.lens.fill_(L)
+
+
+def _row_lowbit(path, model, cfg, B, L, steps):
+    from lowbit.kv.plan import resolve
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.static_cache import StaticKVCache
+    from lowbit.runtime.step import DecodeGraphs, ModelStep
+
+    geo = ModelGeometry.from_config(cfg, name="random-llama")
+    plan = resolve(SCHEMES[path], geo, device="cuda")
+    cache = StaticKVCache(model, plan, slots=B, max_context=L + steps + 16)
+    _fill_static(cache, L, torch.Generator(device="cuda").manual_seed(1))
+    t = time.perf_counter()
+    graphs = DecodeGraphs(ModelStep(model), cache, buckets=(B,))
+    capture_s = time.perf_counter() - t
+    graphs.active[:B] = True
+    fn = lambda: graphs.replay(B)  # noqa: E731
+    ms, times = _events_time(fn, steps)
+    row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": _gpu_busy(fn), "kv_bytes": cache.bytes_held(),
+           "capture_s": capture_s, "decode_backends": sorted(plan.backend_names("decode")),
+           "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask"}
+    del graphs, cache
+    return row
+
+
+def _row_hf(path, model, cfg, B, L, steps):
+    from transformers import DynamicCache, StaticCache
+
+    from lowbit.kv.cache import cache_kwargs
+
+    model.set_attn_implementation("sdpa")
+    H, D = cfg.num_key_value_heads, cfg.head_dim
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    if path == "hf-eager-bf16":
+        cache = DynamicCache(config=cfg)
+    else:
+        cache = StaticCache(config=cfg, max_cache_len=L + steps + 16)
+    for i in range(cfg.num_hidden_layers):
+        for a in range(0, L, 4096):
+            c = min(4096, L - a)
+            k = torch.randn(B, H, c, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            v = torch.randn(B, H, c, D, device="cuda", dtype=torch.bfloat16, generator=gen)
+            cache.update(k, v, i, {"cache_position": torch.arange(a, a + c, device="cuda")})
+    ids = torch.randint(0, cfg.vocab_size, (B, 1), device="cuda")
+    pos = [L]
+    kw = cache_kwargs(model, cache)
+    fwd = model.forward
+    capture_s = None
+    if path == "hf-static-compile-bf16":
+        fwd = torch.compile(model.forward, mode="reduce-overhead")
+
+    @torch.no_grad()
+    def fn():
+        p = pos[0]
+        cp = torch.tensor([p], device="cuda")
+        out = fwd(input_ids=ids, position_ids=cp.expand(B, 1), cache_position=cp, use_cache=True, **kw)
+        ids.copy_(out.logits[:, -1:].argmax(-1))
+        pos[0] = p + 1
+
+    t = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    capture_s = time.perf_counter() - t
+    ms, times = _events_time(fn, steps)
+    row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": _gpu_busy(fn),
+           "kv_bytes": kv_bytes(path, cfg, B, L), "capture_s": capture_s, "attention": "sdpa"}
+    del cache
+    return row
+
+
+def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print) -> dict:
+    """Every (path, B, L) row; rows that do not fit in the GPU memory left are recorded with fits false."""
+    import transformers
+
+    for p in paths:
+        if p not in PATHS:
+            raise LowbitError(f"unknown path {p!r}; use {', '.join(PATHS)}")
+    if not torch.cuda.is_available():
+        raise LowbitError("bench decode needs a CUDA GPU (it times captured decode steps)")
+    model, cfg = build_model(geometry, "cuda")
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
+           "geometry": geometry, "weights_bytes": weights, "steps": steps}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    rows = []
+    for L in contexts:
+        for B in batches:
+            for path in paths:
+                need = kv_bytes(path, cfg, B, L)
+                free, _ = torch.cuda.mem_get_info()
+                base = {"path": path, "B": B, "L": L}
+                if need > free - 6 * 2**30:
+                    rows.append({**base, "fits": False, "kv_bytes": need, "ms_per_step": None, "tok_s": None,
+                                 "gpu_ms_per_step": None, "peak_gb": None,
+                                 "note": f"KV {need / 1e9:.1f} GB > {free / 1e9:.1f} GB free - 6 GiB"})
+                    log(f"{path} B{B} L{L}: does not fit ({need / 1e9:.1f} GB KV)")
+                    continue
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                try:
+                    fn = _row_hf if path.startswith("hf-") else _row_lowbit
+                    r = fn(path, model, cfg, B, L, steps)
+                except torch.cuda.OutOfMemoryError as e:
+                    rows.append({**base, "fits": False, "kv_bytes": need, "ms_per_step": None, "tok_s": None,
+                                 "gpu_ms_per_step": None, "peak_gb": None, "note": f"out of memory: {str(e)[:120]}"})
+                    log(f"{path} B{B} L{L}: out of memory")
+                    continue
+                r = {**base, "fits": True, "tok_s": B * 1e3 / r["ms_per_step"],
+                     "peak_gb": torch.cuda.max_memory_allocated() / 1e9, **r}
+                rows.append(r)
+                log(f"{path} B{B} L{L}: {r['ms_per_step']:.2f} ms/step ({r['tok_s']:.0f} tok/s), GPU busy "
+                    f"{r['gpu_ms_per_step'] or float('nan'):.2f} ms, KV {r['kv_bytes'] / 1e9:.2f} GB")
+                torch.cuda.empty_cache()
+    return {"env": env, "rows": rows}

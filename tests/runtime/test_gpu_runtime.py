@@ -1,0 +1,96 @@
+"""The runtime on CUDA (skipped elsewhere): the captured decode step equals the same step run eagerly
+(same codes, fp tolerance), and at bf16 the runtime's greedy tokens equal transformers' DynamicCache."""
+
+import pytest
+import torch
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, cuda]
+
+
+def _model():
+    from lowbit.runtime.bench import build_model
+
+    model, cfg = build_model("tiny-llama", "cuda")
+    with torch.no_grad():  # sharper logits than the 0.02 init, so greedy tokens differ across prompts
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+    return model, cfg
+
+
+def _kernels_compiled() -> bool:
+    try:
+        from lowbit.kernels.decode_attention import interpreted
+    except ImportError:
+        return False
+    return not interpreted()
+
+
+@pytest.mark.parametrize("kv", ["int2", "k4v2", "bf16"])
+def test_captured_step_equals_eager_step(kv):
+    if kv != "bf16" and not _kernels_compiled():
+        pytest.skip("the fused kernel was imported under the Triton interpreter")
+    from lowbit.kv.plan import resolve
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.static_cache import StaticKVCache
+    from lowbit.runtime.step import DecodeGraphs, ModelStep, eager_decode, prefill
+
+    model, cfg = _model()
+    plan = resolve(kv, ModelGeometry.from_config(cfg, name="tiny"), device="cuda")
+    step = ModelStep(model)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    prompts = [torch.randint(0, cfg.vocab_size, (n,), device="cuda", generator=g) for n in (700, 333, 999)]
+    caches, logits = [], []
+    for _ in range(2):
+        c = StaticKVCache(model, plan, slots=4, max_context=1200)
+        for b, p in enumerate(prompts):
+            prefill(step, c, b, p, chunk=256)
+        caches.append(c)
+    ref_c, cap_c = caches
+    first = torch.stack([p[-1] for p in prompts] + [prompts[0][0]])[:, None]
+    active = torch.tensor([True, True, True, False], device="cuda")
+    graphs = DecodeGraphs(step, cap_c, buckets=(4,))
+    graphs.ids[:4] = first
+    graphs.active[:4] = active
+    ids = first.clone()
+    for _ in range(40):
+        lg = eager_decode(step, ref_c, ids, active)
+        ids = torch.where(active[:, None], lg.argmax(-1, keepdim=True), ids)
+        graphs.replay(4)
+        logits.append((lg[:3], graphs.logits[:3].clone()))
+    assert torch.equal(ref_c.lens, cap_c.lens) and ref_c.lens.tolist() == [740, 373, 1039, 0]
+    for a, b in logits:
+        assert ((a - b).abs().max() / a.abs().max()).item() < 2e-2
+    assert torch.equal(ids[:3], graphs.ids[:3])
+    assert cap_c.use_kernel == (kv != "bf16")
+
+
+def test_bf16_runtime_greedy_equals_dynamic_cache():
+    from transformers import DynamicCache
+
+    from lowbit.kv.cache import cache_kwargs
+    from lowbit.kv.plan import resolve
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.static_cache import StaticKVCache
+    from lowbit.runtime.step import DecodeGraphs, ModelStep, prefill
+
+    model, cfg = _model()
+    model = model.float()
+    ids = torch.randint(0, cfg.vocab_size, (1, 50), device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    model.set_attn_implementation("sdpa")
+    with torch.no_grad():
+        ref = model.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=0,
+                             **cache_kwargs(model, DynamicCache(config=cfg)))[0, 50:]
+    plan = resolve("bf16", ModelGeometry.from_config(cfg, name="tiny"), device="cuda")
+    cache = StaticKVCache(model, plan, slots=1, max_context=128)
+    step = ModelStep(model)
+    lg = prefill(step, cache, 0, ids[0])
+    graphs = DecodeGraphs(step, cache, buckets=(1,))
+    graphs.ids[0, 0] = lg.argmax()
+    graphs.active[0] = True
+    out = [int(graphs.ids[0, 0])]
+    for _ in range(63):
+        graphs.replay(1)
+        out.append(int(graphs.ids[0, 0]))
+    assert out == ref.tolist()
