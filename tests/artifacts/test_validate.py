@@ -227,3 +227,17 @@ def test_export_with_quantized_weights_is_checked_against_its_base(arts, tmp_pat
     assert rc == 0, text
     assert "w8a16: 14 quantized linears" in text and f"reference {arts / 'tiny-smollm2'}" in text
     assert "no weight kernel is used by this artifact on this device" in text and "k4v4 D64 g64" in text
+
+
+@pytest.mark.slow
+def test_real_smollm2_int2_export_passes_every_stage(tmp_path, capsys):
+    """The built-in model (its GGUF converted once into ~/.cache/lowbit): default int2 export, four stages on CPU."""
+    out = tmp_path / "exp"
+    assert main(["export", "--for", "vllm", "--model", "smollm2-135m", "--kv", "int2", "--out", str(out)]) == 0
+    capsys.readouterr()
+    rep_path = tmp_path / "v.json"
+    rc, text, _ = _run(capsys, out, "--device", "cpu", "--json", rep_path)
+    print(text)
+    assert rc == 0, text
+    m = json.loads(rep_path.read_text())["stages"][3]["metrics"]
+    assert 0 < m["mean_kl"] < 0.5 and m["scored"] == 511

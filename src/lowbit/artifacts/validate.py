@@ -204,7 +204,8 @@ def stage_cpu_checks(ctx: Context) -> dict:
     st.check("manifest", True, f"kind {ctx.manifest.kind!r}, class {ctx.manifest.artifact_class!r}, "
              f"{len(ctx.manifest.files)} files, {ctx.manifest.total_bytes} bytes")
     status = verify(ctx.root)
-    why = {FAILED: "its bytes differ from the manifest (size or sha256)", MISSING: "listed but absent",
+    ctx.label = KINDS.get(ctx.manifest.kind, (None,))[0]  # named in the report even when a check fails
+    why = {FAILED: "its size or sha256 differs from the manifest", MISSING: "listed but absent",
            UNLISTED: "present but not in the manifest"}
     bad = [f"{s.path} {s.status} ({why[s.status]})" for s in status if s.status != OK]
     if not st.check("digests", not bad, "; ".join(bad) + "; the artifact changed since it was written: re-create or "
