@@ -14,6 +14,7 @@ from __future__ import annotations
 import importlib.metadata
 import json
 import math
+import os
 import platform
 from pathlib import Path
 
@@ -101,11 +102,20 @@ def build_report(*, protocol: dict, model: dict, data: dict, results, full_windo
     }
 
 
-def write_json(report: dict, path) -> Path:
-    p = Path(path)
+def _atomic_write_text(p: Path, text: str) -> Path:
+    """Write beside p, then rename over it: an interrupt leaves the old file or none, never half a file."""
     p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
     return p
+
+
+def write_json(report: dict, path) -> Path:
+    return _atomic_write_text(Path(path), json.dumps(report, indent=2) + "\n")
 
 
 # ------------------------------------------------------------------ formatting
@@ -230,10 +240,7 @@ def to_markdown(report: dict) -> str:
 
 
 def write_markdown(report: dict, path) -> Path:
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    p.write_text(to_markdown(report), encoding="utf-8")
-    return p
+    return _atomic_write_text(Path(path), to_markdown(report))
 
 
 _KIND_COLORS = {"reference": "black", "lowbit": "tab:blue", "lowbit-peer": "tab:green", "hf-quantized": "tab:orange"}
@@ -341,6 +348,11 @@ def write_plot(report: dict, path) -> Path:
     ax.legend(handles=handles, fontsize=8, loc="upper right")
     fig.tight_layout()
     p.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(p)
-    plt.close(fig)
+    tmp = p.with_name(f".{p.stem}.tmp-{os.getpid()}.png")  # atomic, as the text reports
+    try:
+        fig.savefig(tmp)
+        os.replace(tmp, p)
+    finally:
+        tmp.unlink(missing_ok=True)
+        plt.close(fig)
     return p
