@@ -27,8 +27,10 @@ def test_help_imports_no_command_module_nor_torch():
 
 
 def test_command_table_matches_the_modules():
+    # read from the sources without importing: must agree with what the imported modules say
     names = sorted(i.name for i in pkgutil.iter_modules(lowbit.commands.__path__) if not i.name.startswith("_"))
     assert sorted(m for m, _ in lowbit.commands.COMMANDS.values()) == names  # every module listed, once
+    assert list(lowbit.commands.COMMANDS) == sorted(lowbit.commands.COMMANDS)
     for name, (module, help_) in lowbit.commands.COMMANDS.items():
         mod = importlib.import_module(f"lowbit.commands.{module}")
         assert mod.NAME == name and mod.HELP == help_, name
@@ -142,3 +144,12 @@ def test_every_flag_of_every_command_has_help():
     missing = [f"{name} {a.option_strings[0]}" for name, p in sub._name_parser_map.items()
                for a in p._actions if a.option_strings and not a.help]
     assert missing == []
+
+
+def test_interrupt_while_starting(monkeypatch, capsys):
+    def slow_import(name):
+        raise KeyboardInterrupt  # Ctrl-C during the seconds a command's imports take
+
+    monkeypatch.setattr(cli, "load_command", slow_import)
+    assert cli.main(["models"]) == 130
+    assert capsys.readouterr().err == "interrupted (Ctrl-C) while starting `lowbit`: no command ran, nothing was written\n"

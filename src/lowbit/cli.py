@@ -109,22 +109,35 @@ def _on_sigterm(signum, frame):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "_run", None):
-        parser.print_help()
-        return EXIT_ERROR
-    n = threads.resolve(getattr(args, "threads", None), args.global_threads)
-    if args._command in TORCH_FREE and n == threads.DEFAULT_THREADS:
-        args.threads = n  # these never import torch; leave it unimported
-    else:
-        args.threads = threads.apply(n)
-    outputs = _outputs(args)
-    existed = {p for p in outputs if p.exists()}
     try:
         previous = signal.signal(signal.SIGTERM, _on_sigterm)
     except ValueError:  # not the main thread (main() called from a worker): leave signals alone
         previous = None
+    try:
+        return _main(argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
+    try:
+        parser = build_parser()
+        args = parser.parse_args(argv)  # imports the command's module (torch, transformers): seconds
+        if not getattr(args, "_run", None):
+            parser.print_help()
+            return EXIT_ERROR
+        n = threads.resolve(getattr(args, "threads", None), args.global_threads)
+        if args._command in TORCH_FREE and n == threads.DEFAULT_THREADS:
+            args.threads = n  # these never import torch; leave it unimported
+        else:
+            args.threads = threads.apply(n)
+    except KeyboardInterrupt as e:
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"interrupted ({how}) while starting `lowbit`: no command ran, nothing was written", file=sys.stderr)
+        return EXIT_SIGTERM if isinstance(e, Terminated) else EXIT_SIGINT
+    outputs = _outputs(args)
+    existed = {p for p in outputs if p.exists()}
     try:
         rc = args._run(args)
     except LowbitError as e:
@@ -134,9 +147,6 @@ def main(argv: list[str] | None = None) -> int:
         how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
         print(interrupted_message(args._command, how, outputs, existed), file=sys.stderr)
         return EXIT_SIGTERM if isinstance(e, Terminated) else EXIT_SIGINT
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     return int(rc or 0)
 
 
