@@ -41,16 +41,15 @@ def test_captured_step_equals_eager_step(kv):
     step = ModelStep(model)
     g = torch.Generator(device="cuda").manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), device="cuda", generator=g) for n in (700, 333, 999)]
-    caches, logits = [], []
-    for _ in range(2):
-        c = StaticKVCache(model, plan, slots=4, max_context=1200)
+    ref_c, cap_c = (StaticKVCache(model, plan, slots=4, max_context=1200) for _ in range(2))
+    ref_c.compile_writes = False  # the reference writes eagerly; the captured step runs the compiled write
+    graphs = DecodeGraphs(step, cap_c, buckets=(4,))  # captured on the empty cache
+    logits = []
+    for c in (ref_c, cap_c):
         for b, p in enumerate(prompts):
             prefill(step, c, b, p, chunk=256)
-        caches.append(c)
-    ref_c, cap_c = caches
     first = torch.stack([p[-1] for p in prompts] + [prompts[0][0]])[:, None]
     active = torch.tensor([True, True, True, False], device="cuda")
-    graphs = DecodeGraphs(step, cap_c, buckets=(4,))
     graphs.ids[:4] = first
     graphs.active[:4] = active
     ids = first.clone()
@@ -64,6 +63,11 @@ def test_captured_step_equals_eager_step(kv):
         assert ((a - b).abs().max() / a.abs().max()).item() < 2e-2
     assert torch.equal(ids[:3], graphs.ids[:3])
     assert cap_c.use_kernel == (kv != "bf16")
+    for a, b in zip(ref_c.layers, cap_c.layers):  # the same codes, scales and zeros in every tier
+        for t in ("k", "v"):
+            for name in a.mid[t]:
+                assert torch.equal(a.mid[t][name][:3, :, :a.C], b.mid[t][name][:3, :, :a.C]), (t, name)
+        assert torch.equal(a.ring_k[:3, :, :a.R], b.ring_k[:3, :, :a.R])
 
 
 def test_bf16_runtime_greedy_equals_dynamic_cache():
@@ -85,8 +89,8 @@ def test_bf16_runtime_greedy_equals_dynamic_cache():
     plan = resolve("bf16", ModelGeometry.from_config(cfg, name="tiny"), device="cuda")
     cache = StaticKVCache(model, plan, slots=1, max_context=128)
     step = ModelStep(model)
-    lg = prefill(step, cache, 0, ids[0])
     graphs = DecodeGraphs(step, cache, buckets=(1,))
+    lg = prefill(step, cache, 0, ids[0])
     graphs.ids[0, 0] = lg.argmax()
     graphs.active[0] = True
     out = [int(graphs.ids[0, 0])]

@@ -99,7 +99,7 @@ class TensorCodec:
             scale, zero = scale.squeeze(-1), zero.squeeze(-1)  # [B,H,T/p,D]
         else:
             codes, scale, zero = self._quantize_last(x, self.group, checks)  # [B,H,T,D], [B,H,T,D/g]
-        packed = codes if self.cbits == 8 else packing.pack(codes, self.cbits, LAYOUT)
+        packed = codes if self.cbits == 8 else packing.pack(codes, self.cbits, LAYOUT, checks=checks)
         return {"codes": packed, "scale": scale, "zero": zero}
 
     def _quantize_last(self, x: torch.Tensor, group: int, checks: bool = True):

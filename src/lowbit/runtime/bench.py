@@ -22,12 +22,12 @@ import torch
 from lowbit.errors import LowbitError
 
 GEOMETRIES = {
-    "llama3-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                      num_key_value_heads=8, head_dim=128, vocab_size=128256, rope_theta=500000.0,
-                      max_position_embeddings=1 << 17),
+    "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+                      "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0,
+                      "max_position_embeddings": 1 << 17},
     # CPU smoke geometry (same head layout, 2 small layers)
-    "tiny-llama": dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=64, vocab_size=1000, max_position_embeddings=1 << 15),
+    "tiny-llama": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "max_position_embeddings": 1 << 15},
 }
 PATHS = ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2")
 SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2"}
@@ -77,15 +77,20 @@ def _events_time(fn, steps: int, warmup: int = 3) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
-def _gpu_busy(fn, n: int = 3) -> float | None:
+def _gpu_busy(fn, n: int = 3, top: int = 0):
+    """(kernel ms per call, [(kernel, ms per call, launches per call)] of the `top` largest) from the profiler."""
     try:
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(n):
                 fn()
             torch.cuda.synchronize()
-        return sum(e.self_device_time_total for e in prof.key_averages()) / n / 1e3
+        ev = prof.key_averages()
+        busy = sum(e.self_device_time_total for e in ev) / n / 1e3
+        rows = sorted(((e.key[:80], e.self_device_time_total / n / 1e3, e.count / n) for e in ev
+                       if e.self_device_time_total > 0), key=lambda r: -r[1])
+        return busy, [[k, round(ms, 4), c] for k, ms, c in rows[:top]]
     except Exception:  # noqa: BLE001 -- a profiler that cannot trace graphs: say "not measured"
-        return None
+        return None, []
 
 
 def _fill_static(cache, L: int, gen) -> None:
@@ -93,7 +98,7 @@ def _fill_static(cache, L: int, gen) -> None:
     for layer in cache.layers:
         dt = cache.dtype
         B, H = cache.slots, layer.H
-        r = lambda *shape: torch.randn(*shape, device=cache.device, dtype=dt, generator=gen)  # noqa: E731
+        r = lambda *shape: torch.randn(*shape, device=cache.device, dtype=dt, generator=gen)
         layer.sink_k.copy_(r(*layer.sink_k.shape))
         layer.sink_v.copy_(r(*layer.sink_v.shape))
         layer.ring_k.copy_(r(*layer.ring_k.shape))
@@ -124,14 +129,16 @@ def _row_lowbit(path, model, cfg, B, L, steps):
     geo = ModelGeometry.from_config(cfg, name="random-llama")
     plan = resolve(SCHEMES[path], geo, device="cuda")
     cache = StaticKVCache(model, plan, slots=B, max_context=L + steps + 16)
-    _fill_static(cache, L, torch.Generator(device="cuda").manual_seed(1))
     t = time.perf_counter()
-    graphs = DecodeGraphs(ModelStep(model), cache, buckets=(B,))
+    graphs = DecodeGraphs(ModelStep(model), cache, buckets=(B,))  # on the empty cache, then fill
     capture_s = time.perf_counter() - t
+    _fill_static(cache, L, torch.Generator(device="cuda").manual_seed(1))
     graphs.active[:B] = True
-    fn = lambda: graphs.replay(B)  # noqa: E731
+    fn = lambda: graphs.replay(B)
     ms, times = _events_time(fn, steps)
-    row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": _gpu_busy(fn), "kv_bytes": cache.bytes_held(),
+    busy, top = _gpu_busy(fn, top=12)
+    row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": busy, "top_kernels": top,
+           "kv_bytes": cache.bytes_held(), "compiled_writes": cache.compile_writes,
            "capture_s": capture_s, "decode_backends": sorted(plan.backend_names("decode")),
            "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask"}
     del graphs, cache
@@ -177,7 +184,8 @@ def _row_hf(path, model, cfg, B, L, steps):
     torch.cuda.synchronize()
     capture_s = time.perf_counter() - t
     ms, times = _events_time(fn, steps)
-    row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": _gpu_busy(fn),
+    busy, top = _gpu_busy(fn, top=8)
+    row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": busy, "top_kernels": top,
            "kv_bytes": kv_bytes(path, cfg, B, L), "capture_s": capture_s, "attention": "sdpa"}
     del cache
     return row
@@ -228,6 +236,8 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print) 
                 r = {**base, "fits": True, "tok_s": B * 1e3 / r["ms_per_step"],
                      "peak_gb": torch.cuda.max_memory_allocated() / 1e9, **r}
                 rows.append(r)
+                for k, ms, c in r.get("top_kernels", [])[:6]:
+                    log(f"    {ms:7.3f} ms  x{c:<6g} {k}")
                 log(f"{path} B{B} L{L}: {r['ms_per_step']:.2f} ms/step ({r['tok_s']:.0f} tok/s), GPU busy "
                     f"{r['gpu_ms_per_step'] or float('nan'):.2f} ms, KV {r['kv_bytes'] / 1e9:.2f} GB")
                 torch.cuda.empty_cache()

@@ -92,6 +92,10 @@ class DecodeGraphs:
     def __init__(self, step: ModelStep, cache, buckets=DEFAULT_BUCKETS, *, warmup: int = 2):
         if cache.device.type != "cuda":
             raise LowbitError("CUDA graph capture needs a CUDA cache; on CPU run the step eagerly (ModelStep)")
+        if bool(cache.lens.any()):
+            # warm-up runs write a token at each slot's position: on an empty cache those land in rows
+            # a prefill overwrites, on a filled one they would replace held tokens
+            raise LowbitError("capture the decode graphs on an empty cache (before any prefill)")
         buckets = sorted({int(b) for b in buckets if b <= cache.slots})
         if not buckets:
             raise LowbitError(f"no batch bucket fits the cache's {cache.slots} slots")
@@ -108,8 +112,14 @@ class DecodeGraphs:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s), torch.no_grad():
-                for _ in range(warmup):
-                    self._body(b)
+                for i in range(max(2, warmup)):
+                    # after a first call (lazy inits may synchronise once), any host sync in the step is
+                    # an error here, with its traceback, instead of an invalidated capture later
+                    torch.cuda.set_sync_debug_mode("error" if i else "default")
+                    try:
+                        self._body(b)
+                    finally:
+                        torch.cuda.set_sync_debug_mode("default")
                     cache.lens.copy_(lens0)
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
