@@ -95,10 +95,13 @@ def _gpu_busy(fn, n: int = 3, top: int = 0):
 
 def _fill_static(cache, L: int, gen) -> None:
     """Random K/V for positions [0, L) of every slot, written into the tiers (middle through the codec)."""
+    dt = cache.dtype
+
+    def r(*shape):
+        return torch.randn(*shape, device=cache.device, dtype=dt, generator=gen)
+
     for layer in cache.layers:
-        dt = cache.dtype
         B, H = cache.slots, layer.H
-        r = lambda *shape: torch.randn(*shape, device=cache.device, dtype=dt, generator=gen)
         layer.sink_k.copy_(r(*layer.sink_k.shape))
         layer.sink_v.copy_(r(*layer.sink_v.shape))
         layer.ring_k.copy_(r(*layer.ring_k.shape))
@@ -134,14 +137,16 @@ def _row_lowbit(path, model, cfg, B, L, steps):
     capture_s = time.perf_counter() - t
     _fill_static(cache, L, torch.Generator(device="cuda").manual_seed(1))
     graphs.active[:B] = True
-    fn = lambda: graphs.replay(B)
+
+    def fn():
+        graphs.replay(B)
+
     ms, times = _events_time(fn, steps)
     busy, top = _gpu_busy(fn, top=12)
     row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": busy, "top_kernels": top,
            "kv_bytes": cache.bytes_held(), "compiled_writes": cache.compile_writes,
            "capture_s": capture_s, "decode_backends": sorted(plan.backend_names("decode")),
            "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask"}
-    del graphs, cache
     return row
 
 
