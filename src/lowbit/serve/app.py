@@ -103,6 +103,32 @@ def _validation_message(exc: RequestValidationError) -> str:
     return f"{loc or 'body'}: {e.get('msg')}" + (f" (got {e['input']!r})" if "input" in e and loc else "")
 
 
+class _RequestClock:
+    """Plain ASGI middleware (not BaseHTTPMiddleware, which would wrap the SSE streams): stamps each
+    request's start (request.state.t0, the request log's seconds) and logs successful /v1 GETs.
+    Generation requests log themselves when they end, errors in err()."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        t0 = time.perf_counter()
+        scope.setdefault("state", {})["t0"] = t0
+        status = {}
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status["code"] = message["status"]
+            await send(message)
+
+        await self.app(scope, receive, send_status)
+        path = scope.get("path", "")
+        if scope.get("method") == "GET" and path.startswith("/v1/") and status.get("code", 500) < 400:
+            request_log.info(request_line("GET", path, status["code"], time.perf_counter() - t0))
+
+
 def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
     app = FastAPI(title="lowbit serve", version=__version__)
     tok = engine.tokenizer
@@ -130,15 +156,7 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return err(exc.status_code, str(exc.detail), request=request)
 
-    @app.middleware("http")
-    async def _start_clock(request: Request, call_next):
-        request.state.t0 = time.perf_counter()  # the request log's seconds count from here
-        response = await call_next(request)
-        # generation requests log themselves when they end, errors in err(); here the other /v1 reads
-        if request.method == "GET" and request.url.path.startswith("/v1/") and response.status_code < 400:
-            request_log.info(request_line("GET", request.url.path, response.status_code,
-                                          time.perf_counter() - request.state.t0))
-        return response
+    app.add_middleware(_RequestClock)
 
     # ------------------------------------------------------------ info
     def model_card() -> dict:
