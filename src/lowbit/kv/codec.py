@@ -44,6 +44,11 @@ class TensorCodec:
         self.cbits = tq.container_bits
         self.group = tq.group_for(head_dim, page)
         self.levels: torch.Tensor | None = None
+        self.unit_step: float | None = None  # the std grid's step per unit std, resolved once
+        if tq.quantized and tq.grid == "std" and not tq.lloyd_max:
+            from lowbit.quant.lloyd_max import gaussian_uniform_step
+
+            self.unit_step = gaussian_uniform_step(tq.bits)
         if tq.quantized and tq.axis == "token" and head_dim % self.group:
             raise LowbitError(f"group {self.group} does not divide head_dim {head_dim}; pick a divisor")
         if tq.lloyd_max:
@@ -111,7 +116,7 @@ class TensorCodec:
             q = lloyd_max.encode(x, self.levels.to(x.device), group, stat_dtype=SCALE_DTYPE)
             return q.codes, q.std, q.mean
         if tq.grid == "std":
-            q = affine.quantize_std(x, tq.bits, group, scale_dtype=SCALE_DTYPE, checks=checks)
+            q = affine.quantize_std(x, tq.bits, group, scale_dtype=SCALE_DTYPE, checks=checks, unit_step=self.unit_step)
         else:
             q = affine.quantize(
                 x, tq.bits, group, symmetric=tq.symmetric, clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE, checks=checks

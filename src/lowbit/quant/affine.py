@@ -175,6 +175,7 @@ def quantize_std(
     *,
     scale_dtype: torch.dtype = torch.float32,
     checks: bool = True,
+    unit_step: float | None = None,
 ) -> AffineQuantized:
     """Uniform grid placed by each group's mean and standard deviation instead of its min/max.
 
@@ -184,7 +185,8 @@ def quantize_std(
     2 bits (min/max of 64 Gaussian values sits at ~2.4 std, so its step is ~1.6x too coarse).
     Same storage and ONE dequant formula as `quantize`: x_hat = codes * scale + zero, so every
     kernel reads it unchanged. Zero-std groups reconstruct exactly (scale 1, zero = the value).
-    bits in {2, 3, 4}. Returns AffineQuantized(symmetric=False, clip_ratio=1.0).
+    bits in {2, 3, 4}. unit_step: gaussian_uniform_step(bits) when the caller resolved it already (a
+    compiled step cannot call the cached search). Returns AffineQuantized(symmetric=False, clip_ratio=1.0).
     """
     from lowbit.quant.lloyd_max import gaussian_uniform_step
 
@@ -192,7 +194,8 @@ def quantize_std(
         raise LowbitError(f"the std-placed grid is for 2, 3 or 4 bits, got {bits}; use the min/max grid at 8 bits")
     bits, g, xg = _groups(x, bits, group, scale_dtype)  # xg [..., G, g]
     mean, std = xg.mean(dim=-1), xg.std(dim=-1, correction=0)  # [..., G]
-    codes, scale, zero = _lay_grid(xg, mean, std * gaussian_uniform_step(bits), bits, scale_dtype, checks)
+    step = gaussian_uniform_step(bits) if unit_step is None else unit_step
+    codes, scale, zero = _lay_grid(xg, mean, std * step, bits, scale_dtype, checks)
     return AffineQuantized(codes.reshape(x.shape), scale, zero, bits, g, False, 1.0)
 
 

@@ -88,7 +88,9 @@ def _writer(layer, checks: bool, compiled: bool):
         fn = functools.partial(_write_rows, layer.kind, layer.S, layer.R, layer.C, layer.k_codec, layer.v_codec,
                                layer.dtype, checks)
         if compiled:
-            fn = torch.compile(fn, dynamic=False, fullgraph=True)
+            # emulate_precision_casts: keep the fp16 rounding of scales and zeros the codec does (inductor
+            # would otherwise fold the float32 -> fp16 -> float32 round trip away)
+            fn = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
         _WRITERS[key] = fn
     return fn
 
@@ -168,7 +170,10 @@ class StaticLayer(CacheLayerMixin):
         The N writes must not collide: in a decode step one token per slot; in a prefill, positions
         of one slot in order, chunked so that no two of them share a ring row (len <= R).
         compiled: run the write as one torch.compile'd function (CUDA decode steps: a few fused kernels
-        instead of ~60 small ones per layer); the same code, so the same codes."""
+        instead of ~60 small ones per layer). The same code; its reductions (group mean / std) may round
+        in another order, so a code can differ by one step from the eager codec's at a rounding tie
+        (tests/runtime/test_gpu_runtime.py measures how often). Eager and captured runtime steps on CUDA
+        both use it, so they hold the same codes."""
         fn = _writer(self, checks, compiled)
         fn(self.sink_k, self.sink_v, self.ring_k, self.ring_v, self.mid["k"], self.mid["v"], k, v, b, p)
 
