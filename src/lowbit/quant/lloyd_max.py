@@ -99,7 +99,7 @@ def gaussian_distortion(levels: torch.Tensor | int) -> float:
 
 
 @functools.cache
-@functools.lru_cache(maxsize=None)  # pure; quantize_std callers resolve it once (TensorCodec)
+@functools.cache  # pure; quantize_std callers resolve it once (TensorCodec)
 def gaussian_uniform_step(bits: int) -> float:
     """Step of the MSE-optimal UNIFORM grid of 2**bits levels for N(0, 1) (levels at
     (i - (2**bits - 1) / 2) * step), by golden-section search on the exact distortion.
