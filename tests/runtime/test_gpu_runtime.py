@@ -125,6 +125,6 @@ def test_compiled_writes_agree_with_the_eager_codec():
             ca = unpack(la.mid[t]["codes"][:, :, :la.C], codec.cbits, "strided")
             cb = unpack(lb.mid[t]["codes"][:, :, :la.C], codec.cbits, "strided")
             frac = (ca != cb).float().mean().item()
-            assert frac < 1e-3 and (ca.int() - cb.int()).abs().max() <= 1, (kv, t, frac)
+            assert frac < 5e-3 and (ca.int() - cb.int()).abs().max() <= 1, (kv, t, frac)
             sa, sb = la.mid[t]["scale"][:, :, :la.C].float(), lb.mid[t]["scale"][:, :, :la.C].float()
             assert ((sa - sb).abs() <= 2 ** -10 * sa.abs()).all()

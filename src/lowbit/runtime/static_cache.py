@@ -31,7 +31,26 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lowbit.errors import LowbitError
 from lowbit.kv import attention as attn
-from lowbit.kv.rotations import rotate, unrotate
+
+_ROW_ALIGN = 64  # rows per (slot, head) rounded up so every head starts 64 rows (>= 128 B) aligned
+
+
+def _rows(n: int) -> int:
+    """Rows to allocate for n valid rows plus the trash row, rounded up to _ROW_ALIGN."""
+    return -(-(n + 1) // _ROW_ALIGN) * _ROW_ALIGN
+
+
+def _rot(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    """x [B, H, T, D] @ r ([D, D] or per head [H, D, D]) in r's dtype (the model's: the rotated K/V are
+    stored and the queries read in it, so a float32 product would only be rounded back)."""
+    if r is None:
+        return x
+    x = x.to(r.dtype)
+    return torch.matmul(x, r) if r.dim() == 2 else torch.matmul(x, r.unsqueeze(0))
+
+
+def _unrot(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
+    return x if r is None else _rot(x, r.transpose(-1, -2))
 
 
 def static_reason(layer) -> str | None:
@@ -123,21 +142,22 @@ class StaticLayer(CacheLayerMixin):
                                   "is read from the ring); use --recent 16 or more")
         else:
             self.kind, self.S, self.R, self.C = "dense", 0, 0, max_context
-        self.sink_k = torch.zeros(B, H, self.S + 1, self.Dk, **kw)
-        self.sink_v = torch.zeros(B, H, self.S + 1, self.Dv, **kw)
-        self.ring_k = torch.zeros(B, H, self.R + 1, self.Dk, **kw)
-        self.ring_v = torch.zeros(B, H, self.R + 1, self.Dv, **kw)
+        # row S / R / C of each tier is the trash row; rows beyond it only pad heads to alignment
+        self.sink_k = torch.zeros(B, H, _rows(self.S), self.Dk, **kw)
+        self.sink_v = torch.zeros(B, H, _rows(self.S), self.Dv, **kw)
+        self.ring_k = torch.zeros(B, H, _rows(self.R), self.Dk, **kw)
+        self.ring_v = torch.zeros(B, H, _rows(self.R), self.Dv, **kw)
         self.mid: dict[str, dict[str, torch.Tensor]] = {"k": {}, "v": {}}
         if self.kind == "dense":
-            self.mid = {"k": {"dense": torch.zeros(B, H, self.C + 1, self.Dk, **kw)},
-                        "v": {"dense": torch.zeros(B, H, self.C + 1, self.Dv, **kw)}}
+            self.mid = {"k": {"dense": torch.zeros(B, H, _rows(self.C), self.Dk, **kw)},
+                        "v": {"dense": torch.zeros(B, H, _rows(self.C), self.Dv, **kw)}}
         elif self.kind == "tiers":
             for t, codec in (("k", self.k_codec), ("v", self.v_codec)):
                 for name, width in codec.fields().items():
                     dt = torch.uint8 if name == "codes" else torch.float16
-                    self.mid[t][name] = torch.zeros(B, H, self.C + 1, width, device=device, dtype=dt)
-        self.rot_k = None if plan.rot_k is None else plan.rot_k.to(device, torch.float32)
-        self.rot_v = None if plan.rot_v is None else plan.rot_v.to(device, torch.float32)
+                    self.mid[t][name] = torch.zeros(B, H, _rows(self.C), width, device=device, dtype=dt)
+        self.rot_k = None if plan.rot_k is None else plan.rot_k.to(device, dtype)
+        self.rot_v = None if plan.rot_v is None else plan.rot_v.to(device, dtype)
         self.is_initialized = True
         self.keys = self.values = None
 
@@ -304,8 +324,8 @@ class StaticKVCache(Cache):
         if self._mode is None:
             raise LowbitError("StaticKVCache: call begin_decode / begin_prefill before the forward")
         layer: StaticLayer = self.layers[layer_idx]
-        k = rotate(key_states, layer.rot_k).to(self.dtype)  # [B, H, c, D]
-        v = rotate(value_states, layer.rot_v).to(self.dtype)
+        k = _rot(key_states, layer.rot_k).to(self.dtype)  # [B, H, c, D]
+        v = _rot(value_states, layer.rot_v).to(self.dtype)
         if self._mode[0] == "decode":
             batch = self._mode[1]
             if k.shape[0] != batch or k.shape[2] != 1:
@@ -339,13 +359,13 @@ class StaticKVCache(Cache):
         layer: StaticLayer = self.layers[layer_idx]
         B, Hq, Lq, D = query.shape
         G = Hq // layer.H
-        qg = rotate(query.reshape(B, layer.H, G * Lq, D), layer.rot_k)  # [B, H, G*Lq, D] float32
+        qg = _rot(query.reshape(B, layer.H, G * Lq, D), layer.rot_k)  # [B, H, G*Lq, D]
         if self._mode[0] == "decode":
             out = self._decode_attention(layer, qg, scaling, softcap)  # [B, H, G, Dv]
         else:
             out = self._prefill_attention(layer, qg.reshape(1, layer.H, G, Lq, D), scaling, softcap)
         Dv = out.shape[-1]
-        out = unrotate(out.reshape(B, layer.H, G * Lq, Dv), layer.rot_v)
+        out = _unrot(out.reshape(B, layer.H, G * Lq, Dv), layer.rot_v)
         return out.reshape(B, Hq, Lq, Dv).transpose(1, 2).to(query.dtype).contiguous()
 
     def _decode_attention(self, layer: StaticLayer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
