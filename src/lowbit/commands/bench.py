@@ -40,6 +40,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--paths", default="hf-eager-bf16,hf-static-compile-bf16,lowbit-bf16,lowbit-int4,lowbit-int2",
                         help="decode: which paths to time (default all five)")
     parser.add_argument("--steps", type=int, default=20, help="decode: timed steps per row (default 20)")
+    parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
+                        help="decode: also time the prefill of one prompt of this many tokens (default 0: no)")
     parser.add_argument("--batch", default="1,16,64", help="batch sizes (default 1,16,64)")
     parser.add_argument("--length", default="4k,32k,128k", help="context lengths (default 4k,32k,128k)")
     parser.add_argument("--geometry", default=None,
@@ -108,7 +110,8 @@ def run(args) -> int:
 
         path = resolve_out(args.out, "decode_e2e", torch.cuda.get_device_name(0))
         res = e2e.run(args.geometry or "llama3-8b", _ints(args.batch), _ints(args.length),
-                      tuple(p.strip() for p in args.paths.split(",") if p.strip()), steps=args.steps)
+                      tuple(p.strip() for p in args.paths.split(",") if p.strip()), steps=args.steps,
+                      prefill_len=args.prefill)
         write_new(path, res)
         print(f"wrote {path}")
         return 0

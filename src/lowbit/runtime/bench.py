@@ -196,8 +196,61 @@ def _row_hf(path, model, cfg, B, L, steps):
     return row
 
 
-def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print) -> dict:
-    """Every (path, B, L) row; rows that do not fit in the GPU memory left are recorded with fits false."""
+def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
+    """One L-token prompt: transformers' own bf16 forward (SDPA, DynamicCache, chunks of `chunk`) against
+    the lowbit runtime's prefill into a StaticKVCache slot (bf16 and int2), tokens/s of each."""
+    from transformers import DynamicCache
+
+    from lowbit.kv.cache import cache_kwargs
+    from lowbit.kv.plan import resolve
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.static_cache import StaticKVCache
+    from lowbit.runtime.step import ModelStep, prefill
+
+    ids = torch.randint(0, cfg.vocab_size, (L,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
+    out = []
+
+    def timed(fn):
+        fn()  # warm-up (kernel compilation, lazy inits)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        return time.perf_counter() - t
+
+    def hf():
+        model.set_attn_implementation("sdpa")
+        cache = DynamicCache(config=cfg)
+        with torch.no_grad():
+            for a in range(0, L, chunk):
+                model(ids[None, a:a + chunk], use_cache=True, logits_to_keep=1, **cache_kwargs(model, cache))
+
+    s = timed(hf)
+    out.append({"path": "hf-bf16-prefill", "L": L, "chunk": chunk, "seconds": s, "tok_s": L / s})
+    log(f"prefill hf-bf16 L{L} chunk {chunk}: {L / s:.0f} tok/s")
+    geo = ModelGeometry.from_config(cfg, name="random-llama")
+    def lowbit_seconds(kv: str) -> float:
+        cache = StaticKVCache(model, resolve(kv, geo, device="cuda"), slots=1, max_context=L + 16)
+        step = ModelStep(model)
+
+        def go():
+            cache.reset_slot(0)
+            prefill(step, cache, 0, ids, chunk=chunk)
+
+        return timed(go)
+
+    for kv in ("bf16", "int2"):
+        s = lowbit_seconds(kv)
+        torch.cuda.empty_cache()
+        out.append({"path": f"lowbit-{kv}-prefill", "L": L, "chunk": chunk, "seconds": s, "tok_s": L / s})
+        log(f"prefill lowbit-{kv} L{L} chunk {chunk}: {L / s:.0f} tok/s")
+    return out
+
+
+def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, prefill_len: int = 0,
+        prefill_chunk: int = 2048) -> dict:
+    """Every (path, B, L) row; rows that do not fit in the GPU memory left are recorded with fits false.
+    prefill_len > 0 also times one prompt of that many tokens (`prefill` list of the result)."""
     import transformers
 
     for p in paths:
@@ -216,6 +269,7 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print) 
     except ImportError:
         env["triton"] = None
     rows = []
+    pre = prefill_rows(model, cfg, prefill_len, prefill_chunk, log) if prefill_len else []
     for L in contexts:
         for B in batches:
             for path in paths:
@@ -246,4 +300,4 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print) 
                 log(f"{path} B{B} L{L}: {r['ms_per_step']:.2f} ms/step ({r['tok_s']:.0f} tok/s), GPU busy "
                     f"{r['gpu_ms_per_step'] or float('nan'):.2f} ms, KV {r['kv_bytes'] / 1e9:.2f} GB")
                 torch.cuda.empty_cache()
-    return {"env": env, "rows": rows}
+    return {"env": env, "rows": rows, "prefill": pre}

@@ -197,6 +197,51 @@ class StaticLayer(CacheLayerMixin):
         fn = _writer(self, checks, compiled)
         fn(self.sink_k, self.sink_v, self.ring_k, self.ring_v, self.mid["k"], self.mid["v"], k, v, b, p)
 
+    def write_chunk(self, k: torch.Tensor, v: torch.Tensor, slot: int, start: int, *, checks: bool) -> None:
+        """A prefill chunk k [c, H, Dk], v [c, H, Dv] (rotated) of `slot` at positions [start, start + c)
+        (python ints): the same final tiers as c one-token writes, with one codec call per tensor for
+        everything that reaches the middle (the old ring rows that leave it, then the chunk's own)."""
+        c = k.shape[0]
+        dev = k.device
+        end = start + c
+        if self.kind == "dense":
+            self.mid["k"]["dense"][slot, :, start:end] = k.transpose(0, 1).to(self.dtype)
+            self.mid["v"]["dense"][slot, :, start:end] = v.transpose(0, 1).to(self.dtype)
+            return
+        if self.kind == "ring":
+            m = min(c, self.R)
+            rows = (torch.arange(end - m, end, device=dev) % self.R)
+            self.ring_k[slot, :, rows] = k[c - m:].transpose(0, 1).to(self.dtype)
+            self.ring_v[slot, :, rows] = v[c - m:].transpose(0, 1).to(self.dtype)
+            return
+        S, R, C = self.S, self.R, self.C
+        if start < S:  # sink
+            n = min(S, end) - start
+            self.sink_k[slot, :, start:start + n] = k[:n].transpose(0, 1).to(self.dtype)
+            self.sink_v[slot, :, start:start + n] = v[:n].transpose(0, 1).to(self.dtype)
+        # positions that end in the middle: [S, end - R); from the old ring those < start, then the chunk's
+        lo, hi = max(S, start - R), min(end - R, S + C)
+        if hi > lo:
+            old = torch.arange(lo, max(lo, min(hi, start)), device=dev)
+            rows_old = (old - S) % R
+            new_lo = max(lo, start)
+            parts_k = [self.ring_k[slot, :, rows_old]] if old.numel() else []
+            parts_v = [self.ring_v[slot, :, rows_old]] if old.numel() else []
+            if hi > new_lo:
+                parts_k.append(k[new_lo - start:hi - start].transpose(0, 1).to(self.dtype))
+                parts_v.append(v[new_lo - start:hi - start].transpose(0, 1).to(self.dtype))
+            for t, codec, parts in (("k", self.k_codec, parts_k), ("v", self.v_codec, parts_v)):
+                x = torch.cat(parts, 1)[None]  # [1, H, hi - lo, D]
+                for name, val in codec.encode(x, self.dtype, checks=checks).items():
+                    self.mid[t][name][slot, :, lo - S:hi - S] = val[0]
+        # the ring: the last R positions >= S
+        r_lo = max(S, end - R, start)
+        if end > r_lo:
+            pos = torch.arange(r_lo, end, device=dev)
+            rows = (pos - S) % R
+            self.ring_k[slot, :, rows] = k[r_lo - start:].transpose(0, 1).to(self.dtype)
+            self.ring_v[slot, :, rows] = v[r_lo - start:].transpose(0, 1).to(self.dtype)
+
     # ------------------------------------------------------------- read
     def dense_history(self, b: int, n: int):
         """Every stored token of slot b (python ints: the prefill path), in position order, rotated:
@@ -342,13 +387,7 @@ class StaticKVCache(Cache):
             # a sliding ring overwrites rows the chunk's first queries still see: read its history first
             # (dense rows, nothing quantized there); tiers are read after the writes, as the eager cache does
             before = layer.dense_history(slot, start) if layer.kind == "ring" else None
-            step = layer.R if layer.kind != "dense" else c
-            step = max(1, step)
-            for a in range(0, c, step):  # no two writes of one call share a ring row
-                n = min(step, c - a)
-                p = torch.arange(start + a, start + a + n, device=k.device)
-                b = torch.full((n,), slot, device=k.device, dtype=torch.long)
-                layer.write(k[0, :, a:a + n].transpose(0, 1), v[0, :, a:a + n].transpose(0, 1), b, p, checks=self.checks)
+            layer.write_chunk(k[0].transpose(0, 1), v[0].transpose(0, 1), slot, start, checks=self.checks)
             self._chunk = (k, v, before)
         attn.post_handoff(self, layer_idx, key_states, value_states)
         return key_states, value_states
