@@ -37,6 +37,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from lowbit import __version__
 from lowbit.serve import engine as eng
+from lowbit.serve.batch_engine import AdmissionError
 from lowbit.serve.metrics import PROMETHEUS_CONTENT_TYPE, wants_prometheus
 from lowbit.serve.protocol import ChatCompletionRequest, CompletionRequest, error_body, unsupported
 
@@ -142,6 +143,8 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
             request_log.info(request_line(request.method, request.url.path, status,
                                           time.perf_counter() - t0 if t0 else 0.0, error=message))
         type_ = "invalid_request_error" if status < 500 else "server_error"
+        if status == 429:  # OpenAI's body for a request refused for capacity
+            type_ = "requests"
         return JSONResponse(error_body(message, type_=type_, param=param, code=code), status_code=status)
 
     @app.exception_handler(RequestValidationError)
@@ -162,7 +165,7 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
     def model_card() -> dict:
         return {"id": served.id, "object": "model", "created": served.created, "owned_by": "lowbit",
                 "max_model_len": served.max_context,
-                "lowbit": {"kv_scheme": served.scheme, "weights": served.weights}}
+                "lowbit": {"kv_scheme": served.scheme, "weights": served.weights, "engine": engine.info}}
 
     @app.get("/v1/models")
     async def models():
@@ -254,7 +257,14 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
             except RuntimeError:  # the event loop is gone (shutdown)
                 pass
 
-        handle = engine.submit(eng.Request(prompt_ids=ids, params=params, emit=emit))
+        try:
+            handle = engine.submit(eng.Request(prompt_ids=ids, params=params, emit=emit))
+        except AdmissionError as e:  # the batching engine: full (429, --when-full reject) or can never fit (400)
+            request_log.info(request_line("POST", path, e.status, time.perf_counter() - t0, error=str(e)))
+            r = err(e.status, str(e), "max_tokens" if e.status == 400 else None, e.code)
+            if e.status == 429:
+                r.headers["Retry-After"] = "1"
+            return r
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + handle.id
         created = int(time.time())
         if stream:
@@ -291,7 +301,8 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
         return {"id": rid, "object": "text_completion" if kind == "completions" else "chat.completion",
                 "created": created, "model": served.id, "system_fingerprint": fingerprint,
                 "choices": [choice], "usage": payload["usage"],
-                "lowbit": {"kv_scheme": served.scheme["name"], "quantized_tokens": payload["quantized_tokens"]}}
+                "lowbit": {"kv_scheme": served.scheme["name"], "quantized_tokens": payload["quantized_tokens"],
+                           "engine": payload.get("engine")}}
 
     async def _sse(events, handle, rid, created, kind, include_usage, t0, path):
         obj = "text_completion" if kind == "completions" else "chat.completion.chunk"
@@ -329,7 +340,8 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
                         body = {"id": rid, "object": obj, "created": created, "model": served.id,
                                 "system_fingerprint": fingerprint, "choices": [], "usage": payload["usage"],
                                 "lowbit": {"kv_scheme": served.scheme["name"],
-                                           "quantized_tokens": payload["quantized_tokens"]}}
+                                           "quantized_tokens": payload["quantized_tokens"],
+                                           "engine": payload.get("engine")}}
                         yield f"data: {json.dumps(body)}\n\n"
                     break
             yield "data: [DONE]\n\n"

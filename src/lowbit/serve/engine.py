@@ -70,6 +70,8 @@ class Request:
 class Engine:
     """Runs `model` for queued requests. Start with start(); stop with stop()."""
 
+    path = "single"  # named in every result (the "done" payload's `engine`) and in /metrics
+
     def __init__(self, model, tokenizer, factory: CacheFactory, metrics: Metrics, *, max_context: int,
                  eos_token_ids: list[int], max_active: int = DEFAULT_MAX_ACTIVE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
@@ -89,6 +91,16 @@ class Engine:
         # transformers 5.24 names the cache argument `cache`; 5.17 `past_key_values`
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.info = {"engine": "single", "path": "eager"}
+        metrics.set_engine(self.info)
+
+    @property
+    def scheme(self):
+        return self.factory.scheme
+
+    @property
+    def cache_class(self) -> str:
+        return self.factory.cache_class
 
     # ------------------------------------------------------------- control
     def start(self) -> None:
@@ -195,7 +207,7 @@ class Engine:
             req.emit("error", message)
         elif reason != "cancelled":
             n = len(req.prompt_ids)
-            req.emit("done", {"finish_reason": reason, "quantized_tokens": quantized,
+            req.emit("done", {"finish_reason": reason, "quantized_tokens": quantized, "engine": self.path,
                               "usage": {"prompt_tokens": n, "completion_tokens": req.completion_tokens,
                                         "total_tokens": n + req.completion_tokens}})
 

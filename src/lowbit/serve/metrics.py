@@ -32,6 +32,12 @@ class Metrics:
         self.peak_kv_bytes = 0
         self.queue_depth = 0
         self._events: deque[tuple[float, int]] = deque()  # (time, tokens generated in a step)
+        # which engine and decode path serve (set by the engine); admission: waits and rejections
+        self.engine = {"engine": "single", "path": "eager"}
+        self.waited_total = 0
+        self.wait_s_total = 0.0
+        self.wait_s_max = 0.0
+        self.rejected_total = 0
 
     # ------------------------------------------------------------ HTTP side
     def request(self, kind: str) -> None:
@@ -53,6 +59,21 @@ class Metrics:
                 self._events.append((now, new_tokens))
             while self._events and self._events[0][0] < now - RATE_WINDOW_S:
                 self._events.popleft()
+
+    def set_engine(self, info: dict) -> None:
+        with self._lock:
+            self.engine = dict(info)
+
+    def waited(self, seconds: float) -> None:
+        """A request that found every slot taken was admitted after `seconds` in the queue."""
+        with self._lock:
+            self.waited_total += 1
+            self.wait_s_total += seconds
+            self.wait_s_max = max(self.wait_s_max, seconds)
+
+    def rejected(self) -> None:
+        with self._lock:
+            self.rejected_total += 1
 
     def finish(self, reason: str, quantized_tokens: int) -> None:
         with self._lock:
@@ -88,6 +109,10 @@ class Metrics:
                 },
                 "kv": {**self.kv, "peak_bytes_held": self.peak_kv_bytes,
                        "quantized_tokens_total_finished": self.quantized_tokens_total},
+                "engine": dict(self.engine),
+                "admission": {"waited_total": self.waited_total, "wait_seconds_total": round(self.wait_s_total, 6),
+                              "wait_seconds_max": round(self.wait_s_max, 6), "rejected_total": self.rejected_total,
+                              "slots": self.engine.get("slots"), "slots_active": self.kv["active_requests"]},
             }
 
     def prometheus(self) -> str:
@@ -100,6 +125,8 @@ class Metrics:
         samples = [  # (name, type, help, [(labels, value)])
             ("lowbit_kv_scheme_info", "gauge", "the KV scheme served (always 1)",
              [({"scheme": sch.get("name", "?"), "cache": sch.get("cache", "?")}, 1)]),
+            ("lowbit_engine_info", "gauge", "the engine and decode path serving (always 1)",
+             [({"engine": s["engine"].get("engine", "?"), "path": s["engine"].get("path", "?")}, 1)]),
             ("lowbit_uptime_seconds", "gauge", "seconds since the server started", [({}, s["uptime_s"])]),
             ("lowbit_kv_bytes_held", "gauge", "KV cache bytes held now, measured from the tensors",
              [({}, kv["bytes_held"])]),
@@ -111,6 +138,16 @@ class Metrics:
              "tokens held quantized at the end of finished requests", [({}, kv["quantized_tokens_total_finished"])]),
             ("lowbit_active_requests", "gauge", "requests being generated", [({}, kv["active_requests"])]),
             ("lowbit_queue_depth", "gauge", "requests waiting for a slot", [({}, s["queue_depth"])]),
+            ("lowbit_slots", "gauge", "KV slots of the batching engine (0: one cache per request)",
+             [({}, s["admission"]["slots"] or 0)]),
+            ("lowbit_requests_waited_total", "counter", "requests that found every slot taken and waited",
+             [({}, s["admission"]["waited_total"])]),
+            ("lowbit_request_wait_seconds_total", "counter", "seconds requests waited for a slot, summed",
+             [({}, s["admission"]["wait_seconds_total"])]),
+            ("lowbit_request_wait_seconds_max", "gauge", "longest wait for a slot so far",
+             [({}, s["admission"]["wait_seconds_max"])]),
+            ("lowbit_requests_rejected_total", "counter", "requests refused with 429 because every slot was taken",
+             [({}, s["admission"]["rejected_total"])]),
             ("lowbit_prompt_tokens_total", "counter", "prompt tokens prefilled", [({}, tok["prompt_total"])]),
             ("lowbit_generated_tokens_total", "counter", "tokens generated", [({}, tok["generated_total"])]),
             ("lowbit_generated_tokens_per_second_busy", "gauge", "generated tokens per second of worker compute",

@@ -23,16 +23,45 @@ from lowbit.serve.metrics import Metrics
 log = logging.getLogger("lowbit.serve")
 
 
-def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
-    """(engine, app) for a lowbit.serve.runtime.Runtime; the engine is not started yet."""
+ENGINES = ("auto", "batch", "single")
+
+
+def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
+          engine: str = "auto", decode_path: str = "auto", when_full: str = "wait"):
+    """(engine, app) for a lowbit.serve.runtime.Runtime; the engine is not started yet.
+
+    engine: "batch" (lowbit.serve.batch_engine: continuous batching over one static cache of
+    `max_active` slots; decode_path "graphs" | "eager" | "auto", when_full "wait" | "reject"),
+    "single" (lowbit.serve.engine: one cache and one forward per request), or "auto": batch when the
+    model is on CUDA, single on CPU (its per-request caches hold only what is used)."""
     if max_active < 1:
         raise LowbitError(f"--max-active {max_active}: need at least 1")
     if prefill_chunk < 1:
         raise LowbitError(f"--prefill-chunk {prefill_chunk}: need at least 1")
+    if engine not in ENGINES:
+        raise LowbitError(f"--engine {engine!r} unknown; use one of {', '.join(ENGINES)}")
+    if engine == "auto":
+        from lowbit.kv.cache import model_device
+
+        engine = "batch" if str(model_device(runtime.model)).startswith("cuda") else "single"
+    if engine == "batch":
+        return _build_batch(runtime, max_active, prefill_chunk, decode_path, when_full)
+    if decode_path == "graphs":
+        raise LowbitError("--decode-path graphs needs the batching engine; use --engine batch")
     factory = CacheFactory(runtime.model, runtime.scheme, runtime.geometry)
     scheme = served_scheme(factory)
     engine = Engine(runtime.model, runtime.tokenizer, factory, Metrics(scheme), max_context=runtime.max_context,
                     eos_token_ids=runtime.eos_token_ids, max_active=max_active, prefill_chunk=prefill_chunk)
+    app = build_app(engine, ServedModel(id=runtime.name, scheme=scheme, max_context=runtime.max_context,
+                                        weights=runtime.weights))
+    return engine, app
+
+
+def _build_batch(runtime, slots: int, prefill_chunk: int, decode_path: str, when_full: str):
+    from lowbit.serve.batch_engine import BatchEngine
+
+    engine = BatchEngine(runtime, slots=slots, prefill_chunk=prefill_chunk, mode=decode_path, when_full=when_full)
+    scheme = engine.metrics.scheme
     app = build_app(engine, ServedModel(id=runtime.name, scheme=scheme, max_context=runtime.max_context,
                                         weights=runtime.weights))
     return engine, app

@@ -1,0 +1,406 @@
+"""The continuous-batching engine behind `lowbit serve`: every live request decodes in one batched step.
+
+One StaticKVCache (lowbit.runtime.static_cache) holds `slots` requests of up to `max_context` tokens
+each; a request owns one slot from admission to its end. One worker thread loops:
+
+    admit      waiting requests take the lowest free slots (FIFO), reset_slot first
+    prefill    at most ONE chunk (<= prefill_chunk prompt tokens) of one request, the earliest admitted
+               still in its prompt; its last chunk's logits give the request's first token
+    decode     one batched step for every slot in decode phase: the step covers the prefix [0, n) with
+               n = highest decoding slot + 1 (the captured bucket >= n on CUDA); slots of that prefix
+               that are free or still in their prompt ride along inactive (their lens does not move)
+
+so prompts are fed a chunk at a time between decode steps, and a long prompt does not stall the
+tokens of the others. Requests join (admit) and leave (finish, cancel) between steps.
+
+Path (`mode`): "graphs" replays lowbit.runtime.step.DecodeGraphs, captured at start on the empty
+cache for buckets up to `slots` (CUDA only); "eager" runs the same step without a graph (CPU, CI).
+Nothing falls back silently: graphs on CPU, a model family without a step, a scheme the static cache
+cannot hold are LowbitErrors at start. Every result names its path (the "done" payload's `engine`).
+
+Sampling is per request on the host (lowbit.serve.sampling: temperature, top_p, its own seeded
+generator), on the step's logits row of that request; an all-greedy batch reads the step's argmax.
+
+Admission: a request needs one free slot; prompt + max_tokens over max_context can never fit (400,
+AdmissionError). When every slot is taken, `when_full` says what happens: "wait" (queue FIFO, the
+wait is measured) or "reject" (AdmissionError 429 at submit, the HTTP side answers it).
+
+Events flow back exactly as from lowbit.serve.engine.Engine: ("delta", str), then one of
+("done", {finish_reason, usage, quantized_tokens, engine}) or ("error", message).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import queue
+import threading
+import time
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.runtime.step import eager_decode
+from lowbit.serve.engine import DEFAULT_MAX_ACTIVE, DEFAULT_PREFILL_CHUNK, REPORT_EVERY_S, Request
+from lowbit.serve.metrics import Metrics
+from lowbit.serve.sampling import Detokenizer, make_generator, sample
+
+log = logging.getLogger("lowbit.serve")
+
+MODES = ("auto", "graphs", "eager")
+WHEN_FULL = ("wait", "reject")
+
+
+class AdmissionError(LowbitError):
+    """A request the engine will not take: status 400 (can never fit) or 429 (full, policy reject)."""
+
+    def __init__(self, message: str, status: int, code: str):
+        super().__init__(message)
+        self.status, self.code = status, code
+
+
+def buckets_for(slots: int) -> tuple[int, ...]:
+    """Captured batch sizes: powers of two below `slots`, and `slots` itself (the largest batch)."""
+    out, b = [], 1
+    while b < slots:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (slots,)
+
+
+class _Slotted:
+    """Worker-side state of one admitted request (Request stays the HTTP side's handle)."""
+
+    __slots__ = ("detok", "fed", "generator", "held", "order", "req", "slot", "tok")
+
+    def __init__(self, req: Request, slot: int, order: int, tokenizer):
+        self.req, self.slot, self.order = req, slot, order
+        self.fed = 0  # prompt tokens already in the slot
+        self.held = 0  # tokens written in the slot (prompt, then one per decode step)
+        self.tok: int | None = None  # the sampled token the next decode step feeds (None: in prefill)
+        self.generator = make_generator(req.params.seed)
+        self.detok = Detokenizer(tokenizer, req.params.stop)
+
+
+class BatchEngine:
+    """Continuous batching over one StaticKVCache (module docstring). Start with start(); stop with stop().
+
+    runtime: lowbit.serve.runtime.Runtime. slots: concurrent requests (the cache's batch).
+    mode: "auto" (graphs on CUDA, eager on CPU) | "graphs" | "eager". when_full: "wait" | "reject".
+    """
+
+    def __init__(self, runtime, metrics: Metrics | None = None, *, slots: int = DEFAULT_MAX_ACTIVE,
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait"):
+        from lowbit.kv.cache import model_device
+        from lowbit.kv.plan import resolve
+        from lowbit.runtime.static_cache import StaticKVCache
+        from lowbit.runtime.step import DecodeGraphs, ModelStep
+
+        if slots < 1:
+            raise LowbitError(f"--max-active {slots}: need at least 1 slot")
+        if prefill_chunk < 1:
+            raise LowbitError(f"--prefill-chunk {prefill_chunk}: need at least 1")
+        if mode not in MODES:
+            raise LowbitError(f"decode path {mode!r} unknown; use one of {', '.join(MODES)}")
+        if when_full not in WHEN_FULL:
+            raise LowbitError(f"--when-full {when_full!r} unknown; use wait or reject")
+        model = runtime.model
+        device = torch.device(model_device(model))
+        if mode == "auto":
+            mode = "graphs" if device.type == "cuda" else "eager"
+        if mode == "graphs" and device.type != "cuda":
+            raise LowbitError(f"CUDA graph capture needs the model on CUDA, it is on {device.type}; "
+                              "use the eager decode path (--decode-path eager) or load the model on a GPU")
+        self.step = ModelStep(model)  # a family without a step path: the error names those that have one
+        plan = resolve(runtime.scheme, runtime.geometry, device=device.type)
+        self.model, self.tokenizer, self.device, self.plan = model, runtime.tokenizer, device, plan
+        self.scheme, self.geometry = plan.scheme, runtime.geometry
+        self.max_context = int(runtime.max_context)
+        self.cache = StaticKVCache(model, plan, slots=slots, max_context=self.max_context)
+        self.cache_class = type(self.cache).__name__
+        self.slots, self.prefill_chunk, self.mode, self.when_full = slots, prefill_chunk, mode, when_full
+        self.eos = {int(t) for t in runtime.eos_token_ids}
+        self.graphs = DecodeGraphs(self.step, self.cache, buckets_for(slots)) if mode == "graphs" else None
+        self.path = f"batch-{mode}"
+        self.info = {"engine": "batch", "path": mode, "slots": slots, "when_full": when_full,
+                     "buckets": list(self.graphs.buckets) if self.graphs else None}
+        if metrics is None:
+            from types import SimpleNamespace
+
+            from lowbit.serve.kvcache import served_scheme
+
+            served = served_scheme(SimpleNamespace(scheme=self.scheme, geometry=self.geometry,
+                                                   cache_class=self.cache_class))
+            if served["page"] != 1 and self.scheme.quantized:
+                # report what the cache does: the static cache moves tokens to the packed tier one at a time
+                log.info("the static cache moves tokens to the packed tier one at a time (page 1, not %s)",
+                         served["page"])
+            served["page"] = 1
+            metrics = Metrics(served)
+        self.metrics = metrics
+        self.metrics.set_engine(self.info)
+        self._bytes = self.cache.bytes_held()
+        # tier sizes (kind, S, R, C) per layer: what a slot of n tokens holds quantized
+        self._tiers = [(layer.kind, layer.S, layer.R, layer.C) for layer in self.cache.layers]
+        self._incoming: queue.Queue[Request] = queue.Queue()
+        self._waiting: collections.deque[Request] = collections.deque()
+        self._live: list[_Slotted | None] = [None] * slots
+        self._lock = threading.Lock()
+        self._reserved = 0  # requests submitted and not yet finished (admitted or waiting)
+        self._order = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_report = 0.0
+
+    # ------------------------------------------------------------- control
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="lowbit-batch-engine", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def submit(self, req: Request) -> Request:
+        """Queue `req`; AdmissionError (400: can never fit; 429: full and when_full is reject)."""
+        need = len(req.prompt_ids) + int(req.params.max_tokens)
+        if need > self.max_context:
+            raise AdmissionError(f"the request needs {need} tokens of KV ({len(req.prompt_ids)} prompt + "
+                                 f"{req.params.max_tokens} max_tokens) but a slot holds {self.max_context}; "
+                                 "shorten the prompt or lower max_tokens", 400, "context_length_exceeded")
+        with self._lock:
+            full = self._reserved >= self.slots
+            if full and self.when_full == "reject":
+                self.metrics.rejected()
+                raise AdmissionError(f"all {self.slots} KV slots are busy and this server rejects when full; "
+                                     "retry later", 429, "rate_limit_exceeded")
+            self._reserved += 1
+        req._t_submit = time.perf_counter()
+        req._waited = full
+        self._incoming.put(req)
+        return req
+
+    # -------------------------------------------------------------- worker
+    def _loop(self) -> None:
+        torch.set_grad_enabled(False)
+        while not self._stop.is_set():
+            busy = any(s is not None for s in self._live)
+            self._take_incoming(block=not busy and not self._waiting)
+            self._drop_cancelled()
+            self._admit()
+            if not any(s is not None for s in self._live):
+                self._report(force=True)
+                continue
+            try:
+                self._prefill_one()
+                self._decode()
+            except Exception as e:  # a failed batched step fails the requests in it, not the server
+                log.exception("batched step failed")
+                for s in list(self._live):
+                    if s is not None:
+                        self._retire(s, "error", f"generation failed: {type(e).__name__}: {e}")
+            self._report()
+
+    def _take_incoming(self, block: bool) -> None:
+        try:
+            req = self._incoming.get(timeout=0.05) if block else self._incoming.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._waiting.append(req)
+            try:
+                req = self._incoming.get_nowait()
+            except queue.Empty:
+                return
+
+    def _release(self) -> None:
+        with self._lock:
+            self._reserved -= 1
+
+    def _drop_cancelled(self) -> None:
+        for s in list(self._live):
+            if s is not None and s.req.cancelled:
+                self._retire(s, "cancelled")
+        if any(r.cancelled for r in self._waiting):
+            for r in [r for r in self._waiting if r.cancelled]:
+                self._waiting.remove(r)
+                self._release()
+                self.metrics.finish("cancelled", 0)
+
+    def _admit(self) -> None:
+        while self._waiting:
+            free = [i for i, s in enumerate(self._live) if s is None]
+            if not free:
+                return
+            req = self._waiting.popleft()
+            slot = free[0]  # lowest first: live requests stay in a short prefix of the slots
+            self.cache.reset_slot(slot)
+            if req._waited:
+                self.metrics.waited(time.perf_counter() - req._t_submit)
+            self._order += 1
+            self._live[slot] = _Slotted(req, slot, self._order, self.tokenizer)
+
+    # ------------------------------------------------------------- prefill
+    def _prefill_one(self) -> None:
+        todo = [s for s in self._live if s is not None and s.tok is None]
+        if not todo:
+            return
+        s = min(todo, key=lambda x: x.order)  # the earliest admitted first: its first token comes soonest
+        ids = s.req.prompt_ids
+        a = s.fed
+        c = min(self.prefill_chunk, len(ids) - a)
+        t0 = time.perf_counter()
+        try:
+            x = torch.tensor([ids[a:a + c]], dtype=torch.long, device=self.device)
+            pos = torch.arange(a, a + c, device=self.device)[None]
+            self.cache.begin_prefill(s.slot, a, c)
+            logits = self.step(x, pos, self.cache)[0]
+        except Exception as e:
+            log.exception("request %s failed in prefill", s.req.id)
+            self._retire(s, "error", f"generation failed: {type(e).__name__}: {e}")
+            return
+        s.fed = s.held = a + c
+        # lens follows the chunks: a decode step before the next chunk writes this slot's (inactive)
+        # token at position `fed`, which the next chunk overwrites (see _guard)
+        self.cache.lens[s.slot] = s.fed
+        self.metrics.step(time.perf_counter() - t0, 0, c)
+        if s.fed == len(ids):
+            self._emit_token(s, logits)
+
+    # -------------------------------------------------------------- decode
+    def _guard(self, n: int) -> list:
+        """Save the ring rows that the step over slots [0, n) will clobber in slots still in their prompt.
+
+        An inactive slot's token is written at position lens = fed like any other: sink, dense and
+        sliding rows there are rewritten by the next chunk before anything reads them, but in a tiered
+        layer the ring row of position fed still holds position fed - R, which the next chunk's first
+        write encodes into the middle. Restoring it after the step keeps those codes right."""
+        saved = []
+        for s in self._live[:n]:
+            if s is None or s.tok is not None or s.fed == 0:
+                continue
+            for layer, (kind, S, R, _C) in zip(self.cache.layers, self._tiers):
+                if kind == "tiers" and s.fed >= S:
+                    row = (s.fed - S) % R
+                elif kind == "ring":
+                    row = s.fed % R
+                else:
+                    continue
+                saved.append((layer, s.slot, row, layer.ring_k[s.slot, :, row].clone(),
+                              layer.ring_v[s.slot, :, row].clone()))
+        return saved
+
+    @staticmethod
+    def _restore(saved: list) -> None:
+        for layer, slot, row, k, v in saved:
+            layer.ring_k[slot, :, row] = k
+            layer.ring_v[slot, :, row] = v
+
+    def _decode(self) -> None:
+        rows = [s for s in self._live if s is not None and s.tok is not None]
+        if not rows:
+            return
+        n = max(s.slot for s in rows) + 1
+        t0 = time.perf_counter()
+        width = self.graphs.bucket_for(n) if self.graphs is not None else n
+        ids = [0] * width
+        active = [False] * width
+        for s in rows:
+            ids[s.slot], active[s.slot] = s.tok, True
+        saved = self._guard(width)
+        greedy = all(s.req.params.temperature <= 0.0 for s in rows)
+        if self.graphs is not None:
+            g = self.graphs
+            g.ids[:width, 0].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=False)
+            g.active[:width].copy_(torch.tensor(active, dtype=torch.bool))
+            g.replay(n)
+            logits = g.logits[:n]
+            argmax = g.ids[:n, 0]  # the graph's greedy token (inactive rows keep their id)
+        else:
+            x = torch.tensor(ids, dtype=torch.long, device=self.device)[:, None]
+            act = torch.tensor(active, dtype=torch.bool, device=self.device)
+            logits = eager_decode(self.step, self.cache, x, act)[:n]
+            argmax = logits.argmax(-1)
+        self._restore(saved)
+        if greedy:
+            picks = argmax.tolist()
+            host = None
+        else:
+            picks, host = None, logits.float().cpu()
+        self.metrics.step(time.perf_counter() - t0, len(rows))
+        for s in rows:
+            s.held += 1
+            if picks is not None:
+                self._finish_token(s, int(picks[s.slot]))
+            else:
+                self._emit_token(s, host[s.slot])
+
+    # ------------------------------------------------------------- tokens
+    def _emit_token(self, s: _Slotted, logits: torch.Tensor) -> None:
+        p = s.req.params
+        if p.temperature <= 0.0:
+            tok = int(torch.argmax(logits))
+        else:
+            tok = sample(logits.float().cpu(), p.temperature, p.top_p, s.generator)
+        self._finish_token(s, tok)
+
+    def _finish_token(self, s: _Slotted, tok: int) -> None:
+        """One new token of request s: stream it, or end the request (EOS, stop string, length)."""
+        req, p = s.req, s.req.params
+        req.completion_tokens += 1
+        finish = None
+        if tok in self.eos:
+            finish = "stop"
+        else:
+            delta = s.detok.add(tok)
+            if delta:
+                req.emit("delta", delta)
+            if s.detok.stopped:
+                finish = "stop"
+            elif req.completion_tokens >= p.max_tokens or len(req.prompt_ids) + req.completion_tokens >= self.max_context:
+                finish = "length"
+        if finish is None:
+            s.tok = tok
+            return
+        rest = s.detok.flush() if not s.detok.stopped else ""
+        if rest:
+            req.emit("delta", rest)
+        self._retire(s, finish)
+
+    def _quantized(self, n: int) -> int:
+        """Tokens a slot of n tokens holds in the packed middle (the most over layers)."""
+        return max((max(0, min(n - S - R, C)) for kind, S, R, C in self._tiers if kind == "tiers"), default=0)
+
+    def _retire(self, s: _Slotted, reason: str, message: str | None = None) -> None:
+        if self._live[s.slot] is s:
+            self._live[s.slot] = None
+            # lens 0: while the slot is free, steps over the prefix write it at position 0, which the
+            # next request's first chunk overwrites
+            self.cache.reset_slot(s.slot)
+        self._release()
+        quantized = self._quantized(s.held) if self.scheme.quantized else 0
+        self.metrics.finish(reason, quantized)
+        req = s.req
+        if reason == "error":
+            req.emit("error", message)
+        elif reason != "cancelled":
+            n = len(req.prompt_ids)
+            req.emit("done", {"finish_reason": reason, "quantized_tokens": quantized, "engine": self.path,
+                              "usage": {"prompt_tokens": n, "completion_tokens": req.completion_tokens,
+                                        "total_tokens": n + req.completion_tokens}})
+
+    def _report(self, force: bool = False) -> None:
+        now = time.perf_counter()
+        if not force and now - self._last_report < REPORT_EVERY_S:
+            return
+        self._last_report = now
+        live = [s for s in self._live if s is not None]
+        quantized = sum(self._quantized(s.held) for s in live) if self.scheme.quantized else 0
+        # the static cache's buffers are held whatever the load: bytes are its capacity
+        self.metrics.set_kv(self._bytes, sum(s.held for s in live), quantized, len(live),
+                            len(self._waiting) + self._incoming.qsize())
