@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Bounded load test of `lowbit serve` (or any OpenAI-compatible server) on loopback.
 
-    python scripts/loadtest.py --serve "smollm2-135m --kv int2" --concurrency 1,4,16 \
+    python scripts/loadtest.py --serve "--model smollm2-135m --kv int2" --concurrency 1,4,16 \
         --out benchmarks/results/serve/smollm2-int2-cpu.json
     python scripts/loadtest.py --url http://127.0.0.1:8000 --model smollm2-135m
 
@@ -164,7 +164,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--url", help="base URL of a running server on loopback, e.g. http://127.0.0.1:8000")
-    src.add_argument("--serve", metavar="ARGS", help='start `lowbit serve ARGS` (e.g. "smollm2-135m --kv int2")')
+    src.add_argument("--serve", metavar="ARGS", help='start `lowbit serve ARGS` (e.g. "--model smollm2-135m --kv int2")')
     ap.add_argument("--model", default=None, help="model id to send (default: the server's only model)")
     ap.add_argument("--concurrency", default="1,4,16", help="comma list of client counts (default 1,4,16)")
     ap.add_argument("--min-requests", type=int, default=4,

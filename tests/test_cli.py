@@ -119,7 +119,7 @@ def test_interrupt_after_outputs_says_what_was_kept(tmp_path, monkeypatch, capsy
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has CUDA")
 @pytest.mark.parametrize("argv", [["generate", "--model", "smollm2-135m", "--prompt", "x", "--kv", "int4"],
-                                  ["quantize", "--model", "smollm2-135m", "--weights", "w8a16", "--out", "never"],
+                                  ["quantize", "--model", "smollm2-135m", "--scheme", "w8a16", "--out", "never"],
                                   ["audit", "kernels"]])
 def test_device_cuda_without_cuda_is_one_line(argv, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)

@@ -19,7 +19,7 @@ def test_serve_without_the_extra_is_one_line(monkeypatch, capsys, absent):
         raise AssertionError("the model must not load before the missing extra is reported")
 
     monkeypatch.setattr(runtime, "load_runtime", no_load)
-    rc = main(["serve", "smollm2-135m", "--port", "0"])
+    rc = main(["serve", "--model", "smollm2-135m", "--port", "0"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2
     assert len(err) == 1, err

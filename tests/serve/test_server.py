@@ -108,7 +108,7 @@ def test_port_in_use_is_a_clear_error():
         with pytest.raises(LowbitError, match=f"port {port} on 127.0.0.1 is already in use"):
             bind("127.0.0.1", port)
         # the CLI binds before loading the model, so this fails fast and with exit code 2
-        assert main(["serve", "smollm2-135m", "--port", str(port)]) == 2
+        assert main(["serve", "--model", "smollm2-135m", "--port", str(port)]) == 2
     finally:
         holder.close()
     with pytest.raises(LowbitError, match="not a TCP port"):

@@ -84,3 +84,22 @@ def test_existing_output_dir_is_refused(tmp_path, model_dir, capsys):
     rc = main(["quantize", "--model", str(model_dir), "--weights", "w8a16", "--method", "rtn", "--out", str(out)])
     assert rc == 2 and "already exists" in capsys.readouterr().err
     assert list(out.iterdir()) == []
+
+
+def test_new_spellings_and_a_checkpoint_as_model(tmp_path, model_dir, calib_file, capsys):
+    """quantize --scheme (the old --weights still works, with a deprecation line), then the checkpoint
+    itself is a --model for generate (detected from its config's quantization_config)."""
+    out = tmp_path / "ckpt"
+    rc = main(["quantize", "--model", str(model_dir), "--scheme", "w8a16", "--method", "rtn", "--calib", str(calib_file),
+               "--calib-tokens", "256", "--calib-seq-len", "32", "--dtype", "float32", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert rc == 0 and "--dtype float32 is deprecated" in err and "use --dtype fp32" in err
+    assert "--weights is deprecated" not in err
+    rc = main(["generate", "--model", str(out), "--kv", "int4", "--prompt", "the cat", "--max-new-tokens", "3"])
+    assert rc == 0
+    assert "int4" in capsys.readouterr().err
+    rc = main(["quantize", "--model", str(model_dir), "--weights", "w8a16", "--method", "rtn", "--out", str(tmp_path / "c2"),
+               "--calib", str(calib_file), "--calib-tokens", "256", "--calib-seq-len", "32"])
+    assert rc == 0 and "--weights is deprecated" in capsys.readouterr().err
+    rc = main(["quantize", "--model", str(model_dir), "--out", str(tmp_path / "c3")])
+    assert rc == 2 and "--scheme is required" in capsys.readouterr().err

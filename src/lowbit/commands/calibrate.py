@@ -21,8 +21,9 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
     p.add_argument("--skip", type=int, default=DEFAULT_SKIP, help="leading positions per sequence left out of the "
                    f"statistics: the cache's sink, never quantized (default {DEFAULT_SKIP})")
-    p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
-                   help="model dtype while capturing (default bf16, the serving dtype; statistics are summed in float64)")
+    from lowbit.flags import add_dtype
+
+    add_dtype(p, default="bf16", help="model dtype while capturing (the serving dtype; statistics are summed in float64)")
     p.add_argument("--no-score-weighted", action="store_true", help="skip the attention-weighted V covariance (faster)")
     p.add_argument("--out", required=True, help="new artifact directory")
     p.add_argument("--no-progress", action="store_true",
@@ -41,7 +42,9 @@ def run(args) -> int:
     out = Path(args.out)
     if out.exists():
         raise LowbitError(f"{out} already exists; artifacts are never overwritten: choose a new --out")
-    loaded = resolve(args.model, dtype=torch.bfloat16 if args.dtype == "bf16" else torch.float32)
+    from lowbit.flags import torch_dtype
+
+    loaded = resolve(args.model, dtype=torch_dtype(args.dtype))
     text = load_text(args.data)
     counts = calibrate(loaded, args.data, text, out, tokens=args.tokens, seq_len=args.seq_len, skip=args.skip,
                        score_weighted=not args.no_score_weighted, progress=False if args.no_progress else None)

@@ -10,7 +10,7 @@ chunks attend to quantized history as in serving. See lowbit.eval for the protoc
 from __future__ import annotations
 
 from lowbit.eval.peers import PEERS
-from lowbit.eval.runner import DEFAULT_CHUNK, DEFAULT_SEQ_LEN, DEFAULT_WINDOWS, DTYPES, EvalOptions, run_eval
+from lowbit.eval.runner import DEFAULT_CHUNK, DEFAULT_SEQ_LEN, DEFAULT_WINDOWS, EvalOptions, run_eval
 from lowbit.kv.cli_args import add_kv_arguments
 
 NAME = "eval"
@@ -35,7 +35,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
                         help=f"consecutive windows to score (default {DEFAULT_WINDOWS})")
     parser.add_argument("--weights", default=None, help="compressed-tensors checkpoint directory to evaluate instead")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES), help="model dtype (default bf16)")
+    from lowbit.flags import add_dtype
+
+    add_dtype(parser, default="bf16", help="model dtype")
     parser.add_argument("--cache-dir", default=None, help="cache root for built-in models (default ~/.cache/lowbit)")
     parser.add_argument("--json", dest="json_out", default=None, help="write the JSON report here")
     parser.add_argument("--markdown", dest="markdown_out", default=None, help="write a markdown report here")

@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import sys
 
-import torch
-
 from lowbit.device import resolve_device
 from lowbit.errors import LowbitError
+from lowbit.flags import torch_dtype
 from lowbit.generate import generate, read_prompt
 from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
 
 NAME = "generate"
 HELP = "greedy generation with a quantized KV cache; prints the continuation and a memory summary"
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def add_arguments(parser) -> None:
@@ -30,7 +28,9 @@ def add_arguments(parser) -> None:
     src.add_argument("--prompt-file", help="UTF-8 file holding the prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     add_kv_arguments(parser)
-    parser.add_argument("--dtype", default="fp32", choices=sorted(DTYPES), help="model dtype (default fp32)")
+    from lowbit.flags import add_dtype
+
+    add_dtype(parser, default="fp32", help="model dtype")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")
     parser.add_argument("--decode-backend", default="auto", choices=("auto", "torch", "triton"),
                         help="decode attention: fused kernel on CUDA when it can (auto), torch only, or kernel only")
@@ -45,7 +45,7 @@ def run(args) -> int:
     scheme = scheme_from_args(args)  # bad flags fail before the model loads
     prompt = read_prompt(args.prompt, args.prompt_file)
     device = resolve_device(args.device)  # before loading: no CUDA -> one-line error, not an AssertionError
-    lm = resolve(args.model, cache_dir=args.cache_dir, dtype=DTYPES[args.dtype], device=device)
+    lm = resolve(args.model, cache_dir=args.cache_dir, dtype=torch_dtype(args.dtype), device=device)
     scheme.validate(lm.geometry)
     new, cache = generate(lm, scheme, prompt, args.max_new_tokens, decode_backend=args.decode_backend)
     print(f"# {scheme.describe()}", file=sys.stderr)

@@ -1,16 +1,17 @@
 """`lowbit quantize`: GPTQ / RTN / SignRound weight quantization -> a compressed-tensors checkpoint (lowbit artifact).
 
-    lowbit quantize --model smollm2-135m --weights w4a16-g64 --method gptq --rotate \\
+    lowbit quantize --model smollm2-135m --scheme w4a16-g64 --method gptq --rotate \\
         --calib stdlib --calib-tokens 65536 --out out/smollm2-w4a16-g64
-    lowbit quantize --model smollm2-135m --weights w8a8 --method gptq --smooth 0.5 --out out/smollm2-w8a8-sq
-    lowbit quantize --model smollm2-135m --weights w4a16-g32 --method signround --rotate --tune-scales 300 \\
+    lowbit quantize --model smollm2-135m --scheme w8a8 --method gptq --smooth 0.5 --out out/smollm2-w8a8-sq
+    lowbit quantize --model smollm2-135m --scheme w4a16-g32-asym --method signround --rotate --tune-scales 300 \\
         --device cuda --out out/smollm2-w4a16-g32-sr-tuned     # the best W4A16 measured (+8.95% PPL, H200)
-    lowbit quantize --model smollm2-135m --weights w8a8 --method rtn --rotate --smooth 0.5 --tune-scales 300 \\
+    lowbit quantize --model smollm2-135m --scheme w8a8 --method rtn --rotate --smooth 0.5 --tune-scales 300 \\
         --out out/smollm2-w8a8-tuned                           # the best W8A8 measured (+0.23% PPL, H200)
 """
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
 import time
@@ -18,6 +19,7 @@ import time
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.flags import add_dtype, deprecated, torch_dtype
 
 NAME = "quantize"
 HELP = ("quantize a model's linear weights (GPTQ, RTN or SignRound, optionally end-to-end scale tuning) and write a "
@@ -25,13 +27,14 @@ HELP = ("quantize a model's linear weights (GPTQ, RTN or SignRound, optionally e
 
 DEFAULT_CALIB_TOKENS = 128 * 512
 DEFAULT_SEQ_LEN = 512
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF dir")
-    p.add_argument("--weights", required=True,
-                   help="scheme: w4a16-g128 | w4a16-g64 | w4a16-g64-asym | w8a16 | w8a8 | w4a8 (| w4a8-g64, w4a16-gN[-asym])")
+    p.add_argument("--scheme", default=None,
+                   help="weight scheme: w4a16-g128 | w4a16-g64 | w4a16-g64-asym | w8a16 | w8a8 | w4a8 "
+                        "(| w4a8-g64, w4a16-gN[-asym]); required")
+    p.add_argument("--weights", dest="scheme", action=deprecated("--scheme"), help=argparse.SUPPRESS)
     p.add_argument("--method", choices=("gptq", "rtn", "signround"), default="gptq",
                    help="GPTQ (default), round-to-nearest, or SignRound (each layer's rounding and group ranges "
                         "tuned by signed gradient descent on its output; the most accurate, and the slowest: "
@@ -72,8 +75,7 @@ def add_arguments(p) -> None:
                    help="calibrate every layer on unquantized inputs (one pass per layer instead of two)")
     p.add_argument("--ignore", action="append", default=None,
                    help="linear names (or re:REGEX) kept in full precision (default: lm_head); repeatable")
-    p.add_argument("--dtype", choices=tuple(_DTYPES), default="float32",
-                   help="dtype of the checkpoint's float tensors (default float32)")
+    add_dtype(p, default="fp32", help="dtype of the checkpoint's float tensors")
     p.add_argument("--out", required=True, help="new output directory (never overwritten)")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (one log line per decoder layer instead; also when stderr is not a terminal)")
@@ -104,7 +106,9 @@ def run(args) -> int:
     from lowbit.weights.export import save_compressed
     from lowbit.weights.scheme import parse_weight_scheme
 
-    scheme = parse_weight_scheme(args.weights)
+    if args.scheme is None:
+        raise LowbitError("--scheme is required: the weight scheme to write, e.g. --scheme w4a16-g128")
+    scheme = parse_weight_scheme(args.scheme)
     if os.path.lexists(args.out):
         raise LowbitError(f"{args.out} already exists; checkpoints are never overwritten: choose a new --out")
     if args.smooth not in (None, "auto") and not (0 < args.smooth < 1):
@@ -129,7 +133,7 @@ def run(args) -> int:
         signround = SignRoundConfig(iters=200 if args.iters is None else args.iters, lr=args.lr)
     device = _device(args.device)
     ignore = list(args.ignore) if args.ignore else list(DEFAULT_IGNORE)
-    dtype = _DTYPES[args.dtype]
+    dtype = torch_dtype(args.dtype)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     t0 = time.perf_counter()

@@ -1,8 +1,11 @@
-"""`lowbit serve MODEL_OR_ARTIFACT`: an OpenAI-compatible HTTP server with lowbit's KV cache (and weights)."""
+"""`lowbit serve --model MODEL_OR_ARTIFACT`: an OpenAI-compatible HTTP server with lowbit's KV cache (and weights)."""
 
 from __future__ import annotations
 
+import argparse
+
 from lowbit.errors import LowbitError
+from lowbit.flags import add_dtype, torch_dtype, warn_deprecated
 
 NAME = "serve"
 HELP = ("OpenAI-compatible server (/v1/completions, /v1/chat/completions, SSE streaming, /health, /metrics) "
@@ -30,8 +33,10 @@ def kv_scheme_from_args(args):
 
 
 def add_arguments(p) -> None:
-    p.add_argument("model", metavar="MODEL_OR_ARTIFACT",
-                   help="built-in name (smollm2-135m, gemma3-270m), HF model dir, or a `lowbit export` directory")
+    p.add_argument("--model", default=None, metavar="MODEL_OR_ARTIFACT",
+                   help="built-in name (smollm2-135m, gemma3-270m), HF model dir, a `lowbit quantize` checkpoint, "
+                        "or a `lowbit export` directory; required")
+    p.add_argument("model_positional", nargs="?", default=None, help=argparse.SUPPRESS)  # the old spelling
     add_kv_flags(p)
     p.add_argument("--weights", default=None, metavar="DIR",
                    help="compressed-tensors checkpoint from `lowbit quantize` to serve instead of the model's weights")
@@ -44,8 +49,15 @@ def add_arguments(p) -> None:
                    help="requests generated concurrently (interleaved token by token); the rest wait (default 16)")
     p.add_argument("--prefill-chunk", type=int, default=256,
                    help="prompt tokens fed per scheduling round, so long prompts do not stall others (default 256)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="model dtype (default float32: fastest on most CPUs)")
+    p.add_argument("--engine", default="auto", choices=("auto", "batch", "single"),
+                   help="batch: continuous batching over one static KV cache of --max-active slots; single: one "
+                        "cache and forward per request; auto (default): batch on CUDA, single on CPU")
+    p.add_argument("--decode-path", default="auto", choices=("auto", "graphs", "eager"),
+                   help="batch engine's decode step: graphs (CUDA graphs captured at start, CUDA only), eager, "
+                        "or auto (default: graphs on CUDA, eager on CPU)")
+    p.add_argument("--when-full", default="wait", choices=("wait", "reject"),
+                   help="batch engine, every slot taken: wait for one (default) or answer 429 at once")
+    add_dtype(p, default="fp32", help="model dtype (fp32 is fastest on most CPUs)")
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="level of lowbit's and uvicorn's logs (default warning; debug adds uvicorn's access log)")
@@ -71,9 +83,23 @@ def require_serve_extra() -> None:
                           "pip install 'lowbit[serve]'")
 
 
+def model_from_args(args) -> str:
+    """--model, or the old positional spelling (one release, with a warning); one of them is required."""
+    pos = getattr(args, "model_positional", None)
+    if pos is not None:
+        if args.model is not None:
+            raise LowbitError(f"give the model once: --model {args.model} (drop the positional {pos})")
+        warn_deprecated("`lowbit serve MODEL` (positional)", "`lowbit serve --model MODEL`")
+        args.model = pos
+    if args.model is None:
+        raise LowbitError("--model is required: a built-in name, a model directory, a checkpoint or an export")
+    return args.model
+
+
 def run(args) -> int:
     import logging
 
+    model_from_args(args)
     require_serve_extra()  # before the model loads: a missing package fails in a second
     import torch
 
@@ -94,14 +120,15 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     try:
         scheme = kv_scheme_from_args(args)
-        rt = load_runtime(args.model, kv=scheme, weights=args.weights, dtype=getattr(torch, args.dtype),
+        rt = load_runtime(args.model, kv=scheme, weights=args.weights, dtype=torch_dtype(args.dtype),
                           max_context=args.max_context, name=args.served_model_name)
-        engine, app = build(rt, max_active=args.max_active, prefill_chunk=args.prefill_chunk)
+        engine, app = build(rt, max_active=args.max_active, prefill_chunk=args.prefill_chunk, engine=args.engine,
+                            decode_path=args.decode_path, when_full=args.when_full)
     except BaseException:
         sock.close()
         raise
-    s = engine.factory.scheme
-    print(f"lowbit serve: {rt.name} | KV {s.describe()} | cache {engine.factory.cache_class} | "
+    s = engine.scheme
+    print(f"lowbit serve: {rt.name} | KV {s.describe()} | cache {engine.cache_class} | engine {engine.path} | "
           f"context {rt.max_context} | weights {'quantized: ' + rt.weights['path'] if rt.weights else 'model'}",
           flush=True)
     print(f"listening on {url_of(sock)} (OpenAI base_url {url_of(sock)}/v1)", flush=True)
