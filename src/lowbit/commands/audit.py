@@ -19,10 +19,6 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    import torch
-
-    from lowbit.errors import LowbitError
-
     from lowbit.device import resolve_device
 
     device = resolve_device(args.device).type  # no CUDA -> LowbitError; cpu runs the Triton interpreter
