@@ -1,0 +1,321 @@
+"""The continuous-batching engine on CPU (eager path) over the tiny model: concurrent greedy requests each get
+exactly the tokens they get alone (at equal prefill chunking), requests join and leave mid-run, a cancel frees
+its slot, admission waits or answers 429, a request over a slot's capacity gets 400, and the path is named."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lowbit.errors import LowbitError
+from lowbit.serve.engine import GenParams, Request
+from tests.serve.conftest import reference_greedy, tiny_runtime
+
+# int4 at page 1 (the static cache's granularity) with a small sink/ring, so prompts of ~40+ tokens put
+# tokens in the packed middle: the reference QuantizedKVCache then holds the same codes
+KV = {"sink": 4, "recent": 8, "page": 1}
+CHUNK = 7
+
+
+@pytest.fixture(scope="module")
+def rt():
+    return tiny_runtime("int4", max_context=96, **KV)
+
+
+class Collect:
+    """An emit callback that records the events of one request; .wait() until it ends."""
+
+    def __init__(self, on_delta=None):
+        self.events, self.ended, self.on_delta = [], threading.Event(), on_delta
+
+    def __call__(self, kind, payload):
+        self.events.append((kind, payload))
+        if kind == "delta" and self.on_delta:
+            self.on_delta(self)
+        if kind != "delta":
+            self.ended.set()
+
+    def wait(self, timeout=60):
+        assert self.ended.wait(timeout), "the request did not finish"
+        return self
+
+    @property
+    def text(self):
+        return "".join(p for k, p in self.events if k == "delta")
+
+    @property
+    def done(self):
+        assert self.events[-1][0] == "done", self.events[-1]
+        return self.events[-1][1]
+
+
+def _engine(rt, **kw):
+    from lowbit.serve.batch_engine import BatchEngine
+
+    kw.setdefault("slots", 3)
+    kw.setdefault("prefill_chunk", CHUNK)
+    return BatchEngine(rt, **kw)
+
+
+def _submit(engine, rt, prompt, max_tokens, **params):
+    c = Collect(params.pop("on_delta", None))
+    ids = rt.tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+    req = engine.submit(Request(prompt_ids=ids, params=GenParams(max_tokens=max_tokens, **{"temperature": 0.0, **params}),
+                                emit=c))
+    return c, req
+
+
+PROMPTS = ["a", "The quick brown fox jumps over the lazy dog", "12345 " * 9, "Zebra? " * 4, "xy" * 31]
+MAX_TOKENS = [9, 5, 12, 1, 7]
+
+
+def test_concurrent_greedy_requests_each_get_their_own_tokens(rt):
+    refs = [reference_greedy(rt, rt.tokenizer.encode(p), m, chunk=CHUNK)[1] for p, m in zip(PROMPTS, MAX_TOKENS)]
+    assert len(set(refs)) == len(refs), "the test model answers prompts alike; a mix-up would not show"
+    engine = _engine(rt)  # 5 requests, 3 slots: two wait, then take the slots others leave
+    engine.start()
+    try:
+        got = [_submit(engine, rt, p, m) for p, m in zip(PROMPTS, MAX_TOKENS)]
+        for (c, _), ref, p, m in zip(got, refs, PROMPTS, MAX_TOKENS):
+            c.wait()
+            assert c.text == ref
+            assert c.done["engine"] == "batch-eager"
+            n = len(rt.tokenizer.encode(p))
+            assert c.done["usage"]["prompt_tokens"] == n and c.done["usage"]["completion_tokens"] <= m
+        # the 62-token prompt held 61 + 6 tokens at its end: 67 - sink 4 - ring 8 in the packed middle
+        assert got[4][0].done["quantized_tokens"] == len(rt.tokenizer.encode(PROMPTS[4])) + 6 - 12
+        snap = engine.metrics.snapshot()
+        assert snap["admission"]["waited_total"] >= 2 and snap["admission"]["wait_seconds_max"] > 0
+        assert snap["admission"]["slots"] == 3 and snap["engine"]["path"] == "eager"
+    finally:
+        engine.stop()
+    assert engine.cache.lens.tolist() == [0, 0, 0]  # every slot freed
+
+
+def test_a_late_long_request_joins_a_low_slot_while_others_decode(rt):
+    """A short request in slot 0 ends, a long one decodes in slot 1; a late 60-token prompt takes slot 0 and is
+    prefilled chunk by chunk between decode steps of slot 1 (whose steps ride over the prefilling slot)."""
+    late = "late comer " * 6
+    ref_long = reference_greedy(rt, rt.tokenizer.encode(PROMPTS[2]), 30, chunk=CHUNK)[1]
+    ref_late = reference_greedy(rt, rt.tokenizer.encode(late), 6, chunk=CHUNK)[1]
+    engine = _engine(rt, slots=2)
+    engine.start()
+    try:
+        short, _ = _submit(engine, rt, "hi", 2)
+        joined = {}
+
+        def join_once(c):  # on the long request's 5th token: the short one has left slot 0
+            if len(c.events) == 5 and "c" not in joined:
+                joined["c"] = _submit(engine, rt, late, 6)[0]
+
+        long_, _ = _submit(engine, rt, PROMPTS[2], 30, on_delta=join_once)
+        short.wait()
+        long_.wait()
+        joined["c"].wait()
+        assert long_.text == ref_long
+        assert joined["c"].text == ref_late
+        assert short.done["usage"]["completion_tokens"] == 2
+    finally:
+        engine.stop()
+
+
+def test_cancel_frees_the_slot_for_a_waiting_request(rt):
+    engine = _engine(rt, slots=1)
+    engine.start()
+    try:
+        a, ra = _submit(engine, rt, "cancel me please", 60)
+        b, _ = _submit(engine, rt, PROMPTS[1], 5)  # waits: the one slot is taken
+        t0 = time.time()
+        while len(a.events) < 2:
+            assert time.time() - t0 < 30
+            time.sleep(0.01)
+        ra.cancel()
+        b.wait()
+        assert b.text == reference_greedy(rt, rt.tokenizer.encode(PROMPTS[1]), 5, chunk=CHUNK)[1]
+        assert not a.ended.is_set()  # a cancelled request gets no done event
+        snap = engine.metrics.snapshot()
+        assert snap["finished"]["cancelled"] == 1 and snap["admission"]["waited_total"] == 1
+    finally:
+        engine.stop()
+
+
+def test_sampling_is_per_request_and_seeded(rt):
+    """A sampled request with a seed draws the same tokens alone and beside greedy neighbours."""
+    engine = _engine(rt)
+    engine.start()
+    try:
+        alone, _ = _submit(engine, rt, PROMPTS[1], 8, temperature=1.3, top_p=0.9, seed=7)
+        alone.wait()
+        g1, _ = _submit(engine, rt, PROMPTS[2], 8)
+        mixed, _ = _submit(engine, rt, PROMPTS[1], 8, temperature=1.3, top_p=0.9, seed=7)
+        g2, _ = _submit(engine, rt, PROMPTS[3], 8)
+        for c in (g1, mixed, g2):
+            c.wait()
+        assert mixed.text == alone.text
+        assert g1.text == reference_greedy(rt, rt.tokenizer.encode(PROMPTS[2]), 8, chunk=CHUNK)[1]
+        other, _ = _submit(engine, rt, PROMPTS[1], 8, temperature=1.3, top_p=0.9, seed=8)
+        assert other.wait().text != alone.text
+    finally:
+        engine.stop()
+
+
+def test_bad_input_is_named(rt):
+    from lowbit.serve.batch_engine import AdmissionError, BatchEngine, buckets_for
+
+    with pytest.raises(LowbitError, match="CUDA graph capture needs the model on CUDA"):
+        BatchEngine(rt, slots=2, mode="graphs")
+    with pytest.raises(LowbitError, match="decode path 'fast' unknown"):
+        BatchEngine(rt, slots=2, mode="fast")
+    with pytest.raises(LowbitError, match="--when-full 'drop' unknown"):
+        BatchEngine(rt, slots=2, when_full="drop")
+    engine = _engine(rt, slots=1)
+    with pytest.raises(AdmissionError, match="needs 101 tokens of KV .* a slot holds 96") as e:
+        _submit(engine, rt, [5] * 91, 10)
+    assert e.value.status == 400
+    assert buckets_for(1) == (1,) and buckets_for(6) == (1, 2, 4, 6) and buckets_for(8) == (1, 2, 4, 8)
+
+
+def test_a_family_without_a_step_names_the_ones_that_have_one(rt):
+    from lowbit.serve.batch_engine import BatchEngine
+
+    model = rt.model
+    old = model.config.model_type
+    try:
+        model.config.model_type = "gpt2"
+        with pytest.raises(LowbitError, match="model type 'gpt2' has no runtime step; families with one: .*llama"):
+            BatchEngine(rt, slots=1)
+    finally:
+        model.config.model_type = old
+
+
+def _raw(url: str, body: dict | None = None) -> tuple[int, dict, dict]:
+    """(status, JSON body, headers) of a plain HTTP request (POST when body is given)."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read()), dict(r.headers)
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read()), dict(e.headers)
+
+
+class Gate:
+    """Holds the only slot: a request whose first event blocks the worker until open()."""
+
+    def __init__(self, engine):
+        self.gate, self.seen, self.ended = threading.Event(), threading.Event(), threading.Event()
+        self.req = engine.submit(Request(prompt_ids=[40, 41, 42], params=GenParams(max_tokens=20, temperature=0.0),
+                                         emit=self))
+
+    def __call__(self, kind, payload):
+        self.seen.set()
+        if kind != "delta":
+            self.ended.set()
+        self.gate.wait(30)
+
+    def open(self):
+        """Let the worker go on; returns once the gate request has ended (its slot is free)."""
+        self.gate.set()
+        assert self.ended.wait(30)
+
+
+@pytest.fixture(scope="module")
+def http(rt):
+    """Factory of started BackgroundServers over the batching engine (stopped at the end)."""
+    from lowbit.serve.server import BackgroundServer, build
+
+    servers = []
+
+    def make(**kw):
+        engine, app = build(rt, prefill_chunk=CHUNK, engine="batch", **kw)
+        srv = BackgroundServer(engine, app).start()
+        servers.append(srv)
+        return engine, srv.url
+
+    yield make
+    for srv in servers:
+        srv.stop()
+
+
+def test_http_reject_when_full_is_429(rt, http):
+    engine, url = http(max_active=1, when_full="reject")
+    card = _raw(url + "/v1/models")[1]["data"][0]["lowbit"]
+    assert card["engine"]["engine"] == "batch" and card["engine"]["path"] == "eager"
+    assert card["kv_scheme"]["cache"] == "StaticKVCache" and card["kv_scheme"]["page"] == 1
+    gate = Gate(engine)
+    try:
+        status, body, headers = _raw(url + "/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2})
+        assert status == 429
+        err = body["error"]
+        assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
+        assert "all 1 KV slots are busy" in err["message"] and headers.get("retry-after") == "1"
+    finally:
+        gate.open()
+    status, body, _ = _raw(url + "/v1/completions", {"model": "tiny", "prompt": [7] * 90, "max_tokens": 7})
+    assert status == 400 and body["error"]["code"] == "context_length_exceeded"
+    status, d, _ = _raw(url + "/v1/completions", {"model": "tiny", "prompt": "now free", "max_tokens": 3,
+                                                  "temperature": 0})
+    assert status == 200 and d["lowbit"]["engine"] == "batch-eager"
+    m = _raw(url + "/metrics")[1]
+    assert m["admission"]["rejected_total"] == 1 and m["engine"]["when_full"] == "reject"
+    assert m["admission"]["waited_total"] == 0 and m["client_errors"] >= 2
+    text = _raw_text(url + "/metrics?format=prometheus")
+    assert 'lowbit_engine_info{engine="batch",path="eager"} 1' in text
+    assert "lowbit_requests_rejected_total 1" in text and "lowbit_slots 1" in text
+
+
+def _raw_text(url: str) -> str:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=60) as r:
+        return r.read().decode()
+
+
+def test_http_wait_when_full_queues_then_answers(rt, http):
+    from concurrent.futures import ThreadPoolExecutor
+
+    engine, url = http(max_active=1, when_full="wait")
+    prompts = PROMPTS[1:3]
+    refs = [reference_greedy(rt, rt.tokenizer.encode(p), 6, chunk=CHUNK)[1] for p in prompts]
+
+    def ask(p):
+        status, d, _ = _raw(url + "/v1/completions", {"model": "tiny", "prompt": p, "max_tokens": 6, "temperature": 0})
+        assert status == 200, d
+        return d["choices"][0]["text"]
+
+    gate = Gate(engine)
+    assert gate.seen.wait(30)  # the worker is inside the gate request: the slot is taken
+    with ThreadPoolExecutor(2) as pool:
+        futs = [pool.submit(ask, p) for p in prompts]
+        t0 = time.time()
+        while engine._reserved < 3:  # both HTTP requests submitted (and waiting)
+            assert time.time() - t0 < 30
+            time.sleep(0.01)
+        gate.open()
+        got = [f.result() for f in futs]
+    assert got == refs
+    m = _raw(url + "/metrics")[1]
+    assert m["admission"]["waited_total"] == 2 and m["admission"]["wait_seconds_max"] > 0
+    assert m["admission"]["wait_seconds_total"] >= m["admission"]["wait_seconds_max"]
+    assert m["kv"]["bytes_held"] == engine.cache.bytes_held() > 0
+    text = _raw_text(url + "/metrics?format=prometheus")
+    assert "lowbit_requests_waited_total 2" in text and "lowbit_request_wait_seconds_max " in text
+
+
+def test_build_picks_the_engine(rt):
+    from lowbit.serve.server import build
+
+    engine, _ = build(rt, max_active=2)  # CPU: the per-request engine unless asked
+    assert engine.path == "single" and engine.metrics.snapshot()["engine"]["engine"] == "single"
+    with pytest.raises(LowbitError, match="--decode-path graphs needs the batching engine"):
+        build(rt, engine="single", decode_path="graphs")
+    with pytest.raises(LowbitError, match="CUDA graph capture needs the model on CUDA"):
+        build(rt, engine="batch", decode_path="graphs")
+    with pytest.raises(LowbitError, match="--engine 'turbo' unknown"):
+        build(rt, engine="turbo")
