@@ -87,6 +87,8 @@ def test_concurrent_greedy_requests_each_get_their_own_tokens(rt):
         # the 62-token prompt held 61 + 6 tokens at its end: 67 - sink 4 - ring 8 in the packed middle
         assert got[4][0].done["quantized_tokens"] == len(rt.tokenizer.encode(PROMPTS[4])) + 6 - 12
         snap = engine.metrics.snapshot()
+        assert snap["tokens"]["generated_total"] == sum(c.done["usage"]["completion_tokens"] for c, _ in got)
+        assert snap["tokens"]["prompt_total"] == sum(c.done["usage"]["prompt_tokens"] for c, _ in got)
         assert snap["admission"]["waited_total"] >= 2 and snap["admission"]["wait_seconds_max"] > 0
         assert snap["admission"]["slots"] == 3 and snap["engine"]["path"] == "eager"
     finally:

@@ -268,8 +268,9 @@ class BatchEngine:
         # lens follows the chunks: a decode step before the next chunk writes this slot's (inactive)
         # token at position `fed`, which the next chunk overwrites (see _guard)
         self.cache.lens[s.slot] = s.fed
-        self.metrics.step(time.perf_counter() - t0, 0, c)
-        if s.fed == len(ids):
+        last = s.fed == len(ids)
+        self.metrics.step(time.perf_counter() - t0, int(last), c)  # the last chunk's logits give a token
+        if last:
             self._emit_token(s, logits)
 
     # -------------------------------------------------------------- decode
