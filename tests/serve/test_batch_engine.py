@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from lowbit.errors import LowbitError
 from lowbit.serve.engine import GenParams, Request
@@ -321,3 +322,56 @@ def test_build_picks_the_engine(rt):
         build(rt, engine="batch", decode_path="graphs")
     with pytest.raises(LowbitError, match="--engine 'turbo' unknown"):
         build(rt, engine="turbo")
+
+
+def test_events_equal_the_single_engines(rt):
+    """EOS, stop strings and max_tokens end requests as in the per-request engine: the same deltas, the same
+    done payloads (but the engine named), for requests run concurrently in both."""
+    from lowbit.serve.server import build
+
+    bf = tiny_runtime("bf16", max_context=96)
+    toks = [reference_greedy(bf, bf.tokenizer.encode(p), 12)[0] for p in PROMPTS[1:4]]
+    eos_rt = tiny_runtime("bf16", max_context=96, eos=(2, toks[0][4]))  # request 0 ends on its 5th token
+    text1 = reference_greedy(bf, bf.tokenizer.encode(PROMPTS[2]), 12)[1]
+    stop = text1[5:7]  # request 1 ends at a stop string in the middle of its text
+    assert len(stop) == 2 and text1.find(stop) == 5
+    asks = [(PROMPTS[1], 12, {}), (PROMPTS[2], 12, {"stop": [stop, "never"]}), (PROMPTS[3], 3, {})]
+    runs = {}
+    for kind in ("single", "batch"):
+        engine, _ = build(eos_rt, max_active=2, prefill_chunk=5, engine=kind)
+        engine.start()
+        try:
+            cs = [_submit(engine, eos_rt, p, m, **kw)[0] for p, m, kw in asks]
+            runs[kind] = [c.wait().events for c in cs]
+        finally:
+            engine.stop()
+    single, batch = runs["single"], runs["batch"]
+    assert [e[-1][1]["engine"] for e in batch] == ["batch-eager"] * 3
+    for s, b in zip(single, batch):
+        assert b[:-1] == s[:-1]
+        assert {**b[-1][1], "engine": "single"} == s[-1][1]
+    assert [e[-1][1]["finish_reason"] for e in batch] == ["stop", "stop", "length"]
+    assert batch[0][-1][1]["usage"]["completion_tokens"] == 5
+    assert "".join(p for k, p in batch[1] if k == "delta") == text1[:5]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the captured path needs CUDA")
+def test_graphs_path_gives_the_eager_paths_tokens_on_cuda():
+    """On a GPU: the engine captured at start (buckets up to its slots) streams the same greedy tokens as the
+    same engine stepping eagerly, with requests joining and leaving, and names its path."""
+    from lowbit.serve.batch_engine import BatchEngine
+
+    g_rt = tiny_runtime("int4", max_context=96, **KV)
+    g_rt.model.to("cuda")
+    texts = {}
+    for mode in ("eager", "graphs"):
+        engine = BatchEngine(g_rt, slots=3, prefill_chunk=CHUNK, mode=mode)
+        assert engine.info["buckets"] == ([1, 2, 3] if mode == "graphs" else None)
+        engine.start()
+        try:
+            cs = [_submit(engine, g_rt, p, m)[0] for p, m in zip(PROMPTS, MAX_TOKENS)]
+            texts[mode] = [c.wait().text for c in cs]
+            assert {c.done["engine"] for c in cs} == {f"batch-{mode}"}
+        finally:
+            engine.stop()
+    assert texts["graphs"] == texts["eager"]
