@@ -116,7 +116,13 @@ class BatchEngine:
         self.model, self.tokenizer, self.device, self.plan = model, runtime.tokenizer, device, plan
         self.scheme, self.geometry = plan.scheme, runtime.geometry
         self.max_context = int(runtime.max_context)
-        self.cache = StaticKVCache(model, plan, slots=slots, max_context=self.max_context)
+        try:
+            self.cache = StaticKVCache(model, plan, slots=slots, max_context=self.max_context)
+        except (torch.OutOfMemoryError, MemoryError, RuntimeError) as e:
+            if isinstance(e, RuntimeError) and not isinstance(e, torch.OutOfMemoryError) and "alloc" not in str(e):
+                raise
+            raise LowbitError(f"the static KV cache for {slots} slots of {self.max_context} tokens does not fit in "
+                              f"{device.type} memory; lower --max-active or --max-context") from None
         self.cache_class = type(self.cache).__name__
         self.slots, self.prefill_chunk, self.mode, self.when_full = slots, prefill_chunk, mode, when_full
         self.eos = {int(t) for t in runtime.eos_token_ids}
@@ -140,6 +146,9 @@ class BatchEngine:
         self.metrics = metrics
         self.metrics.set_engine(self.info)
         self._bytes = self.cache.bytes_held()
+        log.info("batching engine: %d slots x %d tokens, static KV cache %.1f MiB, decode path %s%s", slots,
+                 self.max_context, self._bytes / 2**20, mode,
+                 f" (buckets {self.graphs.buckets})" if self.graphs else "")
         # tier sizes (kind, S, R, C) per layer: what a slot of n tokens holds quantized
         self._tiers = [(layer.kind, layer.S, layer.R, layer.C) for layer in self.cache.layers]
         self._incoming: queue.Queue[Request] = queue.Queue()
