@@ -375,3 +375,55 @@ def test_graphs_path_gives_the_eager_paths_tokens_on_cuda():
         finally:
             engine.stop()
     assert texts["graphs"] == texts["eager"]
+
+
+class EagerGraphs:
+    """DecodeGraphs' interface run eagerly on CPU: the engine's host side of the captured path (ids and
+    active written for the whole bucket, the step's argmax read back from ids) without a GPU."""
+
+    def __init__(self, step, cache, buckets):
+        self.step, self.cache, self.buckets = step, cache, sorted(buckets)
+        B = self.buckets[-1]
+        self.ids = torch.zeros(B, 1, dtype=torch.long)
+        self.active = torch.zeros(B, dtype=torch.bool)
+        self.logits = None
+        self.widths = []
+
+    def bucket_for(self, batch):
+        return next(b for b in self.buckets if b >= batch)
+
+    def replay(self, batch):
+        from lowbit.runtime.step import eager_decode
+
+        b = self.bucket_for(batch)
+        self.widths.append((batch, b))
+        lg = eager_decode(self.step, self.cache, self.ids[:b], self.active[:b])
+        self.logits = torch.cat([lg, torch.zeros(self.buckets[-1] - b, lg.shape[-1])])
+        self.ids[:b, 0] = torch.where(self.active[:b], lg.argmax(-1), self.ids[:b, 0])
+        return b
+
+
+def test_the_captured_paths_host_side_on_cpu(rt):
+    """With a bucket wider than the live prefix (buckets 1 and 3 over 3 slots), padding rows ride along
+    inactive; greedy and sampled rows come out as on the eager path."""
+    engine = _engine(rt, slots=3)
+    engine.graphs = EagerGraphs(engine.step, engine.cache, (1, 3))
+    refs = [reference_greedy(rt, rt.tokenizer.encode(p), m, chunk=CHUNK)[1] for p, m in zip(PROMPTS, MAX_TOKENS)]
+    engine.start()
+    try:
+        cs = [_submit(engine, rt, p, m)[0] for p, m in zip(PROMPTS, MAX_TOKENS)]
+        assert [c.wait().text for c in cs] == refs
+        sampled, _ = _submit(engine, rt, PROMPTS[1], 8, temperature=1.3, top_p=0.9, seed=7)
+        greedy, _ = _submit(engine, rt, PROMPTS[2], 8)
+        sampled.wait(), greedy.wait()
+    finally:
+        engine.stop()
+    assert (2, 3) in engine.graphs.widths and (1, 1) in engine.graphs.widths
+    assert greedy.text == reference_greedy(rt, rt.tokenizer.encode(PROMPTS[2]), 8, chunk=CHUNK)[1]
+    eager = _engine(rt, slots=3)
+    eager.start()
+    try:
+        alone, _ = _submit(eager, rt, PROMPTS[1], 8, temperature=1.3, top_p=0.9, seed=7)
+        assert alone.wait().text == sampled.text
+    finally:
+        eager.stop()
