@@ -34,9 +34,13 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["decode-attention", "decode"],
+    parser.add_argument("what", choices=["decode-attention", "decode", "serve-engine"],
                         help="decode-attention: the kernel vs SDPA flash; decode: end-to-end decode steps "
-                             "(transformers eager / compiled bf16, lowbit runtime bf16 / int4 / int2)")
+                             "(transformers eager / compiled bf16, lowbit runtime bf16 / int4 / int2); serve-engine: "
+                             "the continuous-batching engine in-process at --concurrency levels")
+    parser.add_argument("--concurrency", default="1,8,32", help="serve-engine: concurrent requests (default 1,8,32)")
+    parser.add_argument("--prompt-len", type=int, default=4096, help="serve-engine: prompt tokens (default 4096)")
+    parser.add_argument("--max-tokens", type=int, default=64, help="serve-engine: tokens per request (default 64)")
     parser.add_argument("--paths", default="hf-eager-bf16,hf-static-compile-bf16,lowbit-bf16,lowbit-int4,lowbit-int2",
                         help="decode: which paths to time (default all five)")
     parser.add_argument("--steps", type=int, default=20, help="decode: timed steps per row (default 20)")
@@ -105,6 +109,16 @@ def run(args) -> int:
         resolve_out(args.out, args.what, "")  # refuse an existing file before anything else
     if not torch.cuda.is_available():
         raise LowbitError(f"bench {args.what} needs a CUDA GPU (it times GPU kernels against their bf16 baselines)")
+    if args.what == "serve-engine":
+        from lowbit.runtime import bench as e2e
+
+        path = resolve_out(args.out, "serve_engine", torch.cuda.get_device_name(0))
+        res = e2e.engine_load(args.geometry or "llama3-8b", _ints(args.concurrency), prompt_len=args.prompt_len,
+                              max_tokens=args.max_tokens)
+        res["env"] = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}
+        write_new(path, res)
+        print(f"wrote {path}")
+        return 0
     if args.what == "decode":
         from lowbit.runtime import bench as e2e
 

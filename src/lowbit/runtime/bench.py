@@ -301,3 +301,101 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
                     f"{r['gpu_ms_per_step'] or float('nan'):.2f} ms, KV {r['kv_bytes'] / 1e9:.2f} GB")
                 torch.cuda.empty_cache()
     return {"env": env, "rows": rows, "prefill": pre}
+
+
+def _word_tokenizer(vocab_size: int):
+    """A tokenizer whose every id decodes to one word ("t123"), for random-weight models with no
+    tokenizer of their own: each generated token is one streamed delta."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0")
+
+
+def engine_load(geometry: str, concurrency, *, prompt_len: int, max_tokens: int, kv: str = "int2",
+                device: str = "cuda", prefill_chunk: int = 2048, log=print) -> dict:
+    """The serving engine (lowbit.serve.batch_engine.BatchEngine) in-process at each concurrency C:
+    C requests of a random `prompt_len`-token prompt, greedy, `max_tokens` each, submitted at once.
+    Per C: end-to-end output tok/s, steady decode tok/s (while all C decode), time to first token and
+    inter-token latency p50/p99 (from the streamed deltas). No HTTP: the engine the server runs."""
+    import threading
+
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.recipe import parse_kv_scheme
+    from lowbit.serve.batch_engine import BatchEngine
+    from lowbit.serve.engine import GenParams, Request
+    from lowbit.serve.runtime import Runtime
+
+    model, cfg = build_model(geometry, device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+    slots = max(concurrency)
+    rt = Runtime(model=model, tokenizer=_word_tokenizer(cfg.vocab_size), geometry=ModelGeometry.from_config(cfg, name=geometry),
+                 name=geometry, scheme=parse_kv_scheme(kv), weights=None, max_context=prompt_len + max_tokens + 16,
+                 eos_token_ids=[])
+    t0 = time.perf_counter()
+    engine = BatchEngine(rt, slots=slots, prefill_chunk=prefill_chunk)
+    start_s = time.perf_counter() - t0
+    engine.start()
+    g = torch.Generator().manual_seed(5)
+    rows = []
+    try:
+        for C in concurrency:
+            done = threading.Event()
+            stamps: dict[str, list[float]] = {}
+            left = [C]
+            lock = threading.Lock()
+
+            def make_emit(rid):
+                def emit(kind, payload):
+                    now = time.perf_counter()
+                    if kind == "delta":
+                        stamps[rid].append(now)
+                    elif kind in ("done", "error"):
+                        with lock:
+                            left[0] -= 1
+                            if left[0] == 0:
+                                done.set()
+                return emit
+
+            t_submit = time.perf_counter()
+            for i in range(C):
+                rid = f"r{C}-{i}"
+                stamps[rid] = []
+                ids = torch.randint(0, cfg.vocab_size, (prompt_len,), generator=g).tolist()
+                engine.submit(Request(prompt_ids=ids, params=GenParams(max_tokens=max_tokens, temperature=0.0),
+                                      emit=make_emit(rid), id=rid))
+            done.wait()
+            t_end = time.perf_counter()
+            ttft = sorted(s[0] - t_submit for s in stamps.values() if s)
+            itl = sorted(b - a for s in stamps.values() for a, b in zip(s, s[1:]))
+            tokens = sum(len(s) for s in stamps.values())
+            all_in = max(s[0] for s in stamps.values() if s)  # every request is decoding from here ...
+            first_out = min(s[-1] for s in stamps.values() if s)  # ... until the first one finishes
+            steady = sum(sum(1 for t in s if all_in < t <= first_out) for s in stamps.values())
+
+            def pct(xs, q):
+                return 1e3 * xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
+
+            row = {"concurrency": C, "prompt_tokens": prompt_len, "max_tokens": max_tokens, "out_tokens": tokens,
+                   "wall_s": t_end - t_submit, "out_tok_s": tokens / (t_end - t_submit),
+                   "decode_tok_s": steady / (first_out - all_in) if first_out > all_in else None,
+                   "ttft_p50_ms": pct(ttft, 0.5), "ttft_p99_ms": pct(ttft, 0.99),
+                   "itl_p50_ms": pct(itl, 0.5), "itl_p99_ms": pct(itl, 0.99), "path": engine.path}
+            rows.append(row)
+            log(f"engine C{C}: {row['out_tok_s']:.0f} out tok/s, decode {row['decode_tok_s'] or float('nan'):.0f} tok/s, "
+                f"TTFT p50 {row['ttft_p50_ms']:.0f} ms p99 {row['ttft_p99_ms']:.0f} ms, "
+                f"ITL p50 {row['itl_p50_ms']:.1f} ms p99 {row['itl_p99_ms']:.1f} ms")
+    finally:
+        engine.stop()
+    path = engine.path
+    del engine
+    ref = None
+    if device == "cuda":  # the captured decode benchmark at B = slots, same context, same process
+        torch.cuda.empty_cache()
+        ref = {"path": f"lowbit-{kv}", "B": slots, "L": prompt_len,
+               **_row_lowbit(f"lowbit-{kv}", model, cfg, slots, prompt_len, max_tokens)}
+        ref["tok_s"] = slots * 1e3 / ref["ms_per_step"]
+        log(f"decode benchmark B{slots} L{prompt_len}: {ref['ms_per_step']:.2f} ms/step ({ref['tok_s']:.0f} tok/s)")
+    return {"geometry": geometry, "kv": kv, "slots": slots, "engine": path, "engine_start_s": start_s,
+            "rows": rows, "decode_benchmark": ref}

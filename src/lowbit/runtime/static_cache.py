@@ -109,7 +109,7 @@ def _writer(layer, checks: bool, compiled: bool):
         if compiled:
             # emulate_precision_casts: keep the fp16 rounding of scales and zeros the codec does (inductor
             # would otherwise fold the float32 -> fp16 -> float32 round trip away)
-            fn = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
+            fn = torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True})
         _WRITERS[key] = fn
     return fn
 
