@@ -14,6 +14,7 @@ A row whose KV would not fit in the GPU memory left says so (fits: false) instea
 
 from __future__ import annotations
 
+import itertools
 import statistics
 import time
 
@@ -346,7 +347,7 @@ def engine_load(geometry: str, concurrency, *, prompt_len: int, max_tokens: int,
             left = [C]
             lock = threading.Lock()
 
-            def make_emit(rid):
+            def make_emit(rid, stamps=stamps, lock=lock, left=left, done=done):
                 def emit(kind, payload):
                     now = time.perf_counter()
                     if kind == "delta":
@@ -368,7 +369,7 @@ def engine_load(geometry: str, concurrency, *, prompt_len: int, max_tokens: int,
             done.wait()
             t_end = time.perf_counter()
             ttft = sorted(s[0] - t_submit for s in stamps.values() if s)
-            itl = sorted(b - a for s in stamps.values() for a, b in zip(s, s[1:]))
+            itl = sorted(b - a for s in stamps.values() for a, b in itertools.pairwise(s))
             tokens = sum(len(s) for s in stamps.values())
             all_in = max(s[0] for s in stamps.values() if s)  # every request is decoding from here ...
             first_out = min(s[-1] for s in stamps.values() if s)  # ... until the first one finishes
