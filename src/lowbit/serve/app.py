@@ -74,6 +74,9 @@ def request_line(method: str, path: str, status: int, seconds: float, *, rid: st
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context, capped here.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 512
+# a prompt text longer than this many characters per context token is checked on its prefix first
+PREFIX_CHARS_PER_TOKEN = 64
+PREFIX_SLACK = 16
 
 
 @dataclass
@@ -159,6 +162,11 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return err(exc.status_code, str(exc.detail), request=request)
 
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception):  # a bug: still an OpenAI body, and logged
+        logging.getLogger("lowbit.serve").error("unhandled error in %s", request.url.path, exc_info=exc)
+        return err(500, f"internal server error: {type(exc).__name__}", request=request)
+
     app.add_middleware(_RequestClock)
 
     # ------------------------------------------------------------ info
@@ -213,6 +221,24 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
                 "context_length_exceeded",
             )
 
+    def encode(text: str, param: str, **kw) -> list[int]:
+        """Token ids of a prompt text; 400 for text that is not valid Unicode or cannot fit the context."""
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON can carry lone surrogates (\ud800); the tokenizer cannot
+            raise ClientError(400, f"{param} is not valid Unicode (a lone surrogate at character {e.start}); "
+                                   "send UTF-8 text", param) from None
+        # a huge prompt (MBs) would hold the event loop for seconds in the tokenizer, only to be refused:
+        # its first PREFIX_CHARS_PER_TOKEN * max_context characters already show whether it can fit
+        # (a prefix's tokens exceed the whole's at most by the few the cut splits: PREFIX_SLACK); only a
+        # prompt whose prefix fits is encoded whole
+        cut = PREFIX_CHARS_PER_TOKEN * served.max_context
+        if len(text) > cut and len(tok.encode(text[:cut], **kw)) > served.max_context + PREFIX_SLACK:
+            raise ClientError(400, f"this model's context is {served.max_context} tokens, but the {param} alone "
+                                   f"has more (its first {cut} characters do); shorten the prompt", param,
+                              "context_length_exceeded")
+        return list(tok.encode(text, **kw))
+
     def prompt_ids(req: CompletionRequest) -> list[int]:
         p = req.prompt
         if isinstance(p, list) and p and isinstance(p[0], (str, list)):
@@ -220,7 +246,7 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
                 raise ClientError(400, f"prompt is a batch of {len(p)}; send one prompt per request", "prompt")
             p = p[0]
         if isinstance(p, str):
-            return list(tok.encode(p))
+            return encode(p, "prompt")
         vocab = engine.model.config.vocab_size
         bad = [t for t in p if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
@@ -239,7 +265,7 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
         except (ValueError, TypeError, TemplateError) as e:  # e.g. a template that refuses a role order
             raise ClientError(400, f"the chat template rejected the messages: {e}", "messages") from None
         # the template writes the special tokens itself
-        return list(tok.encode(text, add_special_tokens=False))
+        return encode(text, "messages", add_special_tokens=False)
 
     # ---------------------------------------------------------- running
     async def run(ids: list[int], req, max_tokens: int, kind: str, stream: bool):
