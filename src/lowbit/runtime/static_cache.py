@@ -449,16 +449,20 @@ class StaticKVCache(Cache):
             valid.append(torch.arange(layer.R, device=qg.device)[None] < rl[:, None])
         K, V = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 2), torch.cat(vs, 2))  # [B, H, N, D]
         keep = valid[0] if len(valid) == 1 else torch.cat(valid, 1)  # [B, N]
-        if layer.kind == "dense" and not softcap and qg.is_cuda:
-            q = qg.to(self.dtype)
-            o = torch.nn.functional.scaled_dot_product_attention(q, K, V, attn_mask=keep[:, None, None, :],
-                                                                 scale=scaling)
-            return o.float()
-        s = torch.matmul(qg.float() * scaling, K.float().transpose(-1, -2))  # [B, H, G, N]
+        if qg.is_cuda:
+            # decode is a batched GEMV over the held rows: products in the model dtype (K and V read once,
+            # as flash decoding does), softmax in float32. SDPA with a length mask took the cudnn path at
+            # ~0.66 ms a layer at B1 L32k (benchmarks/results/decode_e2e_NVIDIA_H200.json, lowbit-bf16).
+            s = torch.matmul(qg.to(K.dtype), K.transpose(-1, -2)).float() * scaling  # [B, H, G, N]
+        else:
+            s = torch.matmul(qg.float() * scaling, K.float().transpose(-1, -2))  # [B, H, G, N]
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
-        return torch.matmul(torch.softmax(s, -1), V.float())
+        p = torch.softmax(s, -1)
+        if qg.is_cuda:
+            return torch.matmul(p.to(V.dtype), V).float()
+        return torch.matmul(p, V.float())
 
     def _prefill_attention(self, layer: StaticLayer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
         """Queries of the chunk just written (slot, positions [start, start + c)) over the slot's
