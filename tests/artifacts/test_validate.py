@@ -133,6 +133,7 @@ def test_fake_quant_eval_artifact_is_refused_where_native_packed_is_needed(arts,
     shutil.copytree(arts / "exp", relabel)
     m = json.loads((relabel / "manifest.json").read_text())
     m["class"] = "fake-quant-eval"
+    m.pop("self_sha256")  # a deliberate hand edit drops the seal (a sealed manifest refuses any change)
     (relabel / "manifest.json").write_text(json.dumps(m))
     rc, text, _ = _run(capsys, relabel, "--stages", "1,2")
     assert rc == 1 and "digests: all 7 files match" in text

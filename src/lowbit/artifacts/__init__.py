@@ -1,8 +1,9 @@
 """Artifacts: immutable directories pinned by a manifest (inputs, recipe, versions, files with sha256, counts).
 
     manifest.py  Manifest / FileEntry, load_manifest, require_class, sha256_file
-    writer.py    ArtifactWriter (atomic write into a new directory), pin (manifest for existing files)
-    verify.py    verify (per-file OK / FAILED / MISSING / UNLISTED)
+    writer.py    ArtifactWriter (atomic write into a new directory), pin (manifest for existing files),
+                 sweep_stale (remove killed writers' staging dirs)
+    verify.py    verify (per-file OK / FAILED / MISSING / UNLISTED), require_intact (loaders: raise naming the file)
 """
 
 from lowbit.artifacts.manifest import (
@@ -15,8 +16,8 @@ from lowbit.artifacts.manifest import (
     require_class,
     sha256_file,
 )
-from lowbit.artifacts.verify import FAILED, MISSING, OK, UNLISTED, FileStatus, all_ok, verify
-from lowbit.artifacts.writer import ArtifactWriter, pin
+from lowbit.artifacts.verify import FAILED, MISSING, OK, UNLISTED, FileStatus, all_ok, require_intact, verify
+from lowbit.artifacts.writer import ArtifactWriter, pin, sweep_stale
 
 __all__ = [
     "ARTIFACT_CLASSES",
@@ -34,6 +35,8 @@ __all__ = [
     "load_manifest",
     "pin",
     "require_class",
+    "require_intact",
     "sha256_file",
+    "sweep_stale",
     "verify",
 ]

@@ -17,6 +17,13 @@ Every artifact directory carries `manifest.json`:
 `files` lists every regular file under the directory, recursively, as a relative POSIX path,
 sorted, except manifest.json itself. The manifest is written without a timestamp so the same
 artifact always gets the same manifest bytes.
+
+The last key, "self_sha256", seals manifest.json itself: the sha256 of the file's exact bytes
+with that value written as 64 zeros. Without it a flipped byte in `recipe`, `inputs` or `counts`
+(or whitespace turned into other whitespace) would still parse and every digest would still
+match. load_manifest checks it when present; a manifest without it (hand-edited, or written
+before the seal) is read unsealed. Top-level keys other than these are refused, so a damaged
+key name cannot hide the seal.
 """
 
 from __future__ import annotations
@@ -45,6 +52,19 @@ ARTIFACT_CLASSES = ("fake-quant-eval", "native-packed", "generic")
 
 _CHUNK = 1 << 20  # 1 MiB: keeps hashing of multi-GB weight files at constant memory
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
+SEAL_KEY = "self_sha256"
+_SEAL_ZERO = "0" * 64
+_KEYS = {"format", "format_version", "kind", "class", "inputs", "recipe", "versions", "counts", "files", SEAL_KEY}
+
+
+def _seal_text(text: str, value: str) -> str:
+    """`text` (ending in the seal entry) with the seal's 64 hex replaced by `value`."""
+    head, sep, tail = text.rpartition(f'"{SEAL_KEY}": "')
+    return head + sep + value + tail[64:]
+
+
+def _seal_of(text: str) -> str:
+    return hashlib.sha256(_seal_text(text, _SEAL_ZERO).encode("utf-8")).hexdigest()
 
 
 def sha256_file(path: str | os.PathLike) -> str:
@@ -124,13 +144,14 @@ class Manifest:
         }
 
     def to_json(self) -> str:
-        """Strict JSON (no NaN/Infinity), fixed key order, trailing newline."""
+        """Strict JSON (no NaN/Infinity), fixed key order, trailing newline, sealed (self_sha256 last)."""
         try:
-            return json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n"
+            text = json.dumps({**self.to_dict(), SEAL_KEY: _SEAL_ZERO}, indent=2, allow_nan=False) + "\n"
         except (TypeError, ValueError) as e:
             raise LowbitError(
                 f"manifest fields must be plain JSON (str, int, finite float, bool, None, list, dict): {e}"
             ) from None
+        return _seal_text(text, _seal_of(text))
 
     @classmethod
     def from_dict(cls, d: Any, where: str = "manifest") -> Manifest:
@@ -141,6 +162,10 @@ class Manifest:
 
         if not isinstance(d, dict):
             raise bad("top level must be a JSON object")
+        if extra := sorted(set(d) - _KEYS):
+            raise bad(f"unknown top-level key {extra[0]!r}")
+        if SEAL_KEY in d and (not isinstance(d[SEAL_KEY], str) or not _SHA256_RE.fullmatch(d[SEAL_KEY])):
+            raise bad(f"'{SEAL_KEY}' must be 64 lowercase hex digits, got {d[SEAL_KEY]!r}")
         if d.get("format") != FORMAT:
             raise bad(f"'format' must be {FORMAT!r}, got {d.get('format')!r}")
         fv = d.get("format_version")
@@ -205,11 +230,19 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
     root = Path(directory)
     if not root.is_dir():
         raise LowbitError(f"artifact directory {root} does not exist or is not a directory")
+    from lowbit.artifacts.writer import is_staging_dir
+
+    if is_staging_dir(root.resolve()):
+        raise LowbitError(f"{root} is the staging directory of an unfinished (or killed) write, not an artifact; "
+                          "use the finished output directory, or write it again")
     mpath = root / MANIFEST_NAME
     if not mpath.is_file():
         raise LowbitError(f"{root} has no {MANIFEST_NAME}; run `lowbit pin {root}` to record its files")
     try:
-        d = json.loads(mpath.read_text(encoding="utf-8"))
+        text = mpath.read_bytes().decode("utf-8")
+        d = json.loads(text)
+    except OSError as e:
+        raise LowbitError(f"{mpath} cannot be read ({e.strerror}); check its permissions or re-create it") from None
     except UnicodeDecodeError:
         raise LowbitError(f"{mpath} is not UTF-8 text; the artifact is damaged: re-create it") from None
     except json.JSONDecodeError as e:
@@ -217,6 +250,9 @@ def load_manifest(directory: str | os.PathLike) -> Manifest:
             f"{mpath} is not valid JSON (line {e.lineno} col {e.colno}: {e.msg}); the artifact is damaged: re-create it"
         ) from None
     m = Manifest.from_dict(d, where=str(mpath))
+    if SEAL_KEY in d and _seal_of(text) != d[SEAL_KEY]:
+        raise LowbitError(f"{mpath} does not match its own sha256 ({SEAL_KEY}): manifest.json was changed or "
+                          "damaged since it was written; re-create the artifact or copy it again")
     return replace(m, root=root)
 
 

@@ -703,7 +703,12 @@ def validate(opts: Options) -> dict:
 
     Bad input (no such directory, no manifest.json, an unusable flag) raises LowbitError before any stage;
     a problem with the artifact itself is a failed stage in the report."""
+    from lowbit.artifacts.writer import sweep_stale
+
     root = Path(opts.artifact).expanduser()
+    sweep_stale(root.parent)  # killed writers' staging dirs beside it (one stderr line each)
+    if root.is_dir() and not (root / "manifest.json").exists():
+        sweep_stale(root)  # a parent of artifacts, not one (an artifact is never modified)
     if not root.is_dir():
         raise LowbitError(f"{root} is not a directory: pass an artifact directory (one holding manifest.json)")
     if not (root / "manifest.json").is_file():

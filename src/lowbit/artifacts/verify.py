@@ -9,6 +9,7 @@ from typing import NamedTuple
 
 from lowbit.artifacts.manifest import load_manifest, sha256_file
 from lowbit.artifacts.writer import list_files
+from lowbit.errors import LowbitError
 
 OK = "OK"
 FAILED = "FAILED"  # listed, present, but bytes differ (size or sha256), or no longer a regular file
@@ -52,3 +53,20 @@ def verify(directory: str | os.PathLike) -> list[FileStatus]:
 
 def all_ok(results: list[FileStatus]) -> bool:
     return all(r.status == OK for r in results)
+
+
+_WHY = {FAILED: "its size or sha256 differs from the manifest", MISSING: "listed in the manifest but absent",
+        UNLISTED: "present but not in the manifest"}
+
+
+def require_intact(directory: str | os.PathLike, what: str = "artifact") -> None:
+    """Raise one LowbitError naming the damaged files unless every file of `directory` verifies OK.
+
+    What every loader calls before reading an artifact: a damaged manifest.json is named by
+    load_manifest, a changed / missing / added file by its path here."""
+    root = Path(directory)
+    bad = [r for r in verify(root) if r.status != OK]
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        names = "; ".join(f"{r.path} {r.status} ({_WHY[r.status]})" for r in bad[:3])
+        raise LowbitError(f"{what} {root} is damaged: {names}{more}; re-create it or copy it again")

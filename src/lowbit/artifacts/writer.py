@@ -4,13 +4,29 @@ Atomic means a reader sees either no `out_dir` or a complete one with its manife
 staged in a sibling `.<name>.tmp-<pid>` directory (same filesystem, so os.rename is atomic) and
 renamed into place only after manifest.json is written and synced. An existing `out_dir` is
 never overwritten: artifacts are immutable, a new result goes to a new directory.
+
+Stale staging directories. A writer killed outright (SIGKILL, OOM, power loss) leaves its
+`.<name>.tmp-<pid>` behind. Liveness is an flock: the writer holds LOCK_EX on the staging
+directory itself from the moment it exists until it is renamed or removed, and the kernel drops
+that lock when the process dies however it dies. So a staging directory whose lock can be taken
+has no writer; a reused pid (the number in the name is only for people) can never make a dead
+writer look alive, and a live one is never removed. Creating a staging directory and sweeping
+happen under an flock on the parent directory, so a sweeper never sees a staging directory in
+the instant between mkdir and its lock. `sweep_stale(parent)` removes the stale ones with one
+line each on stderr; every ArtifactWriter does it on entry, `lowbit verify` / `lowbit validate`
+on the artifact's parent. (flock is per open file description and not inherited across exec;
+on filesystems where flock is a no-op or unsupported, sweeping is skipped rather than guessed.)
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
+import re
 import shutil
 import stat
+import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Self
@@ -24,6 +40,87 @@ from lowbit.artifacts.manifest import (
     sha256_file,
 )
 from lowbit.errors import LowbitError
+
+
+STAGING_RE = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)")
+
+
+def staging_name(out_name: str, pid: int | None = None) -> str:
+    """The hidden sibling a write to `out_name` is staged in: `.<out_name>.tmp-<pid>`."""
+    return f".{out_name}.tmp-{os.getpid() if pid is None else pid}"
+
+
+def is_staging_dir(path: str | os.PathLike) -> bool:
+    """True for a name of the staging form (what an unfinished write looks like; never an artifact)."""
+    return STAGING_RE.fullmatch(Path(path).name) is not None
+
+
+def _open_dir(path: Path) -> int:
+    return os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+
+
+def _try_lock(fd: int) -> bool | None:
+    """Take LOCK_EX without waiting: True taken, False held by someone else, None flock unsupported here."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return None
+
+
+def _sweep_locked(parent: Path) -> list[Path]:
+    """sweep_stale's body; the caller holds the parent's flock."""
+    removed = []
+    try:
+        names = sorted(os.listdir(parent))
+    except OSError:
+        return removed
+    for name in names:
+        m = STAGING_RE.fullmatch(name)
+        if m is None:
+            continue
+        cand = parent / name
+        try:
+            fd = _open_dir(cand)  # O_NOFOLLOW: a symlink or a file of that name is not ours to remove
+        except OSError:
+            continue
+        try:
+            if _try_lock(fd) is not True:
+                continue  # its writer is alive (or flock cannot tell us): leave it
+            try:
+                shutil.rmtree(cand)
+            except OSError as e:
+                print(f"lowbit: stale staging directory {cand} (writer pid {m['pid']} is gone) could not be "
+                      f"removed ({e.strerror}); delete it by hand", file=sys.stderr)
+                continue
+            print(f"lowbit: removed stale staging directory {cand} (its writer, pid {m['pid']}, is gone)",
+                  file=sys.stderr)
+            removed.append(cand)
+        finally:
+            os.close(fd)
+    return removed
+
+
+def sweep_stale(parent: str | os.PathLike) -> list[Path]:
+    """Remove every staging directory in `parent` whose writer process is gone; returns what was removed.
+
+    One line on stderr per directory removed. A live writer's staging directory is left alone;
+    a missing or unreadable parent is nothing to sweep."""
+    parent = Path(parent)
+    try:
+        pfd = _open_dir(parent)
+    except OSError:
+        return []
+    try:
+        try:
+            fcntl.flock(pfd, fcntl.LOCK_EX)  # waits only while a writer creates its staging dir
+        except OSError:
+            return []
+        return _sweep_locked(parent)
+    finally:
+        os.close(pfd)
 
 
 def list_files(root: Path) -> tuple[list[str], list[str]]:
@@ -96,6 +193,7 @@ class ArtifactWriter:
         artifact_class: str,
         inputs: dict[str, Any],
         recipe: dict[str, Any],
+        on_point: Callable[[str], None] | None = None,
     ):
         if not isinstance(kind, str) or not kind:
             raise LowbitError(f"artifact kind must be a non-empty string, got {kind!r}")
@@ -109,6 +207,16 @@ class ArtifactWriter:
         self.counts: dict[str, Any] = {}
         self.manifest: Manifest | None = None
         self._staging: Path | None = None
+        self._lock_fd: int | None = None
+        # Tests only: called with the name of each point of the write (POINTS) as it is reached, so a
+        # test can stop a real writer exactly there (and SIGKILL it) without sleeping.
+        self._on_point = on_point
+
+    POINTS = ("staging-created", "files-written", "manifest-written", "renamed")
+
+    def _point(self, name: str) -> None:
+        if self._on_point is not None:
+            self._on_point(name)
 
     @property
     def path(self) -> Path:
@@ -129,32 +237,54 @@ class ArtifactWriter:
         self._refuse_existing()
         parent = self.out_dir.parent
         parent.mkdir(parents=True, exist_ok=True)
-        staging = parent / f".{self.out_dir.name}.tmp-{os.getpid()}"
+        staging = parent / staging_name(self.out_dir.name)
+        pfd = _open_dir(parent)
         try:
-            staging.mkdir()
-        except FileExistsError:
-            raise LowbitError(
-                f"staging directory {staging} exists (another writer to {self.out_dir} is running, or a crashed "
-                f"one left it): wait for it, or delete {staging}"
-            ) from None
+            try:
+                fcntl.flock(pfd, fcntl.LOCK_EX)  # waits only while another writer creates or a sweeper sweeps
+                parent_locked = True
+            except OSError:
+                parent_locked = False  # flock unsupported on this filesystem: no sweeping, no liveness
+            if parent_locked:
+                _sweep_locked(parent)  # the dead writers' leftovers, before this one adds its own
+            try:
+                staging.mkdir()
+            except FileExistsError:
+                raise LowbitError(
+                    f"staging directory {staging} exists and its writer is still running (another write to "
+                    f"{self.out_dir} from this process?): wait for it to finish"
+                ) from None
+            fd = _open_dir(staging)
+            if parent_locked:
+                fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename (or removal): our liveness
+            self._lock_fd = fd
+        finally:
+            os.close(pfd)  # releases the parent lock
         self._staging = staging
+        self._point("staging-created")
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         staging, self._staging = self._staging, None
-        if exc_type is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-            return False  # propagate
         try:
-            self.manifest = self._finish(staging)
-        except BaseException:
-            shutil.rmtree(staging, ignore_errors=True)
-            raise
-        return False
+            if exc_type is not None:
+                shutil.rmtree(staging, ignore_errors=True)
+                return False  # propagate
+            try:
+                self.manifest = self._finish(staging)
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+            return False
+        finally:
+            fd, self._lock_fd = self._lock_fd, None
+            if fd is not None:
+                os.close(fd)  # the lock goes only once the staging dir is renamed or removed
 
     def _finish(self, staging: Path) -> Manifest:
         if os.path.lexists(staging / MANIFEST_NAME):
             raise LowbitError(f"{MANIFEST_NAME} is written by ArtifactWriter itself; do not write a file of that name")
+        self._point("files-written")
         manifest = Manifest(
             kind=self.kind,
             artifact_class=self.artifact_class,
@@ -165,6 +295,7 @@ class ArtifactWriter:
             files=_hash_entries(staging),
         )
         _write_manifest_file(staging / MANIFEST_NAME, manifest.to_json())
+        self._point("manifest-written")
         self._refuse_existing()
         # os.rename would silently replace an existing *empty* directory, hence the check just above;
         # a non-empty one makes it fail, which we report the same way.
@@ -174,6 +305,7 @@ class ArtifactWriter:
             if os.path.lexists(self.out_dir):
                 self._refuse_existing()
             raise LowbitError(f"could not move {staging} to {self.out_dir}: {e.strerror}") from None
+        self._point("renamed")
         _fsync_path(self.out_dir.parent)  # make the rename itself durable
         return replace(manifest, root=self.out_dir)
 

@@ -11,8 +11,15 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from lowbit.artifacts.verify import FAILED, MISSING, OK, UNLISTED, verify
+    from pathlib import Path
 
+    from lowbit.artifacts.verify import FAILED, MISSING, OK, UNLISTED, verify
+    from lowbit.artifacts.writer import sweep_stale
+
+    d = Path(args.dir)
+    sweep_stale(d.parent)  # killed writers' staging dirs beside it (one stderr line each)
+    if d.is_dir() and not (d / "manifest.json").exists():
+        sweep_stale(d)  # DIR is a parent of artifacts, not one (an artifact is never modified)
     results = verify(args.dir)
     for path, status in results:
         print(f"{path}: {status}")
