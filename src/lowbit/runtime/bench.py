@@ -124,30 +124,6 @@ def _fill_static(cache, L: int, gen) -> None:
     cache.lens.fill_(L)
 
 
-def _kernel_probe(cache, B: int) -> dict:
-    """The fused kernel alone on layer 0's buffers, ms per call: as the step calls it (with the sink and
-    recent tiers), without the dense tiers, and on contiguous copies of the middle without them (the
-    isolated kernel benchmark's setting) -- so a gap between the step's kernel time and the isolated
-    benchmark can be placed."""
-    from lowbit.kernels.decode_attention import decode_attention
-
-    layer = cache.layers[0]
-    C, H, D = layer.C, layer.H, layer.Dk
-    mk, mv = layer.mid["k"], layer.mid["v"]
-    mid = tuple(f[name][:B, :, :C] for f in (mk, mv) for name in ("codes", "scale", "zero"))
-    q = torch.randn(B, H * 4, D, device="cuda", dtype=cache.dtype)
-    bits = {"k_bits": layer.k_codec.cbits, "v_bits": layer.v_codec.cbits}
-    dense = {"recent_k": layer.ring_k[:B, :, :layer.R], "recent_v": layer.ring_v[:B, :, :layer.R],
-             "sink_k": layer.sink_k[:B, :, :layer.S], "sink_v": layer.sink_v[:B, :, :layer.S]}
-    copies = tuple(x.contiguous() for x in mid)
-    out = {}
-    for name, fn in (("as_in_step", lambda: decode_attention(q, *mid, mid_lens=C, **bits, **dense)),
-                     ("no_dense_tiers", lambda: decode_attention(q, *mid, mid_lens=C, **bits)),
-                     ("contiguous_no_tiers", lambda: decode_attention(q, *copies, **bits))):
-        out[name] = _events_time(fn, 20)[0]
-    return out
-
-
 def _row_lowbit(path, model, cfg, B, L, steps):
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
@@ -171,9 +147,7 @@ def _row_lowbit(path, model, cfg, B, L, steps):
     row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": busy, "top_kernels": top,
            "kv_bytes": cache.bytes_held(), "compiled_writes": cache.compile_writes,
            "capture_s": capture_s, "decode_backends": sorted(plan.backend_names("decode")),
-           "attention": "fused Triton kernel" if cache.use_kernel else "batched GEMVs in the model dtype, float32 softmax"}
-    if cache.use_kernel:
-        row["kernel_probe_ms"] = _kernel_probe(cache, B)
+           "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask"}
     return row
 
 
@@ -324,8 +298,6 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
                 rows.append(r)
                 for k, ms, c in r.get("top_kernels", [])[:6]:
                     log(f"    {ms:7.3f} ms  x{c:<6g} {k}")
-                if "kernel_probe_ms" in r:
-                    log("    kernel alone (layer 0): " + ", ".join(f"{k} {v:.3f} ms" for k, v in r["kernel_probe_ms"].items()))
                 log(f"{path} B{B} L{L}: {r['ms_per_step']:.2f} ms/step ({r['tok_s']:.0f} tok/s), GPU busy "
                     f"{r['gpu_ms_per_step'] or float('nan'):.2f} ms, KV {r['kv_bytes'] / 1e9:.2f} GB")
                 torch.cuda.empty_cache()

@@ -109,7 +109,9 @@ def _writer(layer, checks: bool, compiled: bool):
         if compiled:
             # emulate_precision_casts: keep the fp16 rounding of scales and zeros the codec does (inductor
             # would otherwise fold the float32 -> fp16 -> float32 round trip away)
-            fn = torch.compile(fn, fullgraph=True, options={"emulate_precision_casts": True})
+            # dynamic=False: with automatic dynamic shapes, a second configuration through the same code
+            # (int4 after int2) turned the bit width into a symbol and failed to trace (H200 run, 2026-12-01)
+            fn = torch.compile(fn, dynamic=False, fullgraph=True, options={"emulate_precision_casts": True})
         _WRITERS[key] = fn
     return fn
 
@@ -449,20 +451,17 @@ class StaticKVCache(Cache):
             valid.append(torch.arange(layer.R, device=qg.device)[None] < rl[:, None])
         K, V = (ks[0], vs[0]) if len(ks) == 1 else (torch.cat(ks, 2), torch.cat(vs, 2))  # [B, H, N, D]
         keep = valid[0] if len(valid) == 1 else torch.cat(valid, 1)  # [B, N]
-        if qg.is_cuda:
-            # decode is a batched GEMV over the held rows: products in the model dtype (K and V read once,
-            # as flash decoding does), softmax in float32. SDPA with a length mask took the cudnn path at
-            # ~0.66 ms a layer at B1 L32k (benchmarks/results/decode_e2e_NVIDIA_H200.json, lowbit-bf16).
-            s = torch.matmul(qg.to(K.dtype), K.transpose(-1, -2)).float() * scaling  # [B, H, G, N]
-        else:
-            s = torch.matmul(qg.float() * scaling, K.float().transpose(-1, -2))  # [B, H, G, N]
+        if layer.kind == "dense" and not softcap and qg.is_cuda:
+            # SDPA with a length mask (cudnn): 21 ms of the 28.7 ms step at B1 L32k but the faster of the two
+            # tried at B16 (batched GEMVs in bf16: 20.0 ms at B1, 50.0 ms at B16; benchmarks/NOTES.md)
+            o = torch.nn.functional.scaled_dot_product_attention(qg.to(K.dtype), K, V, attn_mask=keep[:, None, None, :],
+                                                                 scale=scaling)
+            return o.float()
+        s = torch.matmul(qg.float() * scaling, K.float().transpose(-1, -2))  # [B, H, G, N]
         if softcap:
             s = torch.tanh(s / softcap) * softcap
         s = s.masked_fill(~keep[:, None, None, :], float("-inf"))
-        p = torch.softmax(s, -1)
-        if qg.is_cuda:
-            return torch.matmul(p.to(V.dtype), V).float()
-        return torch.matmul(p, V.float())
+        return torch.matmul(torch.softmax(s, -1), V.float())
 
     def _prefill_attention(self, layer: StaticLayer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
         """Queries of the chunk just written (slot, positions [start, start + c)) over the slot's
