@@ -65,7 +65,7 @@ def test_a_live_writers_staging_dir_is_left_alone_and_it_still_finishes(tmp_path
         for _ in range(3):  # files-written -> manifest-written -> renamed -> done
             child.stdin.write("\n")
             child.stdin.flush()
-        out, err = child.communicate(timeout=60)
+        _, err = child.communicate(timeout=60)
         assert child.returncode == 0, err
     finally:
         if child.poll() is None:
@@ -134,3 +134,13 @@ def test_a_staging_dir_is_never_read_as_an_artifact(tmp_path, capsys):
         child.send_signal(signal.SIGKILL)
         child.wait()
     assert listing(tmp_path, child.pid)[0] == ".out.tmp-<pid>/"
+
+
+def test_the_committed_kill_points_json_is_what_the_harness_gives(tmp_path):
+    import json
+    from pathlib import Path
+
+    from lowbit.artifacts.killpoints import kill_points
+
+    committed = Path(__file__).parents[2] / "benchmarks/results/reliability/kill_points.json"
+    assert json.loads(committed.read_text()) == {"kill_points": kill_points(tmp_path)}

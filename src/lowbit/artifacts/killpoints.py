@@ -107,9 +107,9 @@ def kill_point(parent: Path, point: str) -> dict:
     out = parent / "out"
     out_state = "absent" if not out.exists() else ("verifies" if all_ok(verify(out)) else "DAMAGED")
     said = io.StringIO()
-    with contextlib.redirect_stderr(said):  # the one line the sweep prints
-        with ArtifactWriter(parent / "next", kind="files", artifact_class="generic", inputs={}, recipe={}) as w:
-            (w.path / "n.txt").write_text("next")
+    with contextlib.redirect_stderr(said), ArtifactWriter(parent / "next", kind="files", artifact_class="generic",
+                                                          inputs={}, recipe={}) as w:  # stderr: the sweep's line
+        (w.path / "n.txt").write_text("next")
     after = listing(parent, pid)
     return {"point": point, "before": before, "after": after, "output": out_state,
             "staging_left_after": [p for p in after if is_staging_dir(p.rstrip("/").split("/")[0])],

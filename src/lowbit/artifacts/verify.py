@@ -69,4 +69,5 @@ def require_intact(directory: str | os.PathLike, what: str = "artifact") -> None
     if bad:
         more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
         names = "; ".join(f"{r.path} {r.status} ({_WHY[r.status]})" for r in bad[:3])
-        raise LowbitError(f"{what} {root} is damaged: {names}{more}; re-create it or copy it again")
+        raise LowbitError(f"{what} {root} does not match its manifest: {names}{more}; the artifact is damaged: "
+                          "re-create it or copy it again")

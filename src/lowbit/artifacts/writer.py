@@ -41,7 +41,6 @@ from lowbit.artifacts.manifest import (
 )
 from lowbit.errors import LowbitError
 
-
 STAGING_RE = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)")
 
 

@@ -226,10 +226,10 @@ def load_levels(ref: LevelsRef, geometry) -> tuple[dict, str]:
     man = load_manifest(root)
     if man.kind != LEVELS_KIND:
         raise LowbitError(f"{root} is a {man.kind!r} artifact, not Lloyd-Max levels ({LEVELS_KIND!r})")
-    entry = man.file_map().get(LEVELS_FILE)
+    from lowbit.artifacts import require_intact
+
+    require_intact(root, "levels")  # every file, each named when it differs
     sha = sha256_file(fpath)
-    if entry is None or entry.sha256 != sha:
-        raise LowbitError(f"{fpath} does not match its manifest (sha256); the levels artifact was modified")
     if ref.sha256 is not None and ref.sha256 != sha:
         raise LowbitError(f"levels {root} has sha256 {sha[:12]}... but the recipe pins {ref.sha256[:12]}...; "
                           "point the recipe at the pinned levels or re-pin it")

@@ -159,7 +159,7 @@ class RotationSet:
         """Read a set written by `save`; with verify, the file's sha256 must match the manifest."""
         from safetensors import safe_open
 
-        from lowbit.artifacts import load_manifest, sha256_file
+        from lowbit.artifacts import load_manifest
 
         root = Path(path)
         if not root.is_dir():
@@ -170,10 +170,10 @@ class RotationSet:
         manifest = load_manifest(root)
         if manifest.kind != ARTIFACT_KIND:
             raise LowbitError(f"{root} is a {manifest.kind!r} artifact, not a rotation set ({ARTIFACT_KIND!r})")
-        if verify:
-            entry = manifest.file_map().get(FILE_NAME)
-            if entry is None or sha256_file(fpath) != entry.sha256:
-                raise LowbitError(f"{fpath} does not match its manifest (sha256); the rotation set was modified")
+        if verify:  # every file (a changed, missing or added one is named), not only the rotations
+            from lowbit.artifacts import require_intact
+
+            require_intact(root, "rotation set")
         with safe_open(str(fpath), framework="pt") as f:
             meta = f.metadata() or {}
             if meta.get("format") != FORMAT:

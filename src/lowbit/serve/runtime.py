@@ -53,6 +53,14 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
     from lowbit.vllm_plugin import sidecar
 
     src = Path(model_or_artifact).expanduser()
+    if src.is_dir() and (sidecar.has_sidecar(src) or (src / "manifest.json").is_file()):
+        from lowbit.artifacts import load_manifest, require_intact
+
+        if not (src / "manifest.json").is_file():
+            raise LowbitError(f"{src} has {sidecar.SIDECAR_NAME} but no manifest.json: the export is incomplete "
+                              "or damaged; export it again with `lowbit export --for vllm`")
+        if sidecar.has_sidecar(src) or load_manifest(src).kind == "vllm-model":
+            require_intact(src, "export")  # a changed, missing or added file is named before any is read
     side = sidecar.read(src) if src.is_dir() and sidecar.has_sidecar(src) else None
     if weights is not None:
         wdir = Path(weights).expanduser()

@@ -79,6 +79,8 @@ def read(directory) -> dict:
         d = json.loads(p.read_text())
     except ValueError as e:
         raise LowbitError(f"{p} is not valid JSON ({e}); export the model again") from None
+    if not isinstance(d, dict):
+        raise LowbitError(f"{p} is not a lowbit KV sidecar (a JSON {type(d).__name__}, not an object); export again")
     if d.get("format") != FORMAT:
         raise LowbitError(f"{p} is not a lowbit KV sidecar (format {d.get('format')!r})")
     if d.get("format_version") != FORMAT_VERSION:
