@@ -706,7 +706,7 @@ def validate(opts: Options) -> dict:
     from lowbit.artifacts.writer import sweep_stale
 
     root = Path(opts.artifact).expanduser()
-    sweep_stale(root.parent)  # killed writers' staging dirs beside it (one stderr line each)
+    sweep_stale(root.resolve().parent)  # killed writers' staging dirs beside it (one stderr line each)
     if root.is_dir() and not (root / "manifest.json").exists():
         sweep_stale(root)  # a parent of artifacts, not one (an artifact is never modified)
     if not root.is_dir():

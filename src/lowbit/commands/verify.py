@@ -17,7 +17,7 @@ def run(args) -> int:
     from lowbit.artifacts.writer import sweep_stale
 
     d = Path(args.dir)
-    sweep_stale(d.parent)  # killed writers' staging dirs beside it (one stderr line each)
+    sweep_stale(d.resolve().parent)  # killed writers' staging dirs beside it (one stderr line each)
     if d.is_dir() and not (d / "manifest.json").exists():
         sweep_stale(d)  # DIR is a parent of artifacts, not one (an artifact is never modified)
     results = verify(args.dir)
