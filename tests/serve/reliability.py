@@ -17,6 +17,9 @@ import math
 import time
 from urllib.parse import urlparse
 
+import pytest
+import torch
+
 from tests.serve.conftest import reference_greedy, tiny_runtime
 
 KV = {"sink": 4, "recent": 8, "page": 1}
@@ -191,3 +194,13 @@ def percentile(xs: list[float], q: float) -> float:
     s = sorted(xs)
     k = max(0, min(len(s) - 1, math.ceil(q / 100 * len(s)) - 1))
     return s[k]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_torch_thread():
+    """Torch on one intra-op thread while a reliability module runs: on 2 shared cores, 2 threads per tiny
+    forward spend most of their time waiting on each other (a 5-request solo reference: 15 s -> 0.6 s)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

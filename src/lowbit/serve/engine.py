@@ -146,7 +146,8 @@ class Engine:
             except queue.Empty:
                 return
             block = False
-            if req.cancelled:
+            if req.cancelled:  # its client went away while it waited: counted like the batching engine does
+                self.metrics.finish("cancelled", 0)
                 continue
             req.cache = self.factory.new()
             req.generator = make_generator(req.params.seed)
