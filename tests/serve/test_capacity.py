@@ -30,10 +30,14 @@ def rt():
     return tiny_runtime("int4", max_context=rel.MAX_CONTEXT, eos=(), **rel.KV)
 
 
+def make_prompts(seed: int = 7) -> list[list[int]]:
+    r = random.Random(seed)
+    return [[r.randrange(3, 259) for _ in range(PROMPT)] for _ in range(REQUESTS)]
+
+
 @pytest.fixture(scope="module")
 def prompts():
-    r = random.Random(7)
-    return [[r.randrange(3, 259) for _ in range(PROMPT)] for _ in range(REQUESTS)]
+    return make_prompts()
 
 
 @pytest.fixture(scope="module")

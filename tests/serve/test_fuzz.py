@@ -63,7 +63,7 @@ FIELDS = {  # name: (valid, wrong)
     "top_p": (st.one_of(opt, st.sampled_from([1.0, 0.5])), st.floats(-1, 2)),
     "stop": (stop_ok, st.lists(texts, min_size=5, max_size=7)),
     "seed": (st.one_of(opt, st.integers(), huge), st.floats(0.5, 1e300) | st.text(max_size=3)),
-    "stream": (st.one_of(opt, st.booleans()), st.sampled_from(["yes", 2, None])),
+    "stream": (st.sampled_from([MISSING, False, True, True]), st.sampled_from(["yes", 2, None])),
     "stream_options": (st.one_of(opt, st.just({"include_usage": True})), st.text(max_size=3)),
     "n": (st.one_of(opt, st.just(1)), huge),
     "user": (st.one_of(opt, texts), st.integers()),
@@ -149,6 +149,7 @@ def send(url: str, kind: str, body: dict, hang: int | None) -> str:
     return "2xx stream, client hung up"
 
 
+HANG_UPS = (0, 1, 2, 5)  # events read before the client hangs up
 PROBE = {"model": "tiny", "prompt": "The quick brown fox " * 2, "max_tokens": 6, "temperature": 0}
 PROBE_CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "Say something odd"}], "max_tokens": 7,
               "temperature": 0, "stream": True}
@@ -171,6 +172,9 @@ def fuzz(srv, max_examples: int = MAX_EXAMPLES) -> dict:
     for _name, kind, raw, ctype in raw_cases():
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
         outcomes[classify(kind, *rel.post(srv.url, path, raw, ctype))] += 1
+    for k in HANG_UPS:  # streams hung up at fixed points, both endpoints (hypothesis adds random ones)
+        outcomes[send(srv.url, "completions", {**PROBE, "stream": True, "max_tokens": 12}, k)] += 1
+        outcomes[send(srv.url, "chat", {**PROBE_CHAT, "max_tokens": 12}, k)] += 1
 
     @settings(max_examples=max_examples, deadline=None, derandomize=True, database=None,
               suppress_health_check=list(HealthCheck))
@@ -211,5 +215,6 @@ def test_fuzzed_bodies_get_a_valid_answer_or_an_openai_error(server):
     # the run reached every class that matters: answers, streams, hang-ups, refusals
     assert out.get("2xx answer", 0) >= 3 and out.get("400 error", 0) >= 10, out
     assert out.get("404 error", 0) >= 1 and out.get("2xx stream", 0) + out.get("2xx stream, client hung up", 0) >= 1
-    assert r["cases"] == MAX_EXAMPLES + len(raw_cases()) or r["cases"] > MAX_EXAMPLES  # hypothesis may add some
+    assert out.get("2xx stream, client hung up", 0) >= 2 * len(HANG_UPS), out
+    assert r["cases"] >= MAX_EXAMPLES + len(raw_cases()) + 2 * len(HANG_UPS), r
     assert r["rss_after_mb"] - r["rss_before_mb"] < 256, r  # 10 MB bodies come and go; nothing accumulates
