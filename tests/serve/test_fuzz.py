@@ -218,3 +218,24 @@ def test_fuzzed_bodies_get_a_valid_answer_or_an_openai_error(server):
     assert out.get("2xx stream, client hung up", 0) >= 2 * len(HANG_UPS), out
     assert r["cases"] >= MAX_EXAMPLES + len(raw_cases()) + 2 * len(HANG_UPS), r
     assert r["rss_after_mb"] - r["rss_before_mb"] < 256, r  # 10 MB bodies come and go; nothing accumulates
+
+
+def test_what_the_fuzzing_found_stays_fixed(server):
+    """Lone surrogates in a prompt were a 500 from the tokenizer; a 10 MB prompt held the event loop ~13 s
+    in the tokenizer before its 400 (now it is refused on its first characters)."""
+    for kind, body, param in [
+        ("completions", {"model": "tiny", "prompt": "ok \ud800 no", "max_tokens": 2}, "prompt"),
+        ("chat", {"model": "tiny", "messages": [{"role": "user", "content": "\udfff"}], "max_tokens": 2}, "messages"),
+    ]:
+        status, raw, _ = rel.post(server.url, f"/v1/{'completions' if kind == 'completions' else 'chat/completions'}",
+                                  body)
+        err = json.loads(raw)
+        assert status == 400 and rel.is_openai_error(err) and err["error"]["param"] == param, raw
+        assert "lone surrogate" in err["error"]["message"]
+    t0 = time.perf_counter()
+    status, raw, _ = rel.post(server.url, "/v1/completions", {"model": "tiny", "prompt": "ab" * (BIG // 2)})
+    assert status == 400 and json.loads(raw)["error"]["code"] == "context_length_exceeded", raw
+    assert time.perf_counter() - t0 < 3.0
+    # a long prompt whose prefix check passes is still measured whole (8 chars a token here: no false refusal)
+    status, raw, _ = rel.post(server.url, "/v1/completions", {"model": "tiny", "prompt": "z" * 90, "max_tokens": 2})
+    assert status == 200, raw

@@ -125,3 +125,25 @@ def test_soak_loses_nothing_and_every_answer_equals_its_solo_run(rt, refs, engin
     # every request ended once in the engine: finished, or dropped when its client hung up
     assert r["finished_by_server"] == N and r["finished"]["error"] == 0, r["finished"]
     assert r["rss_after_mb"] - r["rss_before_mb"] < 64, r
+
+
+def test_a_request_cancelled_while_queued_is_counted_finished_by_the_single_engine(rt):
+    from lowbit.serve.engine import GenParams, Request
+    from lowbit.serve.server import build
+
+    engine, _ = build(rt, max_active=1, prefill_chunk=rel.CHUNK, engine="single")
+    events = []
+    gone = Request(prompt_ids=[5, 6, 7], params=GenParams(max_tokens=3, temperature=0.0),
+                   emit=lambda k, p: events.append(k))
+    gone.cancel()  # its client went away before the worker took it
+    engine.submit(gone)
+    engine.start()
+    try:
+        t0 = time.time()
+        while engine.metrics.snapshot()["finished"]["cancelled"] == 0:
+            assert time.time() - t0 < 10, "the cancelled queued request was never counted"
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert events == [] and engine.metrics.snapshot()["finished"] == {"stop": 0, "length": 0, "cancelled": 1,
+                                                                      "error": 0}
