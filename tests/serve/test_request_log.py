@@ -17,9 +17,7 @@ def log_lines():
     handlers, level, prop = list(request_log.handlers), request_log.level, request_log.propagate
     enable_request_log(buf)
     yield lambda: buf.getvalue().splitlines()
-    for h in list(request_log.handlers):
-        if h not in handlers:
-            request_log.removeHandler(h)
+    request_log.handlers[:] = handlers
     request_log.setLevel(level)
     request_log.propagate = prop
 

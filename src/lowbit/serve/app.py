@@ -45,7 +45,11 @@ request_log = logging.getLogger("lowbit.serve.requests")
 
 
 def enable_request_log(stream=None) -> None:
-    """Show the one-line-per-request log on `stream` (default stderr), whatever the root log level."""
+    """Show the one-line-per-request log on `stream` (default stderr), whatever the root log level.
+    A stream given explicitly replaces the one an earlier call installed (one request-log handler)."""
+    if stream is not None:
+        for h in [h for h in request_log.handlers if getattr(h, "_lowbit_requests", False)]:
+            request_log.removeHandler(h)
     if not any(getattr(h, "_lowbit_requests", False) for h in request_log.handlers):
         h = logging.StreamHandler(stream or sys.stderr)
         h.setFormatter(logging.Formatter("%(asctime)s %(message)s", "%Y-%m-%d %H:%M:%S"))
