@@ -16,7 +16,7 @@ from lowbit.errors import LowbitError
 from lowbit.models.registry import get_builtin
 
 # Default depth per built-in: the smallest that shows every attention kind of the real model.
-DEFAULT_LAYERS = {"smollm2-135m": 2, "gemma3-270m": 6}
+DEFAULT_LAYERS = {"smollm2-135m": 2, "gemma3-270m": 6, "qwen2.5-coder-0.5b": 2, "qwen2.5-coder-1.5b": 2}
 
 
 def tiny_config(name: str, num_layers: int | None = None, vocab_size: int | None = None) -> PretrainedConfig:
