@@ -217,7 +217,7 @@ def load_levels(ref: LevelsRef, geometry) -> tuple[dict, str]:
     """({layer: {"k"|"v": float32 [n]}}, sha256) from a levels artifact, verified against its manifest."""
     from safetensors import safe_open
 
-    from lowbit.artifacts import load_manifest, sha256_file
+    from lowbit.artifacts import load_manifest
 
     root = Path(ref.path)
     fpath = root / LEVELS_FILE
@@ -228,8 +228,8 @@ def load_levels(ref: LevelsRef, geometry) -> tuple[dict, str]:
         raise LowbitError(f"{root} is a {man.kind!r} artifact, not Lloyd-Max levels ({LEVELS_KIND!r})")
     from lowbit.artifacts import require_intact
 
-    require_intact(root, "levels")  # every file, each named when it differs
-    sha = sha256_file(fpath)
+    require_intact(root, "levels")  # every file, each named when it differs: the manifest's digest is the file's
+    sha = man.file_map()[LEVELS_FILE].sha256
     if ref.sha256 is not None and ref.sha256 != sha:
         raise LowbitError(f"levels {root} has sha256 {sha[:12]}... but the recipe pins {ref.sha256[:12]}...; "
                           "point the recipe at the pinned levels or re-pin it")

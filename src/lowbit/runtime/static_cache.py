@@ -336,6 +336,7 @@ class StaticKVCache(Cache):
         # decode-step writes as one compiled function per layer configuration on CUDA (eager on CPU)
         self.compile_writes = device.type == "cuda"
         self._mode: tuple | None = None
+        self._step: dict = {}
         self._pending: int | None = None
         self.checks = device.type != "cuda"  # input checks synchronise: never inside a GPU step
         if model is not None:
@@ -346,6 +347,7 @@ class StaticKVCache(Cache):
         if not 1 <= batch <= self.slots:
             raise LowbitError(f"decode batch {batch} outside 1..{self.slots} slots")
         self._mode = ("decode", batch)
+        self._step = {}  # per-step index tensors, made by the first layer that needs them, read by the rest
 
     def begin_prefill(self, slot: int, start: int, length: int) -> None:
         if not 0 <= slot < self.slots:
@@ -377,8 +379,7 @@ class StaticKVCache(Cache):
             batch = self._mode[1]
             if k.shape[0] != batch or k.shape[2] != 1:
                 raise LowbitError(f"decode step: expected K/V [{batch}, H, 1, D], got {tuple(k.shape)}")
-            p = self.lens[:batch].long()
-            b = torch.arange(batch, device=k.device)
+            b, p = self._step_index(batch, k.device)
             layer.write(k[:, :, 0], v[:, :, 0], b, p, checks=self.checks, compiled=self.compile_writes)
             self._chunk = None
         else:
@@ -393,6 +394,22 @@ class StaticKVCache(Cache):
             self._chunk = (k, v, before)
         attn.post_handoff(self, layer_idx, key_states, value_states)
         return key_states, value_states
+
+    # ------------------------------------------------------------- per-step indices
+    # Every layer of one decode step writes at the same positions and reads the same tier lengths (per
+    # layer kind): computed once per step, not once per layer (in a captured step each is a few kernels).
+    def _step_index(self, batch: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slot indices [batch], positions lens[:batch]) of this decode step."""
+        if "index" not in self._step:
+            self._step["index"] = (torch.arange(batch, device=device), self.lens[:batch].long())
+        return self._step["index"]
+
+    def _step_tier_lens(self, layer, batch: int):
+        """(sink, middle, ring) valid rows per slot after this step's write, for layer's tier shape."""
+        key = (layer.kind, layer.S, layer.R, layer.C)
+        if key not in self._step:
+            self._step[key] = layer.tier_lens(self.lens[:batch] + 1)  # the token just written is visible
+        return self._step[key]
 
     # ------------------------------------------------------------- read
     def attend(self, layer_idx: int, query: torch.Tensor, attention_mask, *, scaling: float, softcap=None):
@@ -411,8 +428,7 @@ class StaticKVCache(Cache):
 
     def _decode_attention(self, layer: StaticLayer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
         B, H = qg.shape[:2]
-        n = self.lens[:B] + 1  # the token just written is visible
-        sl, ml, rl = layer.tier_lens(n)
+        sl, ml, rl = self._step_tier_lens(layer, B)
         if self.use_kernel and layer.kind == "tiers" and not softcap:
             from lowbit.kernels.decode_attention import decode_attention
 

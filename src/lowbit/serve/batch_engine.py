@@ -41,7 +41,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.runtime.step import eager_decode
-from lowbit.serve.engine import DEFAULT_MAX_ACTIVE, DEFAULT_PREFILL_CHUNK, REPORT_EVERY_S, Request
+from lowbit.serve.engine import DEFAULT_MAX_ACTIVE, DEFAULT_PREFILL_CHUNK, REPORT_EVERY_S, Request, Worker
 from lowbit.serve.metrics import Metrics
 from lowbit.serve.sampling import Detokenizer, make_generator, sample
 
@@ -82,7 +82,7 @@ class _Slotted:
         self.detok = Detokenizer(tokenizer, req.params.stop)
 
 
-class BatchEngine:
+class BatchEngine(Worker):
     """Continuous batching over one StaticKVCache (module docstring). Start with start(); stop with stop().
 
     runtime: lowbit.serve.runtime.Runtime. slots: concurrent requests (the cache's batch).
@@ -162,18 +162,7 @@ class BatchEngine:
         self._last_report = 0.0
 
     # ------------------------------------------------------------- control
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="lowbit-batch-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+    THREAD_NAME = "lowbit-batch-engine"
 
     def submit(self, req: Request) -> Request:
         """Queue `req`; AdmissionError (400: can never fit; 429: full and when_full is reject)."""

@@ -67,7 +67,29 @@ class Request:
         self.cancelled = True
 
 
-class Engine:
+class Worker:
+    """The one-worker-thread lifecycle both engines share: start() runs self._loop on a daemon thread
+    named THREAD_NAME until stop() sets self._stop (the loop checks it between rounds)."""
+
+    THREAD_NAME = "lowbit-engine"
+    _stop: threading.Event
+    _thread: threading.Thread | None
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name=self.THREAD_NAME, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
+class Engine(Worker):
     """Runs `model` for queued requests. Start with start(); stop with stop()."""
 
     path = "single"  # named in every result (the "done" payload's `engine`) and in /metrics
@@ -103,19 +125,6 @@ class Engine:
         return self.factory.cache_class
 
     # ------------------------------------------------------------- control
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._loop, name="lowbit-engine", daemon=True)
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
-
-    @property
-    def alive(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
-
     def submit(self, req: Request) -> Request:
         self._queue.put(req)
         return req
