@@ -6,8 +6,9 @@ Kinds (tiny, built once): KV export (`lowbit export --for vllm`, loader load_run
 (`lowbit quantize`, load_quantized), rotation set (RotationSet.load), calibration (load_calibration),
 Lloyd-Max levels (load_levels). There is no DiT checkpoint kind yet.
 
-One documented exception: a weights checkpoint whose manifest.json is removed is a plain compressed-tensors
-directory (what llm-compressor writes), which load_quantized accepts by design; verify and validate refuse it.
+No exception: a weights checkpoint whose manifest.json is removed is refused by load_quantized too (lowbit's
+marker in the safetensors header tells it from a plain llm-compressor directory, which still loads:
+tests/weights/test_lost_manifest.py).
 
 The exhaustive matrix damages the middle byte of every file; the hypothesis test draws (file, offset, mask).
 """
@@ -141,10 +142,6 @@ def refusals(kind: str, arts, rel: str, damage: str, **kw) -> dict:
     return got
 
 
-def _exempt(kind, rel, damage, call):
-    return kind == "weights" and rel == "manifest.json" and damage == "missing" and call == "loader"
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_file_every_damage_is_refused_with_the_file_named(arts, kind):
     rows = []
@@ -154,10 +151,11 @@ def test_every_file_every_damage_is_refused_with_the_file_named(arts, kind):
             for call, (ok, msg) in got.items():
                 rows.append((rel, damage, call, ok, msg))
                 print(f"{kind:<12} {rel:<24} {damage:<9} {call:<9} {'refused' if ok else 'ACCEPTED'}: {msg[:150]}")
-    bad = [r for r in rows if not r[3] and not _exempt(kind, *r[:3])]
+    bad = [r for r in rows if not r[3]]
     assert not bad, bad
-    if kind == "weights":  # the exception is real: a checkpoint without its manifest loads as plain CT
-        assert [r[4] for r in rows if _exempt(kind, *r[:3])] == ["loaded"]
+    if kind == "weights":  # the former exception: lowbit's checkpoint without its manifest, refused by name
+        lost = [r[4] for r in rows if r[:3] == ("manifest.json", "missing", "loader")]
+        assert len(lost) == 1 and "manifest.json is missing" in lost[0], lost
     assert len({r[0] for r in rows}) >= 2 and len(rows) == len(_files(arts[kind])) * len(DAMAGES) * 3
 
 

@@ -4,7 +4,9 @@ vLLM / transformers read), inside a lowbit artifact (manifest.json with sha256 o
 Directory:
     config.json            the model config + `quantization_config` (compressed-tensors schema, built
                            with compressed_tensors.quantization.QuantizationConfig)
-    model.safetensors      per quantized linear PREFIX (see below); every other tensor as is
+    model.safetensors      per quantized linear PREFIX (see below); every other tensor as is; its header
+                           metadata carries MARKER_KEY = ARTIFACT_KIND, so a copy that lost manifest.json is
+                           still known as lowbit's (load_quantized refuses it instead of trusting it unverified)
     tokenizer files, generation_config.json
     manifest.json          lowbit: inputs, recipe, versions, files + sha256, counts
 
@@ -47,6 +49,9 @@ ARTIFACT_KIND = "weights-compressed-tensors"
 ASYM_LOAD_RECIPE = ("AutoModelForCausalLM.from_pretrained(dir, quantization_config="
                     "CompressedTensorsConfig(dequantize=True))")
 WEIGHTS_FILE = "model.safetensors"
+# In the safetensors header metadata (not config.json: transformers' save_pretrained of a model loaded from here
+# would carry a config key into a directory lowbit never wrote; it writes a fresh safetensors header).
+MARKER_KEY = "lowbit_artifact"
 
 
 def ct_quantization_config(scheme: WeightScheme, ignore: list[str]) -> dict:
@@ -148,7 +153,7 @@ def save_compressed(
         gen = getattr(model, "generation_config", None)
         if gen is not None:
             gen.save_pretrained(w.path)
-        save_file(checkpoint_state(model, dtype), str(w.path / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_file(checkpoint_state(model, dtype), str(w.path / WEIGHTS_FILE), metadata={"format": "pt", MARKER_KEY: ARTIFACT_KIND})
         if tokenizer is not None:
             tokenizer.save_pretrained(w.path)
         w.counts = dict(counts)

@@ -6,7 +6,8 @@ Reads config.json's quantization_config (one config group targeting Linear, the 
 writes -- and llm-compressor's W4A16 / W8A16 / W8A8 int checkpoints of the same shape), builds
 the model from its config, puts a QuantLinear wherever the safetensors hold `PREFIX.weight_scale`,
 and loads every other tensor as is. A lowbit artifact (manifest.json) is verified first: a file
-whose sha256 does not match is refused.
+whose sha256 does not match is refused, and so is a lowbit checkpoint that lost its manifest.json
+(export.MARKER_KEY in its safetensors header says lowbit wrote it).
 
 transformers can load the same directory on its own (compressed-tensors decompresses it):
     AutoModelForCausalLM.from_pretrained(dir)                       # w4a16 (symmetric), w8a16, w8a8, w4a8
@@ -95,7 +96,23 @@ def _quantlinear(prefix: str, sd: dict, scheme: WeightScheme) -> QuantLinear:
 
 def _verify_artifact(path: Path) -> None:
     if not (path / "manifest.json").is_file():
-        return  # a plain compressed-tensors dir (e.g. from llm-compressor): nothing to verify
+        # A plain compressed-tensors dir (e.g. from llm-compressor): nothing to verify. Unless lowbit wrote it
+        # (export marks its safetensors header): then manifest.json was lost and nothing vouches for the files.
+        from safetensors import SafetensorError, safe_open
+
+        from lowbit.weights.export import MARKER_KEY
+
+        for f in sorted(path.glob("*.safetensors")):
+            try:
+                with safe_open(str(f), framework="pt") as st:
+                    kind = (st.metadata() or {}).get(MARKER_KEY)
+            except (SafetensorError, OSError):
+                continue  # unreadable: _read_safetensors names it
+            if kind:
+                raise LowbitError(f"{path} was written by lowbit ({f.name}: {kind}) but its manifest.json is "
+                                  "missing, so its files cannot be verified: copy the checkpoint again with "
+                                  "manifest.json, or re-run `lowbit quantize`")
+        return
     from lowbit.artifacts import all_ok, verify
     from lowbit.artifacts.verify import OK
 
