@@ -104,7 +104,7 @@ class TensorQuant:
     """How one of K / V is stored in the middle tier.
 
     bits: 2, 3, 4, 8, or 16 (unquantized, kept in the model dtype: the exactness setting).
-    group: token axis: channels per group (None = DEFAULT_GROUP, or head_dim when smaller);
+    group: token axis: channels per group (None = DEFAULT_GROUP, or head_dim when smaller; 64 for 192);
            channel axis: tokens per block, must equal the scheme's page (None = page).
     clip: range ratio in (0, 1] (see lowbit.quant.affine); lloyd_max: non-uniform levels
           with mean/std per group in place of zero/scale; `levels` (2**bits ascending values in
@@ -182,7 +182,12 @@ class TensorQuant:
         """The group this tensor uses at `head_dim` (token axis) or over a page (channel axis)."""
         if self.axis == "channel":
             return page if self.group is None else self.group
-        return min(DEFAULT_GROUP, head_dim) if self.group is None else self.group
+        if self.group is not None:
+            return self.group
+        if head_dim <= DEFAULT_GROUP or head_dim % DEFAULT_GROUP == 0:
+            return min(DEFAULT_GROUP, head_dim)
+        # a wide head 128 does not divide (K 192 of expanded MLA): the largest of 64, 32, 16 that does
+        return next((g for g in (64, 32, 16) if head_dim % g == 0), DEFAULT_GROUP)
 
     def bits_per_element(self, head_dim: int, page: int = DEFAULT_PAGE) -> float:
         """Middle-tier bits per stored element, codes plus fp16 scale and zero per group."""
@@ -336,11 +341,22 @@ class KVScheme:
                 f"layer {g.index}: attention type {g.attention!r} is not supported by the KV cache "
                 f"(supported: {', '.join(SUPPORTED_ATTENTION)})"
             )
-        if getattr(g, "storage", "mha") != "mha":
+        storage = getattr(g, "storage", "mha")
+        if storage not in ("mha", "mla-latent") or (storage == "mla-latent" and not getattr(g, "latent_dim", None)):
             raise LowbitError(
-                f"layer {g.index}: KV storage {g.storage!r} (e.g. MLA latent) is not supported by the KV cache"
+                f"layer {g.index}: KV storage {storage!r} is not supported by the KV cache (mha, or mla-latent with "
+                "latent_dim and rope_dim from an MLA config)"
+            )
+        shared = storage == "mla-latent" or getattr(g, "k_eq_v", False)
+        if shared and self.k != self.v:
+            what = "the MLA latent is both K and V" if storage == "mla-latent" else "K = V (attention_k_eq_v)"
+            raise LowbitError(
+                f"layer {g.index} stores K and V once ({what}) but the scheme gives K {self.k.describe()} and V "
+                f"{self.v.describe()}; use one scheme for both (e.g. int4, not k4v2) or --layer-bits {g.index}=int4"
             )
         for which, t, d in (("K", self.k, g.head_dim_k), ("V", self.v, g.head_dim_v)):
+            if shared and which == "K":
+                continue  # K is rebuilt from the stored V (its own RoPE part is held dense)
             if not t.quantized:
                 continue
             if t.axis == "token":

@@ -21,9 +21,18 @@ DEFAULT_LAYERS = {"smollm2-135m": 2, "gemma3-270m": 6, "qwen2.5-coder-0.5b": 2, 
 
 def tiny_config(name: str, num_layers: int | None = None, vocab_size: int | None = None) -> PretrainedConfig:
     """The built-in's real config with `num_layers` layers (layer_types cut/repeated to match)
-    and optionally a smaller vocabulary (special token ids must stay below it)."""
-    d = get_builtin(name).config_dict()
-    n = DEFAULT_LAYERS[name] if num_layers is None else int(num_layers)
+    and optionally a smaller vocabulary (special token ids must stay below it). A family of
+    lowbit.models.families (deepseek-v3, kimi-k2, gemma4-text) keeps its attention geometry and
+    takes that module's small sizes for the rest."""
+    from lowbit.models import families
+
+    if name in families.FAMILIES:  # geometry-only families: real attention geometry, small everything else
+        d = {**families.family_config_dict(name), **families.tiny_overrides(name)}
+        default_layers = families.TINY_LAYERS[name]
+    else:
+        d = get_builtin(name).config_dict()
+        default_layers = DEFAULT_LAYERS[name]
+    n = default_layers if num_layers is None else int(num_layers)
     if n < 1:
         raise LowbitError(f"tiny_model: num_layers must be >= 1, got {n}")
     d["num_hidden_layers"] = n
