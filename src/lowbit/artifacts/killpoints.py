@@ -67,8 +67,13 @@ def run_writer_until(parent: Path, point: str, out_name: str = "out") -> int:
     """Run the child writer into parent/out_name; SIGKILL it at `point` ("none": let it finish). Returns its pid."""
     if point not in POINTS:
         raise ValueError(f"unknown kill point {point!r}; one of {POINTS}")
+    return _run_child_until(_CHILD, [str(parent / out_name)], point)
+
+
+def _run_child_until(code: str, argv: list[str], point: str) -> int:
+    """Run `python -c code *argv` (a child that prints each point and waits); SIGKILL it at `point`."""
     env_python = sys.executable
-    child = subprocess.Popen([env_python, "-c", _CHILD, str(parent / out_name)], stdin=subprocess.PIPE,
+    child = subprocess.Popen([env_python, "-c", code, *argv], stdin=subprocess.PIPE,
                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     seen = []
     try:
@@ -112,7 +117,7 @@ def kill_point(parent: Path, point: str) -> dict:
         (w.path / "n.txt").write_text("next")
     after = listing(parent, pid)
     return {"point": point, "before": before, "after": after, "output": out_state,
-            "staging_left_after": [p for p in after if is_staging_dir(p.rstrip("/").split("/")[0])],
+            "staging_left_after": _staging_left(parent, pid),
             "next_run_said": [re.sub(rf"\b{pid}\b", "<pid>", s.replace(str(parent), "<parent>"))
                               for s in said.getvalue().splitlines()]}
 
@@ -127,3 +132,84 @@ def write_results(rows: list[dict], path) -> Path:
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps({"kill_points": rows}, indent=1) + "\n")
     return p
+
+
+# Single-file writes through writer.write_new_file: `lowbit pin DIR` (manifest.json) and `lowbit validate
+# --json PATH` (write_report), each SIGKILLed at every one of its points, then the next run of the same command.
+FILE_POINTS = ("staging-created", "partial-file", "file-written", "linked", "none")
+
+_FILE_CHILD = r"""
+import sys
+from pathlib import Path
+
+def stop(name):
+    print(name, flush=True)
+    sys.stdin.readline()  # the parent kills us here, or lets us go on
+
+which, target = sys.argv[1], Path(sys.argv[2])
+if which == "pin":
+    from lowbit.artifacts.writer import pin
+    pin(target, on_point=stop)
+else:
+    from lowbit.artifacts.validate import write_report
+    write_report({"format": "test", "ok": True, "pad": "x" * 4000}, target, on_point=stop)
+print("done", flush=True)
+"""
+
+
+def _next_run(which: str, target: Path, artifact: Path | None) -> tuple[int, str]:
+    """The next run of the same command through the CLI: `lowbit pin DIR`, or `lowbit validate ARTIFACT
+    --stages 1 --json PATH` (a pinned "files" artifact: stage 1 fails on its kind, rc 1, report written).
+    Returns (exit code, its stdout + stderr)."""
+    from lowbit.cli import main
+
+    argv = (["pin", str(target)] if which == "pin" else
+            ["validate", str(artifact), "--stages", "1", "--device", "cpu", "--json", str(target)])
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        rc = main(argv)
+    return rc, out.getvalue()
+
+
+def file_kill_point(parent: Path, which: str, point: str) -> dict:
+    """One row for `which` ("pin" | "validate-json") killed at `point`: listings before / after the next run."""
+    if which not in ("pin", "validate-json") or point not in FILE_POINTS:
+        raise ValueError(f"unknown file kill point {which!r} / {point!r}")
+    parent.mkdir(parents=True, exist_ok=True)
+    if which == "pin":
+        target = parent / "data"
+        (target / "sub").mkdir(parents=True)
+        (target / "a.bin").write_bytes(bytes(range(256)) * 4)
+        (target / "sub" / "b.txt").write_text("b")
+        done = target / "manifest.json"
+    else:
+        target = done = parent / "report.json"
+        artifact = parent / "art"
+        with ArtifactWriter(artifact, kind="files", artifact_class="generic", inputs={}, recipe={}) as w:
+            (w.path / "x.txt").write_text("x")
+    pid = _run_child_until(_FILE_CHILD, [which, str(target)], point)
+    before = listing(parent, pid)
+    if which == "pin":
+        state = "absent" if not done.exists() else ("verifies" if all_ok(verify(target)) else "DAMAGED")
+    else:
+        try:
+            state = "absent" if not done.exists() else ("whole" if json.loads(done.read_text())["ok"] else "DAMAGED")
+        except (ValueError, KeyError):
+            state = "DAMAGED"
+    rc, said = _next_run(which, target, None if which == "pin" else artifact)
+    after = listing(parent, pid)
+    return {"command": which, "point": point, "before": before, "after": after, "output": state,
+            "staging_left_after": _staging_left(parent, pid), "next_run_rc": rc,
+            "next_run_said": [re.sub(rf"\b{pid}\b", "<pid>", ln.replace(str(parent), "<parent>"))
+                              for ln in said.splitlines() if ln.startswith(("lowbit:", "error:", "pinned", "wrote"))]}
+
+
+def _staging_left(parent: Path, pid: int) -> list[str]:
+    """The staging dirs still directly in `parent` (their pid shown as <pid>)."""
+    return sorted(re.sub(rf"\.tmp-{pid}\b", ".tmp-<pid>", n) + "/" for n in os.listdir(parent) if is_staging_dir(n))
+
+
+def file_kill_points(root: Path) -> list[dict]:
+    """file_kill_point for both commands at every point, each in its own fresh parent under `root`."""
+    return [file_kill_point(Path(root) / f"{w}-{i}-{p}", w, p)
+            for w in ("pin", "validate-json") for i, p in enumerate(FILE_POINTS)]

@@ -720,6 +720,8 @@ def validate(opts: Options) -> dict:
         from lowbit.device import resolve_device
 
         resolve_device("cuda")  # no CUDA -> one line, before any stage
+    if opts.json is not None:  # a killed report write's staging dir (one line each), even if the report exists
+        sweep_stale(Path(opts.json).expanduser().resolve().parent)
     check_output(opts.json)
     _check_flags(root, opts)
     ctx = Context(root=root, opts=opts)
@@ -742,21 +744,21 @@ def validate(opts: Options) -> dict:
     }
 
 
-def write_report(report: dict, path) -> Path:
-    """Write the report as strict JSON; appears whole or not at all, never over an existing file."""
+def write_report(report: dict, path, *, on_point=None) -> Path:
+    """Write the report as strict JSON; appears whole or not at all, never over an existing file.
+
+    Staged like an artifact (writer.write_new_file: a flock'ed `.<name>.tmp-<pid>/` beside it, hard-linked
+    into place), so a killed write leaves at most a staging dir that the next validate --json into the
+    same directory (or any sweep there) removes. `on_point`: test hook (writer.FILE_POINTS)."""
+    from lowbit.artifacts.writer import write_new_file
+
     p = Path(path)
     check_output(str(p))
     text = json.dumps(report, indent=1, allow_nan=False) + "\n"
-    tmp = p.parent / f".{p.name}.tmp-{os.getpid()}"
     try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text)
-        os.link(tmp, p)  # fails rather than replaces when p appeared meanwhile
+        write_new_file(p, text.encode("utf-8"), on_point=on_point)
     except FileExistsError:
         raise LowbitError(f"--json {p} appeared while validating; reports are never overwritten") from None
-    finally:
-        if tmp.exists():
-            tmp.unlink()
     return p
 
 

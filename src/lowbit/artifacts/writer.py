@@ -16,6 +16,10 @@ the instant between mkdir and its lock. `sweep_stale(parent)` removes the stale 
 line each on stderr; every ArtifactWriter does it on entry, `lowbit verify` / `lowbit validate`
 on the artifact's parent. (flock is per open file description and not inherited across exec;
 on filesystems where flock is a no-op or unsupported, sweeping is skipped rather than guessed.)
+
+Single files (pin's manifest.json, `lowbit validate --json`'s report) go through the same staging:
+`write_new_file` stages the file in a flock'ed staging directory, hard-links it into place and removes
+the directory, so a killed write's leftover is a staging dir like any other and the same sweep removes it.
 """
 
 from __future__ import annotations
@@ -120,6 +124,95 @@ def sweep_stale(parent: str | os.PathLike) -> list[Path]:
         return _sweep_locked(parent)
     finally:
         os.close(pfd)
+
+
+def _make_staging(staging: Path) -> int:
+    """Create the staging directory `staging` and lock it (LOCK_EX, held by the returned fd until the caller
+    closes it: its liveness). Under the parent's flock, after sweeping the parent's dead writers' leftovers.
+    FileExistsError: a live staging dir of that name (this pid) exists."""
+    parent = staging.parent
+    pfd = _open_dir(parent)
+    try:
+        try:
+            fcntl.flock(pfd, fcntl.LOCK_EX)  # waits only while another writer creates or a sweeper sweeps
+            parent_locked = True
+        except OSError:
+            parent_locked = False  # flock unsupported on this filesystem: no sweeping, no liveness
+        if parent_locked:
+            _sweep_locked(parent)  # the dead writers' leftovers, before this one adds its own
+        staging.mkdir()
+        fd = _open_dir(staging)
+        if parent_locked:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename (or removal): our liveness
+        return fd
+    finally:
+        os.close(pfd)  # releases the parent lock
+
+
+FILE_POINTS = ("staging-created", "partial-file", "file-written", "linked")
+
+
+def write_new_file(target: str | os.PathLike, data: bytes, *, stage_as: tuple[Path, str] | None = None,
+                   on_point: Callable[[str], None] | None = None) -> Path:
+    """Create the new file `target` holding `data`: whole or not at all, never over an existing file.
+
+    Staged like an artifact: written and fsync'ed as `<stage dir>/<name>` inside a flock'ed staging directory
+    `.<stage name>.tmp-<pid>` (what sweep_stale removes once its writer is dead; entering sweeps the dead ones
+    first), then hard-linked to `target` (which fails rather than replaces), then the staging dir is removed.
+    A SIGKILL at any point leaves no target or a complete one, plus at most a staging dir the next sweep
+    of that directory removes. `stage_as` = (directory, name) to stage in (default: target's directory
+    and name; pin stages a manifest beside the directory it pins, so the pinned directory never holds a
+    temporary). FileExistsError: `target` exists. Where the staging directory cannot be made (read-only)
+    or hard links are unsupported, falls back to an exclusive create of `target` (never overwrites; a
+    crash mid-write may then leave it partial). `on_point`: test hook called at each of FILE_POINTS.
+    """
+    target = Path(target)
+    point = on_point or (lambda name: None)
+    stage_dir, stage_name = stage_as or (target.parent, target.name)
+    staging = Path(stage_dir) / staging_name(stage_name)
+    try:
+        fd = _make_staging(staging)
+    except FileExistsError:
+        raise LowbitError(f"staging directory {staging} exists and its writer is still running (another "
+                          f"write to {target} from this process?): wait for it to finish") from None
+    except OSError:
+        fd = None  # cannot stage there (read-only directory, ...): exclusive create only
+    if fd is None:
+        _write_exclusive(target, data)
+        return target
+    try:
+        point("staging-created")
+        staged = staging / target.name
+        with open(staged, "xb") as f:
+            f.write(data[: len(data) // 2])
+            f.flush()
+            point("partial-file")
+            f.write(data[len(data) // 2:])
+            f.flush()
+            os.fsync(f.fileno())
+        point("file-written")
+        try:
+            os.link(staged, target)  # FileExistsError when target appeared: propagates
+        except FileExistsError:
+            raise
+        except OSError:  # no hard links here (or another filesystem): exclusive create still never overwrites
+            _write_exclusive(target, data)
+        point("linked")
+        _fsync_path(target.parent)
+        shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    finally:
+        os.close(fd)  # the lock goes only once the staging dir is removed
+    return target
+
+
+def _write_exclusive(path: Path, data: bytes) -> None:
+    with open(path, "xb") as f:  # "x": never clobber an existing file
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
 
 
 def list_files(root: Path) -> tuple[list[str], list[str]]:
@@ -237,28 +330,13 @@ class ArtifactWriter:
         parent = self.out_dir.parent
         parent.mkdir(parents=True, exist_ok=True)
         staging = parent / staging_name(self.out_dir.name)
-        pfd = _open_dir(parent)
         try:
-            try:
-                fcntl.flock(pfd, fcntl.LOCK_EX)  # waits only while another writer creates or a sweeper sweeps
-                parent_locked = True
-            except OSError:
-                parent_locked = False  # flock unsupported on this filesystem: no sweeping, no liveness
-            if parent_locked:
-                _sweep_locked(parent)  # the dead writers' leftovers, before this one adds its own
-            try:
-                staging.mkdir()
-            except FileExistsError:
-                raise LowbitError(
-                    f"staging directory {staging} exists and its writer is still running (another write to "
-                    f"{self.out_dir} from this process?): wait for it to finish"
-                ) from None
-            fd = _open_dir(staging)
-            if parent_locked:
-                fcntl.flock(fd, fcntl.LOCK_EX)  # held until the rename (or removal): our liveness
-            self._lock_fd = fd
-        finally:
-            os.close(pfd)  # releases the parent lock
+            self._lock_fd = _make_staging(staging)
+        except FileExistsError:
+            raise LowbitError(
+                f"staging directory {staging} exists and its writer is still running (another write to "
+                f"{self.out_dir} from this process?): wait for it to finish"
+            ) from None
         self._staging = staging
         self._point("staging-created")
         return self
@@ -317,16 +395,21 @@ def pin(
     inputs: dict[str, Any] | None = None,
     recipe: dict[str, Any] | None = None,
     counts: dict[str, Any] | None = None,
+    on_point: Callable[[str], None] | None = None,
 ) -> Manifest:
     """Write manifest.json for a directory of existing files (every file, recursively).
 
     Refuses a directory that already has a manifest (pinning again would bless whatever changed
-    since; run verify instead). The manifest appears atomically: written to a hidden temp file,
-    then hard-linked into place (which fails rather than overwrites if one appeared meanwhile).
+    since; run verify instead). The manifest appears atomically through write_new_file, staged in a
+    `.<dir>.manifest.json.tmp-<pid>` staging directory beside the pinned one (never inside it, so a
+    killed pin leaves nothing to be pinned or flagged next time; the next pin, write, verify or validate
+    beside it sweeps it), then hard-linked into place (which fails rather than overwrites if one
+    appeared meanwhile). `on_point`: test hook (write_new_file's FILE_POINTS).
     """
     root = Path(directory)
     if not root.is_dir():
         raise LowbitError(f"cannot pin {root}: not a directory")
+    sweep_stale(root.resolve().parent)  # a killed pin's staging dir (and other dead writers') beside it
     if not isinstance(kind, str) or not kind:
         raise LowbitError(f"artifact kind must be a non-empty string, got {kind!r}")
     check_class(artifact_class)
@@ -343,17 +426,10 @@ def pin(
         files=_hash_entries(root),  # listed before the temp file exists, so it is never included
         root=root,
     )
-    text = manifest.to_json()
-    tmp = root / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
-    _write_manifest_file(tmp, text)
+    full = root.resolve()
+    stage_as = (full.parent, f"{full.name}.{MANIFEST_NAME}") if full.name else None
     try:
-        os.link(tmp, target)
+        write_new_file(target, manifest.to_json().encode("utf-8"), stage_as=stage_as, on_point=on_point)
     except FileExistsError:
         raise LowbitError(f"{root} was pinned by someone else meanwhile; run `lowbit verify {root}`") from None
-    except OSError:
-        # Filesystems without hard links: exclusive create still never overwrites, only the
-        # all-or-nothing visibility of the content is lost.
-        _write_manifest_file(target, text)
-    finally:
-        tmp.unlink()
     return manifest
