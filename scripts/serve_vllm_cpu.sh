@@ -9,6 +9,13 @@
 #     --max-tokens N      tokens to generate (default 12)
 #     --kv-cache-bytes N  KV cache budget given to vLLM (default 268435456 = 256 MiB), so capacities compare
 #     --max-model-len N   (default 2048)
+#     --dtype D           the serving dtype of the weights and of vLLM's own KV cache ('auto'): bfloat16 (default),
+#                         float32, float16; the plugin's dense tiers (sink/recent, 16-bit cells) use the same dtype
+#     --max-num-batched-tokens N  vLLM's per-step token budget, i.e. its prefill chunk (default: vLLM's own,
+#                         read back from the log and recorded as prefill_chunk_tokens); compare with
+#                         `lowbit serve --prefill-chunk N` at the same N
+#     --max-num-seqs N    concurrent sequences vLLM schedules (default 8)
+#     --enforce-eager     no torch.compile / graphs (faster start-up; recorded)
 #     --out FILE          write the result JSON here (default: stdout only)
 #     --concurrent        after the prompts one at a time, send them all at once and record whether
 #                         each gets the same tokens (results_concurrent, concurrent_equal)
@@ -37,6 +44,10 @@ OUT=""
 SETUP_ONLY=0
 CONCURRENT=0
 STARTUP_TIMEOUT=1500
+DTYPE=bfloat16
+MNBT=""
+MAX_SEQS=8
+EAGER=0
 MODEL=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -48,9 +59,13 @@ while [[ $# -gt 0 ]]; do
     --kv-cache-bytes) KV_BYTES="$2"; shift 2 ;;
     --max-model-len) MAX_LEN="$2"; shift 2 ;;
     --out) OUT="$2"; shift 2 ;;
+    --dtype) DTYPE="$2"; shift 2 ;;
+    --max-num-batched-tokens) MNBT="$2"; shift 2 ;;
+    --max-num-seqs) MAX_SEQS="$2"; shift 2 ;;
+    --enforce-eager) EAGER=1; shift ;;
     --setup-only) SETUP_ONLY=1; shift ;;
     --concurrent) CONCURRENT=1; shift ;;
-    -h|--help) sed -n 2,27p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,34p "$0"; exit 0 ;;
     -*) echo "error: unknown option $1" >&2; exit 2 ;;
     *) MODEL="$1"; shift ;;
   esac
@@ -72,11 +87,17 @@ fi
 
 [[ -n "$MODEL" && -f "$MODEL/config.json" ]] || { echo "error: MODEL_DIR with config.json required" >&2; exit 2; }
 MODEL="$(cd "$MODEL" && pwd)"
+case "$DTYPE" in bfloat16|bf16) DTYPE=bfloat16 ;; float32|fp32) DTYPE=float32 ;; float16|fp16) DTYPE=float16 ;;
+  *) echo "error: --dtype $DTYPE: use bfloat16, float32 or float16" >&2; exit 2 ;; esac
+EXTRA=()
+[[ -n "$MNBT" ]] && EXTRA+=(--max-num-batched-tokens "$MNBT")
+[[ $EAGER == 1 ]] && EXTRA+=(--enforce-eager)
 LOG="$(mktemp -t vllm-serve.XXXXXX.log)"
 echo "starting vLLM on 127.0.0.1:$PORT for $MODEL (log $LOG)" >&2
 "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name model \
-  --host 127.0.0.1 --port "$PORT" --dtype float32 --max-model-len "$MAX_LEN" \
-  --kv-cache-memory-bytes "$KV_BYTES" --gpu-memory-utilization 0.3 --max-num-seqs 8 --no-enable-prefix-caching \
+  --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" --max-model-len "$MAX_LEN" \
+  --kv-cache-memory-bytes "$KV_BYTES" --gpu-memory-utilization 0.3 --max-num-seqs "$MAX_SEQS" --no-enable-prefix-caching \
+  "${EXTRA[@]}" \
   >"$LOG" 2>&1 &
 SERVER=$!
 cleanup() { kill "$SERVER" 2>/dev/null || true; wait "$SERVER" 2>/dev/null || true; }
@@ -94,10 +115,10 @@ do
 done
 STARTUP=$(( $(date +%s) - t0 ))
 
-"$PY" - "$PORT" "$MODEL" "$PROMPT" "$MAX_TOKENS" "$LOG" "$STARTUP" "$KV_BYTES" "$OUT" "$CONCURRENT" <<'EOF'
+"$PY" - "$PORT" "$MODEL" "$PROMPT" "$MAX_TOKENS" "$LOG" "$STARTUP" "$KV_BYTES" "$OUT" "$CONCURRENT" "$DTYPE" "$EAGER" <<'EOF'
 import json, re, sys, time
 import openai
-port, model, prompt, max_tokens, log, startup, kv_bytes, out, concurrent = sys.argv[1:]
+port, model, prompt, max_tokens, log, startup, kv_bytes, out, concurrent, dtype, eager = sys.argv[1:]
 c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
 def one(p):
     t = time.time()
@@ -120,9 +141,11 @@ if concurrent == "1":
              "concurrent_equal": [a["token_ids"] == b["token_ids"] for a, b in zip(results, conc)]}
 text = open(log).read()  # read after the requests: the plugin logs what it saw while serving
 m = re.search(r"KV cache size: ([\d,]+) tokens", text)
+chunk = re.search(r"max_num_batched_tokens=(\d+)", text)
 plugin = [l.split("lowbit plugin: ", 1)[1] for l in text.splitlines() if "lowbit plugin: " in l]
 res = {"model_dir": model, "results": results, **extra, "text": results[0]["text"], "token_ids": results[0]["token_ids"],
-       "startup_s": int(startup),
+       "startup_s": int(startup), "dtype": dtype, "enforce_eager": eager == "1",
+       "prefill_chunk_tokens": int(chunk.group(1)) if chunk else None,
        "kv_cache_memory_bytes": int(kv_bytes), "kv_cache_tokens": int(m.group(1).replace(",", "")) if m else None,
        "lowbit_plugin_log": sorted(set(plugin))}
 print(json.dumps(res, indent=2))
