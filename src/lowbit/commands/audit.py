@@ -16,13 +16,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="cuda: full shapes; cpu: small shapes through the Triton interpreter (default: cuda if present)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--weights", action="store_true",
+                        help="audit the weight GEMMs (W4A16/W8A16/W8A8/W4A8, every dispatched (scheme, M) cell on "
+                             "LLM and DiT shapes) instead of the decode-attention kernel")
 
 
 def run(args) -> int:
     from lowbit.device import resolve_device
 
     device = resolve_device(args.device).type  # no CUDA -> LowbitError; cpu runs the Triton interpreter
-    if device == "cpu" and "lowbit.kernels.decode_attention" not in sys.modules and os.environ.get(
+    if device == "cpu" and not ({"lowbit.kernels.decode_attention", "lowbit.kernels.weight_gemm"} & set(sys.modules)) and os.environ.get(
             "TRITON_INTERPRET") != "1":
         # Triton reads TRITON_INTERPRET when the kernels are defined (import time): run the CPU audit
         # in a child process that has it, rather than letting the kernels fail on CPU tensors.
@@ -30,7 +33,20 @@ def run(args) -> int:
         cmd = [sys.executable, "-m", "lowbit", "audit", "kernels", "--device", "cpu"]
         if args.json:
             cmd += ["--json", args.json]
+        if args.weights:
+            cmd += ["--weights"]
         return subprocess.call(cmd, env=env)
+
+    if args.weights:
+        from lowbit.kernels.weight_audit import audit_weights, format_table as weight_table
+
+        rows, dispatch = audit_weights(device, log=print)
+        print(weight_table(rows, dispatch))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"device": device, "rows": [r.as_dict() for r in rows],
+                           "dispatch_after_audit": dispatch.table()}, f, indent=1)
+        return 0 if all(r.ok for r in rows) else 1
 
     from lowbit.kernels.audit import audit, format_table
 

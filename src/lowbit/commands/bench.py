@@ -34,10 +34,11 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["decode-attention", "decode", "serve-engine"],
+    parser.add_argument("what", choices=["decode-attention", "decode", "serve-engine", "gemm"],
                         help="decode-attention: the kernel vs SDPA flash; decode: end-to-end decode steps "
                              "(transformers eager / compiled bf16, lowbit runtime bf16 / int4 / int2); serve-engine: "
-                             "the continuous-batching engine in-process at --concurrency levels")
+                             "the continuous-batching engine in-process at --concurrency levels; gemm: the weight "
+                             "GEMMs (W4A16/W8A16/W8A8/W4A8) vs cuBLAS bf16 over the audit's M sweep")
     parser.add_argument("--concurrency", default="1,8,32", help="serve-engine: concurrent requests (default 1,8,32)")
     parser.add_argument("--prompt-len", type=int, default=4096, help="serve-engine: prompt tokens (default 4096)")
     parser.add_argument("--max-tokens", type=int, default=64, help="serve-engine: tokens per request (default 64)")
@@ -109,6 +110,14 @@ def run(args) -> int:
         resolve_out(args.out, args.what, "")  # refuse an existing file before anything else
     if not torch.cuda.is_available():
         raise LowbitError(f"bench {args.what} needs a CUDA GPU (it times GPU kernels against their bf16 baselines)")
+    if args.what == "gemm":
+        from lowbit.kernels import weight_bench
+
+        path = resolve_out(args.out, "gemm", torch.cuda.get_device_name(0))
+        res = weight_bench.run()
+        write_new(path, res)
+        print(f"wrote {path}")
+        return 0
     if args.what == "serve-engine":
         from lowbit.runtime import bench as e2e
 

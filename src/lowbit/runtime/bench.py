@@ -30,8 +30,38 @@ GEOMETRIES = {
     "tiny-llama": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
                        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "max_position_embeddings": 1 << 15},
 }
-PATHS = ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2")
-SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2"}
+PATHS = ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2", "lowbit-w4a16-int2")
+SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2", "lowbit-w4a16-int2": "int2"}
+# paths whose decoder linears are weight-quantized (RTN of the random weights, through lowbit.weights.grid),
+# run after the bf16-weight paths: the model is converted in place once
+WEIGHT_PATHS = {"lowbit-w4a16-int2": "w4a16-g128"}
+
+
+def quantize_linears(model, scheme_name: str, log=print) -> dict:
+    """Replace every decoder nn.Linear (not lm_head) by a QuantLinear (RTN on the one weight grid) and
+    prepare it for the CUDA weight kernels; returns prepare_cuda's report."""
+    from torch import nn
+
+    from lowbit.weights.grid import grid_for_clip, quantize_on
+    from lowbit.weights.qlinear import QuantLinear, prepare_cuda
+    from lowbit.weights.scheme import parse_weight_scheme
+
+    sch = parse_weight_scheme(scheme_name)
+    names = [n for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)]
+    for n in names:
+        parent, _, child = n.rpartition(".")
+        owner = model.model.layers.get_submodule(parent)
+        lin = getattr(owner, child)
+        w = lin.weight.detach()
+        grid = grid_for_clip(w, sch.w_bits, sch.group_for(w.shape[1]), sch.symmetric, 1.0, torch.bfloat16)
+        q = QuantLinear.from_codes(quantize_on(w, grid), grid, sch, bias=lin.bias, scale_dtype=torch.bfloat16)
+        setattr(owner, child, q.to(w.device))
+        del lin, w
+    torch.cuda.empty_cache()
+    rep = prepare_cuda(model, log=log)
+    log(f"weights {scheme_name}: {rep['modules']} linears, packed {rep['packed_bytes'] / 1e9:.2f} GB "
+        f"(bf16 {rep['bf16_bytes'] / 1e9:.2f} GB), dispatch {rep['dispatch']}")
+    return rep
 
 
 def build_model(geometry: str, device: str, dtype=torch.bfloat16):
@@ -271,6 +301,18 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
         env["triton"] = None
     rows = []
     pre = prefill_rows(model, cfg, prefill_len, prefill_chunk, log) if prefill_len else []
+    order = [p for p in paths if p not in WEIGHT_PATHS] + [p for p in paths if p in WEIGHT_PATHS]
+    if len({WEIGHT_PATHS[p] for p in order if p in WEIGHT_PATHS}) > 1:
+        raise LowbitError("one weight-quantized path per run (the model is converted in place)")
+    groups = [[p for p in order if p not in WEIGHT_PATHS], [p for p in order if p in WEIGHT_PATHS]]
+    for group in groups:
+        if group and group[0] in WEIGHT_PATHS:
+            env["weights"] = {"scheme": WEIGHT_PATHS[group[0]], **quantize_linears(model, WEIGHT_PATHS[group[0]], log)}
+        _rows_for(group, model, cfg, contexts, batches, steps, rows, log)
+    return {"env": env, "rows": rows, "prefill": pre}
+
+
+def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log):
     for L in contexts:
         for B in batches:
             for path in paths:
@@ -301,7 +343,6 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
                 log(f"{path} B{B} L{L}: {r['ms_per_step']:.2f} ms/step ({r['tok_s']:.0f} tok/s), GPU busy "
                     f"{r['gpu_ms_per_step'] or float('nan'):.2f} ms, KV {r['kv_bytes'] / 1e9:.2f} GB")
                 torch.cuda.empty_cache()
-    return {"env": env, "rows": rows, "prefill": pre}
 
 
 def _word_tokenizer(vocab_size: int):

@@ -16,6 +16,12 @@ Forward:
                matmul per weight group, y = s_x * sum_g scale_g * (x_q,g @ (q_g - zp_g)^T).
                torch._int_mm (int8 x int8 -> int32) runs it on CPU; where it raises we fall back
                to an int32 matmul (same integers, slower) and log why once.
+
+On CUDA, `prepare_cuda(model)` repacks every QuantLinear once into the weight kernels' layout
+(lowbit.kernels.weight_gemm.PackedWeight: int4 stays packed, 8 codes per int32), drops the unpacked
+codes, and routes forward through one Dispatch resolved for the model (the table for the device,
+trimmed by a self-check of each distinct shape against the torch twin). `kernel="twin"` runs the
+twin on the GPU instead: only when asked for by name.
 """
 
 from __future__ import annotations
@@ -77,6 +83,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=scale_dtype))
         else:
             self.bias = None
+        self.packed = None  # PackedWeight once prepare_cuda ran
+        self.dispatch = None  # the model's Dispatch, or "twin"
 
     @classmethod
     def from_codes(
@@ -116,6 +124,13 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in] -> [..., out]
+        if self.packed is not None:
+            from lowbit.kernels import weight_gemm
+
+            x2 = x.reshape(-1, self.in_features)
+            y = (weight_gemm.linear_twin(x2, self.packed) if self.dispatch == "twin"
+                 else self.dispatch.linear(x2, self.packed))
+            return y.reshape(*x.shape[:-1], self.out_features)
         if self.scheme.a_bits == 16:
             w = self.dequantized_weight().to(x.dtype)
             return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
@@ -135,5 +150,63 @@ class QuantLinear(nn.Module):
             y = y + self.bias.float()
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
+    def to_packed(self):
+        """The weight as a PackedWeight (on this module's device)."""
+        from lowbit.kernels.weight_gemm import pack_weight
+
+        return pack_weight(self.codes, self.scale, None if self.scheme.symmetric else self.zero_point,
+                           bits=self.bits, group=self.group, a_bits=self.scheme.a_bits, bias=self.bias)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.name}, group={self.group}"
+
+
+def prepare_cuda(model: nn.Module, *, kernel: str = "auto", check_ms=(1, 16, 17, 129, 1025), log=None) -> dict:
+    """Repack every QuantLinear of a CUDA model for the weight kernels (see module docstring).
+
+    kernel: "auto" (the dispatch table, minus cells whose self-check fails) or "twin" (torch, by name).
+    Returns {"dispatch", "removed", "modules", "packed_bytes", "bf16_bytes"}: the bytes held by the
+    packed weights against the same weights in bf16."""
+    from lowbit.errors import LowbitError
+
+    mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    if not mods:
+        raise LowbitError("the model has no QuantLinear modules: nothing to prepare for the weight kernels")
+    dev = mods[0].codes.device
+    if dev.type != "cuda":
+        raise LowbitError(f"prepare_cuda needs the model on a CUDA device, it is on {dev}: call model.cuda() first")
+    if kernel not in ("auto", "twin"):
+        raise LowbitError(f"weight kernel {kernel!r}: use auto (the dispatch table) or twin (torch, slow)")
+    for m in mods:
+        m.packed = m.to_packed()
+        m.codes = torch.empty(0, dtype=torch.uint8, device=dev)  # the packed copy replaces it
+    removed: list[str] = []
+    if kernel == "twin":
+        disp = "twin"
+    else:
+        from lowbit.kernels.weight_audit import check_cell
+        from lowbit.kernels.weight_dispatch import Dispatch
+
+        disp = Dispatch.for_device(dev)
+        seen, failed = set(), []
+        for m in mods:
+            key = (m.packed.kind, m.packed.N, m.packed.K, m.packed.group, m.packed.zero is not None)
+            if key in seen:
+                continue
+            seen.add(key)
+            for M in check_ms:
+                rel, finite, name = check_cell(disp, m.packed, M, device=dev)
+                if not finite or rel > (1e-2 if name.startswith("dequant") else 1e-3):
+                    failed.append((m.packed.kind, M, name))
+                    removed.append(f"{name} {m.packed.kind} M={M} N={m.packed.N} K={m.packed.K}: rel {rel:.3g}"
+                                   f"{'' if finite else ' (non-finite)'}")
+                    if log:
+                        log(f"weight kernel self-check FAILED, cell removed: {removed[-1]}")
+        disp = disp.without(failed)
+        for k in {m.packed.kind for m in mods}:
+            disp.choose(k, 1)  # a kind with nothing left is an error now, not at the first token
+    for m in mods:
+        m.dispatch = disp
+    return {"dispatch": disp if disp == "twin" else disp.source, "removed": removed, "modules": len(mods),
+            "packed_bytes": sum(m.packed.nbytes() for m in mods),
+            "bf16_bytes": sum(2 * m.in_features * m.out_features for m in mods)}

@@ -1,0 +1,121 @@
+"""Which weight GEMM runs a (kind, M) cell on this device: a table of cells, trimmed by the audit.
+
+    d = Dispatch.for_device(device)            # the table for this device's compute capability
+    d = d.without(failed_cells)                # the audit's failures removed (see weight_audit)
+    y = d.linear(x2d, pw)                      # x [M, K] -> [M, N]
+
+A cell is (kind, M range, capability) -> path + launch config. Paths:
+    triton          lowbit.kernels.weight_gemm.linear with the cell's GemmConfig
+    dequant-cublas  dequantize the weight (Triton) then cuBLAS (A16 only; wins where the GEMM is
+                    compute-bound, since the fused kernel's dequantization then costs tensor-core time)
+The cells for capability (9, 0) are the winners of `lowbit bench gemm` on an H200
+(benchmarks/results/gemm_NVIDIA_H200.json); other devices get the generic cells. A kind with no cell
+left on a device is an error naming what exists, never a silent run on the twin.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.kernels.weight_gemm import GemmConfig, PackedWeight
+
+KINDS = ("w4a16", "w8a16", "w8a8", "w4a8")
+M_INF = 1 << 62
+
+
+@dataclass(frozen=True)
+class Cell:
+    """kind, covering m_lo <= M <= m_hi, runs `path` with `config` (None for dequant-cublas)."""
+
+    kind: str
+    m_lo: int
+    m_hi: int
+    path: str
+    config: GemmConfig | None = None
+
+    @property
+    def kernel(self) -> str:
+        return self.path if self.config is None else f"{self.path}:{self.config.name}"
+
+    def covers(self, M: int) -> bool:
+        return self.m_lo <= M <= self.m_hi
+
+
+def _a16(small, mid, big, m_big_cublas):
+    return [("triton", 1, 16, small), ("triton", 17, 128, mid), ("triton", 129, m_big_cublas - 1, big),
+            ("dequant-cublas", m_big_cublas, M_INF, None)]
+
+
+_GENERIC_SMALL = GemmConfig(BM=16, BN=32, BK=128, SPLIT_K=1, num_warps=4, num_stages=4)
+_GENERIC_MID = GemmConfig(BM=64, BN=64, BK=64, num_warps=4, num_stages=4)
+_GENERIC_BIG = GemmConfig(BM=128, BN=128, BK=64, num_warps=8, num_stages=4)
+_GENERIC_A8_BIG = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3)
+
+
+def generic_cells() -> list[Cell]:
+    """Cells for any CUDA device (no measurement behind the M boundaries beyond the H200's)."""
+    cells = []
+    for kind in ("w4a16", "w8a16"):
+        cells += [Cell(kind, lo, hi, p, c) for p, lo, hi, c in _a16(_GENERIC_SMALL, _GENERIC_MID, _GENERIC_BIG, 1025)]
+    for kind in ("w8a8", "w4a8"):
+        cells += [Cell(kind, 1, 16, "triton", _GENERIC_SMALL), Cell(kind, 17, 128, "triton", _GENERIC_MID),
+                  Cell(kind, 129, M_INF, "triton", _GENERIC_A8_BIG)]
+    return cells + last_resort()
+
+
+def last_resort() -> list[Cell]:
+    """Matched only where the audit removed an earlier cell: A16 falls back to dequantize + cuBLAS."""
+    return [Cell(k, 1, M_INF, "dequant-cublas") for k in ("w4a16", "w8a16")]
+
+
+# capability -> cells measured on that device (filled from the committed `lowbit bench gemm` run)
+MEASURED: dict[tuple[int, int], list[Cell]] = {}
+
+
+class Dispatch:
+    """The cells in force on one device; `choose(kind, M)` is the first cell that covers M."""
+
+    def __init__(self, cells: list[Cell], source: str):
+        self.cells = list(cells)
+        self.source = source
+
+    @classmethod
+    def for_device(cls, device) -> Dispatch:
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise LowbitError(f"the weight kernels run on CUDA; {dev} runs QuantLinear's torch forward")
+        cap = torch.cuda.get_device_capability(dev)
+        if cap in MEASURED:
+            return cls(MEASURED[cap], f"measured sm_{cap[0]}{cap[1]}")
+        return cls(generic_cells(), f"generic (sm_{cap[0]}{cap[1]} has no measured table)")
+
+    def without(self, failed: list[tuple[str, int, str]]) -> Dispatch:
+        """A copy without the cells that failed: (kind, M, kernel) is the cell of `kind` covering M that
+        ran `kernel` (the audit's verdict); the next cell covering M (the last resort) takes over."""
+        bad = [c for c in self.cells if any(c.kind == k and c.covers(m) and c.kernel == n for k, m, n in failed)]
+        return Dispatch([c for c in self.cells if c not in bad], self.source + (f", {len(bad)} cell(s) removed by "
+                                                                                 "the audit" if bad else ""))
+
+    def choose(self, kind: str, M: int) -> Cell:
+        for c in self.cells:
+            if c.kind == kind and c.covers(M):
+                return c
+        have = sorted({c.kind for c in self.cells})
+        raise LowbitError(f"no weight kernel for {kind} at M={M} on this device ({self.source}); kernels exist for "
+                          f"{', '.join(have) or 'nothing'}: run `lowbit audit kernels --weights` to see what failed")
+
+    def linear(self, x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
+        """x [M, K] -> [M, N] through the chosen cell."""
+        from lowbit.kernels import weight_gemm as wg
+
+        cell = self.choose(pw.kind, x.shape[0])
+        if cell.path == "dequant-cublas":
+            return wg.linear_dequant_cublas(x, pw)
+        return wg.linear(x, pw, cell.config)
+
+    def table(self) -> list[dict]:
+        return [{"kind": c.kind, "m_lo": c.m_lo, "m_hi": None if c.m_hi >= M_INF else c.m_hi, "kernel": c.kernel}
+                for c in self.cells]

@@ -1,0 +1,161 @@
+"""Weight GEMMs (W4A16 / W8A16 / W8A8 / W4A8) against their torch twin, the dispatch table and the audit.
+
+CPU: the Triton interpreter at odd small sizes (M 1, 3, 17; N 33; K 128-256). GPU (marked): the
+full audit sweep is `lowbit audit kernels --weights`; here a few LLM cells and a QuantLinear model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.kernels import weight_gemm as wg
+from lowbit.kernels.weight_audit import audit_weights, random_weight
+from lowbit.kernels.weight_dispatch import Cell, Dispatch, generic_cells
+from lowbit.kernels.weight_gemm import GemmConfig
+
+interp = pytest.mark.skipif(not wg.triton or __import__("os").environ.get("TRITON_INTERPRET") != "1",
+                            reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py)")
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_int4_pack_round_trip_exhaustive_and_compressed_tensors_order():
+    # every code in every nibble position: 16 codes x 8 positions, over several rows
+    c = torch.arange(16, dtype=torch.uint8).repeat_interleave(8).reshape(16, 8)
+    c = torch.cat([c, c.flip(1), torch.randint(0, 16, (5, 8), dtype=torch.uint8)]).repeat(1, 3)  # [37, 24]
+    w = wg.pack_int4_k(c)
+    assert w.dtype == torch.int32 and w.shape == (37, 3)
+    assert torch.equal(wg.unpack_int4_k(w, 24), c)
+    from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+
+    assert torch.equal(pack_to_int32((c.to(torch.int16) - 8).to(torch.int8), 4), w)  # checkpoint words as they are
+
+
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a16-g64-asym", "w4a16-g32", "w8a16", "w8a8", "w4a8"])
+def test_dequantize_matches_quantlinear(scheme):
+    """The packed weight dequantizes to the same numbers as QuantLinear (the one grid)."""
+    from lowbit.weights.grid import grid_for_clip, quantize_on
+    from lowbit.weights.qlinear import QuantLinear
+    from lowbit.weights.scheme import parse_weight_scheme
+
+    sch = parse_weight_scheme(scheme)
+    w = torch.randn(33, 256)
+    grid = grid_for_clip(w, sch.w_bits, sch.group_for(256), sch.symmetric, 1.0, torch.bfloat16)
+    q = QuantLinear.from_codes(quantize_on(w, grid), grid, sch, scale_dtype=torch.bfloat16)
+    assert torch.equal(wg.dequantize(q.to_packed()), q.dequantized_weight())
+    x = torch.randn(3, 256).bfloat16()
+    assert rel(wg.linear_twin(x, q.to_packed(), torch.float32), q(x).float()) < 1e-2  # q(x) rounds to bf16
+
+
+CASES = [  # (scheme, M, N, K, config)
+    ("w4a16-g128", 1, 33, 256, GemmConfig(BM=16, BN=16, BK=64)),
+    ("w4a16-g128", 17, 33, 256, GemmConfig(BM=16, BN=32, BK=128, unpack="reshape")),
+    ("w4a16-g64-asym", 3, 33, 256, GemmConfig(BM=16, BN=16, BK=64, SPLIT_K=2)),
+    ("w4a16-g32", 3, 40, 128, GemmConfig(BM=16, BN=32, BK=128)),  # BK shrinks to the group
+    ("w8a16", 17, 33, 192, GemmConfig(BM=16, BN=16, BK=64)),
+    ("w8a8", 3, 33, 128, GemmConfig(BM=16, BN=16, BK=32)),
+    ("w8a8", 17, 33, 128, GemmConfig(BM=16, BN=16, BK=32, fused_aq=False)),
+    ("w4a8", 1, 33, 256, GemmConfig(BM=16, BN=16, BK=64, SPLIT_K=2)),
+]
+
+
+@interp
+@pytest.mark.parametrize("scheme,M,N,K,cfg", CASES, ids=[f"{c[0]}-M{c[1]}-{c[4].name}" for c in CASES])
+def test_kernel_matches_twin(scheme, M, N, K, cfg):
+    pw = random_weight(scheme, N, K, "cpu", seed=M)
+    pw.bias = torch.randn(N) if M == 3 else None
+    x = torch.randn(M, K).bfloat16()
+    y = wg.linear(x, pw, cfg, out_dtype=torch.float32)
+    ref = wg.linear_twin(x, pw, out_dtype=torch.float32)
+    assert torch.isfinite(y).all()
+    assert rel(y, ref) < 1e-5  # integer weights, fp32 accumulation: only the summation order differs
+    assert wg.linear(x, pw, cfg).dtype == torch.bfloat16
+
+
+@interp
+def test_dequant_cublas_fallback_matches_twin():
+    pw = random_weight("w4a16-g64-asym", 33, 128, "cpu")
+    x = torch.randn(5, 128).bfloat16()
+    assert rel(wg.linear_dequant_cublas(x, pw).float(), wg.linear_twin(x, pw, torch.float32)) < 1e-2
+    with pytest.raises(ValueError, match="A16"):
+        wg.linear_dequant_cublas(x, random_weight("w8a8", 33, 128, "cpu"))
+
+
+def test_dispatch_first_cell_that_covers_and_errors_name_what_exists():
+    d = Dispatch(generic_cells(), "generic")
+    assert d.choose("w4a16", 1).path == "triton" and d.choose("w4a16", 10**6).path == "dequant-cublas"
+    gone = d.without([("w4a16", 1, d.choose("w4a16", 1).kernel)])
+    assert gone.choose("w4a16", 1).path == "dequant-cublas"  # the last resort, not the removed cell
+    assert gone.choose("w4a16", 64).path == "triton"  # other M ranges keep their kernel
+    assert "removed by the audit" in gone.source
+    a8 = Dispatch([c for c in generic_cells() if c.kind == "w8a8"], "only w8a8")
+    with pytest.raises(LowbitError, match="no weight kernel for w4a16 at M=3.*w8a8"):
+        a8.choose("w4a16", 3)
+
+
+@interp
+def test_audit_removes_a_cell_whose_kernel_returns_nan(monkeypatch):
+    real = wg.linear
+
+    def broken(x, pw, config=None, out_dtype=None):
+        y = real(x, pw, config, out_dtype)
+        return torch.full_like(y, float("nan")) if x.shape[0] == 17 and pw.kind == "w8a16" else y
+
+    monkeypatch.setattr(wg, "linear", broken)
+    cells = [Cell("w8a16", 1, 16, "triton", GemmConfig(BM=16, BN=16, BK=64)),
+             Cell("w8a16", 17, 64, "triton", GemmConfig(BM=16, BN=16, BK=64))]
+    lines = []
+    rows, d = audit_weights("cpu", schemes=("w8a16",), shapes=[("tiny", 128, 33)], ms=(1, 17),
+                            dispatch=Dispatch(cells, "test"), log=lines.append)
+    bad = [r for r in rows if not r.ok]
+    assert [(r.M, r.finite) for r in bad] == [(17, False)]
+    assert "M=17 N=33 K=128" in lines[0]  # the failure names the shape
+    assert d.choose("w8a16", 1).config == cells[0].config
+    with pytest.raises(LowbitError, match="no weight kernel for w8a16 at M=17"):
+        d.choose("w8a16", 17)
+
+
+def test_prepare_cuda_refuses_cpu_models():
+    from lowbit.weights.qlinear import QuantLinear, prepare_cuda
+    from lowbit.weights.scheme import parse_weight_scheme
+
+    m = torch.nn.Sequential(QuantLinear(128, 16, parse_weight_scheme("w8a16")))
+    with pytest.raises(LowbitError, match="CUDA"):
+        prepare_cuda(m)
+    with pytest.raises(LowbitError, match="no QuantLinear"):
+        prepare_cuda(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+gpu = pytest.mark.gpu
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a16-g64-asym", "w8a16", "w8a8", "w4a8"])
+def test_gpu_cells_match_twin(scheme):
+    rows, _ = audit_weights("cuda", schemes=(scheme,), shapes=[("odd", 4096, 1001), ("llama down", 14336, 4096)],
+                            ms=(1, 3, 17, 99, 999))
+    assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_quantlinear_model_packed_and_equal_to_torch_forward():
+    from lowbit.weights.grid import grid_for_clip, quantize_on
+    from lowbit.weights.qlinear import QuantLinear, prepare_cuda
+    from lowbit.weights.scheme import parse_weight_scheme
+
+    sch = parse_weight_scheme("w4a16-g128")
+    w = torch.randn(1000, 512)
+    grid = grid_for_clip(w, 4, 128, True, 1.0, torch.bfloat16)
+    q = QuantLinear.from_codes(quantize_on(w, grid), grid, sch, scale_dtype=torch.bfloat16)
+    x = torch.randn(2, 7, 512).bfloat16()
+    ref = q(x).float()
+    model = torch.nn.Sequential(q).cuda()
+    rep = prepare_cuda(model)
+    assert rep["packed_bytes"] < rep["bf16_bytes"] / 3.5 and not rep["removed"]
+    assert rel(model(x.cuda()).float().cpu(), ref) < 1e-2
