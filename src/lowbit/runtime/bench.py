@@ -54,8 +54,9 @@ def quantize_linears(model, scheme_name: str, log=print) -> dict:
         lin = getattr(owner, child)
         w = lin.weight.detach()
         grid = grid_for_clip(w, sch.w_bits, sch.group_for(w.shape[1]), sch.symmetric, 1.0, torch.bfloat16)
-        q = QuantLinear.from_codes(quantize_on(w, grid), grid, sch, bias=lin.bias, scale_dtype=torch.bfloat16)
-        setattr(owner, child, q.to(w.device))
+        with torch.device(w.device):
+            q = QuantLinear.from_codes(quantize_on(w, grid), grid, sch, bias=lin.bias, scale_dtype=torch.bfloat16)
+        setattr(owner, child, q)
         del lin, w
     torch.cuda.empty_cache()
     rep = prepare_cuda(model, log=log)
