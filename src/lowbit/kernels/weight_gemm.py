@@ -39,8 +39,8 @@ try:
 except ImportError:  # a plan can be printed without Triton; the kernels need it
     triton = None
 
-MAGIC = 8388608.0  # 2**23: (v | 0x4B000000) as float32 == 2**23 + v for 0 <= v < 2**23
-RNE = 12582912.0  # 1.5 * 2**23: (v + RNE) - RNE rounds fp32 |v| < 2**22 half-to-even
+MAGIC_F = 8388608.0  # 2**23: (v | 0x4B000000) as float32 == 2**23 + v for 0 <= v < 2**23
+RNE_F = 12582912.0  # 1.5 * 2**23: (v + RNE) - RNE rounds fp32 |v| < 2**22 half-to-even
 
 
 @dataclass
@@ -173,6 +173,8 @@ class GemmConfig:
 
 
 if triton is not None:
+    MAGIC = tl.constexpr(MAGIC_F)  # kernels read globals only as constexpr
+    RNE = tl.constexpr(RNE_F)
 
     @triton.jit
     def _load_wtile(w_ptr, rn, kk, N, K, BITS: tl.constexpr, UNPACK: tl.constexpr, BN: tl.constexpr,
