@@ -54,6 +54,10 @@ def codec_reason(which: str, codec) -> str | None:
 
 def supports(layer, step: str, device: str) -> str | None:
     """Static rules for one lowbit.kv.plan.LayerPlan (see the module docstring)."""
+    g = getattr(layer, "geometry", None)
+    if getattr(g, "shares_kv", False):
+        return ("K is rebuilt from the stored latent / V (mla-latent or K = V): the torch path reads it "
+                "(no fused kernel for shared K/V yet)")
     for which, c in (("K", layer.k), ("V", layer.v)):
         r = codec_reason(which, c)
         if r:

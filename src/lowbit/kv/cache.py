@@ -109,6 +109,9 @@ class QuantizedKVCache(Cache):
         self._pending: int | None = None
         if model is not None:
             attn.install_attention(model)
+            from lowbit.kv import families
+
+            families.install(model, self)  # MLA forwards (DeepseekV3), K = V scales (Gemma-4)
 
     @classmethod
     def from_plan(cls, model_or_config, plan, *, chunk_tokens: int = 1024) -> QuantizedKVCache:

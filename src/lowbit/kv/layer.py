@@ -20,6 +20,13 @@ slot a query of that chunk can no longer see (< n - (W - 1)): the sink once all 
 whole pages from the front of the middle, then ring rows. A chunk of c queries thus sees its
 W - 1 predecessors plus itself, as HF's sliding layers do.
 
+Shared K/V layers (geometry.shares_kv: an MLA latent, or Gemma-4's K = V full layers) store V once
+(the latent c_kv / the shared normalised projection, through V's codec) and only K's own part apart
+(k_pe / the RoPE'd dims, dense in the model dtype); every block handed to the attention gets its K
+rebuilt as K[own] = stored part, K[rest] = V[rest] (un-rotated) x `k_scale_v` (Gemma-4's k_norm
+weight; MLA: 1), which is exact: transformers computes K's rest as V x weight (K = V) or as the
+latent itself (MLA absorbed).
+
 Middle storage (the layout the fused decode kernel reads, see TierView): per tensor a dict of
 preallocated buffers, rows [mid_off, mid_off + mid_len) live. Capacity grows by doubling (and
 sliding layers compact to the front before growing), so a decode step usually writes into
@@ -89,6 +96,13 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.v_codec: TensorCodec = plan.v
         self.rot_k, self.rot_v = plan.rot_k, plan.rot_v
         self._channel_grouped = any(c.quantized and c.tq.axis == "channel" for c in (self.k_codec, self.v_codec))
+        self.shared = bool(getattr(geometry, "shares_kv", False))
+        if self.shared:
+            own = geometry.k_own_dims()
+            self.k_own = torch.tensor(own, dtype=torch.long)
+            self.k_rest = torch.tensor([d for d in range(geometry.head_dim_k) if d not in set(own)], dtype=torch.long)
+        # K = V layers: K[rest] = V[rest] * k_scale_v (the model's k_norm weight, set by lowbit.kv.families)
+        self.k_scale_v: torch.Tensor | None = None
         # stream the middle in blocks of whole pages
         self.chunk_tokens = max(self.page, int(chunk_tokens) // self.page * self.page)
         self._clear()
@@ -117,8 +131,16 @@ class QuantizedKVLayer(CacheLayerMixin):
                 f"layer {self.layer_idx}: got K/V with {H} heads, head_dim {Dk}/{Dv}, but the cache was built for "
                 f"{g.num_kv_heads} KV heads, head_dim {g.head_dim_k}/{g.head_dim_v}; build it for this model"
             )
+        if self.shared and g.k_eq_v and self.k_scale_v is None:
+            raise LowbitError(
+                f"layer {self.layer_idx} stores K = V once and rebuilds K with the model's k_norm weight: build the "
+                "cache with the model (QuantizedKVCache(model, ...)), not its config"
+            )
         self.device, self.dtype, self.B = key_states.device, key_states.dtype, B
         kw = {"device": self.device, "dtype": self.dtype}
+        if self.shared:
+            Dk = len(self.k_own)
+            self.k_own, self.k_rest = self.k_own.to(self.device), self.k_rest.to(self.device)
         self.sink = {"k": torch.zeros(B, H, self.S, Dk, **kw), "v": torch.zeros(B, H, self.S, Dv, **kw)}
         rcap = self.R + self.page
         self.ring = {"k": torch.zeros(B, H, rcap, Dk, **kw), "v": torch.zeros(B, H, rcap, Dv, **kw)}
@@ -133,7 +155,25 @@ class QuantizedKVLayer(CacheLayerMixin):
         """Rotate incoming K/V once (every tier stores rotated K/V) and cast to the model dtype."""
         k = rotate(key_states, self.rot_k).to(self.dtype)
         v = rotate(value_states, self.rot_v).to(self.dtype)
+        if self.shared:
+            k = k.index_select(-1, self.k_own)  # K's own part; the rest is rebuilt from V
         return k, v
+
+    def full_k(self, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """K of a block [B, H, n, head_dim_k] from what a tier holds: itself, or (shared layers) its own part
+        k [.., len(own)] and V [.., head_dim_v] as stored (un-rotated here: K's rest is elementwise in V)."""
+        if not self.shared:
+            return k
+        from lowbit.kv.rotations import unrotate
+
+        vu = unrotate(v.float(), self.rot_v).float()
+        rest = vu.index_select(-1, self.k_rest)
+        if self.k_scale_v is not None:
+            rest = rest * self.k_scale_v.to(rest.device, torch.float32).index_select(-1, self.k_rest)
+        out = vu.new_empty(*vu.shape[:-1], self.geometry.head_dim_k)
+        out[..., self.k_rest] = rest
+        out[..., self.k_own] = k.float()
+        return out
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store a chunk [B, Hkv, c, D]; returns (key_states, value_states) unchanged: the lowbit
@@ -306,6 +346,10 @@ class QuantizedKVLayer(CacheLayerMixin):
         if self.chunk is None:
             raise LowbitError(f"layer {self.layer_idx}: attention without a stored chunk (call update first)")
         ck, cv, lo = self.chunk
+        for k, v, at in self._stored_blocks(ck, cv, lo, min_slot):
+            yield self.full_k(k, v), v, at
+
+    def _stored_blocks(self, ck, cv, lo, min_slot):
         ns = min(self.sink_len, lo)
         if ns and ns > min_slot:
             yield self.sink["k"][:, :, :ns], self.sink["v"][:, :, :ns], 0

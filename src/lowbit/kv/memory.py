@@ -150,7 +150,9 @@ def measure(cache) -> MemoryReport:
     for layer in cache.layers:
         g = layer.geometry
         H = g.num_kv_heads
-        bf16_tok = 2 * H * (g.head_dim_k + g.head_dim_v)
+        # stored widths: a shared K/V layer (MLA latent, K = V) holds V plus only K's own RoPE part
+        dk = len(g.k_own_dims()) if getattr(g, "shares_kv", False) else g.head_dim_k
+        bf16_tok = 2 * H * (dk + g.head_dim_v)
         if not layer.is_initialized:
             rep.layers.append(
                 LayerMemory(g.index, g.attention, {"sink": 0, "middle": 0, "recent": 0},
@@ -177,7 +179,7 @@ def measure(cache) -> MemoryReport:
                     "recent": _nbytes(v.ring_k) + _nbytes(v.ring_v),
                 },
                 allocated=alloc,
-                elements_k=rows * g.head_dim_k,
+                elements_k=rows * dk,
                 elements_v=rows * g.head_dim_v,
                 quantized_rows=qrows,
                 bf16_bytes_per_token=bf16_tok,

@@ -23,7 +23,7 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.kv import backends
 from lowbit.kv.codec import TensorCodec
-from lowbit.recipe import KVScheme, LevelsRef, RotationRef, parse_kv_scheme
+from lowbit.recipe import KVScheme, LevelsRef, RotationRef, TensorQuant, parse_kv_scheme
 
 DECODE_CHOICES = ("auto", "torch", "triton")
 _REQUESTED = {"torch": "torch-stream", "triton": "triton-decode"}
@@ -100,6 +100,7 @@ class Plan:
             rows.append({
                 "layer": lp.index, "attention": g.attention, "window": lp.window,
                 "kv_heads": g.num_kv_heads, "head_dim_k": g.head_dim_k, "head_dim_v": g.head_dim_v,
+                "storage": getattr(g, "storage", "mha"), "k_eq_v": bool(getattr(g, "k_eq_v", False)),
                 "k": _codec_doc(lp.k), "v": _codec_doc(lp.v), "rotation": lp.rotation,
                 "backends": {s: {"name": c.name, "reason": c.reason} for s, c in lp.backends.items()},
             })
@@ -177,6 +178,7 @@ def load_rotations(rotation, geometry) -> Rotations:
 
     rs = RotationSet.load(rotation.path)  # verifies the file against its manifest
     sha = load_manifest(rotation.path).file_map()[FILE_NAME].sha256
+    _check_latent_rotation(rs, layers)
     if rotation.sha256 is not None and rotation.sha256 != sha:
         raise LowbitError(
             f"rotation {rotation.path} has sha256 {sha[:12]}... but the recipe pins {rotation.sha256[:12]}...: "
@@ -187,6 +189,23 @@ def load_rotations(rotation, geometry) -> Rotations:
     label = f"{kind} {sha[:8]}"
     return Rotations(tuple((rs.k[g.index].float(), rs.v[g.index].float()) for g in layers),
                      tuple(label for _ in layers), sha, per_head=rs.per_head)
+
+
+def _check_latent_rotation(rs, layers) -> None:
+    """An MLA latent has one head and one width (kv_lora_rank): refuse a per-head set or another rank by name."""
+    for g in layers:
+        if getattr(g, "storage", "mha") != "mla-latent":
+            continue
+        if rs.per_head:
+            raise LowbitError(f"layer {g.index} caches an MLA latent, which is one head shared by all "
+                              f"{g.num_q_heads} query heads: a per-KV-head rotation set does not apply; fit a "
+                              "per-layer (v1) rotation of the latent")
+        if g.index < rs.num_layers:
+            d = rs.layer_info(g.index)["head_dim_v"]
+            if d != g.latent_dim:
+                raise LowbitError(f"rotation layer {g.index} is {d} wide but this model's MLA latent has "
+                                  f"kv_lora_rank {g.latent_dim}: the set was fitted for another model; fit it on "
+                                  "this model's latent")
 
 
 # ------------------------------------------------------------------ levels
@@ -299,6 +318,10 @@ def resolve(scheme: KVScheme | str, geometry, *, device: str = "cpu", decode_bac
     if device not in ("cpu", "cuda"):
         raise LowbitError(f"device {device!r}: the KV cache runs on 'cpu' or 'cuda'")
     scheme.validate(geometry)
+    shared = [g.index for g in geometry.layers if getattr(g, "kv_shared_from", None) is not None]
+    if shared:
+        raise LowbitError(f"layers {shared[0]}..{shared[-1]} reuse earlier layers' K/V (num_kv_shared_layers): the "
+                          "lowbit cache does not serve shared-KV layers yet")
     rots = load_rotations(scheme.rotation, geometry)
     if scheme.fold_v_rotation and rots.per_head:
         raise LowbitError(
@@ -317,9 +340,15 @@ def resolve(scheme: KVScheme | str, geometry, *, device: str = "cpu", decode_bac
     for g in geometry.layers:
         ls = scheme.for_layer(g.index)
         lv = fitted.get(g.index, {})
-        k = _codec(ls.k, g.head_dim_k, ls.page, lv.get("k"), f"layer {g.index} K")
-        v = _codec(ls.v, g.head_dim_v, ls.page, lv.get("v"), f"layer {g.index} V")
         rk, rv = rots.per_layer[g.index]
+        if getattr(g, "shares_kv", False):
+            # V (the latent / K = V tensor) holds the layer's codes; K keeps only its own RoPE part, dense,
+            # and is rebuilt from V by the layer, so K takes no rotation of its own
+            k = TensorCodec(TensorQuant(bits=16), len(g.k_own_dims()), ls.page)
+            rk = None
+        else:
+            k = _codec(ls.k, g.head_dim_k, ls.page, lv.get("k"), f"layer {g.index} K")
+        v = _codec(ls.v, g.head_dim_v, ls.page, lv.get("v"), f"layer {g.index} V")
         if scheme.fold_v_rotation:
             rv = None  # V arrives rotated from the folded weights; the output needs no un-rotation
         lp = LayerPlan(g, ls, k, v, rk, rv, rots.label[g.index] + (" (V folded)" if scheme.fold_v_rotation else ""))
