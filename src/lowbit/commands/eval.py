@@ -27,9 +27,12 @@ def kv_flags(args) -> dict:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF directory")
-    parser.add_argument("--task", choices=("ppl", "needle"), default="ppl",
+    parser.add_argument("--task", choices=("ppl", "needle", "images"), default="ppl",
                         help="ppl: chunked teacher-forced PPL / KL / top-1 (default); needle: needle-in-a-haystack "
-                             "retrieval of every row over --lengths x --depths (lowbit.eval.needle_task)")
+                             "retrieval of every row over --lengths x --depths (lowbit.eval.needle_task); images: a "
+                             "diffusers DiT pipeline (--model) and its quantized --checkpoints through the image "
+                             "structure gate (lowbit.diffusion.evaluate; also spelled `lowbit eval images`)")
+    parser.add_argument("what", nargs="?", choices=("images",), default=None, help="`images`: the same as --task images")
     g = parser.add_argument_group("needle task (--task needle)")
     g.add_argument("--lengths", default=None, metavar="N1,N2,...",
                    help="prompt lengths in tokens, up to the model's context (default 1024,2048, capped by it)")
@@ -65,6 +68,9 @@ def add_arguments(parser) -> None:
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
     # --kv and the scheme flags shared with `lowbit generate`; here --kv takes a comma list
     add_kv_arguments(parser, kv_default="bf16")
+    from lowbit.diffusion.cli_args import add_image_arguments
+
+    add_image_arguments(parser, eval_=True)
     for action in parser._actions:
         if action.dest == "kv":
             action.metavar = "S1,S2,..."
@@ -99,6 +105,14 @@ def needle_options_from_args(args):
 
 
 def run(args) -> int:
+    if args.what == "images" or args.task == "images":
+        from lowbit.diffusion.cli_args import image_eval_options
+        from lowbit.diffusion.evaluate import evaluate_images
+
+        res = evaluate_images(image_eval_options(args))
+        return 0 if res["gate"] == "PASS" else 1
+    if args.device != "cpu" or args.checkpoints:
+        raise LowbitError("--device / --checkpoints belong to `lowbit eval images`; add `images` or drop them")
     if args.task == "needle":
         from lowbit.eval.needle_task import run_needle_eval
 

@@ -30,7 +30,11 @@ DEFAULT_SEQ_LEN = 512
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF dir")
+    p.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF dir; "
+                                                  "or a diffusers pipeline directory with --component")
+    p.add_argument("--component", default=None,
+                   help="diffusers pipelines: the component to quantize (transformer: the DiT; RTN or GPTQ "
+                        "calibrated on its own linear inputs while sampling); the rest is copied unchanged")
     p.add_argument("--scheme", default=None,
                    help="weight scheme: w4a16-g128 | w4a16-g64 | w4a16-g64-asym | w8a16 | w8a8 | w4a8 "
                         "(| w4a8-g64, w4a16-gN[-asym]); required")
@@ -74,7 +78,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-sequential", action="store_true",
                    help="calibrate every layer on unquantized inputs (one pass per layer instead of two)")
     p.add_argument("--ignore", action="append", default=None,
-                   help="linear names (or re:REGEX) kept in full precision (default: lm_head); repeatable")
+                   help="linear names (or re:REGEX) kept in full precision (default: lm_head; a DiT: proj_out_2; 'none': quantize every linear); repeatable")
     add_dtype(p, default="fp32", help="dtype of the checkpoint's float tensors")
     p.add_argument("--out", required=True, help="new output directory (never overwritten)")
     p.add_argument("--no-progress", action="store_true",
@@ -131,6 +135,8 @@ def run(args) -> int:
         from lowbit.weights.signround import SignRoundConfig
 
         signround = SignRoundConfig(iters=200 if args.iters is None else args.iters, lr=args.lr)
+    if args.component is not None or os.path.isfile(os.path.join(args.model, "model_index.json")):
+        return _run_diffusers(args, scheme)
     device = _device(args.device)
     ignore = list(args.ignore) if args.ignore else list(DEFAULT_IGNORE)
     dtype = torch_dtype(args.dtype)
@@ -188,4 +194,30 @@ def run(args) -> int:
           f"{f' +smooth {args.smooth}' if args.smooth is not None else ''}: {counts['layers']} layers, "
           f"{counts['quantized_linears']} linears quantized, {counts['ignored_linears']} ignored, 0 skipped{raised}; "
           f"quantize {report.seconds:.1f}s, total {time.perf_counter() - t0:.1f}s -> {args.out}")
+    return 0
+
+
+def _run_diffusers(args, scheme) -> int:
+    """`--model DIFFUSERS_DIR --component transformer`: lowbit.diffusion.quantize.quantize_pipeline."""
+    from lowbit.diffusion.quantize import DEFAULT_IGNORE, quantize_pipeline
+
+    if args.component is None:
+        raise LowbitError(f"{args.model} is a diffusers pipeline: name the component to quantize, e.g. "
+                          "--component transformer")
+    if args.method not in ("rtn", "gptq"):
+        raise LowbitError(f"--method {args.method}: diffusion transformers take --method rtn or gptq")
+    if args.rotate or args.smooth is not None or args.tune_scales is not None:
+        raise LowbitError("--rotate / --smooth / --tune-scales are causal-LM options; a DiT takes --method rtn|gptq")
+    if args.device != "cpu":
+        raise LowbitError("diffusion transformers are quantized on the CPU (--device cpu); they are small")
+    ignore = [] if args.ignore == ["none"] else (list(args.ignore) if args.ignore else list(DEFAULT_IGNORE))
+    t0 = time.perf_counter()
+    m = quantize_pipeline(args.model, args.out, component=args.component, scheme=scheme, method=args.method,
+                          ignore=ignore, damp=args.damp, block=args.block, act_order=not args.no_act_order,
+                          clip_search=args.clip_search, dtype=torch_dtype(args.dtype))
+    c = m["counts"]
+    print(f"{args.model} {args.component} {scheme.name} {args.method}: {c['quantized_linears']} of {c['linears']} "
+          f"linears quantized, {c['ignored_linears']} ignored ({', '.join(c['ignored']) or 'none'}), "
+          f"{c['skipped_linears']} skipped; weights {c['source_weight_bytes']} -> {c['weight_bytes']} bytes; "
+          f"{time.perf_counter() - t0:.1f}s -> {args.out}")
     return 0

@@ -36,5 +36,5 @@ def save_grid(rows: list[torch.Tensor], path, *, scale: int = 3, pad: int = 2, l
         if labels:
             draw.text((4, pad + r * ch + ch // 2 - 6), labels[r], fill=(230, 230, 230))
     path = Path(path)
-    canvas.save(path)
+    canvas.save(path, format="PNG")
     return path

@@ -186,7 +186,6 @@ def train(cfg: TrainConfig, out, *, progress: bool | None = None) -> dict:
     """Train and write the artifact directory `out` (new; refused if it exists). Returns the manifest as a dict."""
     import os
 
-    from lowbit.artifacts import ArtifactWriter
     from lowbit.diffusion.data import NUM_CLASSES, digits_source
     from lowbit.diffusion.grid import save_grid
     from lowbit.diffusion.pipeline import DigitsDiTPipeline
@@ -200,11 +199,22 @@ def train(cfg: TrainConfig, out, *, progress: bool | None = None) -> dict:
     classes = [c for c in range(NUM_CLASSES) for _ in SAMPLE_SEEDS]
     seeds = [s for _ in range(NUM_CLASSES) for s in SAMPLE_SEEDS]
     imgs = pipe(classes, seeds, num_inference_steps=cfg.sample_steps, guidance_scale=cfg.guidance)
-    with ArtifactWriter(out, kind=ARTIFACT_KIND, artifact_class="generic", inputs=inputs,
-                        recipe={"train": cfg.to_dict(), "model": "DiTTransformer2DModel",
-                                "pipeline": "lowbit.diffusion.pipeline.DigitsDiTPipeline"}) as w:
+    rows = [imgs[c * len(SAMPLE_SEEDS):(c + 1) * len(SAMPLE_SEEDS)] for c in range(NUM_CLASSES)]
+    return save_pipeline_artifact(
+        pipe, out, inputs=inputs, counts=stats,
+        recipe={"train": cfg.to_dict(), "model": "DiTTransformer2DModel",
+                "pipeline": "lowbit.diffusion.pipeline.DigitsDiTPipeline"},
+        samples=lambda path: save_grid(rows, path, labels=[str(c) for c in range(NUM_CLASSES)]))
+
+
+def save_pipeline_artifact(pipe, out, *, inputs: dict, recipe: dict, counts: dict, samples=None) -> dict:
+    """Write an (unquantized) pipeline as a generic lowbit artifact: save_pretrained's files + manifest.json;
+    samples(path) may write samples.png beside them. Returns the manifest as a dict."""
+    from lowbit.artifacts import ArtifactWriter
+
+    with ArtifactWriter(out, kind=ARTIFACT_KIND, artifact_class="generic", inputs=inputs, recipe=recipe) as w:
         pipe.save_pretrained(w.path, safe_serialization=True)
-        rows = [imgs[c * len(SAMPLE_SEEDS):(c + 1) * len(SAMPLE_SEEDS)] for c in range(NUM_CLASSES)]
-        save_grid(rows, w.path / "samples.png", labels=[str(c) for c in range(NUM_CLASSES)])
-        w.counts = stats
+        if samples is not None:
+            samples(w.path / "samples.png")
+        w.counts = dict(counts)
     return w.manifest.to_dict()

@@ -1,0 +1,128 @@
+"""lowbit's loader for diffusers directories, quantized or not.
+
+    pipe = load_pipeline(dir)            # DigitsDiTPipeline; quantized components hold QuantLinear modules
+
+A directory written by `lowbit quantize --component C` (or `lowbit train-dit`) is a lowbit artifact: its
+manifest is checked first (every file's sha256; a damaged file is one LowbitError naming it). A
+component whose config.json carries a compressed-tensors `quantization_config` is built from its
+config and every linear with `PREFIX.weight_scale` in the safetensors becomes a QuantLinear (the same
+tensor reader as lowbit.weights.load, so LM and DiT checkpoints share one format and one decoder);
+every other component loads with diffusers' own from_pretrained. A directory whose components are
+quantized must be a native-packed artifact: anything else (no manifest, another class) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+
+WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
+
+
+def pipeline_components(path: Path) -> dict[str, tuple[str, str]]:
+    """model_index.json's components: name -> (library, class); LowbitError if it is not a diffusers dir."""
+    idx = path / "model_index.json"
+    if not idx.is_file():
+        raise LowbitError(f"{path} has no model_index.json: pass a diffusers pipeline directory "
+                          "(e.g. one written by `lowbit train-dit`)")
+    try:
+        d = json.loads(idx.read_text())
+    except (OSError, ValueError) as e:
+        raise LowbitError(f"{idx} is not readable JSON ({e}); copy the pipeline again") from None
+    return {k: tuple(v) for k, v in d.items()
+            if not k.startswith("_") and isinstance(v, list) and len(v) == 2 and v[0] is not None}
+
+
+def is_quantized_component(path: Path) -> bool:
+    cfg = path / "config.json"
+    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("quantization_config"))
+
+
+def quantized_components(path: Path) -> list[str]:
+    return [c for c in pipeline_components(path) if is_quantized_component(path / c)]
+
+
+def check_artifact(path: Path, *, need_native: bool) -> str | None:
+    """Verify the manifest (if any) and return its class. need_native: refuse anything but native-packed."""
+    from lowbit.artifacts import load_manifest, require_intact
+
+    if not (path / "manifest.json").is_file():
+        if need_native:
+            raise LowbitError(f"{path} has quantized components but no manifest.json: not a lowbit native-packed "
+                              "checkpoint; write it with `lowbit quantize --component ...`")
+        return None
+    require_intact(path, "diffusers checkpoint")
+    cls = load_manifest(path).artifact_class
+    if need_native and cls != "native-packed":
+        raise LowbitError(f"{path}: manifest class is {cls!r}, not 'native-packed'; quantized pipelines are "
+                          "native-packed artifacts written by `lowbit quantize --component ...`")
+    return cls
+
+
+def load_quantized_transformer(comp_dir: Path, *, dtype: torch.dtype | None = None):
+    """A diffusers model (DiTTransformer2DModel, ...) from a compressed-tensors component directory."""
+    import diffusers
+
+    from lowbit.weights.load import _load_rest, _quantlinear, _read_safetensors, scheme_from_ct
+
+    raw = json.loads((comp_dir / "config.json").read_text())
+    scheme = scheme_from_ct(raw["quantization_config"])
+    cls = getattr(diffusers, raw.get("_class_name", ""), None)
+    if cls is None:
+        raise LowbitError(f"{comp_dir}/config.json names class {raw.get('_class_name')!r}, which diffusers lacks")
+    files = sorted(comp_dir.glob("*.safetensors"))
+    if not files:
+        raise LowbitError(f"{comp_dir} holds no .safetensors files")
+    sd: dict[str, torch.Tensor] = {}
+    for f in files:
+        sd.update(_read_safetensors(f))
+    cfg = {k: v for k, v in raw.items() if k != "quantization_config"}
+    model = cls.from_config(cfg)
+    prefixes = [k[: -len(".weight_scale")] for k in list(sd) if k.endswith(".weight_scale")]
+    if not prefixes:
+        raise LowbitError(f"{comp_dir}: no quantized tensors (*.weight_scale) in the safetensors")
+    for prefix in prefixes:
+        try:
+            old = model.get_submodule(prefix)
+        except AttributeError:
+            raise LowbitError(f"{comp_dir}: tensor {prefix}.weight_scale has no module {prefix} in the model") from None
+        if not isinstance(old, torch.nn.Linear):
+            raise LowbitError(f"{comp_dir}: {prefix} is a {type(old).__name__}, not a Linear")
+        parent, _, child = prefix.rpartition(".")
+        setattr(model.get_submodule(parent) if parent else model, child, _quantlinear(prefix, sd, scheme))
+    _load_rest(model, sd, comp_dir)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def load_pipeline(path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """The DigitsDiTPipeline of a diffusers directory (see module docstring), on `device`, eval mode."""
+    import diffusers
+
+    from lowbit.diffusion.pipeline import DigitsDiTPipeline
+
+    path = Path(path)
+    comps = pipeline_components(path)
+    quantized = [c for c in comps if is_quantized_component(path / c)]
+    check_artifact(path, need_native=bool(quantized))
+    missing = {"transformer", "scheduler"} - set(comps)
+    if missing:
+        raise LowbitError(f"{path}/model_index.json lacks component(s) {', '.join(sorted(missing))}")
+    parts = {}
+    for name, (lib, cls_name) in comps.items():
+        if name in quantized:
+            parts[name] = load_quantized_transformer(path / name, dtype=dtype)
+            continue
+        cls = getattr(diffusers, cls_name, None)
+        if lib != "diffusers" or cls is None:
+            raise LowbitError(f"{path}: component {name} is {lib}.{cls_name}; lowbit loads diffusers classes only")
+        kw = {"torch_dtype": dtype} if dtype is not None and issubclass(cls, diffusers.ModelMixin) else {}
+        parts[name] = cls.from_pretrained(path, subfolder=name, **kw)
+    pipe = DigitsDiTPipeline(transformer=parts["transformer"], scheduler=parts["scheduler"])
+    pipe.transformer.to(device).eval()
+    return pipe
