@@ -659,7 +659,12 @@ def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
 
 
 def load_recipe(path) -> KVScheme:
-    """KV scheme from a JSON or TOML recipe file: its [kv] table, or the top level without one."""
+    """KV scheme from a JSON or TOML recipe file: its [kv] table, or the top level without one.
+    `path` may also name a recipe shipped in the package, MODEL@BUDGET (lowbit.recipes, sha256-pinned)."""
+    from lowbit.recipes import looks_like_name, shipped_path
+
+    if looks_like_name(path):
+        path = shipped_path(str(path))
     d = read_recipe_file(path)
     if not isinstance(d, dict):
         raise LowbitError(f"recipe {path}: expected a table/object at the top level")

@@ -127,7 +127,7 @@ def check_needle(o: NeedleOptions):
         raise LowbitError(f"--new-tokens must be >= 1, got {o.new_tokens}")
     if o.chunk < 1:
         raise LowbitError(f"--chunk must be >= 1, got {o.chunk}")
-    schemes = plan_schemes(o.kv, o.kv_flags, recipe=o.recipe)
+    schemes = plan_schemes(o.kv, o.kv_flags, recipe=o.recipe, model=o.model)
     peers = plan_peers(o.peers)
     hf = [p for p in peers if p.startswith("hf-")]
     if hf:

@@ -38,14 +38,25 @@ def split_list(text: str | None, what: str) -> list[str]:
     return items
 
 
-def plan_schemes(kv_text: str | None, flags: dict | None = None, recipe: str | None = None) -> list[PlannedScheme]:
+def plan_schemes(kv_text: str | None, flags: dict | None = None, recipe: str | None = None,
+                 model: str | None = None) -> list[PlannedScheme]:
     """Parse --kv into schemes; the bf16 reference comes first (added when not listed).
 
     flags: keyword arguments for lowbit.recipe.parse_kv_scheme (group, sink, recent, clip, lloyd_max,
     rotation, page, symmetric, layer_bits, grid), applied to every scheme name. recipe: a --recipe file, one more row
-    (named by the file's stem). Unknown names raise LowbitError.
+    (named by the file's stem), or a recipe shipped in the package by name (MODEL@BUDGET, row named so; also
+    accepted as a --kv item). model: the --model, against which a recipe's [tune] model is checked.
+    Unknown names raise LowbitError.
     """
     from lowbit.recipe import load_recipe, parse_kv_scheme
+    from lowbit.recipes import looks_like_name, recipe_model, shipped_path
+
+    def recipe_row(label: str, p: Path) -> PlannedScheme:
+        tuned_for = recipe_model(p)
+        if model is not None and tuned_for is not None and tuned_for != _model_name(model):
+            raise LowbitError(f"recipe {label} was tuned for {tuned_for}, not {_model_name(model)}; "
+                              f"use a recipe of {_model_name(model)} (its layer bits are per layer of that model)")
+        return PlannedScheme(label, load_recipe(p))
 
     flags = {k: v for k, v in (flags or {}).items() if v is not None}
     out = [PlannedScheme(REFERENCE, None)]
@@ -56,9 +67,12 @@ def plan_schemes(kv_text: str | None, flags: dict | None = None, recipe: str | N
             p = Path(item)
             if not p.is_file():
                 raise LowbitError(f"--kv {item}: recipe file not found")
-            out.append(PlannedScheme(p.stem, load_recipe(p)))
+            out.append(recipe_row(p.stem, p))
             continue
         name, _, rot = item.partition("@")
+        if rot and looks_like_name(item) and name.lower() not in _SCHEME_WORDS:
+            out.append(recipe_row(item, shipped_path(item)))
+            continue
         f = dict(flags)
         if rot:
             if rot not in ("none", "hadamard") and not Path(rot).is_dir():
@@ -71,14 +85,26 @@ def plan_schemes(kv_text: str | None, flags: dict | None = None, recipe: str | N
         out.append(PlannedScheme(item, scheme))
     if recipe:
         p = Path(recipe)
-        if not p.is_file():
+        if looks_like_name(recipe):
+            out.append(recipe_row(recipe, shipped_path(recipe)))
+        elif not p.is_file():
             raise LowbitError(f"--recipe {recipe}: file not found")
-        out.append(PlannedScheme(p.stem, load_recipe(p)))
+        else:
+            out.append(recipe_row(p.stem, p))
     labels = [p.label for p in out]
     dup = sorted({x for x in labels if labels.count(x) > 1})
     if dup:
         raise LowbitError(f"--kv gives the row name(s) {', '.join(dup)} twice; list each scheme once")
     return out
+
+
+_SCHEME_WORDS = ("bf16", "int8", "int4", "int3", "int2", "kivi2", "kivi4")
+
+
+def _model_name(model: str) -> str:
+    from lowbit.models import model_name
+
+    return model_name(model)
 
 
 def plan_peers(peers_text: str | None) -> list[str]:

@@ -76,7 +76,7 @@ def check_options(o: EvalOptions):
         raise LowbitError(f"--chunk must be >= 1, got {o.chunk}")
     if o.threads is not None and o.threads < 1:
         raise LowbitError(f"--threads must be >= 1, got {o.threads}")
-    schemes = plan_schemes(o.kv, o.kv_flags, recipe=o.recipe)
+    schemes = plan_schemes(o.kv, o.kv_flags, recipe=o.recipe, model=o.model)
     peers = plan_peers(o.peers)
     clash = sorted({s.label for s in schemes} & set(peers))
     if clash:

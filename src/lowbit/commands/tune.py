@@ -1,0 +1,129 @@
+"""`lowbit tune`: per-layer, per-tensor KV bits within a held-bits budget, chosen by measured loss.
+
+    lowbit tune --model gemma3-270m --budget 2.5 --context 32768 --out gemma3-270m@2.5.toml
+    lowbit eval --model gemma3-270m --kv int2,kivi2 --recipe gemma3-270m@2.5.toml
+
+See lowbit.eval.tune for the method. The budget is in held bits (lowbit.kv.held): bits per element of
+the quantized tier averaged over what each layer holds at --context (default 32k, or the model's
+context if smaller). Calibration defaults to the stdlib corpus, never the evaluation text.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+from lowbit.errors import LowbitError
+
+NAME = "tune"
+HELP = "choose per-layer K/V bits within a held-bits budget by measured loss; writes a recipe TOML"
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", required=True, help="built-in name or a local HF directory")
+    p.add_argument("--budget", type=float, required=True, help="held bits per element of the quantized tier (e.g. 2.5)")
+    p.add_argument("--context", type=int, default=None,
+                   help="context (tokens) the held bits are counted at (default 32768, or the model's if smaller)")
+    p.add_argument("--out", default=None, help="recipe TOML to write (default MODEL@BUDGET.toml here)")
+    p.add_argument("--data", default="stdlib", help="calibration text: stdlib (default) | PATH (not the eval text)")
+    p.add_argument("--windows", type=int, default=2, help="calibration windows (default 2)")
+    p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration window (default 1024)")
+    p.add_argument("--rotations", default="hadamard",
+                   help="comma list of scheme-wide rotation candidates: hadamard, none, RotationSet dirs "
+                        "(default hadamard)")
+    p.add_argument("--grids", default="std,lloyd-max", help="2-bit grid candidates: std, lloyd-max (default both)")
+    p.add_argument("--sink", type=int, default=None, help="sink tokens kept in the model dtype (default 64)")
+    p.add_argument("--recent", type=int, default=None, help="recent tokens kept in the model dtype (default 256)")
+    p.add_argument("--page", type=int, default=None, help="page (default 16)")
+    p.add_argument("--cache-dir", default=None, help="cache root for built-in models (default ~/.cache/lowbit)")
+
+
+def _geometry(model: str):
+    from lowbit.models import ModelGeometry, model_name
+    from lowbit.models.registry import BUILTINS
+
+    if model in BUILTINS:
+        cfg = BUILTINS[model].config_dict()
+    else:
+        p = Path(model).expanduser() / "config.json"
+        if not p.is_file():
+            raise LowbitError(f"--model {model}: not a built-in and no config.json there")
+        cfg = json.loads(p.read_text())
+    return ModelGeometry.from_config(cfg, name=model_name(model))
+
+
+def check(args):
+    """Everything that needs no model: (geometry, context, rotations, grids, out). Raises LowbitError."""
+    from lowbit.eval.runner import model_context
+    from lowbit.eval.tune import GRIDS, smallest_held
+    from lowbit.kv.held import DEFAULT_CONTEXT
+    from lowbit.recipe import RotationRef, parse_kv_scheme
+
+    if not args.budget > 0:
+        raise LowbitError(f"--budget must be a positive number of bits per element, got {args.budget}")
+    ctx = model_context(args.model)
+    context = args.context if args.context is not None else min(DEFAULT_CONTEXT, ctx or DEFAULT_CONTEXT)
+    if context < 1:
+        raise LowbitError(f"--context must be >= 1 token, got {context}")
+    if ctx is not None and context > ctx:
+        raise LowbitError(f"--context {context} is longer than the context of {args.model} ({ctx} tokens); "
+                          f"use --context {ctx} or less")
+    if args.windows < 1:
+        raise LowbitError(f"--windows must be >= 1, got {args.windows}")
+    geometry = _geometry(args.model)
+    grids = [g.strip() for g in args.grids.split(",") if g.strip()]
+    bad = [g for g in grids if g not in GRIDS]
+    if bad or not grids:
+        raise LowbitError(f"--grids {args.grids}: use a comma list of {', '.join(GRIDS)}")
+    rotations = []
+    for r in [r.strip() for r in args.rotations.split(",") if r.strip()]:
+        if r not in ("none", "hadamard") and not Path(r).is_dir():
+            raise LowbitError(f"--rotations {r}: not none, hadamard or a RotationSet directory")
+        rotations.append(r if r in ("none", "hadamard") else RotationRef(r))
+    if not rotations:
+        raise LowbitError("--rotations is empty; give hadamard, none or RotationSet dirs")
+    tiers = {"sink": args.sink, "recent": args.recent, "page": args.page}
+    s = parse_kv_scheme("int2", **tiers)
+    s.validate(geometry)
+    if args.seq_len < s.sink + s.recent + s.page:
+        raise LowbitError(f"--seq-len {args.seq_len} is shorter than sink {s.sink} + recent {s.recent} + page "
+                          f"{s.page}: no calibration query would see a quantized middle; use a longer --seq-len")
+    if ctx is not None and args.seq_len > ctx:
+        raise LowbitError(f"--seq-len {args.seq_len} is longer than the context of {args.model} ({ctx} tokens)")
+    floor = smallest_held(geometry, context, rotations, grids, **tiers)
+    if args.budget < floor - 1e-9:
+        raise LowbitError(f"--budget {args.budget:g} is below the smallest recipe's held bits ({floor:.3f} b/elt at "
+                          f"{context} tokens, every K and V at 2 bits); use --budget {floor:.3f} or more")
+    out = Path(args.out) if args.out else Path(f"{geometry.name}@{args.budget:g}.toml")
+    if out.exists():
+        raise LowbitError(f"{out} already exists; give a new --out (recipes are never overwritten)")
+    if out.suffix != ".toml":
+        raise LowbitError(f"--out {out}: the recipe is TOML; give a path ending in .toml")
+    return geometry, context, rotations, grids, tiers, out
+
+
+def run(args) -> int:
+    from lowbit.calib.corpora import load_text, token_windows
+    from lowbit.eval.tune import recipe_toml, tune
+    from lowbit.models import resolve
+
+    _, context, rotations, grids, tiers, out = check(args)
+    text = load_text(args.data)
+    lm = resolve(args.model, cache_dir=args.cache_dir)
+    calib = token_windows(lm.tokenizer, text, args.seq_len, args.windows)
+    info = {"data": str(args.data), "windows": args.windows, "seq_len": args.seq_len}
+    res = tune(lm, budget=args.budget, context=context, calib=calib, calib_info=info, rotations=rotations,
+               grids=grids, **tiers)
+    cmd = "lowbit " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowbit") else ""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    tmp.write_text(recipe_toml(res, command=cmd), encoding="utf-8")
+    tmp.replace(out)
+    b = res.best
+    print(f"{res.held.line()}")
+    print(f"chose rotation {b.rotation}, 2-bit grid {b.grid}; calibration PPL {b.ppl:.3f} vs exact {res.ref_ppl:.3f} "
+          f"({100 * (b.ppl / res.ref_ppl - 1):+.2f}%); layers above 2 bits: "
+          + (", ".join(f"{i}=k{a[0]}v{a[1]}" for i, a in sorted(b.assign.items()) if a != (2, 2)) or "none"))
+    print(f"-> {out} ({res.seconds:.0f} s)")
+    return 0

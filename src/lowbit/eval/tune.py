@@ -1,0 +1,291 @@
+"""`lowbit tune`: per layer and per tensor (K, V) KV bits within a held-bits budget, chosen by measured loss.
+
+    res = tune(lm, budget=2.5, context=32768, calib=windows)     # windows [N, T] of calibration text
+    write_recipe(res, "smollm2-135m@2.5.toml")                   # `lowbit eval --recipe FILE` runs it
+
+1. Sensitivity (lowbit.eval.layer_error.measure_layers, the layer-error harness, cache's own codec):
+   for each candidate rotation r (scheme-wide: "hadamard", "none", or a RotationSet dir) and each
+   tensor t in {K, V}, the per-layer attention-output error when only t is quantized, at 2 bits (each
+   candidate 2-bit grid: the std grid, Gaussian Lloyd-Max) and at 4 and 8 bits (min/max grid, what a
+   layer_bits override gets). Errors are energies relative to the exact output, e = 10^(dB/10); the
+   loss model of an assignment is sum over layers of e_K(layer, bits) + e_V(layer, bits) (K and V
+   errors add, to first order, since each perturbs the output independently).
+2. Cost: held bits (lowbit.kv.held at `context`): each layer's middle elements at the context weigh
+   what they hold, so a full-attention layer of gemma3 at 32k costs ~30x a sliding one.
+3. Allocation, per (rotation, 2-bit grid) base: start every tensor at 2 bits (the smallest recipe: a
+   budget below its held bits is refused); upgrade the (layer, tensor, bits) with the largest loss
+   drop per added held bit that still fits the budget; repeat until nothing fits.
+4. Check: every base's allocation (and the all-2-bit base) is run through the full-window fake-quant
+   perplexity on the calibration windows (lowbit.eval.layer_error.fake_quant_ppl: errors compound as
+   in serving) and the lowest PPL wins -- this is where a rotation or grid "pays" or not.
+Calibration is never the evaluation text: the default is the stdlib corpus (pydoc topics).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field, replace
+
+from lowbit.errors import LowbitError
+
+BITS = (2, 4, 8)
+GRIDS = ("std", "lloyd-max")
+DEFAULT_ROTATIONS = ("hadamard",)
+
+
+def base_scheme(rotation, grid: str, *, sink=None, recent=None, page=None):
+    """The all-2-bit scheme of a base (rotation, 2-bit grid)."""
+    from lowbit.recipe import parse_kv_scheme
+
+    if grid not in GRIDS:
+        raise LowbitError(f"2-bit grid {grid!r} unknown; use {' or '.join(GRIDS)}")
+    return parse_kv_scheme("int2", sink=sink, recent=recent, page=page, rotation=rotation,
+                           lloyd_max=grid == "lloyd-max")
+
+
+def with_layer_bits(base, assign: dict):
+    """base with layer_bits for every layer whose (K, V) bits differ from (2, 2)."""
+    lb = {i: f"k{kb}v{vb}" for i, (kb, vb) in sorted(assign.items()) if (kb, vb) != (2, 2)}
+    return replace(base, layer_bits=tuple(lb.items()))
+
+
+def _rot_label(r) -> str:
+    return r if isinstance(r, str) else str(getattr(r, "path", r))
+
+
+@dataclass
+class Candidate:
+    rotation: str
+    grid: str
+    assign: dict  # layer -> (K bits, V bits)
+    predicted: float  # loss model (sum of relative error energies)
+    held: float  # held bits at the context
+    scheme: object = None
+    ppl: float | None = None
+    base_ppl: float | None = None  # the all-2-bit base of the same rotation and grid
+
+
+@dataclass
+class TuneResult:
+    model: str
+    weights_sha256: object
+    budget: float
+    context: int
+    calib: dict
+    best: Candidate
+    candidates: list = field(default_factory=list)
+    ref_ppl: float | None = None
+    db: dict = field(default_factory=dict)  # variant name -> layer -> dB
+    held: object = None  # lowbit.kv.held.HeldBits of the best scheme
+    seconds: float = 0.0
+
+
+def smallest_held(geometry, context: int, rotations, grids, **tiers) -> float:
+    """Held bits of the cheapest recipe tune can write (every tensor at 2 bits) at `context`."""
+    from lowbit.kv.held import held_bits
+
+    out = []
+    for r in rotations:
+        for g in grids:
+            b = held_bits(base_scheme("none", g, **tiers), context, geometry=geometry).bits
+            if b is not None:
+                out.append(b)
+    if not out:
+        raise LowbitError(f"at context {context} every token sits in the sink + recent tiers: nothing is "
+                          "quantized, so no budget applies; use a longer --context or lower --sink / --recent")
+    return min(out)
+
+
+def _cost_table(base, geometry, context: int):
+    """(layer -> (K elements, V elements), bits -> per-element cost (K, V) per layer) at the context."""
+    from lowbit.kv.held import codec_bits_per_token, held_bits
+    from lowbit.kv.plan import resolve
+
+    h = held_bits(base, context, geometry=geometry)
+    elems = {lh.index: (lh.elements_k, lh.elements_v) for lh in h.layers}
+    cost: dict = {}
+    for b in BITS:
+        plan = resolve(with_layer_bits(base, {g.index: (b, b) for g in geometry.layers}), geometry)
+        for lp in plan.layers:
+            g = lp.geometry
+            cost[(lp.index, b)] = (codec_bits_per_token(lp.k) / g.head_dim_k, codec_bits_per_token(lp.v) / g.head_dim_v)
+    return elems, cost
+
+
+def allocate(err: dict, elems: dict, cost: dict, budget: float, layers: list[int]) -> tuple[dict, float, float]:
+    """Greedy multiple-choice allocation. err[(layer, t, bits)]: loss of tensor t (0=K, 1=V) of a layer at
+    bits; elems[layer] = (K, V) middle elements; cost[(layer, bits)] = (K, V) bits per element.
+    Returns (assign {layer: (kb, vb)}, predicted loss, held bits (codebooks aside))."""
+    total_el = sum(sum(e) for e in elems.values())
+    if total_el == 0:
+        raise LowbitError("no layer holds a quantized token at this context; nothing to allocate")
+    bits = {(i, t): 2 for i in layers for t in (0, 1)}
+
+    def held() -> float:
+        return sum(elems[i][t] * cost[(i, bits[(i, t)])][t] for (i, t) in bits) / total_el
+
+    cur = held()
+    while True:
+        best, best_gain = None, 0.0
+        for (i, t), b in bits.items():
+            if not elems[i][t]:
+                continue
+            for nb in BITS:
+                if nb <= b:
+                    continue
+                d_bits = elems[i][t] * (cost[(i, nb)][t] - cost[(i, b)][t]) / total_el
+                if cur + d_bits > budget + 1e-12:
+                    continue
+                gain = (err[(i, t, b)] - err[(i, t, nb)]) / max(d_bits, 1e-18)
+                if gain > best_gain:
+                    best, best_gain = ((i, t), nb, d_bits), gain
+        if best is None:
+            break
+        (i, t), nb, d_bits = best
+        bits[(i, t)] = nb
+        cur += d_bits
+    assign = {i: (bits[(i, 0)], bits[(i, 1)]) for i in layers}
+    pred = sum(err[(i, t, bits[(i, t)])] for (i, t) in bits)
+    return assign, pred, cur
+
+
+def _variants(geometry, rotations, grids, tiers):
+    """Layer-error variants: per rotation, K-only and V-only at each bits (2-bit once per grid)."""
+    from lowbit.eval.layer_error import Variant
+    from lowbit.kv.plan import load_rotations
+    from lowbit.recipe import parse_kv_scheme
+
+    out = []
+    for r in rotations:
+        rots = load_rotations(r, geometry)
+        rot = {g.index: rots.per_layer[g.index] for g in geometry.layers}
+        for t, name in ((0, "k{b}v16"), (1, "k16v{b}")):
+            for b in BITS:
+                for g in (grids if b == 2 else ("minmax",)):
+                    s = parse_kv_scheme(name.format(b=b), rotation=r, lloyd_max=g == "lloyd-max", **tiers)
+                    if b == 2 and g == "std":
+                        s = replace(s, k=replace(s.k, grid="std") if t == 0 else s.k,
+                                    v=replace(s.v, grid="std") if t == 1 else s.v)
+                    out.append((Variant(f"{_rot_label(r)}|{'KV'[t]}{b}|{g}", s, rot), _rot_label(r), t, b, g))
+    return out
+
+
+def tune(lm, *, budget: float, context: int, calib, calib_info: dict, rotations=DEFAULT_ROTATIONS, grids=GRIDS,
+         sink=None, recent=None, page=None, log=print) -> TuneResult:
+    """Choose the recipe (see the module docstring). lm: a lowbit LoadedModel; calib: LongTensor [N, T]."""
+    from lowbit.eval.layer_error import Variant, fake_quant_ppl, measure_layers
+    from lowbit.eval.perplexity import full_window_ppl
+    from lowbit.kv.held import held_bits
+    from lowbit.kv.plan import load_rotations
+
+    t0 = time.perf_counter()
+    geometry = lm.geometry
+    tiers = {"sink": sink, "recent": recent, "page": page}
+    floor = smallest_held(geometry, context, rotations, grids, **tiers)
+    if budget < floor - 1e-9:
+        raise LowbitError(f"budget {budget:g} b/elt is below the smallest recipe's held bits ({floor:.3f} b/elt at "
+                          f"{context} tokens: every K and V at 2 bits); give --budget {math.ceil(floor * 100) / 100:g} "
+                          "or more")
+    variants = _variants(geometry, rotations, grids, tiers)
+    log(f"measuring {len(variants)} layer-error variants on {calib.shape[0]} x {calib.shape[1]} calibration tokens")
+    db = measure_layers(lm.model, calib, [v for v, *_ in variants])
+    layers = [g.index for g in geometry.layers]
+    err = {}
+    for v, r, t, b, g in variants:
+        for i in layers:
+            x = db[v.name].get(i, float("-inf"))
+            err[(r, g if b == 2 else "minmax", i, t, b)] = 0.0 if x == float("-inf") else 10 ** (x / 10)
+    log(f"  {time.perf_counter() - t0:.0f} s; checking allocations by fake-quant PPL")
+    ref_ppl = full_window_ppl(lm.model, calib)
+    cands = []
+    for r in rotations:
+        rl = _rot_label(r)
+        rots = load_rotations(r, geometry)
+        rot = {g.index: rots.per_layer[g.index] for g in geometry.layers}
+        for g in grids:
+            base = base_scheme(r, g, **tiers)
+            elems, cost = _cost_table(base, geometry, context)
+            e = {(i, t, b): err[(rl, g if b == 2 else "minmax", i, t, b)] for i in layers for t in (0, 1) for b in BITS}
+            assign, pred, _ = allocate(e, elems, cost, budget, layers)
+            scheme = with_layer_bits(base, assign)
+            held = held_bits(scheme, context, geometry=geometry).bits
+            while held > budget + 1e-9:  # codebooks (amortised) are not in the greedy's cost: step back
+                worst = max((i for i in assign if assign[i] != (2, 2)), key=lambda i: sum(assign[i]))
+                kb, vb = assign[worst]
+                assign[worst] = (2, vb) if kb >= vb else (kb, 2)
+                scheme = with_layer_bits(base, assign)
+                held = held_bits(scheme, context, geometry=geometry).bits
+            c = Candidate(rl, g, assign, pred, held, scheme)
+            c.ppl = fake_quant_ppl(lm.model, calib, Variant("tuned", scheme, rot, layer_scheme={
+                i: scheme.for_layer(i) for i in layers}))[0]
+            c.base_ppl = fake_quant_ppl(lm.model, calib, Variant("base", base, rot))[0]
+            log(f"  rotation {rl}, 2-bit grid {g}: held {held:.3f} b/elt, calib PPL {c.ppl:.3f} "
+                f"({100 * (c.ppl / ref_ppl - 1):+.2f}%; all-2-bit {100 * (c.base_ppl / ref_ppl - 1):+.2f}%), "
+                f"{sum(1 for a in assign.values() if a != (2, 2))} layers above 2 bits")
+            cands.append(c)
+    best = min(cands, key=lambda c: c.ppl)
+    return TuneResult(model=lm.name, weights_sha256=lm.weights_sha256, budget=budget, context=context,
+                      calib=calib_info, best=best, candidates=cands, ref_ppl=ref_ppl, db=db,
+                      held=held_bits(best.scheme, context, geometry=geometry), seconds=time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------ the recipe file
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        if isinstance(v, float) and not math.isfinite(v):
+            return '"nan"'
+        return repr(round(v, 6)) if isinstance(v, float) else str(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    if v is None:
+        return '"none"'
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def recipe_toml(res: TuneResult, *, command: str = "") -> str:
+    """The recipe: [kv] (what load_recipe reads), [tune] (budget, measured held bits, evidence)."""
+    from lowbit import __version__
+
+    b = res.best
+    s = b.scheme
+    h = res.held
+    lines = [f"# lowbit tune: {res.model}, budget {res.budget:g} held b/elt at {res.context} tokens",
+             f"#   {command}" if command else "#",
+             f"#   lowbit eval --model {res.model} --kv int2,kivi2 --recipe THIS_FILE", "", "[kv]",
+             'scheme = "int2"', f"rotation = {_toml_value(b.rotation)}", f"sink = {s.sink}", f"recent = {s.recent}",
+             f"page = {s.page}"]
+    if b.grid == "lloyd-max":
+        lines.append("lloyd_max = true")
+    lines += ["", "[kv.layer_bits]"] + [f'"{i}" = "{name}"' for i, name in s.layer_bits]
+    d = h.dense()
+    tune_doc = {
+        "model": res.model, "budget": res.budget, "context": res.context,
+        "held_bits": h.bits, "held_bits_k": h.k_bits, "held_bits_v": h.v_bits,
+        "dense_tiers_share": d["dense_share"], "avg_bits_all_tiers": d["avg_bits_all_tiers"],
+        "rotation": b.rotation, "grid_2bit": b.grid, "calib_data": res.calib.get("data"),
+        "calib_windows": res.calib.get("windows"), "calib_seq_len": res.calib.get("seq_len"),
+        "calib_ref_ppl": res.ref_ppl, "calib_ppl": b.ppl, "calib_delta_ppl_pct": 100 * (b.ppl / res.ref_ppl - 1),
+        "calib_all_int2_delta_ppl_pct": 100 * (b.base_ppl / res.ref_ppl - 1), "seconds": round(res.seconds, 1),
+        "lowbit_version": __version__,
+    }
+    lines += ["", ("# evidence (ignored by load_recipe): held bits from lowbit.kv.held at the context; PPL on the "
+              "calibration windows, full-window fake-quant (lowbit.eval.layer_error)"), "[tune]"]
+    lines += [f"{k} = {_toml_value(v)}" for k, v in tune_doc.items()]
+    ws = res.weights_sha256
+    if isinstance(ws, str):
+        lines.append(f"weights_sha256 = {_toml_value(ws)}")
+    for c in res.candidates:
+        lines += ["", "[[tune.candidates]]", f"rotation = {_toml_value(c.rotation)}", f"grid_2bit = {_toml_value(c.grid)}",
+                  f"held_bits = {_toml_value(c.held)}", f"predicted_loss = {_toml_value(c.predicted)}",
+                  f"calib_ppl = {_toml_value(c.ppl)}", f"calib_all_int2_ppl = {_toml_value(c.base_ppl)}",
+                  f"layers_above_2bit = {sum(1 for a in c.assign.values() if a != (2, 2))}"]
+    lines += ["", "# per-layer attention-output error (dB) on the calibration windows, K-only / V-only variants",
+              "[tune.layer_error_db]"]
+    for name, per in res.db.items():
+        lines.append(f"{_toml_value(name)} = {_toml_value([round(per[i], 2) for i in sorted(per)])}")
+    return "\n".join(lines) + "\n"

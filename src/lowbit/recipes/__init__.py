@@ -1,0 +1,67 @@
+"""KV recipes shipped inside the package, loadable by name: `MODEL@BUDGET` (e.g. `smollm2-135m@2.5`).
+
+    lowbit eval --model smollm2-135m --recipe smollm2-135m@2.5
+    from lowbit.recipes import shipped_path, names
+    shipped_path("smollm2-135m@2.5")   # the TOML's path, after its sha256 matched index.json
+
+Each recipe is a `lowbit tune` output (its [tune] table holds the budget, the held bits measured at
+its context and the evidence), pinned by the sha256 in index.json: a file that differs from its pin
+is refused by name. The recipes use rotation "hadamard" (no rotation-set files to ship).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+
+from lowbit.errors import LowbitError
+
+RECIPES_DIR = Path(__file__).parent
+INDEX_FILE = "index.json"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*@\d+(\.\d+)?$")
+
+
+def index() -> dict:
+    """{name: {"file", "sha256", "model", "budget", "context"}} of the shipped recipes."""
+    p = RECIPES_DIR / INDEX_FILE
+    return json.loads(p.read_text(encoding="utf-8")) if p.is_file() else {}
+
+
+def names() -> list[str]:
+    return sorted(index())
+
+
+def looks_like_name(text: str) -> bool:
+    """True for MODEL@BUDGET (not a path)."""
+    return bool(NAME_RE.match(str(text))) and not Path(str(text)).exists()
+
+
+def shipped_path(name: str) -> Path:
+    """The path of shipped recipe `name`, its sha256 checked against the index. LowbitError otherwise."""
+    idx = index()
+    if name not in idx and "@" in name:  # smollm2-135m@3.0 is smollm2-135m@3
+        model, _, budget = name.rpartition("@")
+        name = f"{model}@{float(budget):g}" if f"{model}@{float(budget):g}" in idx else name
+    if name not in idx:
+        known = ", ".join(sorted(idx)) or "none"
+        raise LowbitError(f"no shipped recipe {name!r}; shipped: {known} (or give a recipe .toml / .json path)")
+    entry = idx[name]
+    p = RECIPES_DIR / entry["file"]
+    if not p.is_file():
+        raise LowbitError(f"shipped recipe {name}: {p.name} is missing from the package; reinstall lowbit")
+    sha = hashlib.sha256(p.read_bytes()).hexdigest()
+    if sha != entry["sha256"]:
+        raise LowbitError(f"shipped recipe {name}: {p.name} has sha256 {sha[:12]}... but the index pins "
+                          f"{entry['sha256'][:12]}...; it was modified: reinstall lowbit")
+    return p
+
+
+def recipe_model(path) -> str | None:
+    """The model a recipe file was tuned for ([tune].model), or None when it does not say."""
+    from lowbit.recipe import read_recipe_file
+
+    d = read_recipe_file(path)
+    t = d.get("tune") if isinstance(d, dict) else None
+    return t.get("model") if isinstance(t, dict) else None

@@ -1,0 +1,124 @@
+"""`lowbit tune`: the greedy allocation respects the held-bits budget and spends bits where the measured
+loss drops most per held bit; bad input refused before model work; the written recipe loads and runs in
+`lowbit eval --recipe`; shipped recipes resolve by name, pinned by sha256."""
+
+import hashlib
+import json
+
+import pytest
+
+import lowbit.models
+import lowbit.recipes
+from lowbit.cli import main
+from lowbit.errors import LowbitError
+from lowbit.eval.plan import plan_schemes
+from lowbit.eval.tune import allocate
+from lowbit.kv.held import held_bits
+from lowbit.models import ModelGeometry
+from lowbit.recipe import load_recipe
+
+
+def test_allocate_spends_bits_where_loss_drops_most_per_held_bit():
+    # 3 layers; layer 2 holds 8x the elements of the others (a full layer among sliding ones)
+    elems = {0: (100, 100), 1: (100, 100), 2: (800, 800)}
+    cost = {(i, b): (b + 0.5, b + 0.5) for i in range(3) for b in (2, 4, 8)}
+    err = {}
+    for i in range(3):
+        for t in (0, 1):
+            base = {0: 1.0, 1: 0.1, 2: 2.0}[i] * (3.0 if t == 1 else 1.0)  # V hurts more than K here
+            err.update({(i, t, 2): base, (i, t, 4): base / 16, (i, t, 8): base / 256})
+    total = sum(sum(e) for e in elems.values())
+    for budget in (2.5, 2.7, 3.0, 3.5, 9.0):
+        assign, _, held = allocate(err, elems, cost, budget, [0, 1, 2])
+        want = sum(elems[i][t] * cost[(i, assign[i][t])][t] for i in range(3) for t in (0, 1)) / total
+        assert held == pytest.approx(want) and held <= budget + 1e-9
+    # 0.1 spare bits buy one cheap tensor 2 -> 4: layer 0's V (the largest loss drop per bit); 0.2 also its K
+    # (9.4 per 0.1 bit beats layer 1's V, 2.8); layer 2 (8x the elements) stays at 2 bits
+    assert allocate(err, elems, cost, 2.6, [0, 1, 2])[0] == {0: (2, 4), 1: (2, 2), 2: (2, 2)}
+    assert allocate(err, elems, cost, 2.7, [0, 1, 2])[0] == {0: (4, 4), 1: (2, 2), 2: (2, 2)}
+    assert allocate(err, elems, cost, 9.0, [0, 1, 2])[0] == {i: (8, 8) for i in range(3)}
+
+
+@pytest.fixture
+def no_model_work(monkeypatch):
+    def refuse(*a, **k):
+        raise AssertionError("the model was loaded before the bad input was refused")
+
+    monkeypatch.setattr(lowbit.models, "load", refuse)
+    monkeypatch.setattr(lowbit.models, "resolve", refuse)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--budget", "2.4"], "--budget 2.4 is below the smallest recipe's held bits (2.500 b/elt at 8192 tokens"),
+    (["--budget", "2.5", "--context", "9000"], "--context 9000 is longer than the context of smollm2-135m (8192"),
+    (["--budget", "0"], "--budget must be a positive number"),
+    (["--budget", "3", "--grids", "uniform"], "--grids uniform: use a comma list of std, lloyd-max"),
+    (["--budget", "3", "--seq-len", "100"], "--seq-len 100 is shorter than sink 64 + recent 256 + page 16"),
+    (["--budget", "3", "--rotations", "spin"], "--rotations spin: not none, hadamard or a RotationSet directory"),
+])
+def test_bad_tune_input_refused_before_model_work(argv, message, no_model_work, capsys, tmp_path):
+    rc = main(["tune", "--model", "smollm2-135m", "--out", str(tmp_path / "r.toml"), *argv])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1 and message in err
+
+
+def test_a_short_context_has_no_budget(no_model_work, capsys, tmp_path):
+    assert main(["tune", "--model", "smollm2-135m", "--budget", "3", "--context", "300",
+                 "--out", str(tmp_path / "r.toml")]) == 2
+    assert "every token sits in the sink + recent tiers" in capsys.readouterr().err
+
+
+def test_tune_writes_a_recipe_within_budget_that_eval_runs(tiny_dir, corpus, tmp_path, capsys):
+    out = tmp_path / "tiny@3.1.toml"
+    rc = main(["tune", "--model", str(tiny_dir), "--budget", "3.1", "--context", "4000", "--sink", "16",
+               "--recent", "32", "--seq-len", "99", "--windows", "1", "--data", str(corpus), "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    s = load_recipe(out)
+    geo = ModelGeometry.from_config(json.loads((tiny_dir / "config.json").read_text()), name=tiny_dir.name)
+    h = held_bits(s, 4000, geometry=geo)
+    # 0.6 spare bits over int2's 2.5: one tensor (1/4 of the elements) went up
+    assert h.bits <= 3.1 + 1e-9 and s.layer_bits
+    import tomllib
+
+    doc = tomllib.loads(out.read_text())["tune"]
+    assert doc["budget"] == 3.1 and doc["context"] == 4000 and doc["held_bits"] == pytest.approx(h.bits, abs=1e-6)
+    assert doc["calib_data"] == str(corpus) and len(tomllib.loads(out.read_text())["tune"]["candidates"]) == 2
+    assert main(["tune", "--model", str(tiny_dir), "--budget", "3.1", "--out", str(out)]) == 2  # never overwritten
+    rc = main(["eval", "--model", str(tiny_dir), "--data", str(corpus), "--seq-len", "120", "--windows", "1",
+               "--chunk", "40", "--dtype", "fp32", "--recipe", str(out), "--no-progress", "--no-full-window",
+               "--json", str(tmp_path / "e.json")])
+    assert rc == 0, capsys.readouterr().err
+    rows = {r["scheme"]: r for r in json.loads((tmp_path / "e.json").read_text())["results"]}
+    assert rows["tiny@3.1"]["quantized_rows"] > 0
+    # a recipe tuned for one model is refused on another
+    with pytest.raises(LowbitError, match="was tuned for"):
+        plan_schemes("bf16", {}, recipe=str(out), model="smollm2-135m")
+
+
+def test_shipped_recipes_by_name_are_pinned(tmp_path, monkeypatch):
+    d = tmp_path / "recipes"
+    d.mkdir()
+    text = '[kv]\nscheme = "int2"\nrotation = "hadamard"\n[kv.layer_bits]\n"3" = "k4v2"\n[tune]\nmodel = "smollm2-135m"\n'
+    (d / "smollm2-135m@2.7.toml").write_text(text)
+    sha = hashlib.sha256(text.encode()).hexdigest()
+    (d / "index.json").write_text(json.dumps({"smollm2-135m@2.7": {"file": "smollm2-135m@2.7.toml", "sha256": sha}}))
+    monkeypatch.setattr(lowbit.recipes, "RECIPES_DIR", d)
+    assert load_recipe("smollm2-135m@2.7").layer_bits == ((3, "k4v2"),)
+    rows = plan_schemes("bf16,smollm2-135m@2.7", {}, model="smollm2-135m")
+    assert [r.label for r in rows] == ["bf16", "smollm2-135m@2.7"]
+    assert plan_schemes("bf16", {}, recipe="smollm2-135m@2.7")[1].label == "smollm2-135m@2.7"
+    with pytest.raises(LowbitError, match="tuned for smollm2-135m, not gemma3-270m"):
+        plan_schemes("bf16", {}, recipe="smollm2-135m@2.7", model="gemma3-270m")
+    with pytest.raises(LowbitError, match="no shipped recipe 'smollm2-135m@9'; shipped: smollm2-135m@2.7"):
+        load_recipe("smollm2-135m@9")
+    (d / "smollm2-135m@2.7.toml").write_text(text + "# edited\n")
+    with pytest.raises(LowbitError, match="it was modified: reinstall lowbit"):
+        load_recipe("smollm2-135m@2.7")
+
+
+def test_the_shipped_index_matches_its_files():
+    idx = lowbit.recipes.index()
+    for name, e in idx.items():
+        p = lowbit.recipes.RECIPES_DIR / e["file"]
+        assert hashlib.sha256(p.read_bytes()).hexdigest() == e["sha256"], name
+        assert load_recipe(name).quantized
