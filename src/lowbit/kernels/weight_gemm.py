@@ -153,8 +153,9 @@ class GemmConfig:
     """Launch configuration of `linear`'s Triton kernel.
 
     BM/BN/BK: tile; SPLIT_K: K-splits (fp32 atomics); GROUP_M: row-block swizzle for L2 reuse;
-    unpack: 'gather' (each lane loads the word holding its nibble) or 'reshape' (load words, split
-    in registers); fused_aq: A8 activation quantization inside the kernel (else a separate kernel)."""
+    unpack: 'gather' (each lane loads the word holding its nibble), 'reshape' (load words, split
+    in registers) or 'pairs' (4-bit A16 bf16 on CUDA: two nibbles to two bf16 in one lop3 + one
+    bf16x2 subtract, the K order permuted consistently in x and w); fused_aq: A8 activation quantization inside the kernel (else a separate kernel)."""
 
     BM: int = 16
     BN: int = 64
@@ -169,7 +170,7 @@ class GemmConfig:
     @property
     def name(self) -> str:
         s = f"bm{self.BM}-bn{self.BN}-bk{self.BK}-sk{self.SPLIT_K}-w{self.num_warps}-s{self.num_stages}"
-        return s + ("-rs" if self.unpack == "reshape" else "") + ("" if self.fused_aq else "-aq2")
+        return s + {"gather": "", "reshape": "-rs", "pairs": "-pr"}[self.unpack] + ("" if self.fused_aq else "-aq2")
 
 
 if triton is not None:
@@ -195,6 +196,36 @@ if triton is not None:
             return nib
         else:
             return tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=nmask, other=0).to(tl.int32)
+
+    @triton.jit
+    def _pair_bf16(v):
+        """int32 v -> (bf16 of nibble bits [3:0], bf16 of bits [19:16]) minus 8, exact: one lop3 puts the two
+        nibbles under bf16 exponent 2**7 (0x4300 | c == 128 + c), one bf16x2 subtract of 136 gives q."""
+        return tl.inline_asm_elementwise(
+            asm="{\n.reg .b32 t, m;\nlop3.b32 t, $2, 983055, 1124090624, 234;\nmov.b32 m, 1124614920;\n"
+                "sub.rn.bf16x2 t, t, m;\nmov.b32 {$0, $1}, t;\n}",
+            constraints="=h,=h,r", args=[v], dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=1)
+
+    @triton.jit
+    def _w4_pairs_tile(w_ptr, rn, kk, N, K, BN: tl.constexpr, BK: tl.constexpr):
+        """bf16 [BN, BK] of q (exact) in the permuted K order `_pairs_k` gives: two weights per three
+        instructions instead of a shift, mask, convert and subtract each (GPU only: inline PTX)."""
+        rw = kk // 8 + tl.arange(0, BK // 8)
+        words = tl.load(w_ptr + rn[:, None] * (K // 8) + rw[None, :], mask=rn[:, None] < N, other=0)
+        l0, h0 = _pair_bf16(words)
+        l1, h1 = _pair_bf16(words >> 4)
+        l2, h2 = _pair_bf16(words >> 8)
+        l3, h3 = _pair_bf16(words >> 12)
+        q0 = tl.join(tl.join(l0, h0), tl.join(l1, h1))  # [BN, W, h, t]: s = t
+        q1 = tl.join(tl.join(l2, h2), tl.join(l3, h3))  # s = 2 + t
+        return tl.reshape(tl.join(q0, q1), (BN, BK))  # column j*8 + 4h + 2t + u holds k = 8j + 4h + t + 2u
+
+    @triton.jit
+    def _pairs_k(kk, BK: tl.constexpr):
+        """The K index of each column of _w4_pairs_tile."""
+        c = tl.arange(0, BK)
+        f = c % 8
+        return kk + (c // 8) * 8 + (f // 4) * 4 + (f // 2) % 2 + (f % 2) * 2
 
     @triton.jit
     def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_xm, stride_ym,
@@ -231,7 +262,7 @@ if triton is not None:
                     rk = it * BK + tl.arange(0, BK)
                     a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0.0)
                     amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-                sx = tl.where(amax > 0, amax / 127.0, 1.0)
+                sx = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
             else:
                 sx = tl.load(sx_ptr + rm, mask=rm < M, other=1.0)
             if PER_CHANNEL:
@@ -244,11 +275,12 @@ if triton is not None:
         for it in range(K_ITERS):  # = K // SPLIT_K // BK
             kk = k0 + it * BK
             rk = kk + tl.arange(0, BK)
-            wi = _load_wtile(w_ptr, rn, kk, N, K, BITS, UNPACK, BN, BK)  # int32 [BN, BK]
+            if not (UNPACK == 2 and not A8):
+                wi = _load_wtile(w_ptr, rn, kk, N, K, BITS, UNPACK, BN, BK)  # int32 [BN, BK]
             if A8:
                 if FUSED_AQ:
                     a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0.0)
-                    v = a.to(tl.float32) / sx[:, None]
+                    v = tl.math.div_rn(a.to(tl.float32), sx[:, None])  # IEEE, as the twin's x / s
                     v = (v + RNE) - RNE
                     aq = tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8)
                 else:
@@ -260,6 +292,18 @@ if triton is not None:
                 else:
                     s = tl.load(s_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0.0).to(tl.float32)
                     acc += part.to(tl.float32) * s[None, :]
+            elif UNPACK == 2:  # 4-bit, bf16 activations: the paired unpack (GPU)
+                wb = _w4_pairs_tile(w_ptr, rn, kk, N, K, BN, BK)
+                if HAS_ZP:
+                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
+                    wb = (wb.to(tl.float32) - z[:, None]).to(tl.bfloat16)
+                a = tl.load(x_ptr + rm[:, None] * stride_xm + _pairs_k(kk, BK)[None, :], mask=mmask, other=0.0)
+                part = tl.dot(a, tl.trans(wb))
+                if PER_CHANNEL:
+                    acc += part
+                else:
+                    s = tl.load(s_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+                    acc += part * s[None, :]
             else:
                 a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0.0)
                 # exact integer weight as float: 2**23 + (q + half) - (2**23 + half)
@@ -305,11 +349,11 @@ if triton is not None:
             a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(a))
         m = tl.max(amax, axis=0)
-        s = tl.where(m > 0, m / 127.0, 1.0)
+        s = tl.where(m > 0, tl.math.div_rn(m, 127.0), 1.0)
         for it in range(tl.cdiv(K, BK)):
             rk = it * BK + tl.arange(0, BK)
             a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
-            v = (a / s + RNE) - RNE
+            v = (tl.math.div_rn(a, s) + RNE) - RNE
             tl.store(q_ptr + row * K + rk, tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8), mask=rk < K)
         tl.store(s_ptr + row, s)
 
@@ -344,6 +388,14 @@ def _fit(cfg: GemmConfig, pw: PackedWeight) -> tuple[int, int]:
     return BK, sk
 
 
+def _unpack_mode(cfg: GemmConfig, pw: PackedWeight, x: torch.Tensor) -> int:
+    """0 gather, 1 reshape, 2 pairs (4-bit A16 with bf16 activations on CUDA; else reshape)."""
+    if cfg.unpack == "pairs":
+        ok = pw.bits == 4 and pw.a_bits == 16 and x.dtype == torch.bfloat16 and x.device.type == "cuda"
+        return 2 if ok else 1
+    return 0 if cfg.unpack == "gather" else 1
+
+
 def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] -> (int8 [M, K], float32 [M]) with Triton; the twin is quantize_activations_per_token."""
     M, K = x.shape
@@ -376,7 +428,7 @@ def linear(x: torch.Tensor, pw: PackedWeight, config: GemmConfig | None = None,
         xin, pw.qweight, pw.scale, pw.zero if pw.zero is not None else pw.scale,
         pw.bias if pw.bias is not None else pw.scale, y, M, pw.N, K, xin.stride(0), y.stride(0),
         BITS=pw.bits, A8=pw.a_bits == 8, HAS_ZP=pw.zero is not None, HAS_BIAS=pw.bias is not None,
-        PER_CHANNEL=pw.per_channel, GROUP=pw.group, UNPACK=0 if cfg.unpack == "gather" else 1,
+        PER_CHANNEL=pw.per_channel, GROUP=pw.group, UNPACK=_unpack_mode(cfg, pw, x),
         FUSED_AQ=cfg.fused_aq, sx_ptr=sx if sx is not None else pw.scale,
         BM=cfg.BM, BN=cfg.BN, BK=BK, SPLIT_K=sk, GROUP_M=cfg.GROUP_M, K_ITERS=K // sk // BK, DOT_F32=x.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)

@@ -1,0 +1,163 @@
+"""Exploration for the weight-GEMM dispatch table (one device call): wide launch-config sweeps of
+lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
+side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
+
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite]
+
+The winners per (kind, M bucket) become lowbit.kernels.weight_dispatch.MEASURED; the JSON is kept in
+benchmarks/results/weights/ as the evidence for that table.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from lowbit.kernels import weight_gemm as wg
+from lowbit.kernels.bench import graph_time_ms, n_buffers
+from lowbit.kernels.weight_audit import random_weight
+from lowbit.kernels.weight_gemm import GemmConfig
+
+SHAPES = [("gate/up", 4096, 14336), ("down", 14336, 4096), ("qkv/o", 4096, 4096)]
+
+
+def small_configs(w4: bool):
+    out = []
+    for bn, bk, sk, st, nw in ((16, 256, 1, 3, 4), (16, 256, 4, 3, 4), (16, 512, 2, 2, 4), (32, 256, 1, 3, 4),
+                               (32, 256, 2, 3, 4), (32, 256, 4, 3, 4), (32, 512, 1, 2, 4), (32, 512, 4, 2, 4),
+                               (64, 128, 1, 4, 4), (64, 128, 4, 4, 4), (64, 256, 2, 3, 4), (16, 128, 8, 4, 4),
+                               (16, 256, 4, 3, 2), (32, 128, 4, 4, 2)):
+        out.append(GemmConfig(BM=16, BN=bn, BK=bk, SPLIT_K=sk, num_warps=nw, num_stages=st,
+                              unpack="pairs" if w4 else "reshape"))
+    if w4:
+        out += [GemmConfig(BM=16, BN=32, BK=256, SPLIT_K=4, num_stages=3, unpack="reshape"),
+                GemmConfig(BM=16, BN=16, BK=256, SPLIT_K=4, num_stages=3, unpack="reshape")]
+    return out
+
+
+def big_configs(w4: bool, a8: bool):
+    out = []
+    for bm, bn, bk, nw, st in ((64, 64, 128, 4, 4), (64, 128, 64, 4, 4), (64, 128, 128, 4, 3), (128, 128, 64, 8, 4),
+                               (128, 128, 128, 8, 3), (128, 256, 64, 8, 3), (128, 256, 128, 8, 3), (256, 128, 64, 8, 3)):
+        if a8 and bk < 128:
+            continue
+        out.append(GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=st,
+                              unpack="pairs" if (w4 and not a8) else "reshape"))
+    if a8:
+        out += [GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, fused_aq=False),
+                GemmConfig(BM=128, BN=256, BK=128, num_warps=8, num_stages=3, fused_aq=False)]
+    return out
+
+
+def timed(fns):
+    try:
+        return graph_time_ms(fns, reps=3, target_ms=10)
+    except Exception as e:  # a config the device cannot run (shared memory): recorded, not fatal
+        return f"{type(e).__name__}: {str(e).splitlines()[0][:100]}"
+
+
+def sets(scheme, N, K, M):
+    pw = [random_weight(scheme, N, K, "cuda", seed=i) for i in range(n_buffers(
+        random_weight(scheme, N, K, "cuda").nbytes(), 24e9))]
+    ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(n_buffers(N * K * 2, 24e9))]
+    n = max(len(pw), len(ws))
+    xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+    return pw, ws, xs, n
+
+
+def explore(rows, log):
+    t0 = time.time()
+    for scheme in ("w4a16-g128", "w8a16", "w8a8"):
+        w4, a8 = scheme.startswith("w4"), scheme.endswith("a8")
+        for shape, K, N in SHAPES:
+            for M in (1, 4, 16, 64, 256, 1024, 4096):
+                if a8 and M < 16:
+                    continue
+                pw, ws, xs, n = sets(scheme, N, K, M)
+                bf16 = timed([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(n)])
+                cfgs = small_configs(w4) if M <= 16 else big_configs(w4, a8)
+                cands, rels = {}, {}
+                ref = wg.linear_twin(xs[0], pw[0], torch.float32).double()
+                for cfg in cfgs:
+                    try:
+                        y = wg.linear(xs[0], pw[0], cfg, out_dtype=torch.float32).double()
+                        rels[cfg.name] = float((y - ref).norm() / ref.norm())
+                    except Exception as e:
+                        rels[cfg.name] = f"{type(e).__name__}"
+                    cands[cfg.name] = timed([(lambda p=pw[i % len(pw)], x=xs[i], c=cfg: wg.linear(x, p, c))
+                                             for i in range(n)])
+                if not a8:
+                    cands["dequant-cublas"] = timed([(lambda p=pw[i % len(pw)], x=xs[i]: wg.linear_dequant_cublas(x, p))
+                                                     for i in range(n)])
+                ok = {k: v for k, v in cands.items() if isinstance(v, float)
+                      and (k == "dequant-cublas" or (isinstance(rels.get(k), float) and rels[k] < 1e-3))}
+                best = min(ok, key=ok.get)
+                rows.append({"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "bf16_ms": bf16,
+                             "best": best, "best_ms": ok[best], "ratio": bf16 / ok[best], "candidates": cands,
+                             "rel_l2": rels})
+                log(f"{scheme:<11} {shape:<8} M={M:<5} bf16 {bf16 * 1e3:7.1f} us  best {ok[best] * 1e3:7.1f} us "
+                    f"x{bf16 / ok[best]:.2f} {best}  [{time.time() - t0:.0f}s]")
+                del pw, ws, xs
+                torch.cuda.empty_cache()
+
+
+def gemlite_rows(rows, log):
+    import os
+
+    import gemlite
+    from gemlite.helper import A8W8_INT8_dynamic, A16W4_HQQ_INT, A16W8_INT8
+
+    cfg = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
+    gemlite.load_config(cfg)  # no H200 file ships; the H100's autotune results (same SM)
+    for scheme, shape, K, N in [(s, sh, k, n) for s in ("w4a16-g128", "w8a16", "w8a8") for sh, k, n in SHAPES[:2]]:
+        for M in (1, 4, 16, 64, 256, 1024, 4096):
+            n = 4
+            layers = []
+            for i in range(n):
+                if scheme == "w4a16-g128":
+                    pw = random_weight(scheme, N, K, "cuda", seed=i)
+                    codes = wg.unpack_int4_k(pw.qweight, K)
+                    s = pw.scale.t().contiguous()  # [N, G]
+                    lay = A16W4_HQQ_INT(device="cuda", dtype=torch.bfloat16).from_weights(
+                        codes, s, torch.full_like(s, 8.0))
+                else:
+                    lin = torch.nn.Linear(K, N, bias=False, device="cuda", dtype=torch.bfloat16)
+                    lay = (A16W8_INT8 if scheme == "w8a16" else A8W8_INT8_dynamic)(device="cuda",
+                                                                                  dtype=torch.bfloat16).from_linear(lin)
+                layers.append(lay)
+            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
+            rel = None
+            if scheme == "w4a16-g128":
+                ref = wg.linear_twin(xs[0], pw if n == 1 else random_weight(scheme, N, K, "cuda", seed=0), torch.float32)
+                y = layers[0](xs[0]).float()
+                rel = float((y - ref).norm() / ref.norm())
+            ms = timed([(lambda l=layers[i], x=xs[i]: l(x)) for i in range(n)])
+            rows.append({"lib": "gemlite " + gemlite.__version__, "scheme": scheme, "shape": shape, "M": M, "N": N,
+                         "K": K, "ms": ms, "rel_l2_vs_lowbit_twin": rel})
+            log(f"gemlite {scheme:<11} {shape:<8} M={M:<5} {ms if isinstance(ms, str) else f'{ms * 1e3:7.1f} us'}"
+                + (f" rel {rel:.2e}" if rel is not None else ""))
+            del layers, xs
+            torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    res = {"env": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, "explore": [], "gemlite": []}
+    try:
+        if "--no-explore" not in sys.argv:
+            explore(res["explore"], print)
+        if "--no-gemlite" not in sys.argv:
+            try:
+                gemlite_rows(res["gemlite"], print)
+            except Exception as e:
+                import traceback
+
+                traceback.print_exc()
+                res["gemlite_error"] = f"{type(e).__name__}: {e}"
+    finally:
+        with open(out, "w") as f:
+            json.dump(res, f, indent=1)
