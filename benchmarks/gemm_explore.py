@@ -53,6 +53,45 @@ def big_configs(w4: bool, a8: bool):
     return out
 
 
+def gemv_configs(M: int):
+    bm = 1 if M == 1 else (2 if M == 2 else 4)
+    return [wg.GemvConfig(BM=bm, BN=bn, GPT=g, SPLIT_K=sk, num_warps=nw, num_stages=st)
+            for bn, g, sk, nw, st in ((16, 1, 1, 4, 3), (32, 1, 1, 4, 3), (64, 1, 1, 4, 3), (16, 2, 1, 4, 3),
+                                      (32, 2, 1, 4, 2), (16, 1, 2, 4, 3), (32, 1, 2, 4, 3), (16, 2, 4, 4, 2),
+                                      (8, 2, 1, 2, 3), (16, 4, 1, 4, 2), (32, 4, 1, 8, 2), (64, 2, 1, 8, 2),
+                                      (16, 1, 1, 2, 4), (32, 2, 2, 4, 3))]
+
+
+def explore_gemv(rows, log):
+    t0 = time.time()
+    for scheme in ("w4a16-g128", "w8a16"):
+        for shape, K, N in SHAPES + [("k/v", 4096, 1024)]:
+            for M in (1, 2, 4):
+                pw, ws, xs, n = sets(scheme, N, K, M)
+                bf16 = timed([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(n)])
+                ref = wg.linear_twin(xs[0], pw[0], torch.float32).double()
+                cands, rels = {}, {}
+                for cfg in gemv_configs(M):
+                    try:
+                        y = wg.gemv(xs[0], pw[0], cfg, torch.float32).double()
+                        rels[cfg.name] = float((y - ref).norm() / ref.norm())
+                    except Exception as e:
+                        rels[cfg.name] = f"{type(e).__name__}: {str(e)[:80]}"
+                    cands[cfg.name] = timed([(lambda p=pw[i % len(pw)], x=xs[i], c=cfg: wg.gemv(x, p, c))
+                                             for i in range(n)])
+                ok = {k: v for k, v in cands.items() if isinstance(v, float) and isinstance(rels.get(k), float)
+                      and rels[k] < 1e-3}
+                best = min(ok, key=ok.get) if ok else None
+                rows.append({"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "bf16_ms": bf16,
+                             "best": best, "best_ms": ok.get(best), "ratio": bf16 / ok[best] if best else None,
+                             "candidates": cands, "rel_l2": rels})
+                log(f"gemv {scheme:<11} {shape:<8} M={M:<3} bf16 {bf16 * 1e3:6.1f} us  best "
+                    + (f"{ok[best] * 1e3:6.1f} us x{bf16 / ok[best]:.2f} {best}" if best else "none")
+                    + f"  [{time.time() - t0:.0f}s]")
+                del pw, ws, xs
+                torch.cuda.empty_cache()
+
+
 def timed(fns):
     try:
         return graph_time_ms(fns, reps=3, target_ms=10)
@@ -146,11 +185,14 @@ def gemlite_rows(rows, log):
 
 if __name__ == "__main__":
     out = sys.argv[1]
-    res = {"env": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, "explore": [], "gemlite": []}
+    res = {"env": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, "explore": [], "gemlite": [],
+           "gemv": []}
     try:
-        if "--no-explore" not in sys.argv:
+        if "--gemv" in sys.argv:
+            explore_gemv(res["gemv"], print)
+        if "--no-explore" not in sys.argv and "--gemv" not in sys.argv:
             explore(res["explore"], print)
-        if "--no-gemlite" not in sys.argv:
+        if "--no-gemlite" not in sys.argv and "--gemv" not in sys.argv:
             try:
                 gemlite_rows(res["gemlite"], print)
             except Exception as e:

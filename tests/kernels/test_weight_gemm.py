@@ -159,3 +159,22 @@ def test_gpu_quantlinear_model_packed_and_equal_to_torch_forward():
     rep = prepare_cuda(model)
     assert rep["packed_bytes"] < rep["bf16_bytes"] / 3.5 and not rep["removed"]
     assert rel(model(x.cuda()).float().cpu(), ref) < 1e-2
+
+
+GEMV_CASES = [  # (scheme, M, N, K, config)
+    ("w4a16-g128", 1, 33, 256, wg.GemvConfig(BM=1, BN=16)),
+    ("w4a16-g64-asym", 3, 40, 256, wg.GemvConfig(BM=4, BN=16, GPT=2, SPLIT_K=2)),
+    ("w4a16-g32", 2, 17, 128, wg.GemvConfig(BM=2, BN=16, GPT=2)),
+    ("w8a16", 4, 33, 192, wg.GemvConfig(BM=4, BN=16, SPLIT_K=3)),  # per-channel, K not a power of two
+]
+
+
+@interp
+@pytest.mark.parametrize("scheme,M,N,K,cfg", GEMV_CASES, ids=[f"{c[0]}-M{c[1]}-{c[4].name}" for c in GEMV_CASES])
+def test_gemv_matches_twin(scheme, M, N, K, cfg):
+    pw = random_weight(scheme, N, K, "cpu", seed=M)
+    pw.bias = torch.randn(N)
+    x = torch.randn(M, K).bfloat16()
+    assert rel(wg.gemv(x, pw, cfg, torch.float32), wg.linear_twin(x, pw, torch.float32)) < 1e-5
+    with pytest.raises(ValueError, match="M <="):
+        wg.gemv(torch.randn(cfg.BM + 1, K).bfloat16(), pw, cfg)

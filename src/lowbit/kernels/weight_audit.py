@@ -71,14 +71,12 @@ def random_weight(scheme_name: str, N: int, K: int, device, seed: int = 0):
 def check_cell(dispatch, pw, M: int, *, device, seed: int = 0, dtype=torch.bfloat16) -> tuple[float, bool, str]:
     """(rel_l2, finite, kernel) of dispatch's cell for (pw.kind, M) against the twin on fresh inputs."""
     from lowbit.kernels import weight_gemm as wg
+    from lowbit.kernels.weight_dispatch import run_cell
 
     cell = dispatch.choose(pw.kind, M)
     g = torch.Generator(device=device).manual_seed(1000 + seed)
     x = torch.randn(M, pw.K, generator=g, device=device).to(dtype)
-    if cell.path == "dequant-cublas":
-        y = wg.linear_dequant_cublas(x, pw).float()
-    else:
-        y = wg.linear(x, pw, cell.config, out_dtype=torch.float32)
+    y = run_cell(cell, x, pw, torch.float32)
     ref = wg.linear_twin(x, pw, out_dtype=torch.float32)
     finite = bool(torch.isfinite(y).all())
     rel = float((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)) if finite else float("inf")

@@ -65,10 +65,10 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, explore_ms=(), log=print, 
         def fns_for(path, cfg):
             if path == "bf16":
                 return [(lambda w=ws[i % len(ws)], x=xs[i % len(xs)]: F.linear(x, w)) for i in range(nx)]
-            if path == "dequant-cublas":
-                return [(lambda p=pws[i % len(pws)], x=xs[i % len(xs)]: wg.linear_dequant_cublas(x, p))
-                        for i in range(nx)]
-            return [(lambda p=pws[i % len(pws)], x=xs[i % len(xs)]: wg.linear(x, p, cfg)) for i in range(nx)]
+            from lowbit.kernels.weight_dispatch import Cell, run_cell
+
+            c = Cell(pw0.kind, 1, M, path, cfg)
+            return [(lambda p=pws[i % len(pws)], x=xs[i % len(xs)]: run_cell(c, x, p)) for i in range(nx)]
 
         bf16_ms = graph_time_ms(fns_for("bf16", None), reps=3, target_ms=10)
         cell = dispatch.choose(pw0.kind, M)

@@ -5,6 +5,7 @@
     y = d.linear(x2d, pw)                      # x [M, K] -> [M, N]
 
 A cell is (kind, M range, capability) -> path + launch config. Paths:
+    gemv            lowbit.kernels.weight_gemm.gemv with the cell's GemvConfig (A16, M <= BM: no tensor cores)
     triton          lowbit.kernels.weight_gemm.linear with the cell's GemmConfig
     dequant-cublas  dequantize the weight (Triton) then cuBLAS (A16 only; wins where the GEMM is
                     compute-bound, since the fused kernel's dequantization then costs tensor-core time)
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.kernels.weight_gemm import GemmConfig, PackedWeight
+from lowbit.kernels.weight_gemm import GemmConfig, GemvConfig, PackedWeight
 
 KINDS = ("w4a16", "w8a16", "w8a8", "w4a8")
 M_INF = 1 << 62
@@ -34,7 +35,7 @@ class Cell:
     m_lo: int
     m_hi: int
     path: str
-    config: GemmConfig | None = None
+    config: GemmConfig | GemvConfig | None = None
 
     @property
     def kernel(self) -> str:
@@ -75,6 +76,18 @@ def last_resort() -> list[Cell]:
 MEASURED: dict[tuple[int, int], list[Cell]] = {}
 
 
+def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, N] through one cell's path (out_dtype: the audit asks for float32)."""
+    from lowbit.kernels import weight_gemm as wg
+
+    if cell.path == "dequant-cublas":
+        y = wg.linear_dequant_cublas(x, pw)
+        return y if out_dtype is None else y.to(out_dtype)
+    if cell.path == "gemv":
+        return wg.gemv(x, pw, cell.config, out_dtype)
+    return wg.linear(x, pw, cell.config, out_dtype)
+
+
 class Dispatch:
     """The cells in force on one device; `choose(kind, M)` is the first cell that covers M."""
 
@@ -111,10 +124,7 @@ class Dispatch:
         """x [M, K] -> [M, N] through the chosen cell."""
         from lowbit.kernels import weight_gemm as wg
 
-        cell = self.choose(pw.kind, x.shape[0])
-        if cell.path == "dequant-cublas":
-            return wg.linear_dequant_cublas(x, pw)
-        return wg.linear(x, pw, cell.config)
+        return run_cell(self.choose(pw.kind, x.shape[0]), x, pw)
 
     def table(self) -> list[dict]:
         return [{"kind": c.kind, "m_lo": c.m_lo, "m_hi": None if c.m_hi >= M_INF else c.m_hi, "kernel": c.kernel}

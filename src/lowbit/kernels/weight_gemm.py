@@ -340,6 +340,71 @@ if triton is not None:
             tl.atomic_add(yp, acc, mask=ymask)
 
     @triton.jit
+    def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_xm, stride_ym,
+                     BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, GPT: tl.constexpr, SPLIT_K: tl.constexpr,
+                     K_ITERS: tl.constexpr, PER_CHANNEL: tl.constexpr):
+        """A16 GEMV for M <= BM (1, 2, 4): no tensor cores, the weight tile read once for all rows.
+
+        Tile: BN rows x GPT groups x the group's K (4-bit: WG = GROUP/8 words of 8 nibbles; 8-bit:
+        GROUP bytes). Per group, sum_k x_k * c_k with c the unsigned code (exact via the 2**23 trick),
+        then - (offset + zero) * sum_k x_k, times the group's scale: the offset and the zero-point cost
+        one multiply per group, not one per weight."""
+        pid_n = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        rn = pid_n * BN + tl.arange(0, BN)
+        nmask = rn < N
+        rg = tl.arange(0, GPT)
+        WG: tl.constexpr = GROUP // 8 if BITS == 4 else GROUP
+        rj = tl.arange(0, WG)
+        half = 8.0 if BITS == 4 else 128.0
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        rm = tl.arange(0, BM)
+        k0 = pid_k * (K // SPLIT_K)
+        for it in range(K_ITERS):
+            g0 = (k0 + it * GPT * GROUP) // GROUP  # first group of the tile
+            if BITS == 4:
+                wo = rn[:, None, None] * (K // 8) + (g0 + rg)[None, :, None] * WG + rj[None, None, :]
+                words = tl.load(w_ptr + wo, mask=nmask[:, None, None], other=0)  # [BN, GPT, WG]
+                sh = tl.arange(0, 8) * 4
+                c = ((words[:, :, :, None] >> sh[None, None, None, :]) & 0xF) | 0x4B000000
+                cf = c.to(tl.float32, bitcast=True) - MAGIC  # [BN, GPT, WG, 8] unsigned codes, exact
+                xo = (g0 + rg)[:, None, None] * GROUP + rj[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
+            else:
+                wo = rn[:, None, None] * K + (g0 + rg)[None, :, None] * GROUP + rj[None, None, :]
+                q = tl.load(w_ptr + wo, mask=nmask[:, None, None], other=0).to(tl.int32)  # [BN, GPT, GROUP]
+                cf = ((q + 128) | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC  # q + 128, exact
+                xo = (g0 + rg)[:, None] * GROUP + rj[None, :]
+            if PER_CHANNEL:  # one scale row for every tile
+                sc = tl.load(s_ptr + rg[None, :] * 0 + rn[:, None], mask=nmask[:, None], other=0.0).to(tl.float32)
+            else:
+                sc = tl.load(s_ptr + (g0 + rg)[None, :] * N + rn[:, None], mask=nmask[:, None],
+                             other=0.0).to(tl.float32)
+            off = half
+            if HAS_ZP:
+                off = half + tl.load(z_ptr + (g0 + rg)[None, :] * N + rn[:, None], mask=nmask[:, None],
+                                     other=0).to(tl.float32)  # [BN, GPT]
+            for m in tl.static_range(BM):
+                xm = tl.load(x_ptr + m * stride_xm + xo, mask=m < M, other=0.0).to(tl.float32)
+                if BITS == 4:
+                    dot = tl.sum(tl.sum(cf * xm[None, :, :, :], axis=3), axis=2)  # [BN, GPT]
+                    xs = tl.sum(tl.sum(xm, axis=2), axis=1)  # [GPT]
+                else:
+                    dot = tl.sum(cf * xm[None, :, :], axis=2)
+                    xs = tl.sum(xm, axis=1)
+                part = tl.sum((dot - off * xs[None, :]) * sc, axis=1)  # [BN]
+                acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+        if HAS_BIAS:
+            if pid_k == 0:
+                acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
+        ymask = (rm[:, None] < M) & nmask[None, :]
+        yp = y_ptr + rm[:, None] * stride_ym + rn[None, :]
+        if SPLIT_K == 1:
+            tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+        else:
+            tl.atomic_add(yp, acc, mask=ymask)
+
+    @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, stride_xm, BK: tl.constexpr):
         """One row per program: s = amax / 127 (1 for an all-zero row), q = rne(x / s)."""
         row = tl.program_id(0)
@@ -432,6 +497,56 @@ def linear(x: torch.Tensor, pw: PackedWeight, config: GemmConfig | None = None,
         FUSED_AQ=cfg.fused_aq, sx_ptr=sx if sx is not None else pw.scale,
         BM=cfg.BM, BN=cfg.BN, BK=BK, SPLIT_K=sk, GROUP_M=cfg.GROUP_M, K_ITERS=K // sk // BK, DOT_F32=x.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.to(out_dtype) if sk > 1 else y
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """Launch configuration of `gemv` (A16, M <= BM): BN rows x GPT groups per tile, SPLIT_K K-splits."""
+
+    BM: int = 1
+    BN: int = 32
+    GPT: int = 1
+    SPLIT_K: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def name(self) -> str:
+        return f"gemv-bm{self.BM}-bn{self.BN}-gpt{self.GPT}-sk{self.SPLIT_K}-w{self.num_warps}-s{self.num_stages}"
+
+
+def gemv(x: torch.Tensor, pw: PackedWeight, config: GemvConfig | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] (M <= config.BM) -> y [M, N]: the A16 GEMV kernel (4-bit or 8-bit weights)."""
+    cfg = config or GemvConfig()
+    M, K = x.shape
+    out_dtype = out_dtype or x.dtype
+    if pw.a_bits != 16 or M > cfg.BM:
+        raise ValueError(f"gemv takes A16 weights and M <= {cfg.BM}, got a_bits {pw.a_bits}, M={M}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    group = pw.group
+    gpt = cfg.GPT
+    if pw.per_channel:  # per-channel 8-bit: tile K in power-of-two "groups" sharing the one scale row
+        group, gpt = 256, 1
+        while K % group:
+            group //= 2
+    G = K // group
+    sk = cfg.SPLIT_K
+    while sk > 1 and (G % sk or (G // sk) % gpt):
+        sk -= 1
+    while (G // sk) % gpt:
+        gpt //= 2
+    scale = pw.scale
+    y = (torch.zeros(M, pw.N, dtype=torch.float32, device=x.device) if sk > 1
+         else torch.empty(M, pw.N, dtype=out_dtype, device=x.device))
+    grid = (triton.cdiv(pw.N, cfg.BN), sk)
+    _gemv_kernel[grid](x, pw.qweight, scale, pw.zero if pw.zero is not None else scale,
+                       pw.bias if pw.bias is not None else scale, y, M, pw.N, K, x.stride(0), y.stride(0),
+                       BITS=pw.bits, HAS_ZP=pw.zero is not None, HAS_BIAS=pw.bias is not None, GROUP=group,
+                       BM=cfg.BM, BN=cfg.BN, GPT=gpt, SPLIT_K=sk, K_ITERS=G // sk // gpt, PER_CHANNEL=pw.per_channel,
+                       num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.to(out_dtype) if sk > 1 else y
 
 
