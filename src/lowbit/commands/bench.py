@@ -34,11 +34,18 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["decode-attention", "decode", "serve-engine", "gemm"],
+    parser.add_argument("what", choices=["decode-attention", "decode", "serve-engine", "gemm", "images"],
                         help="decode-attention: the kernel vs SDPA flash; decode: end-to-end decode steps "
                              "(transformers eager / compiled bf16, lowbit runtime bf16 / int4 / int2); serve-engine: "
                              "the continuous-batching engine in-process at --concurrency levels; gemm: the weight "
-                             "GEMMs (W4A16/W8A16/W8A8/W4A8) vs cuBLAS bf16 over the audit's M sweep")
+                             "GEMMs (W4A16/W8A16/W8A8/W4A8) vs cuBLAS bf16 over the audit's M sweep; images: the "
+                             "diffusion capacity matrix (--batch x --resolution x checkpoint, each cell gated; CPU "
+                             "or --device cuda)")
+    g = parser.add_argument_group("images (lowbit bench images)")
+    g.add_argument("--model", default=None, help="images: the unquantized diffusers pipeline directory")
+    g.add_argument("--checkpoints", default=None, metavar="DIR1,DIR2", help="images: quantized pipeline directories")
+    g.add_argument("--resolution", default=None, help="images: image sides in pixels (default: the model's, e.g. 32)")
+    g.add_argument("--device", default="cpu", help="images: cpu (default) | cuda")
     parser.add_argument("--concurrency", default="1,8,32", help="serve-engine: concurrent requests (default 1,8,32)")
     parser.add_argument("--prompt-len", type=int, default=4096, help="serve-engine: prompt tokens (default 4096)")
     parser.add_argument("--max-tokens", type=int, default=64, help="serve-engine: tokens per request (default 64)")
@@ -108,6 +115,8 @@ def run(args) -> int:
 
     if args.out:
         resolve_out(args.out, args.what, "")  # refuse an existing file before anything else
+    if args.what == "images":
+        return _images(args)
     if not torch.cuda.is_available():
         raise LowbitError(f"bench {args.what} needs a CUDA GPU (it times GPU kernels against their bf16 baselines)")
     if args.what == "gemm":
@@ -147,6 +156,31 @@ def run(args) -> int:
     bits = tuple((b, b) for b in _ints(args.bits))
     path = resolve_out(args.out, args.what, torch.cuda.get_device_name(0))
     res = bench.run(_ints(args.batch), _ints(args.length), geos, bits, mem_cap_gb=args.mem_cap_gb)
+    write_new(path, res)
+    print(f"wrote {path}")
+    return 0
+
+
+def _images(args) -> int:
+    """`bench images`: lowbit.diffusion.bench.capacity_matrix (--steps = DDIM steps here)."""
+    import json as _json
+    import platform
+
+    import torch
+
+    from lowbit.device import resolve_device
+    from lowbit.diffusion.bench import capacity_matrix
+
+    if not args.model:
+        raise LowbitError("bench images needs --model (the unquantized diffusers pipeline directory)")
+    dev = resolve_device(args.device)
+    cfg = Path(args.model) / "transformer" / "config.json"
+    size = _json.loads(cfg.read_text()).get("sample_size", 32) if cfg.is_file() else 32
+    sizes = _ints(args.resolution) if args.resolution else (int(size),)
+    name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu_" + (platform.machine() or "unknown")
+    path = resolve_out(args.out, "images", name)
+    res = capacity_matrix(args.model, [c.strip() for c in (args.checkpoints or "").split(",") if c.strip()],
+                          batches=_ints(args.batch), sizes=sizes, steps=args.steps, device=str(dev))
     write_new(path, res)
     print(f"wrote {path}")
     return 0

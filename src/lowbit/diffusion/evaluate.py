@@ -147,8 +147,9 @@ def _run_row(path: Path, o: ImageEvalOptions, classes, seeds):
                               device=o.device)
     disk, held = _weights(pipe, path)
     tile = int(pipe.transformer.config.patch_size)
+    backend = getattr(pipe, "lowbit_backend", None)
     del pipe
-    return imgs, {"wall_s": round(wall, 3), "wall_s_per_image": round(wall / len(classes), 4),
+    return imgs, {"backend": backend, "wall_s": round(wall, 3), "wall_s_per_image": round(wall / len(classes), 4),
                   "peak_mb": round(pm.peak_mb, 1), "start_mb": round(pm.start_mb, 1), "memory_source": pm.source,
                   "weight_bytes": disk, "held_bytes": held}, tile
 

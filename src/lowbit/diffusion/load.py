@@ -100,8 +100,14 @@ def load_quantized_transformer(comp_dir: Path, *, dtype: torch.dtype | None = No
     return model.eval()
 
 
-def load_pipeline(path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """The DigitsDiTPipeline of a diffusers directory (see module docstring), on `device`, eval mode."""
+def load_pipeline(path, *, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                  weight_kernel: str = "auto"):
+    """The DigitsDiTPipeline of a diffusers directory (see module docstring), on `device`, eval mode.
+
+    On CUDA a quantized transformer is handed to lowbit.weights.qlinear.prepare_cuda(kernel=weight_kernel)
+    (the weight kernels' dispatch, self-checked against the torch twin); on the CPU QuantLinear runs its
+    torch forward. `pipe.lowbit_backend` says which ran: "fp" (nothing quantized), "torch-twin (cpu)",
+    or prepare_cuda's report."""
     import diffusers
 
     from lowbit.diffusion.pipeline import DigitsDiTPipeline
@@ -125,4 +131,11 @@ def load_pipeline(path, *, device: str | torch.device = "cpu", dtype: torch.dtyp
         parts[name] = cls.from_pretrained(path, subfolder=name, **kw)
     pipe = DigitsDiTPipeline(transformer=parts["transformer"], scheduler=parts["scheduler"])
     pipe.transformer.to(device).eval()
+    pipe.lowbit_backend = "fp" if not quantized else "torch-twin (cpu)"
+    if quantized and torch.device(device).type == "cuda":
+        from lowbit.weights.qlinear import prepare_cuda
+
+        rep = prepare_cuda(pipe.transformer, kernel=weight_kernel)
+        pipe.lowbit_backend = {k: (v if isinstance(v, (int, float, str, list, dict)) or v is None else str(v))
+                               for k, v in rep.items()}
     return pipe
