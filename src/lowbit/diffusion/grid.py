@@ -12,7 +12,7 @@ def composite(img: torch.Tensor, check: int = 4) -> torch.Tensor:
     """float [4, H, W] RGBA in [0, 1] -> float [3, H, W] RGB over a light/dark grey checkerboard."""
     _, h, w = img.shape
     yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-    bg = torch.where(((yy // check + xx // check) % 2) == 0, 0.35, 0.55).expand(3, h, w)
+    bg = torch.where(((yy // check + xx // check) % 2) == 0, 0.18, 0.26).expand(3, h, w)
     a = img[3:4].clamp(0, 1)
     return img[:3].clamp(0, 1) * a + bg * (1 - a)
 

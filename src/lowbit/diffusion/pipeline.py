@@ -4,9 +4,10 @@
     images = pipe(classes=[3, 7], seeds=[0, 1], num_inference_steps=25)   # float32 [2, 4, S, S] in [0, 1]
 
 A diffusers DiffusionPipeline (save_pretrained / from_pretrained, model_index.json), with no VAE: the
-DiT denoises RGBA pixels directly (the images are small). The transformer predicts v (velocity);
-classifier-free guidance mixes the class and the null-class (index num_classes, the class embedding's
-dropout slot) predictions: v = v_null + guidance * (v_class - v_null).
+DiT denoises RGBA pixels directly (the images are small). The transformer predicts what the
+scheduler's prediction_type says (the trained model: the clean image); classifier-free guidance mixes
+the class and the null-class (index num_classes, the class embedding's dropout slot) predictions:
+p = p_null + guidance * (p_class - p_null) (linear in x_t for every prediction type, so the same rule).
 
 Image i's starting noise comes from its own torch.Generator seeded with seeds[i], so the image of
 (class, seed) does not depend on which other images share its batch: a quantized checkpoint's image is
@@ -29,7 +30,7 @@ def initial_noise(seeds, channels: int, size: int) -> torch.Tensor:
 
 
 class DigitsDiTPipeline(DiffusionPipeline):
-    """transformer: DiTTransformer2DModel (v-prediction, out_channels = in_channels); scheduler: DDIMScheduler."""
+    """transformer: DiTTransformer2DModel (out_channels = in_channels); scheduler: DDIMScheduler."""
 
     model_cpu_offload_seq = "transformer"
 
@@ -65,9 +66,9 @@ class DigitsDiTPipeline(DiffusionPipeline):
         for t in self.scheduler.timesteps:
             inp = torch.cat([x, x]) if guided else x
             tt = torch.full((inp.shape[0],), int(t), dtype=torch.long, device=dev)
-            v = tr(inp.to(dtype), timestep=tt, class_labels=labels).sample.float()  # [B or 2B, C, S, S]
+            pred = tr(inp.to(dtype), timestep=tt, class_labels=labels).sample.float()  # [B or 2B, C, S, S]
             if guided:
-                v_c, v_u = v.chunk(2)
-                v = v_u + guidance_scale * (v_c - v_u)
-            x = self.scheduler.step(v, t, x).prev_sample
+                p_c, p_u = pred.chunk(2)
+                pred = p_u + guidance_scale * (p_c - p_u)
+            x = self.scheduler.step(pred, t, x).prev_sample
         return ((x.clamp(-1, 1) + 1) / 2).cpu()
