@@ -176,6 +176,9 @@ def lowbit_attention(
     if softcap is None:
         softcap = getattr(module, "attn_logit_softcapping", None)
     h = take_handoff(key, value)
+    if h is None and kwargs.get("cu_seq_lens_q") is not None:
+        raise LowbitError("the lowbit attention got packed sequences (cu_seqlens, e.g. a vision tower): it has no "
+                          "varlen path; keep that sub-model on its own attention implementation")
     if h is None:
         if sliding_window is None:
             sliding_window = getattr(module, "sliding_window", None)
@@ -213,13 +216,32 @@ def install_attention(model) -> None:
         raise LowbitError(f"cannot install lowbit attention on a {type(model).__name__}: it has no config")
     if getattr(cfg, "_attn_implementation", None) == ATTENTION_NAME:
         return
+    towers = _vision_towers(model)
+    before = {id(t): getattr(t.config, "_attn_implementation", None) for t in towers}
     if hasattr(model, "set_attn_implementation"):
         model.set_attn_implementation(ATTENTION_NAME)
+    for t in towers:  # a vision tower has no KV cache and packs images by cu_seqlens: it keeps its attention
+        if before[id(t)] and before[id(t)] != ATTENTION_NAME and hasattr(t, "set_attn_implementation"):
+            t.set_attn_implementation(before[id(t)])
     if getattr(cfg, "_attn_implementation", None) != ATTENTION_NAME:
         raise LowbitError(
             f"{type(model).__name__} did not accept the lowbit attention implementation; "
             "it must dispatch attention through transformers' AttentionInterface"
         )
+
+
+_VISION_ATTRS = ("visual", "vision_tower", "vision_model", "vision_encoder")
+
+
+def _vision_towers(model) -> list:
+    """The vision sub-models of a VLM (Qwen2.5-VL `model.visual`, LLaVA-style `vision_tower`, ...)."""
+    out = []
+    for holder in (model, getattr(model, "model", None)):
+        for name in _VISION_ATTRS:
+            t = getattr(holder, name, None) if holder is not None else None
+            if isinstance(t, torch.nn.Module) and getattr(t, "config", None) is not None and t not in out:
+                out.append(t)
+    return out
 
 
 # ------------------------------------------------------------------ backend
