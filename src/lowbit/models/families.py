@@ -35,7 +35,7 @@ _TINY = {
                     "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1},
     "gemma4-text": {"hidden_size": 256, "intermediate_size": 256, "final_logit_softcapping": None},
 }
-_TINY["kimi-k2"] = dict(_TINY["deepseek-v3"])
+_TINY["kimi-k2"] = {**_TINY["deepseek-v3"], "bos_token_id": 0, "eos_token_id": 1}  # its ids sit past a tiny vocab
 TINY_LAYERS = {"deepseek-v3": 2, "kimi-k2": 2, "gemma4-text": 6}
 
 
