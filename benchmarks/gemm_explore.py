@@ -92,6 +92,51 @@ def explore_gemv(rows, log):
                 torch.cuda.empty_cache()
 
 
+def final_configs(M: int):
+    """The split-unpack dot and the split GEMV (4-bit), added after the first two explorations."""
+    out = [GemmConfig(BM=16, BN=bn, BK=bk, SPLIT_K=sk, num_warps=nw, num_stages=st, unpack="split")
+           for bn, bk, sk, nw, st in ((32, 128, 1, 4, 4), (32, 256, 1, 4, 3), (64, 128, 1, 4, 4), (32, 128, 4, 4, 4),
+                                      (64, 256, 2, 4, 3), (32, 256, 4, 4, 3), (16, 256, 4, 4, 3), (64, 128, 4, 8, 4))]
+    if M <= 4:
+        bm = 1 if M == 1 else 4
+        out += [wg.GemvConfig(BM=bm, BN=bn, GPT=g, SPLIT_K=sk, num_warps=nw, num_stages=st)
+                for bn, g, sk, nw, st in ((16, 1, 1, 4, 3), (32, 1, 1, 4, 3), (16, 2, 4, 4, 2), (32, 2, 2, 4, 3),
+                                          (64, 1, 1, 4, 3), (16, 1, 4, 2, 3), (32, 1, 4, 4, 3), (64, 2, 1, 8, 2))]
+    return out
+
+
+def explore_final(rows, log):
+    t0 = time.time()
+    scheme = "w4a16-g128"
+    for shape, K, N in SHAPES:
+        for M in (1, 2, 4, 16):
+            pw, ws, xs, n = sets(scheme, N, K, M)
+            bf16 = timed([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(n)])
+            ref = wg.linear_twin(xs[0], pw[0], torch.float32).double()
+            cands, rels = {}, {}
+            for cfg in final_configs(M):
+                if isinstance(cfg, wg.GemvConfig) and cfg.BM < M:
+                    continue
+                fn = wg.gemv if isinstance(cfg, wg.GemvConfig) else wg.linear
+                try:
+                    y = fn(xs[0], pw[0], cfg, torch.float32).double()
+                    rels[cfg.name] = float((y - ref).norm() / ref.norm())
+                except Exception as e:
+                    rels[cfg.name] = f"{type(e).__name__}: {str(e)[:80]}"
+                cands[cfg.name] = timed([(lambda p=pw[i % len(pw)], x=xs[i], c=cfg, f=fn: f(x, p, c)) for i in range(n)])
+            ok = {k: v for k, v in cands.items() if isinstance(v, float) and isinstance(rels.get(k), float)
+                  and rels[k] < 1e-3}
+            best = min(ok, key=ok.get) if ok else None
+            rows.append({"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "bf16_ms": bf16, "best": best,
+                         "best_ms": ok.get(best), "ratio": bf16 / ok[best] if best else None, "candidates": cands,
+                         "rel_l2": rels})
+            log(f"final {shape:<8} M={M:<3} bf16 {bf16 * 1e3:6.1f} us  best "
+                + (f"{ok[best] * 1e3:6.1f} us x{bf16 / ok[best]:.2f} {best}" if best else "none")
+                + f"  [{time.time() - t0:.0f}s]")
+            del pw, ws, xs
+            torch.cuda.empty_cache()
+
+
 def timed(fns):
     try:
         return graph_time_ms(fns, reps=3, target_ms=10)
@@ -188,11 +233,14 @@ if __name__ == "__main__":
     res = {"env": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, "explore": [], "gemlite": [],
            "gemv": []}
     try:
+        if "--final" in sys.argv:
+            explore_final(res["explore"], print)
+            sys.argv.append("--gemv-done")
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        if "--no-explore" not in sys.argv and "--gemv" not in sys.argv:
+        if "--no-explore" not in sys.argv and "--gemv" not in sys.argv and "--final" not in sys.argv:
             explore(res["explore"], print)
-        if "--no-gemlite" not in sys.argv and "--gemv" not in sys.argv:
+        if "--no-gemlite" not in sys.argv and "--gemv" not in sys.argv and "--final" not in sys.argv:
             try:
                 gemlite_rows(res["gemlite"], print)
             except Exception as e:

@@ -56,6 +56,8 @@ CASES = [  # (scheme, M, N, K, config)
     ("w4a16-g128", 17, 33, 256, GemmConfig(BM=16, BN=32, BK=128, unpack="reshape")),
     ("w4a16-g64-asym", 3, 33, 256, GemmConfig(BM=16, BN=16, BK=64, SPLIT_K=2)),
     ("w4a16-g32", 3, 40, 128, GemmConfig(BM=16, BN=32, BK=128)),  # BK shrinks to the group
+    ("w4a16-g128", 17, 33, 256, GemmConfig(BM=16, BN=16, BK=128, unpack="split")),
+    ("w4a16-g64-asym", 5, 33, 256, GemmConfig(BM=16, BN=16, BK=128, SPLIT_K=2, unpack="split")),
     ("w8a16", 17, 33, 192, GemmConfig(BM=16, BN=16, BK=64)),
     ("w8a8", 3, 33, 128, GemmConfig(BM=16, BN=16, BK=32)),
     ("w8a8", 17, 33, 128, GemmConfig(BM=16, BN=16, BK=32, fused_aq=False)),

@@ -2,10 +2,10 @@
 
 Every row times, in the same process and the same way (kernels.bench.graph_time_ms: a CUDA graph of
 back-to-back calls cycling through enough weight/input sets that a cycle is >= 4x the L2), the bf16
-F.linear and the cell the dispatch table picks; rows with `explore` also time alternative launch
-configs and dequantize + cuBLAS, and record the fastest (that is how MEASURED cells are chosen).
-Row: {"scheme", "M", "N", "K", "ms", "bf16_ms", "ratio" (bf16_ms / ms), "kernel", "tbs" (weight +
-activation bytes / ms, A16) or "tops" (A8), "best": {"kernel", "ms"}, "candidates": {kernel: ms}}.
+F.linear and the cell the dispatch table picks (choosing cells is benchmarks/gemm_explore.py's job).
+Row: {"scheme", "shape", "M", "N", "K", "ms", "bf16_ms", "ratio" (bf16_ms / ms), "kernel", "tbs"
+(weight + activation + output bytes / ms, A16) or "tops" (A8, activation quantization included),
+"bf16_tbs"}.
 """
 
 from __future__ import annotations
@@ -17,35 +17,12 @@ import torch
 
 from lowbit.kernels.bench import graph_time_ms, n_buffers
 from lowbit.kernels.weight_audit import DIT_MS, DIT_SHAPES, LLM_MS, LLM_SHAPES, random_weight
-from lowbit.kernels.weight_gemm import GemmConfig
 
 BENCH_SCHEMES = ("w4a16-g128", "w8a16", "w8a8", "w4a16-g64-asym", "w4a8")
-EXPLORE_SHAPES = ("llama3-8b gate/up", "llama3-8b down", "llama3-8b qkv/o")
-EXPLORE_MS = (1, 4, 16, 64, 256, 4096)
+SECONDARY_SHAPES = ("llama3-8b gate/up", "llama3-8b down")
 
 
-def explore_configs(M: int, a8: bool) -> list[GemmConfig]:
-    if M <= 16:
-        return [GemmConfig(BM=16, BN=n, BK=k, SPLIT_K=s, num_warps=4, num_stages=st, unpack=u)
-                for n, k, s, st, u in ((32, 128, 1, 4, "gather"), (64, 128, 1, 4, "gather"), (32, 256, 1, 3, "gather"),
-                                       (32, 128, 4, 4, "gather"), (64, 256, 2, 3, "reshape"), (16, 256, 1, 4, "gather"),
-                                       (32, 128, 1, 4, "reshape"))]
-    if M <= 128:
-        return [GemmConfig(BM=32, BN=64, BK=128, num_warps=4, num_stages=4),
-                GemmConfig(BM=64, BN=64, BK=64, num_warps=4, num_stages=4),
-                GemmConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-                GemmConfig(BM=32, BN=128, BK=128, SPLIT_K=2, num_warps=4, num_stages=3)]
-    cfgs = [GemmConfig(BM=128, BN=128, BK=64, num_warps=8, num_stages=4),
-            GemmConfig(BM=128, BN=256, BK=64, num_warps=8, num_stages=3),
-            GemmConfig(BM=64, BN=128, BK=64, num_warps=4, num_stages=4),
-            GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3)]
-    if a8:
-        cfgs += [GemmConfig(BM=128, BN=256, BK=128, num_warps=8, num_stages=3),
-                 GemmConfig(BM=128, BN=128, BK=128, num_warps=8, num_stages=3, fused_aq=False)]
-    return cfgs
-
-
-def bench_shape(scheme, shape, K, N, ms, dispatch, *, explore_ms=(), log=print, t0=0.0) -> list[dict]:
+def bench_shape(scheme, shape, K, N, ms, dispatch, *, log=print, t0=0.0) -> list[dict]:
     """Rows for every M in `ms` on one (scheme, shape); weight sets made once, inputs per M."""
     import torch.nn.functional as F
 
@@ -73,20 +50,8 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, explore_ms=(), log=print, 
         bf16_ms = graph_time_ms(fns_for("bf16", None), reps=3, target_ms=10)
         cell = dispatch.choose(pw0.kind, M)
         ms_ = graph_time_ms(fns_for(cell.path, cell.config), reps=3, target_ms=10)
-        cands = {cell.kernel: ms_}
-        ex = M in explore_ms
-        if ex:
-            for cfg in explore_configs(M, a8):
-                name = f"triton:{cfg.name}"
-                if name not in cands:
-                    cands[name] = graph_time_ms(fns_for("triton", cfg), reps=3, target_ms=10)
-            if not a8:
-                cands.setdefault("dequant-cublas", graph_time_ms(fns_for("dequant-cublas", None), reps=3,
-                                                                 target_ms=10))
-        best = min(cands, key=cands.get)
         row = {"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "ms": ms_, "bf16_ms": bf16_ms,
-               "ratio": bf16_ms / ms_, "kernel": cell.kernel, "best": {"kernel": best, "ms": cands[best]},
-               "candidates": cands}
+               "ratio": bf16_ms / ms_, "kernel": cell.kernel}
         if a8:
             row["tops"] = 2 * M * N * K / (ms_ * 1e-3) / 1e12
         else:
@@ -94,15 +59,14 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, explore_ms=(), log=print, 
         row["bf16_tbs"] = (N * K * 2 + M * K * 2 + M * N * 2) / (bf16_ms * 1e-3) / 1e12
         rows.append(row)
         log(f"{scheme:<15} {shape:<18} M={M:<6} {ms_ * 1e3:8.1f} us  bf16 {bf16_ms * 1e3:8.1f} us  "
-            f"x{row['ratio']:.2f}  {cell.kernel}" + (f"  best {best} {cands[best] * 1e3:.1f} us" if ex else "")
-            + f"  [{time.time() - t0:.0f}s]")
+            f"x{row['ratio']:.2f}  {cell.kernel}  [{time.time() - t0:.0f}s]")
         del xs
     del ws, pws
     torch.cuda.empty_cache()
     return rows
 
 
-def run(schemes=BENCH_SCHEMES, *, explore: bool = True, dit: bool = True, log=print) -> dict:
+def run(schemes=BENCH_SCHEMES, *, dit: bool = True, log=print) -> dict:
     from lowbit.kernels.weight_dispatch import Dispatch
 
     import triton
@@ -114,12 +78,11 @@ def run(schemes=BENCH_SCHEMES, *, explore: bool = True, dit: bool = True, log=pr
         main = scheme in ("w4a16-g128", "w8a16", "w8a8")
         cases = [(s, LLM_MS) for s in LLM_SHAPES] + ([(s, DIT_MS) for s in DIT_SHAPES] if dit else [])
         if not main:  # the secondary schemes on the two big LLM shapes only
-            cases = [(s, LLM_MS) for s in LLM_SHAPES if s[0] in EXPLORE_SHAPES[:2]]
+            cases = [(s, LLM_MS) for s in LLM_SHAPES if s[0] in SECONDARY_SHAPES]
         for (shape, K, N), ms in cases:
             if K % 128 and scheme.endswith("g128") or (scheme == "w4a8" and K % 128):
                 continue
-            ex = EXPLORE_MS if explore and main and shape in EXPLORE_SHAPES else ()
-            rows += bench_shape(scheme, shape, K, N, ms, dispatch, explore_ms=ex, log=log, t0=t0)
+            rows += bench_shape(scheme, shape, K, N, ms, dispatch, log=log, t0=t0)
     return {"env": {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
                     "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                     "dispatch": dispatch.source, "timing": "CUDA graph of calls cycling >= 4x L2 of weight sets; "

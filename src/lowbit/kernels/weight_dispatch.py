@@ -9,8 +9,9 @@ A cell is (kind, M range, capability) -> path + launch config. Paths:
     triton          lowbit.kernels.weight_gemm.linear with the cell's GemmConfig
     dequant-cublas  dequantize the weight (Triton) then cuBLAS (A16 only; wins where the GEMM is
                     compute-bound, since the fused kernel's dequantization then costs tensor-core time)
-The cells for capability (9, 0) are the winners of `lowbit bench gemm` on an H200
-(benchmarks/results/gemm_NVIDIA_H200.json); other devices get the generic cells. A kind with no cell
+The cells for a capability with a table in weight_tables/ (sm90.json: the H200) are the winners of the
+committed explorations (benchmarks/build_weight_table.py over benchmarks/results/weights/gemm_explore_*);
+other devices get the generic cells. A kind with no cell
 left on a device is an error naming what exists, never a silent run on the twin.
 """
 
@@ -72,8 +73,25 @@ def last_resort() -> list[Cell]:
     return [Cell(k, 1, M_INF, "dequant-cublas") for k in ("w4a16", "w8a16")]
 
 
-# capability -> cells measured on that device (filled from the committed `lowbit bench gemm` run)
-MEASURED: dict[tuple[int, int], list[Cell]] = {}
+def config_from_name(path: str, name: str | None):
+    if path == "dequant-cublas" or name is None:
+        return None
+    return GemvConfig.from_name(name) if path == "gemv" else GemmConfig.from_name(name)
+
+
+def measured_cells(cap: tuple[int, int]) -> tuple[list[Cell], str] | None:
+    """The cells measured on a device of this capability: weight_tables/sm<maj><min>.json (written by
+    benchmarks/build_weight_table.py from committed explorations), or None."""
+    import json
+    from pathlib import Path
+
+    f = Path(__file__).with_name("weight_tables") / f"sm{cap[0]}{cap[1]}.json"
+    if not f.is_file():
+        return None
+    d = json.loads(f.read_text())
+    cells = [Cell(c["kind"], c["m_lo"], M_INF if c["m_hi"] is None else c["m_hi"], c["path"],
+                  config_from_name(c["path"], c.get("config"))) for c in d["cells"]]
+    return cells + last_resort(), f"measured sm_{cap[0]}{cap[1]} ({d.get('gpu', '?')}, {f.name})"
 
 
 def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -101,8 +119,9 @@ class Dispatch:
         if dev.type != "cuda":
             raise LowbitError(f"the weight kernels run on CUDA; {dev} runs QuantLinear's torch forward")
         cap = torch.cuda.get_device_capability(dev)
-        if cap in MEASURED:
-            return cls(MEASURED[cap], f"measured sm_{cap[0]}{cap[1]}")
+        got = measured_cells(cap)
+        if got is not None:
+            return cls(*got)
         return cls(generic_cells(), f"generic (sm_{cap[0]}{cap[1]} has no measured table)")
 
     def without(self, failed: list[tuple[str, int, str]]) -> Dispatch:
@@ -127,5 +146,5 @@ class Dispatch:
         return run_cell(self.choose(pw.kind, x.shape[0]), x, pw)
 
     def table(self) -> list[dict]:
-        return [{"kind": c.kind, "m_lo": c.m_lo, "m_hi": None if c.m_hi >= M_INF else c.m_hi, "kernel": c.kernel}
-                for c in self.cells]
+        return [{"kind": c.kind, "m_lo": c.m_lo, "m_hi": None if c.m_hi >= M_INF else c.m_hi, "path": c.path,
+                 "config": None if c.config is None else c.config.name, "kernel": c.kernel} for c in self.cells]

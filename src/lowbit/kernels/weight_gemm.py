@@ -155,7 +155,8 @@ class GemmConfig:
     BM/BN/BK: tile; SPLIT_K: K-splits (fp32 atomics); GROUP_M: row-block swizzle for L2 reuse;
     unpack: 'gather' (each lane loads the word holding its nibble), 'reshape' (load words, split
     in registers) or 'pairs' (4-bit A16 bf16 on CUDA: two nibbles to two bf16 in one lop3 + one
-    bf16x2 subtract, the K order permuted consistently in x and w); fused_aq: A8 activation quantization inside the kernel (else a separate kernel)."""
+    bf16x2 subtract, the K order permuted consistently in x and w) or 'split' (4-bit A16: eight dots
+    of K = BK/8 per tile, one per nibble position, x read at stride 8; BK >= 128); fused_aq: A8 activation quantization inside the kernel (else a separate kernel)."""
 
     BM: int = 16
     BN: int = 64
@@ -167,10 +168,22 @@ class GemmConfig:
     unpack: str = "gather"
     fused_aq: bool = True
 
+    @classmethod
+    def from_name(cls, name: str) -> GemmConfig:
+        """Inverse of `name` (the dispatch tables store names)."""
+        import re
+
+        m = re.fullmatch(r"bm(\d+)-bn(\d+)-bk(\d+)-sk(\d+)-w(\d+)-s(\d+)(-rs|-pr|-sp)?(-aq2)?", name)
+        if m is None:
+            raise ValueError(f"not a GemmConfig name: {name!r}")
+        unpack = {None: "gather", "-rs": "reshape", "-pr": "pairs", "-sp": "split"}[m[7]]
+        return cls(BM=int(m[1]), BN=int(m[2]), BK=int(m[3]), SPLIT_K=int(m[4]), num_warps=int(m[5]),
+                   num_stages=int(m[6]), unpack=unpack, fused_aq=m[8] is None)
+
     @property
     def name(self) -> str:
         s = f"bm{self.BM}-bn{self.BN}-bk{self.BK}-sk{self.SPLIT_K}-w{self.num_warps}-s{self.num_stages}"
-        return s + {"gather": "", "reshape": "-rs", "pairs": "-pr"}[self.unpack] + ("" if self.fused_aq else "-aq2")
+        return s + {"gather": "", "reshape": "-rs", "pairs": "-pr", "split": "-sp"}[self.unpack] + ("" if self.fused_aq else "-aq2")
 
 
 if triton is not None:
@@ -275,7 +288,7 @@ if triton is not None:
         for it in range(K_ITERS):  # = K // SPLIT_K // BK
             kk = k0 + it * BK
             rk = kk + tl.arange(0, BK)
-            if not (UNPACK == 2 and not A8):
+            if not (UNPACK >= 2 and not A8):
                 wi = _load_wtile(w_ptr, rn, kk, N, K, BITS, UNPACK, BN, BK)  # int32 [BN, BK]
             if A8:
                 if FUSED_AQ:
@@ -292,6 +305,27 @@ if triton is not None:
                 else:
                     s = tl.load(s_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0.0).to(tl.float32)
                     acc += part.to(tl.float32) * s[None, :]
+            elif UNPACK == 3:  # 4-bit A16, split: one dot per nibble position, no reshape of the tile
+                rw = kk // 8 + tl.arange(0, BK // 8)
+                words = tl.load(w_ptr + rn[:, None] * (K // 8) + rw[None, :], mask=rn[:, None] < N, other=0)
+                if HAS_ZP:
+                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
+                part = tl.zeros([BM, BN], dtype=tl.float32)
+                for i in tl.static_range(8):
+                    # nibble i of word j is k = kk + 8j + i: x's columns at that stride
+                    ci = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC + 8.0)
+                    if HAS_ZP:
+                        ci = ci - z[:, None]
+                    xi = tl.load(x_ptr + rm[:, None] * stride_xm + (rw * 8 + i)[None, :], mask=mmask, other=0.0)
+                    if DOT_F32:
+                        part += tl.dot(xi.to(tl.float32), tl.trans(ci), input_precision="ieee")
+                    else:
+                        part += tl.dot(xi, tl.trans(ci.to(xi.dtype)))
+                if PER_CHANNEL:
+                    acc += part
+                else:
+                    s = tl.load(s_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+                    acc += part * s[None, :]
             elif UNPACK == 2:  # 4-bit, bf16 activations: the paired unpack (GPU)
                 wb = _w4_pairs_tile(w_ptr, rn, kk, N, K, BN, BK)
                 if HAS_ZP:
@@ -363,18 +397,6 @@ if triton is not None:
         k0 = pid_k * (K // SPLIT_K)
         for it in range(K_ITERS):
             g0 = (k0 + it * GPT * GROUP) // GROUP  # first group of the tile
-            if BITS == 4:
-                wo = rn[:, None, None] * (K // 8) + (g0 + rg)[None, :, None] * WG + rj[None, None, :]
-                words = tl.load(w_ptr + wo, mask=nmask[:, None, None], other=0)  # [BN, GPT, WG]
-                sh = tl.arange(0, 8) * 4
-                c = ((words[:, :, :, None] >> sh[None, None, None, :]) & 0xF) | 0x4B000000
-                cf = c.to(tl.float32, bitcast=True) - MAGIC  # [BN, GPT, WG, 8] unsigned codes, exact
-                xo = (g0 + rg)[:, None, None] * GROUP + rj[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
-            else:
-                wo = rn[:, None, None] * K + (g0 + rg)[None, :, None] * GROUP + rj[None, None, :]
-                q = tl.load(w_ptr + wo, mask=nmask[:, None, None], other=0).to(tl.int32)  # [BN, GPT, GROUP]
-                cf = ((q + 128) | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC  # q + 128, exact
-                xo = (g0 + rg)[:, None] * GROUP + rj[None, :]
             if PER_CHANNEL:  # one scale row for every tile
                 sc = tl.load(s_ptr + rg[None, :] * 0 + rn[:, None], mask=nmask[:, None], other=0.0).to(tl.float32)
             else:
@@ -384,16 +406,32 @@ if triton is not None:
             if HAS_ZP:
                 off = half + tl.load(z_ptr + (g0 + rg)[None, :] * N + rn[:, None], mask=nmask[:, None],
                                      other=0).to(tl.float32)  # [BN, GPT]
-            for m in tl.static_range(BM):
-                xm = tl.load(x_ptr + m * stride_xm + xo, mask=m < M, other=0.0).to(tl.float32)
-                if BITS == 4:
-                    dot = tl.sum(tl.sum(cf * xm[None, :, :, :], axis=3), axis=2)  # [BN, GPT]
-                    xs = tl.sum(tl.sum(xm, axis=2), axis=1)  # [GPT]
-                else:
+            if BITS == 4:
+                # words [BN, GPT, WG]; nibble i of word j of group g is k = (g0 + g) * GROUP + 8j + i
+                wo = rn[:, None, None] * (K // 8) + (g0 + rg)[None, :, None] * WG + rj[None, None, :]
+                words = tl.load(w_ptr + wo, mask=nmask[:, None, None], other=0)
+                xo = (g0 + rg)[:, None] * GROUP + rj[None, :] * 8  # [GPT, WG]
+                for m in tl.static_range(BM):
+                    d = tl.zeros([BN, GPT, WG], dtype=tl.float32)
+                    xs = tl.zeros([GPT], dtype=tl.float32)
+                    for i in tl.static_range(8):
+                        ci = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC
+                        xi = tl.load(x_ptr + m * stride_xm + xo + i, mask=m < M, other=0.0).to(tl.float32)
+                        d += ci * xi[None, :, :]
+                        xs += tl.sum(xi, axis=1)
+                    part = tl.sum((tl.sum(d, axis=2) - off * xs[None, :]) * sc, axis=1)  # [BN]
+                    acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+            else:
+                wo = rn[:, None, None] * K + (g0 + rg)[None, :, None] * GROUP + rj[None, None, :]
+                q = tl.load(w_ptr + wo, mask=nmask[:, None, None], other=0).to(tl.int32)  # [BN, GPT, GROUP]
+                cf = ((q + 128) | 0x4B000000).to(tl.float32, bitcast=True) - MAGIC  # q + 128, exact
+                xo = (g0 + rg)[:, None] * GROUP + rj[None, :]
+                for m in tl.static_range(BM):
+                    xm = tl.load(x_ptr + m * stride_xm + xo, mask=m < M, other=0.0).to(tl.float32)
                     dot = tl.sum(cf * xm[None, :, :], axis=2)
                     xs = tl.sum(xm, axis=1)
-                part = tl.sum((dot - off * xs[None, :]) * sc, axis=1)  # [BN]
-                acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
+                    part = tl.sum((dot - off * xs[None, :]) * sc, axis=1)  # [BN]
+                    acc += tl.where(rm[:, None] == m, part[None, :], 0.0)
         if HAS_BIAS:
             if pid_k == 0:
                 acc += tl.load(b_ptr + rn, mask=nmask, other=0.0).to(tl.float32)[None, :]
@@ -453,8 +491,11 @@ def _fit(cfg: GemmConfig, pw: PackedWeight) -> tuple[int, int]:
     return BK, sk
 
 
-def _unpack_mode(cfg: GemmConfig, pw: PackedWeight, x: torch.Tensor) -> int:
-    """0 gather, 1 reshape, 2 pairs (4-bit A16 with bf16 activations on CUDA; else reshape)."""
+def _unpack_mode(cfg: GemmConfig, pw: PackedWeight, x: torch.Tensor, BK: int) -> int:
+    """0 gather, 1 reshape, 2 pairs (4-bit A16 with bf16 activations on CUDA; else reshape), 3 split
+    (4-bit A16; else reshape)."""
+    if cfg.unpack == "split":
+        return 3 if pw.bits == 4 and pw.a_bits == 16 and BK // 8 >= 16 else 1
     if cfg.unpack == "pairs":
         ok = pw.bits == 4 and pw.a_bits == 16 and x.dtype == torch.bfloat16 and x.device.type == "cuda"
         return 2 if ok else 1
@@ -493,7 +534,7 @@ def linear(x: torch.Tensor, pw: PackedWeight, config: GemmConfig | None = None,
         xin, pw.qweight, pw.scale, pw.zero if pw.zero is not None else pw.scale,
         pw.bias if pw.bias is not None else pw.scale, y, M, pw.N, K, xin.stride(0), y.stride(0),
         BITS=pw.bits, A8=pw.a_bits == 8, HAS_ZP=pw.zero is not None, HAS_BIAS=pw.bias is not None,
-        PER_CHANNEL=pw.per_channel, GROUP=pw.group, UNPACK=_unpack_mode(cfg, pw, x),
+        PER_CHANNEL=pw.per_channel, GROUP=pw.group, UNPACK=_unpack_mode(cfg, pw, x, BK),
         FUSED_AQ=cfg.fused_aq, sx_ptr=sx if sx is not None else pw.scale,
         BM=cfg.BM, BN=cfg.BN, BK=BK, SPLIT_K=sk, GROUP_M=cfg.GROUP_M, K_ITERS=K // sk // BK, DOT_F32=x.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -510,6 +551,15 @@ class GemvConfig:
     SPLIT_K: int = 1
     num_warps: int = 4
     num_stages: int = 3
+
+    @classmethod
+    def from_name(cls, name: str) -> GemvConfig:
+        import re
+
+        m = re.fullmatch(r"gemv-bm(\d+)-bn(\d+)-gpt(\d+)-sk(\d+)-w(\d+)-s(\d+)", name)
+        if m is None:
+            raise ValueError(f"not a GemvConfig name: {name!r}")
+        return cls(*(int(m[i]) for i in range(1, 7)))
 
     @property
     def name(self) -> str:

@@ -1,0 +1,74 @@
+"""Build lowbit/kernels/weight_tables/sm<cap>.json (the dispatch table) from committed explorations.
+
+    python3 benchmarks/build_weight_table.py OUT.json EXPLORE.json [EXPLORE.json ...]
+
+Each exploration row times candidates (launch configs, GEMV configs, dequantize + cuBLAS) against
+cuBLAS bf16 at one (scheme, shape, M). Files are given oldest first; a later file's timing of the
+same (scheme, shape, M, candidate) replaces an earlier one (kernels change between runs). Per kind
+and M bucket the table takes the candidate with the best geometric-mean speed-up over bf16 across
+the shapes timed at the bucket's representative M, among candidates whose rel L2 against the twin
+passed (< 1e-3) and that were timed on every shape. W4A8 has no exploration: it takes W8A8's cells.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 16, 16), (17, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
+SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
+KIND = {"w4a16-g128": "w4a16", "w8a16": "w8a16", "w8a8": "w8a8"}
+
+
+def path_of(name: str) -> str:
+    return "dequant-cublas" if name == "dequant-cublas" else ("gemv" if name.startswith("gemv-") else "triton")
+
+
+def gemv_bm(name: str) -> int:
+    return int(name.split("-bm")[1].split("-")[0])
+
+
+def main(out: str, files: list[str]) -> None:
+    cells: dict[tuple, dict] = {}  # (scheme, shape, M) -> {cand: ratio}
+    gpu = None
+    for f in files:
+        d = json.load(open(f))
+        gpu = gpu or d.get("env", {}).get("gpu")
+        for r in d.get("explore", []) + d.get("gemv", []):
+            key = (r["scheme"], r["shape"], r["M"])
+            slot = cells.setdefault(key, {})
+            rels = r.get("rel_l2", {})
+            for name, ms in r["candidates"].items():
+                ok_rel = name == "dequant-cublas" or (isinstance(rels.get(name), float) and rels[name] < 1e-3)
+                if isinstance(ms, float) and ok_rel:
+                    slot[name] = r["bf16_ms"] / ms
+                else:
+                    slot.pop(name, None)
+    table = []
+    for scheme, kind in KIND.items():
+        for lo, hi, rep in BUCKETS:
+            reps = [rep] if not (kind == "w8a8" and rep < 16) else [16]
+            rows = {k: v for k, v in cells.items() if k[0] == scheme and k[2] in reps and k[1] in SHAPES}
+            if not rows:
+                continue
+            names = set.intersection(*(set(v) for v in rows.values()))
+            names = {n for n in names if not n.startswith("gemv-") or gemv_bm(n) >= (hi or 10**9)}
+            if not names:
+                continue
+            score = {n: math.exp(sum(math.log(v[n]) for v in rows.values()) / len(rows)) for n in names}
+            best = max(score, key=score.get)
+            table.append({"kind": kind, "m_lo": lo, "m_hi": hi, "path": path_of(best),
+                          "config": None if best == "dequant-cublas" else best,
+                          "geomean_speedup_vs_bf16": round(score[best], 3), "shapes": sorted(k[1] for k in rows)})
+    table += [{**c, "kind": "w4a8"} for c in table if c["kind"] == "w8a8"]
+    res = {"gpu": gpu, "capability": [9, 0], "built_from": files, "cells": table}
+    with open(out, "w") as fh:
+        json.dump(res, fh, indent=1)
+    for c in table:
+        print(f"{c['kind']:<6} M {c['m_lo']}-{c['m_hi'] or 'inf'}: {c['path']} {c['config'] or ''} "
+              f"x{c['geomean_speedup_vs_bf16']}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2:])
