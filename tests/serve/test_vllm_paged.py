@@ -45,7 +45,8 @@ def test_writes_go_through_the_one_quantizer(monkeypatch):
     fmt = SlotFormat(parse_kv_scheme("int2", sink=0, recent=0, page=1, grid="minmax"), 64, 64)
     cache = torch.zeros(4, 3, 16, fmt.slot_bytes, dtype=torch.uint8)
     n = paged.write(cache, fmt, torch.randn(5, 3, 64), torch.randn(5, 3, 64), torch.tensor([0, 1, -1, 17, 33]))
-    assert n == 4 and calls == [((1, 3, 4, 64), 2, 64), ((1, 3, 4, 64), 2, 64)]
+    # K and V share the codec: one call over [1, 2H, T, D] (K's 3 heads then V's), every row through it
+    assert n == 4 and calls == [((1, 6, 4, 64), 2, 64)]
     assert cache[0, :, 0].any() and cache[1, :, 1].any() and cache[2, :, 1].any() and not cache[0, :, 2].any()
 
 

@@ -32,7 +32,9 @@ For a directory with the sidecar:
 
 Not supported (refused at start-up, never silently served otherwise): per-channel (KIVI) keys,
 Lloyd-Max levels, per-layer bits, alibi, attention sinks, encoder attention, CUDA.
-The attention here is plain torch (dequantize chunk by chunk); no fused kernel on CPU.
+Decode attention: a fused C++ kernel over the packed pages (csrc/paged_decode.cpp, built with
+torch.utils.cpp_extension; its torch twin in paged.py serves prefill chunks, 16-bit tensors, and
+decode when the kernel cannot build -- said in the log).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class LowbitModel:
     formats: dict  # (head_dim_k, head_dim_v) -> SlotFormat
     rotations: list  # [(R_k, R_v)] per layer
     windows_logged: set = field(default_factory=set)  # sliding windows whose layers were described in the log
+    kernel_logged: bool = False
 
     def fmt(self, dk: int, dv: int) -> SlotFormat:
         return self.formats[(dk, dv)]
@@ -169,6 +172,7 @@ class LowbitMetadata(AttentionMetadata):
     seq_lens: torch.Tensor  # [R]
     block_table: torch.Tensor  # [R, max_blocks]
     slot_mapping: torch.Tensor  # [T]
+    memo: dict = field(default_factory=dict)  # index tensors shared by this step's layers (paged._decode_index)
 
 
 class LowbitMetadataBuilder(AttentionMetadataBuilder[LowbitMetadata]):
@@ -253,6 +257,15 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
                               "would skip: start vLLM with --no-enable-prefix-caching (or export with "
                               "--sink 0 --recent 0)")
         self.arena: paged.TierArena | None = None  # made on the first write, once the block size is known
+        from lowbit.vllm_plugin import cpu_kernel
+
+        mod, why = cpu_kernel.load()  # built once per machine (cached); the first process pays ~1-2 min
+        self.kernel = "cpu-fused" if mod is not None else "torch"
+        if not self.model.kernel_logged:
+            self.model.kernel_logged = True
+            log.warning("lowbit plugin: %s", "decode attention: fused CPU kernel over the packed pages "
+                        "(csrc/paged_decode.cpp); prefill chunks: vectorised torch" if mod is not None else
+                        f"decode attention: vectorised torch ({why})")
         if sliding_window not in self.model.windows_logged:
             self.model.windows_logged.add(sliding_window)
             log.warning("lowbit plugin: %s", f"sliding-window layers (window {sliding_window}): the attention and "
@@ -315,7 +328,8 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         out = paged.attend(q, self._bytes(kv_cache), self.fmt, block_table=attn_metadata.block_table,
                            seq_lens=attn_metadata.seq_lens, query_start_loc=attn_metadata.query_start_loc,
                            scale=self.scale, rot_k=rk, rot_v=rv, window=self.sliding_window, softcap=self.softcap,
-                           arena=self.arena, new_k=nk, new_v=nv)
+                           arena=self.arena, new_k=nk, new_v=nv, kernel=self.kernel, memo=attn_metadata.memo,
+                           evict=False)  # stale dense blocks: dropped once per step in the builder (retain)
         output[:n] = out.reshape(output[:n].shape).to(output.dtype)
         return output
 

@@ -31,19 +31,104 @@ Queries are rotated by R_k, the output is un-rotated by R_v^T. Query head j read
 
 from __future__ import annotations
 
-import itertools
-
 import torch
 
 from lowbit.vllm_plugin.slot import SlotFormat
 
-DEFAULT_CHUNK_TOKENS = 1024
+DEFAULT_CHUNK_TOKENS = 4096  # keys scored per pass; longer histories are merged by log-sum-exp
+
+
+class BlockPool:
+    """{block id: rows [H, block_size, D]} held in one tensor `data` [capacity, block_size, H, D] plus a
+    block -> slot map, so the attention gathers any set of rows with one index op (`rows`), while
+    code that thinks in blocks reads and writes `pool[b]` (a [H, block_size, D] view) as a dict.
+    Capacity doubles when full; a freed slot is reused. Device and dtype follow the first rows."""
+
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+        self.data: torch.Tensor | None = None  # [cap, bs, H, D]
+        self.slot: dict[int, int] = {}
+        self.free: list[int] = []
+        self.map = torch.full((0,), -1, dtype=torch.long)  # block id -> slot, -1 = absent
+
+    def _alloc(self, b: int, H: int, bs: int, D: int, device) -> int:
+        if b in self.slot:
+            return self.slot[b]
+        if self.data is None:
+            self.data = torch.zeros(4, bs, H, D, dtype=self.dtype, device=device)
+            self.free = list(range(3, -1, -1))
+            self.map = self.map.to(device)
+        if not self.free:
+            cap = self.data.shape[0]
+            self.data = torch.cat([self.data, torch.zeros_like(self.data)])
+            self.free = list(range(2 * cap - 1, cap - 1, -1))
+        s = self.free.pop()
+        self.data[s] = 0
+        self.slot[b] = s
+        if b >= self.map.numel():
+            grown = torch.full((max(2 * self.map.numel(), b + 1),), -1, dtype=torch.long, device=self.map.device)
+            grown[: self.map.numel()] = self.map
+            self.map = grown
+        self.map[b] = s
+        return s
+
+    def ensure(self, blocks, H: int, bs: int, D: int, device) -> None:
+        for b in blocks:
+            self._alloc(int(b), H, bs, D, device)
+
+    def lookup(self, blocks: torch.Tensor) -> torch.Tensor:
+        """blocks (any shape, long) -> slots (-1 where the block holds no rows)."""
+        inside = (blocks >= 0) & (blocks < self.map.numel())
+        if self.map.numel() == 0:
+            return torch.full_like(blocks, -1)
+        return torch.where(inside, self.map[blocks.clamp(0, self.map.numel() - 1)], -1)
+
+    def rows(self, slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """slots, offsets [...] -> rows [..., H, D] (slot < 0 reads slot 0: mask it)."""
+        cap, bs, H, D = self.data.shape
+        flat = (slots.clamp(min=0) * bs + offsets).reshape(-1)
+        return self.data.view(cap * bs, H, D).index_select(0, flat).reshape(*slots.shape, H, D)
+
+    # ---- the dict view (block id -> [H, bs, D])
+    def __getitem__(self, b: int) -> torch.Tensor:
+        return self.data[self.slot[int(b)]].transpose(0, 1)
+
+    def __setitem__(self, b: int, rows: torch.Tensor) -> None:
+        H, bs, D = rows.shape
+        s = self._alloc(int(b), H, bs, D, rows.device)
+        self.data[s] = rows.transpose(0, 1).to(self.dtype)
+
+    def __contains__(self, b) -> bool:
+        return int(b) in self.slot
+
+    def __iter__(self):
+        return iter(list(self.slot))
+
+    def __len__(self) -> int:
+        return len(self.slot)
+
+    def values(self):
+        return [self[b] for b in self.slot]
+
+    def pop(self, b: int, default=None):
+        b = int(b)
+        if b not in self.slot:
+            return default
+        s = self.slot.pop(b)
+        self.map[b] = -1
+        self.free.append(s)
+        return None
+
+    def __delitem__(self, b: int) -> None:
+        if int(b) not in self.slot:
+            raise KeyError(b)
+        self.pop(b)
 
 
 class TierArena:
     """Dense copies of the exact tiers of one layer: each request's first `sink` tokens and its last
-    `recent` tokens, {block id: (k, v) [H, block_size, D]} in the model dtype, rotated.
-    `window`: the layer's sliding window (None: full attention).
+    `recent` tokens, per physical block (BlockPool: {block id: [H, block_size, D]}) in the model dtype,
+    rotated. `window`: the layer's sliding window (None: full attention).
 
     lowbit's runtime with page 1 holds a token dense when its position p < sink or
     p >= seq_len - recent (seq_len: tokens stored after this step), and packed otherwise; so does
@@ -62,12 +147,17 @@ class TierArena:
     def __init__(self, sink: int, recent: int, block_size: int, dtype: torch.dtype, window: int | None = None):
         self.sink, self.recent, self.bs, self.dtype = int(sink), int(recent), int(block_size), dtype
         self.window = int(window) if window else None
-        self.k: dict[int, torch.Tensor] = {}
-        self.v: dict[int, torch.Tensor] = {}
+        self.k = BlockPool(dtype)
+        self.v = BlockPool(dtype)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.k, self.v) for t in d.values())
+        """Bytes of the rows held (blocks in use), not of the pools' spare capacity."""
+        per = 0
+        for pool in (self.k, self.v):
+            if pool.data is not None:
+                per += pool.data[0].numel() * pool.data.element_size()
+        return per * len(self.k)
 
     def dense_from(self, seq_len: int) -> int:
         """First position of the recent window when the request holds seq_len tokens."""
@@ -87,47 +177,54 @@ class TierArena:
         sel = (positions < self.sink) | ((positions >= seq_lens_of_rows - self.recent) & (self.recent > 0))
         if not bool(sel.any()):
             return
-        ks, vs = k[sel].to(self.dtype), v[sel].to(self.dtype)
-        for s, kk, vv in zip(slots[sel].tolist(), ks, vs):
-            b, off = divmod(s, self.bs)
-            if b not in self.k:
-                self.k[b] = torch.zeros(kk.shape[0], self.bs, kk.shape[1], dtype=self.dtype)
-                self.v[b] = torch.zeros(vv.shape[0], self.bs, vv.shape[1], dtype=self.dtype)
-            self.k[b][:, off] = kk
-            self.v[b][:, off] = vv
+        s = slots[sel]
+        blocks, offs = s // self.bs, s % self.bs
+        H = k.shape[1]
+        self.k.ensure(torch.unique(blocks).tolist(), H, self.bs, k.shape[2], k.device)
+        self.v.ensure(torch.unique(blocks).tolist(), H, self.bs, v.shape[2], v.device)
+        self.k.data[self.k.map[blocks], offs] = k[sel].to(self.dtype)  # [n, H, D]
+        self.v.data[self.v.map[blocks], offs] = v[sel].to(self.dtype)
 
     def overlay(self, table_row: torch.Tensor, lo: int, seq_len: int, k: torch.Tensor, v: torch.Tensor,
                 vis_lo: int = 0):
         """Replace the rows of k/v [1, H, n, D] (positions lo..lo+n) that are dense tiers by their copies.
         Rows before vis_lo (out of every query's window: masked) are left as they are."""
         n = k.shape[2]
-        for j in self.dense_rows(max(lo, vis_lo), lo + n, seq_len):
-            b, off = int(table_row[j // self.bs]), j % self.bs
-            if b not in self.k:
-                raise RuntimeError(f"lowbit plugin: the dense copy of position {j} (block {b}) is gone; "
-                                   "the request was not scheduled for too long")
-            k[0, :, j - lo] = self.k[b][:, off].to(k.dtype)
-            v[0, :, j - lo] = self.v[b][:, off].to(v.dtype)
+        rows = self.dense_rows(max(lo, vis_lo), lo + n, seq_len)
+        if not rows:
+            return k, v
+        j = torch.tensor(rows, dtype=torch.long, device=k.device)
+        slots = self.k.lookup(table_row.long()[j // self.bs])
+        if bool((slots < 0).any()):
+            bad = rows[int(torch.nonzero(slots < 0)[0])]
+            raise RuntimeError(f"lowbit plugin: the dense copy of position {bad} (block "
+                               f"{int(table_row[bad // self.bs])}) is gone; the request was not scheduled for too long")
+        k[0, :, j - lo] = self.k.rows(slots, j % self.bs).transpose(0, 1).to(k.dtype)
+        v[0, :, j - lo] = self.v.rows(slots, j % self.bs).transpose(0, 1).to(v.dtype)
         return k, v
 
     def needed_blocks(self, table_row: torch.Tensor, seq_len: int, lo: int = 0) -> set[int]:
         """Blocks holding a request's dense rows (sink and recent window) at positions >= lo."""
-        return {int(table_row[j // self.bs]) for j in self.dense_rows(lo, seq_len, seq_len)}
+        bs, out = self.bs, set()
+        for a, b in ((lo, min(self.sink, seq_len)), (max(lo, self.dense_from(seq_len)), seq_len)):
+            if a < b:
+                out.update(table_row[a // bs: -(-b // bs)].tolist())
+        return out
 
     def evict(self, table_row: torch.Tensor, seq_len: int, lo: int = 0) -> None:
         """Drop this request's blocks, from position lo on (the blocks this step could read: vLLM may
         have freed those below), that hold no dense row a future query (at >= seq_len) can see."""
         keep = self.needed_blocks(table_row, seq_len, self.visible_from(seq_len))
-        for i in range(lo // self.bs, -(-seq_len // self.bs)):
-            b = int(table_row[i])
-            if b not in keep:
-                self.k.pop(b, None)
-                self.v.pop(b, None)
+        for b in table_row[lo // self.bs: -(-seq_len // self.bs)].tolist():
+            if b not in keep and b in self.k.slot:
+                self.k.pop(b)
+                self.v.pop(b)
 
     def retain(self, live: set[int]) -> None:
         """Keep only blocks in `live` (the dense blocks of the requests vLLM is running)."""
         for b in [b for b in self.k if b not in live]:
-            del self.k[b], self.v[b]
+            self.k.pop(b)
+            self.v.pop(b)
 
 
 def visible_from(q0: int, window: int | None) -> int:
@@ -142,28 +239,28 @@ def write(cache_u8: torch.Tensor, fmt: SlotFormat, key: torch.Tensor, value: tor
 
     With an arena, `positions` [T] (each token's index in its request) and `row_seq_lens` [T]
     (its request's length after this step) pick the rows also kept dense (TierArena). Every row
-    is packed either way: the paged cache holds all tokens."""
+    is packed either way: the paged cache holds all tokens. Rows are rotated once, for both."""
+    from lowbit.kv.rotations import rotate
+
     n = min(key.shape[0], slot_mapping.shape[0])
     slots = slot_mapping[:n].long()
     keep = slots >= 0
-    key, value = key[:n][keep], value[:n][keep]
+    all_kept = bool(keep.all())
+    key, value = (key[:n], value[:n]) if all_kept else (key[:n][keep], value[:n][keep])
     if positions is not None:
-        positions = positions[:n][keep]
-        row_seq_lens = row_seq_lens[:n][keep]
-    slots = slots[keep]
+        positions = positions[:n] if all_kept else positions[:n][keep]
+        row_seq_lens = row_seq_lens[:n] if all_kept else row_seq_lens[:n][keep]
+    slots = slots if all_kept else slots[keep]
     if slots.numel() == 0:
         return 0
     bs = cache_u8.shape[2]
-    packed = fmt.encode(key, value, rot_k, rot_v)  # [T, H, C]
-    cache_u8[slots // bs, :, slots % bs, :] = packed  # advanced indices first: [T, H, C]
+    kr = rotate(key.transpose(0, 1).unsqueeze(0), rot_k)  # [1, H, T, D_k]
+    vr = rotate(value.transpose(0, 1).unsqueeze(0), rot_v)
+    cache_u8[slots // bs, :, slots % bs, :] = fmt.encode_rotated(kr, vr)  # advanced indices first: [T, H, C]
     if arena is not None and (arena.sink > 0 or arena.recent > 0):
         if positions is None or row_seq_lens is None:
             raise ValueError("a tier arena needs the token positions and their requests' lengths")
-        from lowbit.kv.rotations import rotate
-
-        kr = rotate(key.transpose(0, 1).unsqueeze(0), rot_k)[0].transpose(0, 1)  # [T, H, D_k] float32
-        vr = rotate(value.transpose(0, 1).unsqueeze(0), rot_v)[0].transpose(0, 1)
-        arena.store(slots, positions.long(), row_seq_lens.long(), kr, vr)
+        arena.store(slots, positions.long(), row_seq_lens.long(), kr[0].transpose(0, 1), vr[0].transpose(0, 1))
     return int(slots.numel())
 
 
@@ -172,7 +269,7 @@ def _blocks(cache_u8, fmt: SlotFormat, table_row: torch.Tensor, seq_len: int, ch
     """Yield (k [1,H,n,D], v [1,H,n,Dv], first slot) for one request's stored rows [start, upto),
     chunk by chunk, from the block holding `start` on (blocks before it are never indexed: on a
     sliding layer vLLM may have freed them); seq_len (the request's length after this step)
-    decides which rows are dense tiers."""
+    decides which rows are dense tiers. The dequantized view of what `attend` reads (tests)."""
     bs = cache_u8.shape[2]
     per = max(1, chunk_tokens // bs)  # vLLM blocks per chunk
     upto = seq_len if upto is None else upto
@@ -190,11 +287,279 @@ def _blocks(cache_u8, fmt: SlotFormat, table_row: torch.Tensor, seq_len: int, ch
         yield k, v, lo
 
 
+# ------------------------------------------------------------------ the fused attention over packed cells
+def _unpack_float(packed: torch.Tensor, cbits: int) -> torch.Tensor:
+    """uint8 [..., D*cbits/8] in the `strided` layout -> codes float32 [..., D] (dims in order)."""
+    if cbits == 8:
+        return packed.float()
+    P, mask = 8 // cbits, (1 << cbits) - 1
+    parts = [packed if i == 0 and P == 1 else (packed >> (i * cbits)) & mask for i in range(P)]
+    return torch.cat(parts, dim=-1).float()  # part i holds dims [i*S, (i+1)*S)
+
+
+def _tensor_fields(fmt: SlotFormat, which: str, cells: torch.Tensor, valid: torch.Tensor):
+    """cells uint8 [R, H, N, C], valid bool [R, N] -> ("dense", x [R,H,N,D]) or
+    ("codes", codes float [R,H,N,D], scale, zero float [R,H,N,ng]) with the invalid rows' floats zeroed
+    (a freed block may hold another request's or NaN bytes; 0 * NaN would leak into the sums)."""
+    c = fmt.codecs[which]
+    ok = valid[:, None, :, None]
+    if not c.quantized:
+        x = fmt.read_field(cells, which, "dense").float()
+        return ("dense", torch.where(ok, x, 0.0))
+    codes = _unpack_float(fmt.read_field(cells, which, "codes"), c.cbits)
+    scale = torch.where(ok, fmt.read_field(cells, which, "scale").float(), 0.0)
+    zero = torch.where(ok, fmt.read_field(cells, which, "zero").float(), 0.0)
+    return ("codes", codes, scale, zero)
+
+
+def _scores_packed(q: torch.Tensor, kf, group: int) -> torch.Tensor:
+    """q [R,H,M,D] float32 . K held as codes: sum_g s_g (q_g . c_g) + z_g sum(q_g): the scale and zero
+    of each (token, group) are applied to the dot, never to the D codes -> [R,H,M,N]."""
+    if kf[0] == "dense":
+        return q @ kf[1].transpose(-1, -2)
+    _, codes, scale, zero = kf
+    D = q.shape[-1]
+    out = None
+    for g in range(D // group):
+        sl = slice(g * group, (g + 1) * group)
+        s = (q[..., sl] @ codes[..., sl].transpose(-1, -2)) * scale[..., g].unsqueeze(-2)
+        s = s + q[..., sl].sum(-1, keepdim=True) * zero[..., g].unsqueeze(-2)
+        out = s if out is None else out + s
+    return out
+
+
+def _values_packed(p: torch.Tensor, vf, group: int) -> torch.Tensor:
+    """p [R,H,M,N] . V held as codes: per group (p * s_g) @ c_g + p @ z_g -> [R,H,M,Dv]."""
+    if vf[0] == "dense":
+        return p @ vf[1]
+    _, codes, scale, zero = vf
+    outs = []
+    for g in range(codes.shape[-1] // group):
+        sl = slice(g * group, (g + 1) * group)
+        o = (p * scale[..., g].unsqueeze(-2)) @ codes[..., sl] + (p @ zero[..., g:g + 1])
+        outs.append(o)
+    return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+
+class _Online:
+    """Streaming softmax over pieces of keys (log-sum-exp merge; an all-masked piece adds nothing)."""
+
+    def __init__(self, R, H, M, Dv, device):
+        self.m = torch.full((R, H, M), float("-inf"), device=device)
+        self.l = torch.zeros(R, H, M, device=device)
+        self.acc = torch.zeros(R, H, M, Dv, device=device)
+
+    def add(self, s: torch.Tensor, values) -> None:
+        m_new = torch.maximum(self.m, s.amax(-1))
+        m_safe = torch.where(torch.isinf(m_new), 0.0, m_new)
+        alpha = torch.exp(self.m - m_safe)
+        p = torch.exp(s - m_safe.unsqueeze(-1))
+        self.l = self.l * alpha + p.sum(-1)
+        self.acc = self.acc * alpha.unsqueeze(-1) + values(p)
+        self.m = m_new
+
+    def result(self) -> torch.Tensor:
+        return self.acc / self.l.clamp(min=1e-30).unsqueeze(-1)
+
+
+def _mask_scores(s, kpos, valid, qpos, window, causal, scale, softcap):
+    """s [R,H,M,N] raw dots -> scaled, soft-capped, masked (-inf) scores. kpos [R,N], valid [R,N], qpos [R,M]."""
+    s = s * scale
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
+    ok = valid[:, None, :]  # [R, 1, N]
+    if causal:
+        ok = ok & (kpos[:, None, :] <= qpos[:, :, None])
+    if window:
+        ok = ok & (kpos[:, None, :] > qpos[:, :, None] - window)
+    return s.masked_fill(~ok[:, None], float("-inf"))
+
+
+def _attend_group(out, reqs, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale,
+                  chunk_tokens, arena, G):
+    """Attention for requests with the same number of new queries lq (one batched pass).
+
+    reqs: [(r, q0, lq, seq_len)]; qr [T, Hkv, G, D] rotated queries; kr_new/vr_new [T, Hkv, D] rotated
+    new rows (None: the new rows are read back from the cache like the history)."""
+    dev = qr.device
+    R, lq = len(reqs), reqs[0][2]
+    Hkv, D = qr.shape[1], qr.shape[3]
+    Dv = fmt.codecs["v"].head_dim
+    bs, nbt = cache_u8.shape[2], block_table.shape[1]
+    M = G * lq
+    rows = torch.tensor([x[0] for x in reqs], dtype=torch.long, device=dev)
+    q0s = torch.tensor([x[1] for x in reqs], dtype=torch.long, device=dev)
+    seq = torch.tensor([x[3] for x in reqs], dtype=torch.long, device=dev)
+    own = kr_new is not None
+    hist = seq - lq if own else seq  # rows read from the cache / arena
+    first = seq - lq  # position of each request's first query
+    tok = q0s[:, None] + torch.arange(lq, device=dev)[None]  # [R, lq] rows of the batch
+    q = qr[tok]  # [R, lq, Hkv, G, D]
+    q = q.permute(0, 2, 3, 1, 4).reshape(R, Hkv, M, D)  # m = g * lq + i
+    qpos = (first[:, None] + torch.arange(lq, device=dev)[None]).repeat(1, G)  # [R, M]
+    vis = (first - (window - 1)).clamp(min=0) if window else torch.zeros_like(first)
+    sink = arena.sink if arena is not None else 0
+    recent = arena.recent if arena is not None else 0
+    dense_from = torch.maximum(torch.full_like(seq, sink), seq - recent) if recent else seq
+    mid_lo = torch.maximum(vis, torch.full_like(vis, sink))
+    mid_hi = torch.minimum(hist, dense_from)
+    acc = _Online(R, Hkv, M, Dv, dev)
+    gk, gv = fmt.codecs["k"].group, fmt.codecs["v"].group
+    table = block_table.long()
+
+    # 1. the packed middle, from the block holding mid_lo on (never a block before the window)
+    b0 = mid_lo // bs
+    b1 = torch.maximum(-(-mid_hi // bs), b0)
+    nb = int((b1 - b0).max())
+    per = max(1, chunk_tokens // bs)
+    for j0 in range(0, nb, per):
+        j = torch.arange(j0, min(nb, j0 + per), device=dev)
+        bidx = b0[:, None] + j[None]  # [R, nc] block index in each request's table
+        ids = table[rows[:, None], bidx.clamp(max=nbt - 1)].clamp(0, cache_u8.shape[0] - 1)
+        cells = cache_u8[ids]  # [R, nc, H, bs, C]
+        nc = cells.shape[1]
+        cells = cells.transpose(1, 2).reshape(R, Hkv, nc * bs, -1)
+        kpos = (bidx[:, :, None] * bs + torch.arange(bs, device=dev)).reshape(R, nc * bs)
+        valid = (kpos >= mid_lo[:, None]) & (kpos < mid_hi[:, None])
+        kf = _tensor_fields(fmt, "k", cells, valid)
+        vf = _tensor_fields(fmt, "v", cells, valid)
+        s = _mask_scores(_scores_packed(q, kf, gk), kpos, valid, qpos, window, not own, scale, softcap)
+        acc.add(s, lambda p, vf=vf: _values_packed(p, vf, gv))
+
+    # 2. the dense tiers (sink, recent window) from the arena, and the step's own rows as they arrived
+    ks, vs, kp, ok = [], [], [], []
+    if arena is not None and (sink or recent) and len(arena.k):
+        n_s, n_r = min(sink, int(hist.max())), min(recent, int(hist.max()))
+        jpos = torch.cat([torch.arange(n_s, device=dev)[None].expand(R, n_s),
+                          torch.maximum(dense_from, vis)[:, None] + torch.arange(n_r, device=dev)[None]], dim=1)
+        jvalid = torch.cat([(jpos[:, :n_s] >= vis[:, None]) & (jpos[:, :n_s] < torch.minimum(hist, torch.full_like(hist, sink))[:, None]),
+                            jpos[:, n_s:] < hist[:, None]], dim=1)
+        jc = torch.where(jvalid, jpos, 0)
+        blk = table[rows[:, None], (jc // bs).clamp(max=nbt - 1)]
+        slots = arena.k.lookup(blk)
+        missing = jvalid & (slots < 0)
+        if bool(missing.any()):
+            r_, c_ = (int(x) for x in torch.nonzero(missing)[0])
+            raise RuntimeError(f"lowbit plugin: the dense copy of position {int(jpos[r_, c_])} (block "
+                               f"{int(blk[r_, c_])}) is gone; the request was not scheduled for too long")
+        okd = jvalid[:, None, :, None]
+        ks.append(torch.where(okd, arena.k.rows(slots, jc % bs).transpose(1, 2).float(), 0.0))  # [R, H, n, D]
+        vs.append(torch.where(okd, arena.v.rows(slots, jc % bs).transpose(1, 2).float(), 0.0))
+        kp.append(jpos)
+        ok.append(jvalid)
+    elif arena is not None and (sink or recent) and bool((hist > mid_hi).any() | (torch.minimum(hist, torch.full_like(hist, sink)) > vis).any()):
+        raise RuntimeError("lowbit plugin: the dense tiers of this step's requests are gone; the request was not "
+                           "scheduled for too long")
+    if own:
+        ks.append(kr_new[tok].permute(0, 2, 1, 3).float())  # [R, H, lq, D]
+        vs.append(vr_new[tok].permute(0, 2, 1, 3).float())
+        kp.append(first[:, None] + torch.arange(lq, device=dev)[None])
+        ok.append(torch.ones(R, lq, dtype=torch.bool, device=dev))
+    if ks:
+        k_d, v_d = torch.cat(ks, dim=2), torch.cat(vs, dim=2)
+        kpos, valid = torch.cat(kp, dim=1), torch.cat(ok, dim=1)
+        s = _mask_scores(q @ k_d.transpose(-1, -2), kpos, valid, qpos, window, True, scale, softcap)
+        acc.add(s, lambda p: p @ v_d)
+    return acc.result()  # [R, Hkv, M, Dv] rotated
+
+
+def kernel_meta(fmt: SlotFormat) -> torch.Tensor | None:
+    """The fused kernel's view of a slot: int64 [12] (K: codes/scale/zero offsets, container bits,
+    group, dim; V: same), or None when a tensor is stored dense (16-bit): the torch path serves it."""
+    if getattr(fmt, "_kernel_meta", False) is not False:
+        return fmt._kernel_meta
+    meta = []
+    for which in ("k", "v"):
+        c = fmt.codecs[which]
+        if not c.quantized or c.cbits not in (2, 4, 8):
+            fmt._kernel_meta = None
+            return None
+        meta += [fmt.field(which, "codes").offset, fmt.field(which, "scale").offset, fmt.field(which, "zero").offset,
+                 c.cbits, c.group, c.head_dim]
+    fmt._kernel_meta = torch.tensor(meta, dtype=torch.long)
+    return fmt._kernel_meta
+
+
+def _decode_index(reqs, block_table: torch.Tensor, num_blocks: int, bs: int, window, sink: int, recent: int,
+                  own: bool, memo: dict | None) -> dict:
+    """What one decode step reads, per request, as index tensors (the same for every layer of a KV cache
+    group with this window; memoised in `memo`, the step's metadata): the packed middle's block ids
+    [R, nb] from the block holding max(sink, window start) on, (b0, lo, hi) [R, 3], and the dense tier
+    positions' blocks / offsets / validity [R, sink + recent]."""
+    key = ("decode", window, sink, recent, bs, own)
+    if memo is not None and key in memo:
+        return memo[key]
+    dev = block_table.device
+    table = block_table.long()
+    nbt = table.shape[1]
+    rows = torch.tensor([x[0] for x in reqs], dtype=torch.long, device=dev)
+    seq = torch.tensor([x[3] for x in reqs], dtype=torch.long, device=dev)
+    first = seq - 1
+    hist = first if own else seq
+    vis = (first - (window - 1)).clamp(min=0) if window else torch.zeros_like(first)
+    dense_from = torch.clamp(seq - recent, min=sink) if recent else seq
+    mid_lo = vis.clamp(min=sink)
+    mid_hi = torch.minimum(hist, dense_from)
+    b0 = mid_lo // bs
+    b1 = torch.maximum(-(-mid_hi // bs), b0)
+    nb = int((b1 - b0).max())
+    bidx = b0[:, None] + torch.arange(nb, device=dev)[None]
+    ids = table[rows[:, None], bidx.clamp(max=nbt - 1)].clamp(0, num_blocks - 1).contiguous()
+    out = {"q0s": torch.tensor([x[1] for x in reqs], dtype=torch.long, device=dev), "ids": ids,
+           "mid": torch.stack([b0, mid_lo, mid_hi], dim=1).contiguous()}
+    if sink or recent:
+        hmax = int(hist.max())
+        n_s, n_r = min(sink, hmax), min(recent, hmax)
+        rs = torch.maximum(dense_from, vis)
+        jpos = torch.cat([torch.arange(n_s, device=dev)[None].expand(len(reqs), n_s),
+                          rs[:, None] + torch.arange(n_r, device=dev)[None]], dim=1)
+        sink_hi = hist.clamp(max=sink)
+        jvalid = torch.cat([(jpos[:, :n_s] >= vis[:, None]) & (jpos[:, :n_s] < sink_hi[:, None]),
+                            jpos[:, n_s:] < hist[:, None]], dim=1)
+        jc = torch.where(jvalid, jpos, 0)
+        out.update(jpos=jpos, jvalid=jvalid, off=jc % bs, blk=table[rows[:, None], (jc // bs).clamp(max=nbt - 1)])
+    if memo is not None:
+        memo[key] = out
+    return out
+
+
+def _fused_decode(mod, reqs, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale, arena,
+                  memo) -> torch.Tensor:
+    """Decode requests (one query each) through the fused kernel -> [R, Hkv, G, Dv] rotated."""
+    NB, H, bs, _ = cache_u8.shape
+    sink = arena.sink if arena is not None else 0
+    recent = arena.recent if arena is not None else 0
+    own = kr_new is not None
+    idx = _decode_index(reqs, block_table, NB, bs, window, sink, recent, own, memo)
+    q = qr.index_select(0, idx["q0s"]).contiguous()  # [R, Hkv, G, D]
+    R, D, Dv = q.shape[0], q.shape[3], fmt.codecs["v"].head_dim
+    empty = torch.zeros(0, dtype=torch.float32, device=q.device)
+    pool_k = pool_v = empty
+    rows = torch.zeros(R, 0, dtype=torch.long, device=q.device)
+    if "blk" in idx:
+        jvalid = idx["jvalid"]
+        slots = arena.k.lookup(idx["blk"])
+        missing = jvalid & (slots < 0)
+        if bool(missing.any()):
+            r_, c_ = (int(x) for x in torch.nonzero(missing)[0])
+            raise RuntimeError(f"lowbit plugin: the dense copy of position {int(idx['jpos'][r_, c_])} (block "
+                               f"{int(idx['blk'][r_, c_])}) is gone; the request was not scheduled for too long")
+        if arena.k.data is not None:
+            rows = torch.where(jvalid, slots * bs + idx["off"], -1).contiguous()
+            pool_k = arena.k.data.view(-1, H, D)
+            pool_v = arena.v.data.view(-1, H, Dv)
+    own_k = kr_new.index_select(0, idx["q0s"]) if own else empty
+    own_v = vr_new.index_select(0, idx["q0s"]) if own else empty
+    return mod.paged_decode(q, cache_u8, idx["ids"], idx["mid"], kernel_meta(fmt), pool_k, pool_v, rows, own_k,
+                            own_v, float(scale), float(softcap or 0.0))
+
+
 def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, block_table: torch.Tensor,
            seq_lens: torch.Tensor, query_start_loc: torch.Tensor, scale: float, rot_k=None, rot_v=None,
            window: int | None = None, softcap: float | None = None,
            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, arena: TierArena | None = None,
-           new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None) -> torch.Tensor:
+           new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None, kernel: str = "torch",
+           memo: dict | None = None, evict: bool = True) -> torch.Tensor:
     """query [T, Hq, D] (the batch's new tokens, request after request) -> output [T, Hq, D_v] float32.
 
     seq_lens [R]: tokens each request holds after this step (its new ones included);
@@ -202,8 +567,16 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
     new_k [T, Hkv, D], new_v: the new tokens' K/V as they arrived -- their own chunk is attended
     exactly (lowbit's runtime); without them it is read back from the cache like the history.
     window: the layer's sliding window; the history is read from visible_from(first query) on.
+
+    Requests with one new token (decode) run as one batched pass; each longer chunk (prefill) as its
+    own. Per pass: the packed middle is gathered through the block table (chunk_tokens at a time,
+    log-sum-exp merged) and scored on its codes (scale/zero applied to the dots, not to the codes);
+    the dense tiers come from the arena's pool with one gather; no Python loop over blocks or rows.
+    kernel "cpu-fused": the decode requests run through csrc/paged_decode.cpp instead (same inputs,
+    index tensors from _decode_index, memoised per step in `memo` across layers); prefill chunks and
+    dense (16-bit) tensors always take the torch path. evict=False leaves dropping the arena's stale
+    blocks to the caller (the backend does it once per step in its metadata builder: TierArena.retain).
     """
-    from lowbit.kv.attention import online_attention
     from lowbit.kv.rotations import rotate, unrotate
 
     T, Hq, D = query.shape
@@ -215,29 +588,49 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
     out = torch.zeros(T, Hq, Dv, dtype=torch.float32, device=query.device)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
-    for r, seq_len in enumerate(lens):
-        q0, q1 = qsl[r], qsl[r + 1]
-        lq = q1 - q0
-        if lq == 0 or seq_len == 0:
+    reqs = [(r, qsl[r], qsl[r + 1] - qsl[r], n) for r, n in enumerate(lens) if qsl[r + 1] > qsl[r] and n > 0]
+    if not reqs:
+        return out
+    nq = qsl[len(lens)]
+    # every query rotated by R_k once: [T, Hq, D] -> [1, Hkv, T*G, D] -> [T, Hkv, G, D]
+    qr = rotate(query[:nq].float().reshape(nq, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, nq * G, D), rot_k)
+    qr = qr.reshape(Hkv, nq, G, D).permute(1, 0, 2, 3)
+    kr_new = vr_new = None
+    if new_k is not None:
+        kr_new = rotate(new_k[:nq].transpose(0, 1).unsqueeze(0), rot_k).to(new_k.dtype)[0].transpose(0, 1)
+        vr_new = rotate(new_v[:nq].transpose(0, 1).unsqueeze(0), rot_v).to(new_v.dtype)[0].transpose(0, 1)
+    groups = [[x for x in reqs if x[2] == 1]] + [[x] for x in reqs if x[2] > 1]
+    mod = None
+    if kernel == "cpu-fused":
+        from lowbit.vllm_plugin import cpu_kernel
+
+        mod, why = cpu_kernel.load()
+        if mod is None:
+            raise RuntimeError(f"lowbit plugin: kernel cpu-fused asked but {why}")
+        if kernel_meta(fmt) is None or not cache_u8.is_contiguous():
+            mod = None  # dense 16-bit tensors or a strided cache view: the torch path (same math)
+    elif kernel != "torch":
+        raise ValueError(f"kernel {kernel!r}: 'torch' or 'cpu-fused'")
+    for grp in groups:
+        if not grp:
             continue
-        # [lq, Hq, D] -> [1, Hkv, G*lq, D] (query head j = kv head j // G), rotated like the stored keys
-        q = query[q0:q1].float().reshape(lq, Hkv, G, D).permute(1, 2, 0, 3).reshape(1, Hkv, G * lq, D)
-        q = rotate(q, rot_k).reshape(1, Hkv, G, lq, D)
-        q_slots = torch.arange(seq_len - lq, seq_len, device=query.device)
-        vis = visible_from(seq_len - lq, window)
-        if new_k is None:
-            blocks = _blocks(cache_u8, fmt, block_table[r], seq_len, chunk_tokens, arena, start=vis)
+        lq = grp[0][2]
+        if mod is not None and lq == 1:
+            o = _fused_decode(mod, grp, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale,
+                              arena, memo)  # [R, Hkv, G, Dv]
         else:
-            ck = rotate(new_k[q0:q1].transpose(0, 1).unsqueeze(0), rot_k).to(new_k.dtype)  # [1, Hkv, lq, D]
-            cv = rotate(new_v[q0:q1].transpose(0, 1).unsqueeze(0), rot_v).to(new_v.dtype)
-            hist = _blocks(cache_u8, fmt, block_table[r], seq_len, chunk_tokens, arena, upto=seq_len - lq,
-                           start=vis)
-            blocks = itertools.chain(hist, [(ck, cv, seq_len - lq)])
-        o = online_attention(q, blocks, q_slots, scaling=scale, window=window, softcap=softcap)  # [1,Hkv,G,lq,Dv]
-        o = unrotate(o.reshape(1, Hkv, G * lq, Dv), rot_v).reshape(Hkv, G, lq, Dv)
-        out[q0:q1] = o.permute(2, 0, 1, 3).reshape(lq, Hq, Dv)
-        if arena is not None:
-            arena.evict(block_table[r], seq_len, vis)
+            o = _attend_group(out, grp, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale,
+                              chunk_tokens, arena, G)  # [R, Hkv, G*lq, Dv]
+        R = len(grp)
+        o = unrotate(o.reshape(1, R * Hkv, G * lq, Dv) if rot_v is None or rot_v.dim() == 2 else
+                     o.reshape(R, Hkv, G * lq, Dv), rot_v)
+        o = o.reshape(R, Hkv, G, lq, Dv).permute(0, 3, 1, 2, 4).reshape(R * lq, Hq, Dv)
+        tok = torch.cat([torch.arange(x[1], x[1] + lq) for x in grp]).to(query.device)
+        out[tok] = o
+    if arena is not None and evict:
+        table = block_table
+        for r, q0, lq, n in reqs:
+            arena.evict(table[r], n, visible_from(n - lq, window))
     return out
 
 

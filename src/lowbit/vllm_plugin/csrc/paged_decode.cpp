@@ -1,0 +1,239 @@
+// lowbit vLLM plugin: fused decode attention over packed paged cells (CPU).
+//
+// One query token per request (decode). For each (request r, KV head h) the G query heads of h are
+// scored against
+//   1. the packed middle: cells of blocks mid_ids[r, j] (positions (b0[r] + j) * bs + t, kept when
+//      mid_lo[r] <= pos < mid_hi[r]); a cell holds, per tensor, codes in lowbit's `strided` packing
+//      (byte j holds dims j + i*S in bits [i*cbits, (i+1)*cbits)) and fp16 scale / zero per group;
+//      x_hat = codes * scale + zero is never formed: the score is sum_g s_g (q_g . c_g) + z_g sum(q_g)
+//      and the output sum_t (p_t s_t) c_t + p_t z_t, per group;
+//   2. dense rows (the exact sink / recent tiers) at pool rows dense_rows[r, i] (-1: none);
+//   3. the request's own new row (own_k / own_v, optional),
+// with one streaming softmax (per tile of tokens: max, rescale once, accumulate).
+// Every index set is prepared by the caller (paged.py), so this file holds math only: a CUDA port
+// replaces this loop with lowbit's Triton split-K kernel over the same inputs.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+struct Field {
+  int64_t codes, scale, zero, cbits, group, dim;
+};
+
+inline float half_at(const uint8_t* p) {
+  uint16_t b;
+  std::memcpy(&b, p, 2);
+  return static_cast<float>(c10::Half(b, c10::Half::from_bits()));
+}
+
+// codes of one row -> float [dim]; CB (container bits) fixed at compile time so the loops vectorise
+template <int CB>
+inline void unpack(const uint8_t* __restrict c, int64_t dim, float* __restrict out) {
+  constexpr int P = 8 / CB;
+  constexpr int mask = (1 << CB) - 1;
+  const int64_t S = dim / P;
+  for (int i = 0; i < P; ++i) {
+    float* __restrict o = out + i * S;
+    for (int64_t j = 0; j < S; ++j) o[j] = static_cast<float>((c[j] >> (i * CB)) & mask);
+  }
+}
+
+inline float dot(const float* __restrict a, const float* __restrict b, int64_t n) {
+  float s = 0.f;
+  for (int64_t d = 0; d < n; ++d) s += a[d] * b[d];
+  return s;
+}
+
+constexpr int TILE = 32;
+
+template <typename T, int CBK, int CBV>
+void decode_one(int64_t r, int64_t h, const float* q /*[G,D]*/, int64_t G, int64_t D, int64_t Dv,
+                const uint8_t* cache, int64_t H, int64_t bs, int64_t C, const int64_t* ids, int64_t nb,
+                int64_t b0, int64_t lo, int64_t hi, const Field& fk, const Field& fv, const T* pk,
+                const T* pv, const int64_t* drows, int64_t nd, const float* ok, const float* ov, float scale,
+                float softcap, float* out /*[G,Dv]*/) {
+  const int64_t ngk = D / fk.group, ngv = Dv / fv.group;
+  std::vector<float> qsum(G * ngk), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
+  std::vector<float> acc(G * Dv, 0.f), kc(D), vc(Dv), s(G * TILE), sv(TILE * ngv), zv(TILE * ngv);
+  std::vector<const uint8_t*> vcell(TILE);
+  std::vector<const float*> vrow(TILE);
+  std::vector<float> vtmp(TILE * Dv), kbuf(D);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t k = 0; k < ngk; ++k) {
+      float a = 0.f;
+      for (int64_t d = k * fk.group; d < (k + 1) * fk.group; ++d) a += q[g * D + d];
+      qsum[g * ngk + k] = a;
+    }
+  // a tile of tokens: scores for all G, then one rescale, then the values
+  int n = 0;
+  auto flush = [&]() {
+    if (n == 0) return;
+    for (int64_t g = 0; g < G; ++g) {
+      float mx = m[g];
+      for (int t = 0; t < n; ++t) mx = std::max(mx, s[g * TILE + t]);
+      const float alpha = std::isinf(m[g]) ? 0.f : std::exp(m[g] - mx);
+      l[g] *= alpha;
+      for (int64_t d = 0; d < Dv; ++d) acc[g * Dv + d] *= alpha;
+      m[g] = mx;
+      for (int t = 0; t < n; ++t) s[g * TILE + t] = std::exp(s[g * TILE + t] - mx);  // p
+    }
+    for (int t = 0; t < n; ++t) {
+      if (vcell[t] != nullptr) {
+        unpack<CBV>(vcell[t] + fv.codes, Dv, vc.data());
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = s[g * TILE + t];
+          l[g] += p;
+          float* a = &acc[g * Dv];
+          for (int64_t k = 0; k < ngv; ++k) {
+            const float ps = p * sv[t * ngv + k], pz = p * zv[t * ngv + k];
+            float* __restrict ag = a + k * fv.group;
+            const float* __restrict cg = vc.data() + k * fv.group;
+            for (int64_t d = 0; d < fv.group; ++d) ag[d] += ps * cg[d] + pz;
+          }
+        }
+      } else {
+        const float* vr = vrow[t];
+        for (int64_t g = 0; g < G; ++g) {
+          const float p = s[g * TILE + t];
+          l[g] += p;
+          float* __restrict a = &acc[g * Dv];
+          for (int64_t d = 0; d < Dv; ++d) a[d] += p * vr[d];
+        }
+      }
+    }
+    n = 0;
+  };
+  auto finish_score = [&](float x) {
+    x *= scale;
+    if (softcap > 0.f) x = softcap * std::tanh(x / softcap);
+    return x;
+  };
+  // 1. packed middle
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t base = (b0 + j) * bs;
+    const int64_t t0 = std::max<int64_t>(0, lo - base), t1 = std::min<int64_t>(bs, hi - base);
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* cell = cache + ((ids[j] * H + h) * bs + t) * C;
+      unpack<CBK>(cell + fk.codes, D, kc.data());
+      for (int64_t g = 0; g < G; ++g) {
+        float sc = 0.f;
+        for (int64_t k = 0; k < ngk; ++k) {
+          const float dk = dot(q + g * D + k * fk.group, kc.data() + k * fk.group, fk.group);
+          sc += dk * half_at(cell + fk.scale + 2 * k) + qsum[g * ngk + k] * half_at(cell + fk.zero + 2 * k);
+        }
+        s[g * TILE + n] = finish_score(sc);
+      }
+      for (int64_t k = 0; k < ngv; ++k) {
+        sv[n * ngv + k] = half_at(cell + fv.scale + 2 * k);
+        zv[n * ngv + k] = half_at(cell + fv.zero + 2 * k);
+      }
+      vcell[n] = cell;
+      if (++n == TILE) flush();
+    }
+  }
+  // 2. dense rows (pool) and 3. the own row
+  for (int64_t i = 0; i <= nd; ++i) {
+    const float* kr;
+    const float* vr;
+    float* kt = &vtmp[n * Dv];  // this tile slot's V row, kept until the flush
+    if (i < nd) {
+      const int64_t row = drows[i];
+      if (row < 0) continue;
+      const T* k = pk + (row * H + h) * D;
+      const T* v = pv + (row * H + h) * Dv;
+      for (int64_t d = 0; d < D; ++d) kbuf[d] = static_cast<float>(k[d]);
+      for (int64_t d = 0; d < Dv; ++d) kt[d] = static_cast<float>(v[d]);
+      kr = kbuf.data();
+      vr = kt;
+    } else {
+      if (ok == nullptr) break;
+      kr = ok + h * D;
+      vr = ov + h * Dv;
+    }
+    for (int64_t g = 0; g < G; ++g) s[g * TILE + n] = finish_score(dot(q + g * D, kr, D));
+    vcell[n] = nullptr;
+    vrow[n] = vr;
+    if (++n == TILE) flush();
+  }
+  flush();
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dv + d] * inv;
+  }
+}
+
+}  // namespace
+
+// q float [R,H,G,D]; cache uint8 [NB,H,bs,C]; mid_ids int64 [R,nb]; mid int64 [R,3] (b0, lo, hi);
+// meta int64 [12] (k: codes, scale, zero, cbits, group, dim; v: same); pool_k/pool_v [rows,H,D] (any
+// float dtype, may be empty); dense_rows int64 [R,nd]; own_k/own_v float [R,H,D] (empty: none).
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor mid_ids, torch::Tensor mid,
+                           torch::Tensor meta, torch::Tensor pool_k, torch::Tensor pool_v,
+                           torch::Tensor dense_rows, torch::Tensor own_k, torch::Tensor own_v, double scale,
+                           double softcap) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 4 && q.is_contiguous(), "q: float32 [R,H,G,D]");
+  TORCH_CHECK(cache.dtype() == torch::kUInt8 && cache.dim() == 4 && cache.is_contiguous(), "cache: uint8 [NB,H,bs,C]");
+  TORCH_CHECK(mid_ids.dtype() == torch::kInt64 && mid_ids.is_contiguous() && mid.is_contiguous(), "mid: int64");
+  TORCH_CHECK(dense_rows.dtype() == torch::kInt64 && dense_rows.is_contiguous(), "dense_rows: int64 [R,nd]");
+  const int64_t R = q.size(0), H = q.size(1), G = q.size(2), D = q.size(3);
+  const int64_t bs = cache.size(2), C = cache.size(3), nb = mid_ids.size(1), nd = dense_rows.size(1);
+  auto mt = meta.to(torch::kInt64).contiguous();
+  const int64_t* mm = mt.data_ptr<int64_t>();
+  const Field fk{mm[0], mm[1], mm[2], mm[3], mm[4], mm[5]}, fv{mm[6], mm[7], mm[8], mm[9], mm[10], mm[11]};
+  for (const Field* f : {&fk, &fv})
+    TORCH_CHECK(f->cbits == 2 || f->cbits == 4 || f->cbits == 8, "container bits must be 2, 4 or 8");
+  TORCH_CHECK(fk.dim == D, "K head_dim differs from q");
+  const int64_t Dv = fv.dim;
+  auto out = torch::zeros({R, H, G, Dv}, q.options());
+  const bool has_own = own_k.numel() > 0;
+  auto okc = has_own ? own_k.to(torch::kFloat32).contiguous() : own_k;
+  auto ovc = has_own ? own_v.to(torch::kFloat32).contiguous() : own_v;
+  auto pkc = pool_k.contiguous(), pvc = pool_v.contiguous();
+  const uint8_t* cp = cache.data_ptr<uint8_t>();
+  const int64_t* idp = mid_ids.data_ptr<int64_t>();
+  const int64_t* mp = mid.data_ptr<int64_t>();
+  const int64_t* dp = dense_rows.data_ptr<int64_t>();
+  const float* qp = q.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const float* okp = has_own ? okc.data_ptr<float>() : nullptr;
+  const float* ovp = has_own ? ovc.data_ptr<float>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, pkc.scalar_type(), "paged_decode", [&] {
+    const scalar_t* pk = pkc.numel() ? pkc.data_ptr<scalar_t>() : nullptr;
+    const scalar_t* pv = pvc.numel() ? pvc.data_ptr<scalar_t>() : nullptr;
+    auto one = [&](auto ck, auto cv) {
+      constexpr int CK = decltype(ck)::value, CV = decltype(cv)::value;
+      at::parallel_for(0, R * H, 1, [&](int64_t a, int64_t b) {
+        for (int64_t x = a; x < b; ++x) {
+          const int64_t r = x / H, h = x % H;
+          decode_one<scalar_t, CK, CV>(r, h, qp + (r * H + h) * G * D, G, D, Dv, cp, H, bs, C, idp + r * nb, nb,
+                                       mp[r * 3], mp[r * 3 + 1], mp[r * 3 + 2], fk, fv, pk, pv, dp + r * nd,
+                                       pk ? nd : 0, okp ? okp + r * H * D : nullptr, ovp ? ovp + r * H * Dv : nullptr,
+                                       static_cast<float>(scale), static_cast<float>(softcap),
+                                       op + (r * H + h) * G * Dv);
+        }
+      });
+    };
+    using I2 = std::integral_constant<int, 2>;
+    using I4 = std::integral_constant<int, 4>;
+    using I8 = std::integral_constant<int, 8>;
+    auto with_v = [&](auto ck) {
+      if (fv.cbits == 2) one(ck, I2{});
+      else if (fv.cbits == 4) one(ck, I4{});
+      else one(ck, I8{});
+    };
+    if (fk.cbits == 2) with_v(I2{});
+    else if (fk.cbits == 4) with_v(I4{});
+    else with_v(I8{});
+  });
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "lowbit fused paged decode (CPU)"); }
