@@ -146,10 +146,10 @@ def test_export_ships_a_rotation_set(tiny_dir, tmp_path):
     CacheFactory(rt.model, rt.scheme, rt.geometry)  # the cache accepts the shipped per-head rotations
 
 
-def test_default_int2_export_keeps_the_std_grid_and_refuses_layer_bits(tiny_dir, tmp_path):
+def test_default_int2_export_keeps_the_std_grid_and_serves_layer_bits_padded(tiny_dir, tmp_path):
     """int2 now defaults to Hadamard + the std-placed grid: the sidecar carries both and the plugin's
-    slot decodes exactly as lowbit's TensorCodec; a sidecar edited to hold per-layer bits is refused
-    by the plugin instead of being served at one width."""
+    slot decodes exactly as lowbit's TensorCodec; a sidecar with per-layer bits gives each layer its own
+    codec in a cell padded to the widest layer's (never one width for all)."""
     import torch
 
     from lowbit.kv.codec import TensorCodec
@@ -168,5 +168,17 @@ def test_default_int2_export_keeps_the_std_grid_and_refuses_layer_bits(tiny_dir,
     d = json.loads((out / sidecar.SIDECAR_NAME).read_text())
     d["kv_scheme"]["layer_bits"] = [[1, "int8"]]
     (out / sidecar.SIDECAR_NAME).write_text(json.dumps(d))
-    with pytest.raises(LowbitError, match="per-layer bits"):
-        SlotFormat(sidecar.scheme_of(sidecar.read(out), out), 64, 64)
+    from transformers import AutoConfig
+
+    from lowbit.kv.plan import resolve
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.vllm_plugin.slot import layer_formats
+
+    mixed = sidecar.scheme_of(sidecar.read(out), out)
+    geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(out), name=d["model"]["name"])
+    fmts = layer_formats(resolve(mixed, geometry), torch.float16)
+    assert [f.codecs["k"].bits for f in fmts] == [8 if i == 1 else 2 for i in range(len(fmts))]
+    assert {f.slot_bytes for f in fmts} == {136}  # int8's 2 * (64 + 4): every cell padded to it
+    assert fmts[0].content_bytes == 40 and fmts[1].content_bytes == 136
+    kd0, _ = fmts[0].decode(fmts[0].encode(k, k).transpose(0, 1))  # a padded int2 cell still decodes exactly
+    assert torch.equal(kd0, kd)

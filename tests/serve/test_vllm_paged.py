@@ -132,11 +132,16 @@ class PagedEmulation:
 
         from lowbit.kv.plan import resolve
 
+        from lowbit.vllm_plugin import cpu_kernel
+        from lowbit.vllm_plugin.slot import layer_formats
+
         g = geometry.layers[0]
-        self.fmt = SlotFormat(scheme, g.head_dim_k, g.head_dim_v, torch.float32)
-        self.rots = [(lp.rot_k, lp.rot_v) for lp in resolve(scheme, geometry).layers]
-        self.caches = [torch.zeros(num_blocks, g.num_kv_heads, block_size, self.fmt.slot_bytes, dtype=torch.uint8)
-                       for _ in geometry.layers]
+        plan = resolve(scheme, geometry)
+        self.fmts = layer_formats(plan, torch.float32)  # each layer's own bits, one (padded) cell size
+        self.rots = [(lp.rot_k, lp.rot_v) for lp in plan.layers]
+        self.caches = [torch.zeros(num_blocks, g.num_kv_heads, block_size, f.slot_bytes, dtype=torch.uint8)
+                       for f in self.fmts]
+        self.kernel = "cpu-fused" if cpu_kernel.load()[0] is not None else "torch"  # what the backend runs
         self.table = torch.randperm(num_blocks)[None]
         self.bs = block_size
         self.arenas = [paged.TierArena(scheme.sink, scheme.recent, block_size, torch.float32)
@@ -154,12 +159,12 @@ class PagedEmulation:
         seq_lens, qsl = torch.tensor([self.pos + L]), torch.tensor([0, L])
         positions, row_lens = paged.token_positions(qsl, seq_lens, L)
         assert torch.equal(positions, pos)
-        paged.write(self.caches[i], self.fmt, key[0].transpose(0, 1), value[0].transpose(0, 1), slots, rk, rv,
+        paged.write(self.caches[i], self.fmts[i], key[0].transpose(0, 1), value[0].transpose(0, 1), slots, rk, rv,
                     positions=positions, row_seq_lens=row_lens, arena=self.arenas[i])
-        out = paged.attend(query[0].transpose(0, 1), self.caches[i], self.fmt, block_table=self.table,
+        out = paged.attend(query[0].transpose(0, 1), self.caches[i], self.fmts[i], block_table=self.table,
                            seq_lens=seq_lens, query_start_loc=qsl, scale=scaling, rot_k=rk, rot_v=rv,
                            window=kw.get("sliding_window"), arena=self.arenas[i], chunk_tokens=32,
-                           new_k=key[0].transpose(0, 1), new_v=value[0].transpose(0, 1))
+                           new_k=key[0].transpose(0, 1), new_v=value[0].transpose(0, 1), kernel=self.kernel)
         return out[None].to(query.dtype), None
 
     @torch.no_grad()
@@ -175,17 +180,21 @@ class PagedEmulation:
         return out.logits[0, -1]
 
 
-@pytest.mark.parametrize("name,rotation,sink,recent",
-                         [("int4", "none", 0, 0), ("k4v2", "hadamard", 0, 0), ("int2", "hadamard", 19, 0),
-                          ("int2", "hadamard", 5, 21)])
-def test_plugin_math_equals_lowbit_runtime_on_a_model(name, rotation, sink, recent):
+@pytest.mark.parametrize("name,rotation,sink,recent,layer_bits",
+                         [("int4", "none", 0, 0, None), ("k4v2", "hadamard", 0, 0, None),
+                          ("int2", "hadamard", 19, 0, None), ("int2", "hadamard", 5, 21, None),
+                          ("int2", "hadamard", 5, 21, "0=int8;1=int4")])
+def test_plugin_math_equals_lowbit_runtime_on_a_model(name, rotation, sink, recent, layer_bits):
     """Greedy tokens and logits of the plugin path == lowbit's own cache with the same sink / recent and
-    page 1 (a sink of 19 spans two 16-token blocks; recent 21 slides over block edges while decoding)."""
+    page 1 (a sink of 19 spans two 16-token blocks; recent 21 slides over block edges while decoding);
+    per-layer bits: each layer through its own codec in a cell padded to the widest (int8) one."""
     from lowbit.serve.kvcache import CacheFactory
     from tests.serve.conftest import tiny_runtime
 
-    rt = tiny_runtime(name, sink=sink, recent=recent, page=1, rotation=rotation)
+    rt = tiny_runtime(name, sink=sink, recent=recent, page=1, rotation=rotation, layer_bits=layer_bits)
     emu = PagedEmulation(rt.model, rt.scheme, rt.geometry)
+    if layer_bits:
+        assert [f.codecs["k"].bits for f in emu.fmts][:2] == [8, 4] and len({f.slot_bytes for f in emu.fmts}) == 1
     cache = CacheFactory(rt.model, rt.scheme, rt.geometry).new()
     ids = rt.tokenizer.encode("Paged caches hold packed slots; does the math agree?")
     with torch.no_grad():

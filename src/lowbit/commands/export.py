@@ -12,7 +12,8 @@ every file with bytes + sha256, the recipe and the inputs).
 The vLLM plugin packs every token as it is written to vLLM's paged cache (page 1) and keeps the
 first `--sink` and last `--recent` tokens of each request dense beside it (defaults 64 / 256, as
 lowbit's runtime), so the exported scheme has page 1. What the plugin cannot serve (KIVI channel
-groups, Lloyd-Max, folded V rotations, per-layer bits) is refused here rather than exported.
+groups, Lloyd-Max, folded V rotations) is refused here rather than exported; per-layer bits are served
+with every cell padded to the widest layer's (the plugin logs the padding).
 Sliding-window models (gemma3: window 512 on 5 of 6 layers) export the same way: the sidecar
 records each layer's window and the plugin attends, and keeps the exact tiers, inside it only. `lowbit serve DIR` serves the same directory with these exact semantics, which
 is how the plugin's tokens are checked against lowbit's own runtime.

@@ -30,8 +30,10 @@ For a directory with the sidecar:
     recent tier is exact inside the window. Tested against lowbit's runtime on gemma3-270m
     (benchmarks/results/serve/README.md).
 
+Per-layer bits (layer_bits): each layer encodes with its own bits, in a cell padded to the widest
+layer's (vLLM sizes one cell per KV cache group); the padding is logged and counted by vLLM.
 Not supported (refused at start-up, never silently served otherwise): per-channel (KIVI) keys,
-Lloyd-Max levels, per-layer bits, alibi, attention sinks, encoder attention, CUDA.
+Lloyd-Max levels, alibi, attention sinks, encoder attention, CUDA.
 Decode attention: a fused C++ kernel over the packed pages (csrc/paged_decode.cpp, built with
 torch.utils.cpp_extension; its torch twin in paged.py serves prefill chunks, 16-bit tensors, and
 decode when the kernel cannot build -- said in the log).
@@ -64,7 +66,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from lowbit.errors import LowbitError
 from lowbit.vllm_plugin import paged, sidecar
-from lowbit.vllm_plugin.slot import SlotFormat
+from lowbit.vllm_plugin.slot import SlotFormat, layer_formats
 
 log = logging.getLogger("lowbit.vllm_plugin")
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
@@ -77,8 +79,9 @@ class LowbitModel:
     path: str
     scheme: object
     geometry: object
-    formats: dict  # (head_dim_k, head_dim_v) -> SlotFormat
+    formats: dict  # (head_dim_k, head_dim_v) -> SlotFormat (the cell vLLM sizes: the widest layer's)
     rotations: list  # [(R_k, R_v)] per layer
+    layer_formats: list = field(default_factory=list)  # SlotFormat per layer (own bits, padded cell)
     windows_logged: set = field(default_factory=set)  # sliding windows whose layers were described in the log
     kernel_logged: bool = False
 
@@ -107,18 +110,28 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
                           "(page 1): export again with `lowbit export --for vllm`")
     plan = resolve(scheme, geometry, device="cpu")  # opens and checks the exported rotation set once
     scheme = plan.scheme
-    dims = {(g.head_dim_k, g.head_dim_v) for g in geometry.layers}
-    formats = {d: SlotFormat(scheme, d[0], d[1], dense_dtype) for d in dims}
+    per_layer = layer_formats(plan, dense_dtype)
+    formats = {}
+    for lp, f in zip(plan.layers, per_layer):
+        formats.setdefault((lp.geometry.head_dim_k, lp.geometry.head_dim_v), f)
     rots = [(lp.rot_k, lp.rot_v) for lp in plan.layers]
     for d, f in formats.items():
         log.warning("lowbit plugin: %s KV %s | head_dim %s: %s", p.name, scheme.describe(), d, f.describe())
+    if scheme.layer_bits:
+        real = sum(f.content_bytes for f in per_layer) / len(per_layer)
+        log.warning("lowbit plugin: per-layer bits (%s): every cell padded to the widest layer's %d B; the layers' "
+                    "codes use %.1f B on average -- vLLM's capacity counts the padded %d B",
+                    ", ".join(f"{lp.index}={lp.scheme.describe().split(':')[0]}" for lp in plan.layers
+                              if lp.index in dict(scheme.layer_bits)), max(f.slot_bytes for f in per_layer),
+                    real, max(f.slot_bytes for f in per_layer))
     if scheme.sink or scheme.recent:
         elt = torch.empty((), dtype=dense_dtype).element_size()
         per_tok = sum(g.num_kv_heads * (g.head_dim_k + g.head_dim_v) * elt for g in geometry.layers)
         log.warning("lowbit plugin: exact tiers (sink %d + recent %d tokens) dense beside vLLM's cache: up to "
                     "%.2f MiB per request, outside --kv-cache-memory-bytes", scheme.sink, scheme.recent,
                     (scheme.sink + scheme.recent) * per_tok / 2**20)
-    return LowbitModel(path=str(p), scheme=scheme, geometry=geometry, formats=formats, rotations=rots)
+    return LowbitModel(path=str(p), scheme=scheme, geometry=geometry, formats=formats, rotations=rots,
+                       layer_formats=per_layer)
 
 
 class ResolvedModels:
@@ -284,6 +297,10 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
                 raise LowbitError(f"layer {i}: vLLM has {self.num_kv_heads} KV heads x {self.head_size} but the "
                                   f"sidecar says {g.num_kv_heads} x {g.head_dim_k}; export again for this model")
             self._rot[i] = (rk, rv)
+            fmt = self.model.layer_formats[i]  # this layer's own bits (per-layer bits), same cell size
+            if fmt.slot_bytes != self.fmt.slot_bytes:
+                raise LowbitError(f"internal: layer {i}'s cell is {fmt.slot_bytes} B, the group's {self.fmt.slot_bytes} B")
+            self.fmt = fmt
         return self._rot[i]
 
     @staticmethod

@@ -103,7 +103,7 @@ def scheme_of(d: dict, directory):
     form = {"scheme": ks.pop("name"), "sink": ks["sink"], "recent": ks["recent"], "page": ks["page"],
             "rotation": ks["rotation"], "fold_v_rotation": ks.get("fold_v_rotation", False),
             "k": k, "v": v, "version": ks.get("version", 1)}
-    if ks.get("layer_bits"):  # kept so the plugin refuses it (SlotFormat) instead of serving one width silently
+    if ks.get("layer_bits"):  # per-layer bits: the plugin encodes each layer with its own (padded cells)
         form["layer_bits"] = [tuple(x) for x in ks["layer_bits"]]
     return kv_scheme_from_dict(form, base_dir=Path(directory))
 

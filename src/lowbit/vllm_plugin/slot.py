@@ -49,11 +49,7 @@ def scheme_reason(scheme) -> str | None:
     """Model-wide rules: why the plugin cannot serve `scheme` at all (None: it can)."""
     if scheme.fold_v_rotation:
         return "fold_v_rotation (V rotation folded into the weights) is not supported by the vLLM plugin; drop it"
-    if scheme.layer_bits:
-        # vLLM sizes one KV cell for every layer of a cache group; mixed bits need one group per width.
-        return ("per-layer bits (layer_bits) are not supported by the vLLM plugin (one cell size for every layer); "
-                "export one bit width")
-    return None
+    return None  # per-layer bits: every layer's cell is padded to the widest one (layer_formats)
 
 
 def codecs_reason(k_codec, v_codec) -> str | None:
@@ -81,6 +77,23 @@ def _register_backend():
 BACKEND = _register_backend()
 
 
+def layer_formats(plan, dense_dtype: torch.dtype) -> list["SlotFormat"]:
+    """One SlotFormat per layer of a resolved lowbit.kv.plan.Plan, each from the layer's own scheme (its
+    layer_bits applied), padded to the widest cell among layers with the same head dims: vLLM gives
+    every layer of a KV cache group one cell size. The padding is real memory: vLLM's capacity counts
+    the padded cell; `content_bytes` is what a layer's codes use."""
+    natural = [SlotFormat(lp.scheme, lp.geometry.head_dim_k, lp.geometry.head_dim_v, dense_dtype)
+               for lp in plan.layers]
+    widest: dict = {}
+    for lp, f in zip(plan.layers, natural):
+        d = (lp.geometry.head_dim_k, lp.geometry.head_dim_v)
+        widest[d] = max(widest.get(d, 0), f.slot_bytes)
+    return [f if f.slot_bytes == widest[(lp.geometry.head_dim_k, lp.geometry.head_dim_v)] else
+            SlotFormat(lp.scheme, lp.geometry.head_dim_k, lp.geometry.head_dim_v, dense_dtype,
+                       slot_bytes=widest[(lp.geometry.head_dim_k, lp.geometry.head_dim_v)])
+            for lp, f in zip(plan.layers, natural)]
+
+
 class SlotFormat:
     """Byte layout of one (token, KV head) cell for one layer, and its encode/decode.
 
@@ -88,7 +101,8 @@ class SlotFormat:
     layer's dims; dense_dtype: how a 16-bit (unquantized) tensor is stored.
     """
 
-    def __init__(self, scheme, head_dim_k: int, head_dim_v: int, dense_dtype: torch.dtype = torch.float16):
+    def __init__(self, scheme, head_dim_k: int, head_dim_v: int, dense_dtype: torch.dtype = torch.float16,
+                 slot_bytes: int | None = None):
         from lowbit.kv.codec import SCALE_DTYPE, TensorCodec
 
         self.scheme = scheme
@@ -109,6 +123,10 @@ class SlotFormat:
                 off += f.nbytes
         self.content_bytes = off
         self.slot_bytes = -(-off // SLOT_ALIGN) * SLOT_ALIGN
+        if slot_bytes is not None:  # padded to a wider layer's cell (per-layer bits share one vLLM cell size)
+            if slot_bytes < self.slot_bytes or slot_bytes % SLOT_ALIGN:
+                raise LowbitError(f"internal: a {self.slot_bytes} B slot cannot be padded to {slot_bytes} B")
+            self.slot_bytes = int(slot_bytes)
 
     def describe(self) -> str:
         parts = [f"{f.tensor}.{f.name} {f.nbytes} B" for f in self.fields]
