@@ -61,8 +61,9 @@ def test_calibration_rule():
     band = [12.0, 15.5, 14.0]
     th, info = calibrate(ms, band)
     lo, hi = info["opaque"]["min"], info["opaque"]["max"]
-    assert th.opaque_min == pytest.approx(max(0, lo - (hi - lo))) and th.opaque_max == pytest.approx(hi + hi - lo)
-    assert th.psnr_min == 15.5 + 6.0
+    assert th.opaque_min == pytest.approx(lo / 2) and th.opaque_max == pytest.approx(hi + hi - lo)
+    assert th.psnr_min == 14.0 + 6.0  # median of the band + 6 dB
+    assert info["seed_band_psnr"]["median"] == 14.0
     assert all(not failures(m, th) for m in ms)  # the reference passes its own calibration
 
 
