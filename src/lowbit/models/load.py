@@ -328,7 +328,15 @@ def _load_quantized_dir(path: Path, name: str, prov: dict, dtype, attn_implement
     model, tok = load_quantized(path, dtype=dtype)
     if attn_implementation != "sdpa":
         model.set_attn_implementation(attn_implementation)
-    return _finish(model, tok, path, name, prov, device)
+    loaded = _finish(model, tok, path, name, prov, device)
+    if device is not None and torch.device(device).type == "cuda":
+        from lowbit.weights.qlinear import prepare_cuda
+
+        # weights stay packed on the GPU and run through the weight kernels (dispatch resolved once here)
+        rep = prepare_cuda(loaded.model)
+        loaded.provenance["weight_kernels"] = {k: rep[k] for k in ("dispatch", "removed", "modules", "packed_bytes",
+                                                                   "bf16_bytes")}
+    return loaded
 
 
 def _finish(model, tokenizer, path: Path, name: str, prov: dict, device) -> LoadedModel:
