@@ -29,7 +29,9 @@ pytestmark = [
 
 
 def _serve(model_dir: Path, out: Path, prompt: str, port: int, max_len: int = 256, kv_bytes: int = 8 << 20) -> dict:
-    subprocess.run([str(SCRIPT), "--venv", str(VENV), "--port", str(port), "--prompt", prompt, "--max-tokens", "10",
+    # float32: the tiny models' reference (lowbit's runtime) runs fp32; the script's default is bfloat16
+    subprocess.run([str(SCRIPT), "--venv", str(VENV), "--port", str(port), "--dtype", "float32", "--prompt", prompt,
+                    "--max-tokens", "10",
                     "--max-model-len", str(max_len), "--kv-cache-bytes", str(kv_bytes), "--out", str(out), str(model_dir)],
                    check=True, timeout=1800)
     return json.loads(out.read_text())

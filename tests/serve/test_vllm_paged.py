@@ -254,3 +254,21 @@ def test_recent_window_slides_and_old_blocks_are_evicted():
         assert torch.equal(kd[0, 0, lo:n], k[lo:n, 0])  # window rows exact
     arena.retain(set())
     assert not arena.k
+
+
+def test_a_kv_budget_below_one_requests_tiers_is_one_line():
+    from lowbit.errors import LowbitError
+    from lowbit.kv.plan import resolve
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.models.tiny import tiny_config
+    from lowbit.vllm_plugin.slot import check_budget, layer_formats
+
+    geometry = ModelGeometry.from_config(tiny_config("smollm2-135m"), name="tiny")
+    scheme = parse_kv_scheme("int4", sink=7, recent=9, page=1)
+    fmts = layer_formats(resolve(scheme, geometry), torch.bfloat16)
+    need = 16 * sum(g.num_kv_heads * f.slot_bytes for g, f in zip(geometry.layers, fmts))
+    check_budget(need, scheme, geometry, fmts)  # exactly one request's tiers: fine
+    check_budget(None, scheme, geometry, fmts)  # vLLM sizing the cache itself: nothing to check
+    with pytest.raises(LowbitError, match=f"cannot hold one request's sink \\+ recent .*at least {need} bytes") as e:
+        check_budget(need - 1, scheme, geometry, fmts)
+    assert "\n" not in str(e.value)

@@ -269,6 +269,10 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
             raise LowbitError("the lowbit sidecar keeps exact sink/recent tiers, which vLLM's prefix caching "
                               "would skip: start vLLM with --no-enable-prefix-caching (or export with "
                               "--sink 0 --recent 0)")
+        from lowbit.vllm_plugin.slot import check_budget
+
+        check_budget(getattr(cfg.cache_config, "kv_cache_memory_bytes", None), sch, self.model.geometry,
+                     self.model.layer_formats)
         self.arena: paged.TierArena | None = None  # made on the first write, once the block size is known
         from lowbit.vllm_plugin import cpu_kernel
 

@@ -94,6 +94,21 @@ def layer_formats(plan, dense_dtype: torch.dtype) -> list["SlotFormat"]:
             for lp, f in zip(plan.layers, natural)]
 
 
+def check_budget(kv_bytes: int | None, scheme, geometry, formats: list) -> None:
+    """Refuse a vLLM KV budget (--kv-cache-memory-bytes) that cannot hold one request's sink + recent
+    tokens in packed cells (formats: the per-layer SlotFormats): such a server could admit nothing
+    whose exact tiers the plugin keeps."""
+    tiers = scheme.sink + scheme.recent
+    if not kv_bytes or not tiers:
+        return
+    per_token = sum(g.num_kv_heads * f.slot_bytes for g, f in zip(geometry.layers, formats))
+    need = tiers * per_token
+    if kv_bytes < need:
+        raise LowbitError(f"--kv-cache-memory-bytes {kv_bytes} cannot hold one request's sink + recent "
+                          f"({scheme.sink} + {scheme.recent} tokens x {per_token} B = {need} B of packed cells): "
+                          f"give vLLM at least {need} bytes, or export with a smaller --sink / --recent")
+
+
 class SlotFormat:
     """Byte layout of one (token, KV head) cell for one layer, and its encode/decode.
 
