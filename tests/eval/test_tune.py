@@ -51,7 +51,7 @@ def no_model_work(monkeypatch):
 @pytest.mark.parametrize("argv, message", [
     (["--budget", "2.4"], "--budget 2.4 is below the smallest recipe's held bits (2.500 b/elt at 8192 tokens"),
     (["--budget", "2.5", "--context", "9000"], "--context 9000 is longer than the context of smollm2-135m (8192"),
-    (["--budget", "0"], "--budget must be a positive number"),
+    (["--budget", "0"], "--budget must be positive numbers"),
     (["--budget", "3", "--grids", "uniform"], "--grids uniform: use a comma list of std, lloyd-max"),
     (["--budget", "3", "--seq-len", "100"], "--seq-len 100 is shorter than sink 64 + recent 256 + page 16"),
     (["--budget", "3", "--rotations", "spin"], "--rotations spin: not none, hadamard or a RotationSet directory"),

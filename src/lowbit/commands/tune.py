@@ -22,10 +22,13 @@ HELP = "choose per-layer K/V bits within a held-bits budget by measured loss; wr
 
 def add_arguments(p) -> None:
     p.add_argument("--model", required=True, help="built-in name or a local HF directory")
-    p.add_argument("--budget", type=float, required=True, help="held bits per element of the quantized tier (e.g. 2.5)")
+    p.add_argument("--budget", required=True,
+                   help="held bits per element of the quantized tier (e.g. 2.5), or a comma list (2.5,3): one "
+                        "recipe per budget from one measurement")
     p.add_argument("--context", type=int, default=None,
                    help="context (tokens) the held bits are counted at (default 32768, or the model's if smaller)")
-    p.add_argument("--out", default=None, help="recipe TOML to write (default MODEL@BUDGET.toml here)")
+    p.add_argument("--out", default=None, help="recipe TOML to write (one budget; default OUT_DIR/MODEL@BUDGET.toml)")
+    p.add_argument("--out-dir", default=".", help="directory for MODEL@BUDGET.toml recipes (default .)")
     p.add_argument("--data", default="stdlib", help="calibration text: stdlib (default) | PATH (not the eval text)")
     p.add_argument("--windows", type=int, default=2, help="calibration windows (default 2)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration window (default 1024)")
@@ -60,8 +63,12 @@ def check(args):
     from lowbit.kv.held import DEFAULT_CONTEXT
     from lowbit.recipe import RotationRef, parse_kv_scheme
 
-    if not args.budget > 0:
-        raise LowbitError(f"--budget must be a positive number of bits per element, got {args.budget}")
+    try:
+        budgets = [float(b) for b in str(args.budget).split(",") if b.strip()]
+    except ValueError:
+        raise LowbitError(f"--budget {args.budget!r}: give bits per element, e.g. 2.5 or 2.5,3") from None
+    if not budgets or not all(b > 0 for b in budgets):
+        raise LowbitError(f"--budget must be positive numbers of bits per element, got {args.budget}")
     ctx = model_context(args.model)
     context = args.context if args.context is not None else min(DEFAULT_CONTEXT, ctx or DEFAULT_CONTEXT)
     if context < 1:
@@ -92,38 +99,43 @@ def check(args):
     if ctx is not None and args.seq_len > ctx:
         raise LowbitError(f"--seq-len {args.seq_len} is longer than the context of {args.model} ({ctx} tokens)")
     floor = smallest_held(geometry, context, rotations, grids, **tiers)
-    if args.budget < floor - 1e-9:
-        raise LowbitError(f"--budget {args.budget:g} is below the smallest recipe's held bits ({floor:.3f} b/elt at "
-                          f"{context} tokens, every K and V at 2 bits); use --budget {floor:.3f} or more")
-    out = Path(args.out) if args.out else Path(f"{geometry.name}@{args.budget:g}.toml")
-    if out.exists():
-        raise LowbitError(f"{out} already exists; give a new --out (recipes are never overwritten)")
-    if out.suffix != ".toml":
-        raise LowbitError(f"--out {out}: the recipe is TOML; give a path ending in .toml")
-    return geometry, context, rotations, grids, tiers, out
+    for b in budgets:
+        if b < floor - 1e-9:
+            raise LowbitError(f"--budget {b:g} is below the smallest recipe's held bits ({floor:.3f} b/elt at "
+                              f"{context} tokens, every K and V at 2 bits); use --budget {floor:.3f} or more")
+    if args.out and len(budgets) > 1:
+        raise LowbitError("--out names one recipe but --budget gives several; use --out-dir")
+    outs = [Path(args.out)] if args.out else [Path(args.out_dir) / f"{geometry.name}@{b:g}.toml" for b in budgets]
+    for out in outs:
+        if out.exists():
+            raise LowbitError(f"{out} already exists; give a new --out (recipes are never overwritten)")
+        if out.suffix != ".toml":
+            raise LowbitError(f"--out {out}: the recipe is TOML; give a path ending in .toml")
+    return geometry, context, rotations, grids, tiers, list(zip(budgets, outs))
 
 
 def run(args) -> int:
     from lowbit.calib.corpora import load_text, token_windows
-    from lowbit.eval.tune import recipe_toml, tune
+    from lowbit.eval.tune import choose, measure, recipe_toml
     from lowbit.models import resolve
 
-    _, context, rotations, grids, tiers, out = check(args)
+    _, context, rotations, grids, tiers, jobs = check(args)
     text = load_text(args.data)
     lm = resolve(args.model, cache_dir=args.cache_dir)
     calib = token_windows(lm.tokenizer, text, args.seq_len, args.windows)
     info = {"data": str(args.data), "windows": args.windows, "seq_len": args.seq_len}
-    res = tune(lm, budget=args.budget, context=context, calib=calib, calib_info=info, rotations=rotations,
-               grids=grids, **tiers)
+    m = measure(lm, calib, rotations=rotations, grids=grids, **tiers)
     cmd = "lowbit " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowbit") else ""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    tmp.write_text(recipe_toml(res, command=cmd), encoding="utf-8")
-    tmp.replace(out)
-    b = res.best
-    print(f"{res.held.line()}")
-    print(f"chose rotation {b.rotation}, 2-bit grid {b.grid}; calibration PPL {b.ppl:.3f} vs exact {res.ref_ppl:.3f} "
-          f"({100 * (b.ppl / res.ref_ppl - 1):+.2f}%); layers above 2 bits: "
-          + (", ".join(f"{i}=k{a[0]}v{a[1]}" for i, a in sorted(b.assign.items()) if a != (2, 2)) or "none"))
-    print(f"-> {out} ({res.seconds:.0f} s)")
+    for budget, out in jobs:
+        res = choose(lm, m, budget=budget, context=context, calib_info=info)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.tmp")
+        tmp.write_text(recipe_toml(res, command=cmd), encoding="utf-8")
+        tmp.replace(out)
+        b = res.best
+        print(f"budget {budget:g}: {res.held.line()}")
+        print(f"chose rotation {b.rotation}, 2-bit grid {b.grid}; calibration PPL {b.ppl:.3f} vs exact "
+              f"{res.ref_ppl:.3f} ({100 * (b.ppl / res.ref_ppl - 1):+.2f}%); layers above 2 bits: "
+              + (", ".join(f"{i}=k{a[0]}v{a[1]}" for i, a in sorted(b.assign.items()) if a != (2, 2)) or "none"))
+        print(f"-> {out} ({res.seconds:.0f} s)")
     return 0

@@ -171,42 +171,78 @@ def _variants(geometry, rotations, grids, tiers):
     return out
 
 
-def tune(lm, *, budget: float, context: int, calib, calib_info: dict, rotations=DEFAULT_ROTATIONS, grids=GRIDS,
-         sink=None, recent=None, page=None, log=print) -> TuneResult:
-    """Choose the recipe (see the module docstring). lm: a lowbit LoadedModel; calib: LongTensor [N, T]."""
-    from lowbit.eval.layer_error import Variant, fake_quant_ppl, measure_layers
+@dataclass
+class Measured:
+    """What tune measures once per model and calibration, whatever the budget."""
+
+    err: dict  # (rotation label, grid, layer, tensor, bits) -> relative error energy
+    db: dict  # variant name -> layer -> dB
+    ref_ppl: float
+    rotations: tuple
+    grids: tuple
+    tiers: dict
+    calib: object
+    seconds: float
+    ppl_cache: dict = field(default_factory=dict)  # repr(scheme) -> fake-quant PPL
+
+
+def measure(lm, calib, *, rotations=DEFAULT_ROTATIONS, grids=GRIDS, sink=None, recent=None, page=None,
+            log=print) -> Measured:
+    """Per-layer K-only / V-only errors of every candidate (see the module docstring, step 1)."""
+    from lowbit.eval.layer_error import measure_layers
     from lowbit.eval.perplexity import full_window_ppl
+
+    t0 = time.perf_counter()
+    geometry = lm.geometry
+    tiers = {"sink": sink, "recent": recent, "page": page}
+    variants = _variants(geometry, rotations, grids, tiers)
+    log(f"measuring {len(variants)} layer-error variants on {calib.shape[0]} x {calib.shape[1]} calibration tokens")
+    db = measure_layers(lm.model, calib, [v for v, *_ in variants])
+    err = {}
+    for v, r, t, b, g in variants:
+        for g_ in geometry.layers:
+            x = db[v.name].get(g_.index, float("-inf"))
+            err[(r, g if b == 2 else "minmax", g_.index, t, b)] = 0.0 if x == float("-inf") else 10 ** (x / 10)
+    ref_ppl = full_window_ppl(lm.model, calib)
+    log(f"  measured in {time.perf_counter() - t0:.0f} s (exact calibration PPL {ref_ppl:.3f})")
+    return Measured(err, db, ref_ppl, tuple(rotations), tuple(grids), tiers, calib, time.perf_counter() - t0)
+
+
+def _ppl(lm, m: Measured, scheme, rot) -> float:
+    from lowbit.eval.layer_error import Variant, fake_quant_ppl
+
+    key = repr(scheme)
+    if key not in m.ppl_cache:
+        layers = {g.index: scheme.for_layer(g.index) for g in lm.geometry.layers}
+        m.ppl_cache[key] = fake_quant_ppl(lm.model, m.calib, Variant("v", scheme, rot, layer_scheme=layers))[0]
+    return m.ppl_cache[key]
+
+
+def choose(lm, m: Measured, *, budget: float, context: int, calib_info: dict, log=print) -> TuneResult:
+    """The recipe for one budget from the measurements (steps 2-4 of the module docstring)."""
     from lowbit.kv.held import held_bits
     from lowbit.kv.plan import load_rotations
 
     t0 = time.perf_counter()
     geometry = lm.geometry
-    tiers = {"sink": sink, "recent": recent, "page": page}
-    floor = smallest_held(geometry, context, rotations, grids, **tiers)
+    floor = smallest_held(geometry, context, m.rotations, m.grids, **m.tiers)
     if budget < floor - 1e-9:
         raise LowbitError(f"budget {budget:g} b/elt is below the smallest recipe's held bits ({floor:.3f} b/elt at "
                           f"{context} tokens: every K and V at 2 bits); give --budget {math.ceil(floor * 100) / 100:g} "
                           "or more")
-    variants = _variants(geometry, rotations, grids, tiers)
-    log(f"measuring {len(variants)} layer-error variants on {calib.shape[0]} x {calib.shape[1]} calibration tokens")
-    db = measure_layers(lm.model, calib, [v for v, *_ in variants])
     layers = [g.index for g in geometry.layers]
-    err = {}
-    for v, r, t, b, g in variants:
-        for i in layers:
-            x = db[v.name].get(i, float("-inf"))
-            err[(r, g if b == 2 else "minmax", i, t, b)] = 0.0 if x == float("-inf") else 10 ** (x / 10)
-    log(f"  {time.perf_counter() - t0:.0f} s; checking allocations by fake-quant PPL")
-    ref_ppl = full_window_ppl(lm.model, calib)
     cands = []
-    for r in rotations:
+    for r in m.rotations:
         rl = _rot_label(r)
         rots = load_rotations(r, geometry)
         rot = {g.index: rots.per_layer[g.index] for g in geometry.layers}
-        for g in grids:
-            base = base_scheme(r, g, **tiers)
+        for g in m.grids:
+            base = base_scheme(r, g, **m.tiers)
+            if held_bits(base, context, geometry=geometry).bits > budget + 1e-9:
+                log(f"  rotation {rl}, 2-bit grid {g}: its all-2-bit recipe is over the budget (codebooks); skipped")
+                continue
             elems, cost = _cost_table(base, geometry, context)
-            e = {(i, t, b): err[(rl, g if b == 2 else "minmax", i, t, b)] for i in layers for t in (0, 1) for b in BITS}
+            e = {(i, t, b): m.err[(rl, g if b == 2 else "minmax", i, t, b)] for i in layers for t in (0, 1) for b in BITS}
             assign, pred, _ = allocate(e, elems, cost, budget, layers)
             scheme = with_layer_bits(base, assign)
             held = held_bits(scheme, context, geometry=geometry).bits
@@ -217,17 +253,23 @@ def tune(lm, *, budget: float, context: int, calib, calib_info: dict, rotations=
                 scheme = with_layer_bits(base, assign)
                 held = held_bits(scheme, context, geometry=geometry).bits
             c = Candidate(rl, g, assign, pred, held, scheme)
-            c.ppl = fake_quant_ppl(lm.model, calib, Variant("tuned", scheme, rot, layer_scheme={
-                i: scheme.for_layer(i) for i in layers}))[0]
-            c.base_ppl = fake_quant_ppl(lm.model, calib, Variant("base", base, rot))[0]
-            log(f"  rotation {rl}, 2-bit grid {g}: held {held:.3f} b/elt, calib PPL {c.ppl:.3f} "
-                f"({100 * (c.ppl / ref_ppl - 1):+.2f}%; all-2-bit {100 * (c.base_ppl / ref_ppl - 1):+.2f}%), "
+            c.ppl, c.base_ppl = _ppl(lm, m, scheme, rot), _ppl(lm, m, base, rot)
+            log(f"  budget {budget:g}, rotation {rl}, 2-bit grid {g}: held {held:.3f} b/elt, calib PPL {c.ppl:.3f} "
+                f"({100 * (c.ppl / m.ref_ppl - 1):+.2f}%; all-2-bit {100 * (c.base_ppl / m.ref_ppl - 1):+.2f}%), "
                 f"{sum(1 for a in assign.values() if a != (2, 2))} layers above 2 bits")
             cands.append(c)
     best = min(cands, key=lambda c: c.ppl)
     return TuneResult(model=lm.name, weights_sha256=lm.weights_sha256, budget=budget, context=context,
-                      calib=calib_info, best=best, candidates=cands, ref_ppl=ref_ppl, db=db,
-                      held=held_bits(best.scheme, context, geometry=geometry), seconds=time.perf_counter() - t0)
+                      calib=calib_info, best=best, candidates=cands, ref_ppl=m.ref_ppl, db=m.db,
+                      held=held_bits(best.scheme, context, geometry=geometry),
+                      seconds=m.seconds + time.perf_counter() - t0)
+
+
+def tune(lm, *, budget: float, context: int, calib, calib_info: dict, rotations=DEFAULT_ROTATIONS, grids=GRIDS,
+         sink=None, recent=None, page=None, log=print) -> TuneResult:
+    """measure + choose for one budget. lm: a lowbit LoadedModel; calib: LongTensor [N, T]."""
+    m = measure(lm, calib, rotations=rotations, grids=grids, sink=sink, recent=recent, page=page, log=log)
+    return choose(lm, m, budget=budget, context=context, calib_info=calib_info, log=log)
 
 
 # ------------------------------------------------------------------ the recipe file
