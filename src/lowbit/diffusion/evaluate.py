@@ -192,7 +192,7 @@ def evaluate_images(o: ImageEvalOptions, *, log=print) -> dict:
         ms = [image_metrics(imgs[i], tile, ref_imgs[i]) for i in range(len(classes))]
         r = row(p, _row_info(p), imgs, perf, ms)
         grid_rows.append(torch.nan_to_num(imgs, nan=0.0))
-        labels.append(f"{r['scheme']} {r['method']}" + (" planted" if r.get("planted") else ""))
+        labels.append(f"{r['scheme']} {r['method']}" + (f" planted {r['planted']['kind']}" if r.get("planted") else ""))
         log(f"{p}: {r['gate']} ({r['failing_images']}/{r['images']} failing), PSNR mean "
             f"{r['psnr_mean']} min {r['psnr_min']} dB, {perf['wall_s_per_image']:.3f} s/image, "
             f"peak {perf['peak_mb']} MB")
@@ -223,6 +223,7 @@ def summary(res: dict) -> dict:
     out = []
     for r in res["rows"]:
         d = {k: r.get(k) for k in keys}
+        d["checkpoint"] = Path(r["checkpoint"]).name
         if r.get("planted"):
             d["planted"] = r["planted"]
         out.append(d)
