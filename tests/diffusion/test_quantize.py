@@ -108,3 +108,18 @@ def test_loader_refuses_damage_and_wrong_class(tiny_dir, tmp_path):
     (plain / "manifest.json").unlink()
     with pytest.raises(LowbitError, match="no manifest.json: not a lowbit native-packed"):
         load_pipeline(plain)
+
+
+def test_bf16_activations_keep_the_quantized_scales(tiny_dir, tmp_path):
+    from lowbit.diffusion.gate import psnr
+    from lowbit.diffusion.load import load_pipeline
+    from lowbit.diffusion.quantize import quantize_pipeline
+
+    out = tmp_path / "q"
+    quantize_pipeline(tiny_dir, out, component="transformer", scheme=parse_weight_scheme("w4a16-g64"))
+    p32, p16 = load_pipeline(out), load_pipeline(out, dtype=torch.bfloat16)
+    q = [m for m in p16.transformer.modules() if isinstance(m, QuantLinear)]
+    assert q and all(m.scale.dtype == torch.float32 for m in q)
+    assert p16.transformer.pos_embed.proj.weight.dtype == torch.bfloat16
+    a, b = p32([1, 2], [0, 1], num_inference_steps=3), p16([1, 2], [0, 1], num_inference_steps=3)
+    assert torch.isfinite(b).all() and psnr(a, b) > 20

@@ -46,6 +46,8 @@ def add_arguments(parser) -> None:
     g.add_argument("--checkpoints", default=None, metavar="DIR1,DIR2", help="images: quantized pipeline directories")
     g.add_argument("--resolution", default=None, help="images: image sides in pixels (default: the model's, e.g. 32)")
     g.add_argument("--device", default="cpu", help="images: cpu (default) | cuda")
+    g.add_argument("--image-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="images: dtype of the DiT's float tensors and activations (default fp32)")
     parser.add_argument("--concurrency", default="1,8,32", help="serve-engine: concurrent requests (default 1,8,32)")
     parser.add_argument("--prompt-len", type=int, default=4096, help="serve-engine: prompt tokens (default 4096)")
     parser.add_argument("--max-tokens", type=int, default=64, help="serve-engine: tokens per request (default 64)")
@@ -180,7 +182,8 @@ def _images(args) -> int:
     name = torch.cuda.get_device_name(0) if dev.type == "cuda" else "cpu_" + (platform.machine() or "unknown")
     path = resolve_out(args.out, "images", name)
     res = capacity_matrix(args.model, [c.strip() for c in (args.checkpoints or "").split(",") if c.strip()],
-                          batches=_ints(args.batch), sizes=sizes, steps=args.steps, device=str(dev))
+                          batches=_ints(args.batch), sizes=sizes, steps=args.steps, device=str(dev),
+                          dtype=args.image_dtype)
     write_new(path, res)
     print(f"wrote {path}")
     return 0

@@ -33,13 +33,14 @@ def _sync(device):
 
 
 def capacity_matrix(model: str, checkpoints: list[str], *, batches, sizes, classes=tuple(range(10)), steps=10,
-                    guidance=2.0, device="cpu", thresholds: Thresholds = DEFAULTS, log=print) -> dict:
-    from lowbit.diffusion.evaluate import ImageEvalOptions, _env, _row_info, _weights, check_options
+                    guidance=2.0, device="cpu", dtype="fp32", thresholds: Thresholds = DEFAULTS,
+                    log=print) -> dict:
+    from lowbit.diffusion.evaluate import DTYPES, ImageEvalOptions, _env, _row_info, _weights, check_options
     from lowbit.diffusion.load import load_pipeline
     from lowbit.diffusion.measure import PeakMemory
 
     check_options(ImageEvalOptions(model=model, checkpoints=list(checkpoints), classes=tuple(classes), steps=steps,
-                                   guidance=guidance, device=device, thresholds=thresholds))
+                                   guidance=guidance, device=device, dtype=dtype, thresholds=thresholds))
     if not batches or min(batches) < 1 or not sizes:
         raise LowbitError("--batch and --resolution need positive values")
     ref_cells: dict[tuple[int, int], torch.Tensor] = {}
@@ -51,7 +52,7 @@ def capacity_matrix(model: str, checkpoints: list[str], *, batches, sizes, class
             torch.cuda.empty_cache()
         t0 = time.perf_counter()
         with PeakMemory(device) as pm:
-            pipe = load_pipeline(path, device=device)
+            pipe = load_pipeline(path, device=device, dtype=DTYPES[dtype])
         load_s = time.perf_counter() - t0
         patch = int(pipe.transformer.config.patch_size)
         bad = [s for s in sizes if s % patch]
@@ -94,5 +95,5 @@ def capacity_matrix(model: str, checkpoints: list[str], *, batches, sizes, class
             c["ref_gate"] = ref_gate[(c["size"], c["batch"])]
             c["counts"] = c["gate"] == "PASS" and c["ref_gate"] == "PASS"
     return {"kind": "lowbit bench images", "model": model, "checkpoints": list(checkpoints), "batches": list(batches),
-            "sizes": list(sizes), "steps": steps, "guidance": guidance, "device": device,
+            "sizes": list(sizes), "steps": steps, "guidance": guidance, "device": device, "dtype": dtype,
             "thresholds": thresholds.to_dict(), "rows": rows, "env": _env()}

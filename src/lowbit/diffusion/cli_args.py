@@ -36,7 +36,11 @@ def add_image_arguments(parser, *, eval_: bool) -> None:
     g.add_argument("--seeds", default="0-3", help="images: noise seeds, one image per class x seed (default 0-3)")
     g.add_argument("--steps", type=int, default=25, help="images: DDIM steps (default 25)")
     g.add_argument("--guidance", type=float, default=2.0, help="images: classifier-free guidance scale (default 2)")
-    g.add_argument("--device", default="cpu", help="images: cpu (default) | cuda")
+    if eval_:
+        g.add_argument("--device", default="cpu", help="images: cpu (default) | cuda")
+    g.add_argument("--image-dtype", choices=("fp32", "bf16", "fp16"), default="fp32",
+                   help="images: dtype of the DiT's float tensors and activations (default fp32; quantized weights "
+                        "keep their codes and scales)")
     if eval_:
         g.add_argument("--image-batch", type=int, default=None,
                        help="images: images per pipeline call (default all at once)")
@@ -63,6 +67,7 @@ def image_eval_options(args):
         model=args.model, checkpoints=[c.strip() for c in (args.checkpoints or "").split(",") if c.strip()],
         classes=ints(args.classes, "--classes"), seeds=ints(args.seeds, "--seeds"), steps=args.steps,
         guidance=args.guidance, thresholds=th, calibrate=args.calibrate, device=args.device,
+        dtype=args.image_dtype,
         batch=args.image_batch, json_out=args.json_out, markdown_out=args.markdown_out, plot_out=args.plot_out,
         summary_out=args.summary, overwrite=args.overwrite, overrides={k: v for k, v in over.items() if v is not None},
     )

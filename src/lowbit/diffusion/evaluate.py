@@ -35,6 +35,8 @@ import torch
 from lowbit.diffusion.gate import DEFAULTS, Thresholds, calibrate, failures, image_metrics, seed_band
 from lowbit.errors import LowbitError
 
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 @dataclass
 class ImageEvalOptions:
@@ -47,6 +49,7 @@ class ImageEvalOptions:
     thresholds: Thresholds = DEFAULTS
     calibrate: bool = False
     device: str = "cpu"
+    dtype: str = "fp32"  # fp32 | bf16 | fp16: the DiT's float tensors and activations
     batch: int | None = None
     json_out: str | None = None
     markdown_out: str | None = None
@@ -69,6 +72,8 @@ def check_options(o: ImageEvalOptions) -> None:
         raise LowbitError("--classes and --seeds must name at least one class and one seed")
     if o.steps < 1 or o.steps > 1000:
         raise LowbitError(f"--steps {o.steps} must be in [1, 1000]")
+    if o.dtype not in DTYPES:
+        raise LowbitError(f"image dtype {o.dtype!r}: use one of {', '.join(DTYPES)}")
     if o.batch is not None and o.batch < 1:
         raise LowbitError(f"--batch {o.batch} must be >= 1")
     from lowbit.device import resolve_device
@@ -142,7 +147,7 @@ def _run_row(path: Path, o: ImageEvalOptions, classes, seeds):
 
     gc.collect()
     with PeakMemory(o.device) as pm:
-        pipe = load_pipeline(path, device=o.device)
+        pipe = load_pipeline(path, device=o.device, dtype=DTYPES[o.dtype])
         imgs, wall = generate(pipe, classes, seeds, steps=o.steps, guidance=o.guidance, batch=o.batch,
                               device=o.device)
     disk, held = _weights(pipe, path)
@@ -198,7 +203,7 @@ def evaluate_images(o: ImageEvalOptions, *, log=print) -> dict:
             f"peak {perf['peak_mb']} MB")
     res = {"options": {"model": o.model, "checkpoints": list(o.checkpoints), "classes": list(o.classes),
                        "seeds": list(o.seeds), "steps": o.steps, "guidance": o.guidance, "batch": o.batch,
-                       "device": o.device, "tile": tile, "calibrated_in_run": o.calibrate},
+                       "device": o.device, "dtype": o.dtype, "tile": tile, "calibrated_in_run": o.calibrate},
            "thresholds": th.to_dict(), "calibration": {"thresholds": cal_th.to_dict(), **cal_info},
            "gate": "FAIL" if any(r["gate"] == "FAIL" for r in rows) else "PASS", "rows": rows,
            "env": _env()}

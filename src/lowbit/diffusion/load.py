@@ -95,8 +95,17 @@ def load_quantized_transformer(comp_dir: Path, *, dtype: torch.dtype | None = No
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, _quantlinear(prefix, sd, scheme))
     _load_rest(model, sd, comp_dir)
-    if dtype is not None:
-        model.to(dtype)
+    if dtype is not None:  # the float tensors outside QuantLinear; codes and scales stay as the checkpoint has them
+        from lowbit.weights.qlinear import QuantLinear
+
+        for mod in model.modules():
+            if isinstance(mod, QuantLinear):
+                continue
+            for k, t in list(mod._parameters.items()) + list(mod._buffers.items()):
+                if t is not None and t.is_floating_point() and k in mod._parameters:
+                    t.data = t.data.to(dtype)
+                elif t is not None and t.is_floating_point():
+                    mod._buffers[k] = t.to(dtype)
     return model.eval()
 
 
