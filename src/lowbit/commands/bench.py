@@ -16,7 +16,7 @@ from lowbit.errors import LowbitError
 
 NAME = "bench"
 HELP = ("GPU benchmarks: `bench decode-attention` (the kernel vs bf16 SDPA flash), `bench decode` (end-to-end "
-        "decode steps vs transformers eager and compiled bf16)")
+        "decode steps vs transformers eager and compiled bf16); `bench images`: the DiT capacity matrix (CPU or GPU)")
 
 
 def _ints(s: str) -> tuple[int, ...]:

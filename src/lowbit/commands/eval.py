@@ -15,7 +15,8 @@ from lowbit.eval.runner import DEFAULT_CHUNK, DEFAULT_SEQ_LEN, DEFAULT_WINDOWS, 
 from lowbit.kv.cli_args import add_kv_arguments
 
 NAME = "eval"
-HELP = "perplexity, KL and top-1 of KV-cache schemes and peers on the same windows (table, JSON, markdown, PNG)"
+HELP = ("perplexity, KL and top-1 of KV-cache schemes and peers on the same windows (table, JSON, markdown, PNG); "
+        "`eval images`: a DiT and its quantized checkpoints through the image structure gate")
 
 
 def kv_flags(args) -> dict:
