@@ -145,7 +145,8 @@ chunk = re.search(r"max_num_batched_tokens=(\d+)", text)
 plugin = [l.split("lowbit plugin: ", 1)[1] for l in text.splitlines() if "lowbit plugin: " in l]
 res = {"model_dir": model, "results": results, **extra, "text": results[0]["text"], "token_ids": results[0]["token_ids"],
        "startup_s": int(startup), "dtype": dtype, "enforce_eager": eager == "1",
-       "prefill_chunk_tokens": int(chunk.group(1)) if chunk else None,
+       # vLLM logs its per-step budget only when given; the CPU API server's default is 2048 (vllm/engine/arg_utils.py)
+       "prefill_chunk_tokens": int(chunk.group(1)) if chunk else 2048,
        "kv_cache_memory_bytes": int(kv_bytes), "kv_cache_tokens": int(m.group(1).replace(",", "")) if m else None,
        "lowbit_plugin_log": sorted(set(plugin))}
 print(json.dumps(res, indent=2))

