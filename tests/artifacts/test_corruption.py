@@ -4,11 +4,12 @@ one-line LowbitError (CLI: exit != 0, the name in its output), never a traceback
 
 Kinds (tiny, built once): KV export (`lowbit export --for vllm`, loader load_runtime), weights checkpoint
 (`lowbit quantize`, load_quantized), rotation set (RotationSet.load), calibration (load_calibration),
-Lloyd-Max levels (load_levels). There is no DiT checkpoint kind yet.
+Lloyd-Max levels (load_levels), DiT checkpoint (`lowbit quantize --component transformer`, RTN on a tiny
+random DiT; load_pipeline).
 
 No exception: a weights checkpoint whose manifest.json is removed is refused by load_quantized too (lowbit's
 marker in the safetensors header tells it from a plain llm-compressor directory, which still loads:
-tests/weights/test_lost_manifest.py).
+tests/weights/test_lost_manifest.py); so is a DiT checkpoint by load_pipeline (tests/diffusion/test_lost_manifest.py).
 
 The exhaustive matrix damages the middle byte of every file; the hypothesis test draws (file, offset, mask).
 """
@@ -32,7 +33,7 @@ from lowbit.cli import main
 from lowbit.errors import LowbitError
 
 DAMAGES = ("flip", "truncate", "missing", "added")
-KINDS = ("kv-export", "weights", "rotations", "calibration", "levels")
+KINDS = ("kv-export", "weights", "rotations", "calibration", "levels", "dit")
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +63,17 @@ def arts(tmp_path_factory):
     col = collect(model, tiny_tokenizer_free_inputs(model.config, 2, 19), skip=3)
     write_calibration(col, root / "calibration", geo, {"model": "gemma3-270m", "data": "t"}, tokens=38, seq_len=19)
     save_levels(root / "levels", {0: {"k": torch.tensor([-2.0, -0.5, 0.5, 2.0]), "v": None}}, model=geo.name)
+    try:
+        import diffusers  # noqa: F401
+    except ImportError:
+        pass  # the dit kind is skipped
+    else:
+        from tests.diffusion.conftest import write_tiny
+
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            src = write_tiny(root / "dit-src", hidden=32, layers=1, size=8)  # 5 files in the checkpoint, < 1 s
+            assert main(["quantize", "--model", str(src), "--component", "transformer", "--scheme", "w8a16",
+                         "--method", "rtn", "--out", str(root / "dit")]) == 0
     (root / "_spare").mkdir()
     return {**{k: root / k for k in KINDS}, "_geo": geo, "_spare": root / "_spare"}
 
@@ -72,6 +84,7 @@ def _files(d: Path) -> list[str]:
 
 def _loader(kind: str, d: Path, geo):
     from lowbit.calib.stats import load_calibration
+    from lowbit.diffusion.load import load_pipeline
     from lowbit.kv.plan import load_levels
     from lowbit.recipe import LevelsRef
     from lowbit.rotation.rotation_set import RotationSet
@@ -80,7 +93,7 @@ def _loader(kind: str, d: Path, geo):
 
     return {"kv-export": lambda: load_runtime(str(d)), "weights": lambda: load_quantized(d),
             "rotations": lambda: RotationSet.load(d), "calibration": lambda: load_calibration(d),
-            "levels": lambda: load_levels(LevelsRef(str(d)), geo)}[kind]()
+            "levels": lambda: load_levels(LevelsRef(str(d)), geo), "dit": lambda: load_pipeline(d)}[kind]()
 
 
 @contextlib.contextmanager
@@ -144,6 +157,8 @@ def refusals(kind: str, arts, rel: str, damage: str, **kw) -> dict:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_file_every_damage_is_refused_with_the_file_named(arts, kind):
+    if not arts[kind].is_dir():
+        pytest.skip(f"{kind}: diffusers is not installed")
     rows = []
     for rel in _files(arts[kind]):
         for damage in DAMAGES:
@@ -153,7 +168,7 @@ def test_every_file_every_damage_is_refused_with_the_file_named(arts, kind):
                 print(f"{kind:<12} {rel:<24} {damage:<9} {call:<9} {'refused' if ok else 'ACCEPTED'}: {msg[:150]}")
     bad = [r for r in rows if not r[3]]
     assert not bad, bad
-    if kind == "weights":  # the former exception: lowbit's checkpoint without its manifest, refused by name
+    if kind in ("weights", "dit"):  # the former exception: lowbit's checkpoint without its manifest, refused by name
         lost = [r[4] for r in rows if r[:3] == ("manifest.json", "missing", "loader")]
         assert len(lost) == 1 and "manifest.json is missing" in lost[0], lost
     assert len({r[0] for r in rows}) >= 2 and len(rows) == len(_files(arts[kind])) * len(DAMAGES) * 3
@@ -163,6 +178,8 @@ def test_every_file_every_damage_is_refused_with_the_file_named(arts, kind):
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_any_offset_any_mask_is_refused(arts, kind, data):
+    if not arts[kind].is_dir():
+        pytest.skip(f"{kind}: diffusers is not installed")
     files = _files(arts[kind])
     rel = data.draw(st.sampled_from(files), label="file")
     damage = data.draw(st.sampled_from(("flip", "truncate")), label="damage")

@@ -20,6 +20,8 @@ Artifact kinds validate knows (manifest `kind` -> what it is, the class it must 
     vllm-model                   `lowbit export --for vllm`     KV sidecar (+ maybe quantized weights)  native-packed
     weights-compressed-tensors   `lowbit quantize`              compressed-tensors checkpoint           native-packed
     kv-rotations                 RotationSet.save / fit-rotations  run through a cache with scheme `kv`  generic
+    diffusers-compressed-tensors `lowbit quantize --component`  a DiT checkpoint: stage 1 only       native-packed
+                                 (its smoke and accuracy are images: `lowbit eval images` runs the structure gate)
 
 The report carries its provenance once at the top, for every stage result in it: the lowbit commit
 and whether the tree was modified (or the installed version), package versions, the device, the
@@ -51,7 +53,10 @@ KINDS = {
     "vllm-model": ("kv-export", "native-packed"),
     "weights-compressed-tensors": ("weights", "native-packed"),
     "kv-rotations": ("rotations", "generic"),
+    "diffusers-compressed-tensors": ("dit", "native-packed"),
 }
+# why stages 2-4 are not run on a DiT checkpoint (they load a causal LM and read text)
+DIT_STAGES_WHY = "a DiT checkpoint: stages 2-4 read text through a causal LM; run `lowbit eval images` for its gate"
 PACKAGES = ("torch", "transformers", "triton", "compressed-tensors", "safetensors")
 DEFAULT_ROTATION_KV = "int4"  # the scheme a rotation set is run with in stages 2-4 (--kv)
 DEFAULT_MAX_PPL_INCREASE = 50.0  # percent; catches a broken artifact, not a quality bar (set your own)
@@ -226,7 +231,8 @@ def stage_cpu_checks(ctx: Context) -> dict:
     ctx.label = known[0]
     st.check("class", True, f"{m.artifact_class} (what kind {m.kind} must be)")
     try:
-        {"kv-export": _cpu_kv_export, "weights": _cpu_weights, "rotations": _cpu_rotations}[ctx.label](ctx, st)
+        {"kv-export": _cpu_kv_export, "weights": _cpu_weights, "rotations": _cpu_rotations,
+         "dit": _cpu_dit}[ctx.label](ctx, st)
     except LowbitError as e:
         st.check("model and recipe", False, str(e))
     return st.result()
@@ -349,11 +355,7 @@ def _cpu_weights(ctx: Context, st: _Stage) -> None:
     if not isinstance(cfg.get("quantization_config"), dict):
         raise LowbitError(f"{ctx.root}/config.json has no quantization_config: not a quantized checkpoint; re-create it")
     _weights_checks(ctx, st, ctx.root, cfg)
-    rs = ctx.manifest.recipe.get("scheme") or {}
-    ws = ctx.weight_scheme
-    same = all(rs.get(k) == getattr(ws, k) for k in ("w_bits", "group", "symmetric", "a_bits"))
-    st.check("manifest recipe", same, f"recipe.scheme {rs.get('name')} = config.json's {ws.name}" if same else
-             f"manifest recipe.scheme {rs.get('name')!r} differs from config.json's {ws.name!r}: re-run `lowbit quantize`")
+    _recipe_check(ctx, st)
     ctx.geometry = ModelGeometry.from_config(cfg, name=ctx.root.resolve().name)
     bdir, _ = _model_ref(ctx.opts.base or ctx.manifest.inputs.get("model"), "--base", "unquantized base model")
     bcfg = _config(bdir)
@@ -365,6 +367,32 @@ def _cpu_weights(ctx: Context, st: _Stage) -> None:
              f"{bdir} is another model than the checkpoint's ({diff}); pass the model it was quantized from as --base")
     ctx.test_src, ctx.ref_src = str(ctx.root), str(bdir)
     ctx.ref_sha256 = ctx.manifest.inputs.get("weights_sha256")
+
+
+def _recipe_check(ctx: Context, st: _Stage) -> None:
+    rs = ctx.manifest.recipe.get("scheme") or {}
+    ws = ctx.weight_scheme
+    same = all(rs.get(k) == getattr(ws, k) for k in ("w_bits", "group", "symmetric", "a_bits"))
+    st.check("manifest recipe", same, f"recipe.scheme {rs.get('name')} = config.json's {ws.name}" if same else
+             f"manifest recipe.scheme {rs.get('name')!r} differs from config.json's {ws.name!r}: re-run `lowbit quantize`")
+
+
+def _cpu_dit(ctx: Context, st: _Stage) -> None:
+    """model_index.json names a transformer and a scheduler; the quantized component's tensors fit its
+    quantization_config and the manifest's recipe (config files and safetensors headers only)."""
+    from lowbit.diffusion.load import pipeline_components
+
+    comps = pipeline_components(ctx.root)
+    missing = sorted({"transformer", "scheduler"} - set(comps))
+    st.check("pipeline", not missing, f"model_index.json lacks {', '.join(missing)}; re-run `lowbit quantize`"
+             if missing else f"components {', '.join(sorted(comps))}")
+    comp = ctx.manifest.inputs.get("component") or "transformer"
+    cfg = _config(ctx.root / comp)
+    if not isinstance(cfg.get("quantization_config"), dict):
+        raise LowbitError(f"{ctx.root}/{comp}/config.json has no quantization_config: not a quantized checkpoint; "
+                          "re-run `lowbit quantize --component ...`")
+    _weights_checks(ctx, st, ctx.root / comp, cfg)
+    _recipe_check(ctx, st)
 
 
 def _cpu_rotations(ctx: Context, st: _Stage) -> None:
@@ -728,13 +756,15 @@ def validate(opts: Options) -> dict:
     runners = {1: stage_cpu_checks, 2: stage_kernel_audit, 3: stage_smoke, 4: stage_accuracy}
     results, failed = [], None
     for n in opts.stages:
+        if n > 1 and ctx.label == "dit":
+            break  # skipped below, with DIT_STAGES_WHY
         r = runners[n](ctx)
         results.append(r)
         if not r["ok"]:
             failed = r
             break
     skipped = [{"stage": n, "name": STAGES[n], "why": "not asked" if n not in opts.stages else
-                f"stage {failed['stage']} ({failed['name']}) failed"}
+                f"stage {failed['stage']} ({failed['name']}) failed" if failed else DIT_STAGES_WHY}
                for n in STAGES if n not in [r["stage"] for r in results]]
     return {
         "format": REPORT_FORMAT, "format_version": REPORT_VERSION, "artifact": str(root), "kind": ctx.label,

@@ -18,7 +18,7 @@ def add_arguments(p) -> None:
 
     p.add_argument("artifact", metavar="ARTIFACT",
                    help="artifact directory: `lowbit export --for vllm` output, a `lowbit quantize` checkpoint, "
-                        "or a rotation set")
+                        "a rotation set, or a DiT checkpoint (`quantize --component`; stage 1 only)")
     p.add_argument("--model", default=None, metavar="M",
                    help="rotation sets: the model (built-in name or HF dir) they were fitted for, when the "
                         "manifest's name does not resolve here")

@@ -8,7 +8,8 @@ component whose config.json carries a compressed-tensors `quantization_config` i
 config and every linear with `PREFIX.weight_scale` in the safetensors becomes a QuantLinear (the same
 tensor reader as lowbit.weights.load, so LM and DiT checkpoints share one format and one decoder);
 every other component loads with diffusers' own from_pretrained. A directory whose components are
-quantized must be a native-packed artifact: anything else (no manifest, another class) is refused.
+quantized must be a native-packed artifact: anything else (no manifest, another class) is refused; one
+that lowbit wrote (its header marker, as lowbit.weights.export) but whose manifest.json was lost is named so.
 """
 
 from __future__ import annotations
@@ -39,25 +40,63 @@ def pipeline_components(path: Path) -> dict[str, tuple[str, str]]:
 
 def is_quantized_component(path: Path) -> bool:
     cfg = path / "config.json"
-    return cfg.is_file() and bool(json.loads(cfg.read_text()).get("quantization_config"))
+    if not cfg.is_file():
+        return False
+    try:
+        return bool(json.loads(cfg.read_text()).get("quantization_config"))
+    except (OSError, ValueError, AttributeError) as e:  # AttributeError: JSON that is not an object
+        raise LowbitError(f"{cfg} is not a readable JSON object ({' '.join(str(e).split())}); copy the "
+                          "pipeline again") from None
 
 
 def quantized_components(path: Path) -> list[str]:
     return [c for c in pipeline_components(path) if is_quantized_component(path / c)]
 
 
+def lowbit_marker(path: Path) -> tuple[str, str] | None:
+    """(file, kind) of the first component safetensors whose header lowbit marked (MARKER_KEY), else None."""
+    from safetensors import SafetensorError, safe_open
+
+    from lowbit.weights.export import MARKER_KEY
+
+    for f in sorted(path.glob("*/*.safetensors")):
+        try:
+            with safe_open(str(f), framework="pt") as st:
+                kind = (st.metadata() or {}).get(MARKER_KEY)
+        except (SafetensorError, OSError):
+            continue  # unreadable: the tensor reader names it
+        if kind:
+            return f.relative_to(path).as_posix(), kind
+    return None
+
+
 def check_artifact(path: Path, *, need_native: bool) -> str | None:
     """Verify the manifest (if any) and return its class. need_native: refuse anything but native-packed."""
+    return require_native(path, verified_class(path)) if need_native else verified_class(path)
+
+
+def verified_class(path: Path) -> str | None:
+    """Every file's sha256 against the manifest (a damaged file is one LowbitError naming it); its class.
+    None: no manifest.json."""
     from lowbit.artifacts import load_manifest, require_intact
 
     if not (path / "manifest.json").is_file():
-        if need_native:
-            raise LowbitError(f"{path} has quantized components but no manifest.json: not a lowbit native-packed "
-                              "checkpoint; write it with `lowbit quantize --component ...`")
         return None
     require_intact(path, "diffusers checkpoint")
-    cls = load_manifest(path).artifact_class
-    if need_native and cls != "native-packed":
+    return load_manifest(path).artifact_class
+
+
+def require_native(path: Path, cls: str | None) -> str:
+    """A quantized pipeline must be a native-packed lowbit artifact (cls: verified_class's answer)."""
+    if cls is None:
+        mark = lowbit_marker(path)
+        if mark:  # lowbit wrote it (quantize marks the header) and the manifest was lost: nothing vouches for it
+            raise LowbitError(f"{path} was written by lowbit ({mark[0]}: {mark[1]}) but its manifest.json is "
+                              "missing, so its files cannot be verified: copy the checkpoint again with "
+                              "manifest.json, or re-run `lowbit quantize --component ...`")
+        raise LowbitError(f"{path} has quantized components but no manifest.json: not a lowbit native-packed "
+                          "checkpoint; write it with `lowbit quantize --component ...`")
+    if cls != "native-packed":
         raise LowbitError(f"{path}: manifest class is {cls!r}, not 'native-packed'; quantized pipelines are "
                           "native-packed artifacts written by `lowbit quantize --component ...`")
     return cls
@@ -122,9 +161,11 @@ def load_pipeline(path, *, device: str | torch.device = "cpu", dtype: torch.dtyp
     from lowbit.diffusion.pipeline import DigitsDiTPipeline
 
     path = Path(path)
+    cls = verified_class(path)  # digests before any file is parsed: a damaged one is named, not mis-parsed
     comps = pipeline_components(path)
     quantized = [c for c in comps if is_quantized_component(path / c)]
-    check_artifact(path, need_native=bool(quantized))
+    if quantized:
+        require_native(path, cls)
     missing = {"transformer", "scheduler"} - set(comps)
     if missing:
         raise LowbitError(f"{path}/model_index.json lacks component(s) {', '.join(sorted(missing))}")

@@ -8,6 +8,8 @@ Output: a new diffusers directory (a native-packed lowbit artifact):
                                       sha256 equal to the source's: inputs.copied)
     transformer/config.json           the source config + compressed-tensors `quantization_config`
     transformer/diffusion_pytorch_model.safetensors
+                                      (header metadata lowbit_artifact = diffusers-compressed-tensors, so a copy
+                                      that lost manifest.json is refused by the loader, not trusted unverified)
                                       per quantized linear the compressed-tensors tensors
                                       (lowbit.weights.export.checkpoint_state: packed int32 for w4a16 /
                                       w8a16, int8 for w8a8), every other tensor as is
@@ -227,7 +229,10 @@ def quantize_pipeline(src, out, *, component: str, scheme: WeightScheme, method:
         (cdir / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
         from safetensors.torch import save_file
 
-        save_file(checkpoint_state(tr, dtype), str(cdir / WEIGHTS_NAME), metadata={"format": "pt"})
+        from lowbit.weights.export import MARKER_KEY
+
+        # lowbit's mark in the header: a copy that lost manifest.json is still known as lowbit's (load refuses it)
+        save_file(checkpoint_state(tr, dtype), str(cdir / WEIGHTS_NAME), metadata={"format": "pt", MARKER_KEY: ARTIFACT_KIND})
         counts["weight_bytes"] = (cdir / WEIGHTS_NAME).stat().st_size
         w.counts = counts
     return w.manifest.to_dict()
