@@ -65,3 +65,18 @@ def recipe_model(path) -> str | None:
     d = read_recipe_file(path)
     t = d.get("tune") if isinstance(d, dict) else None
     return t.get("model") if isinstance(t, dict) else None
+
+
+def write_index(directory: Path = RECIPES_DIR) -> dict:
+    """(Maintainers) pin every recipe TOML in `directory` into index.json: name = file stem, its sha256,
+    and the [tune] model, budget, context and held bits. Run after adding a `lowbit tune` output:
+    python -c "import lowbit.recipes as r; r.write_index()"."""
+    import tomllib
+
+    out = {}
+    for p in sorted(Path(directory).glob("*.toml")):
+        t = tomllib.loads(p.read_text(encoding="utf-8")).get("tune", {})
+        out[p.stem] = {"file": p.name, "sha256": hashlib.sha256(p.read_bytes()).hexdigest(), "model": t.get("model"),
+                       "budget": t.get("budget"), "context": t.get("context"), "held_bits": t.get("held_bits")}
+    (Path(directory) / INDEX_FILE).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    return out
