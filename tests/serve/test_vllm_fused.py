@@ -103,3 +103,35 @@ def test_prefill_chunks_and_dense_tensors_take_the_torch_path():
     q = torch.randn(3, 4, 64)
     torch.testing.assert_close(paged.attend(q, cache, dense, kernel="cpu-fused", **kw),
                                paged.attend(q, cache, dense, kernel="torch", **kw))
+
+
+def test_rows_rotated_by_write_are_reused_by_attend():
+    """write(rotated=d) hands back the rows it rotated; attend(new_kr=...) with them equals attend(new_k=...)."""
+    from lowbit.rotation.hadamard import hadamard
+
+    torch.manual_seed(5)
+    fmt = SlotFormat(parse_kv_scheme("int4", sink=3, recent=6, page=1), 64, 64, torch.bfloat16)
+    r = hadamard(64)
+    cache = torch.zeros(8, 3, 4, fmt.slot_bytes, dtype=torch.uint8)
+    arena = paged.TierArena(3, 6, 4, torch.bfloat16)
+    table = torch.tensor([[5, 2, 7, 0, 1], [3, 6, 4, 0, 0]])
+    lens = [17, 9]
+    for row, n in zip(table, lens):  # histories
+        pos = torch.arange(n - 1)
+        paged.write(cache, fmt, torch.randn(n - 1, 3, 64).bfloat16(), torch.randn(n - 1, 3, 64).bfloat16(),
+                    row[pos // 4] * 4 + pos % 4, r, r, positions=pos, row_seq_lens=torch.full((n - 1,), n), arena=arena)
+    pos = torch.tensor([16, 8])
+    k, v = torch.randn(2, 3, 64).bfloat16(), torch.randn(2, 3, 64).bfloat16()
+    got: dict = {}
+    paged.write(cache, fmt, k, v, table[torch.arange(2), pos // 4] * 4 + pos % 4, r, r, positions=pos,
+                row_seq_lens=pos + 1, arena=arena, rotated=got)
+    assert got["n"] == 2 and got["k"].dtype == torch.bfloat16
+    q = torch.randn(2, 6, 64).bfloat16()
+    kw = dict(block_table=table, seq_lens=torch.tensor(lens), query_start_loc=torch.arange(3), scale=0.125,
+              rot_k=r, rot_v=r, arena=arena, kernel="cpu-fused", evict=False)
+    torch.testing.assert_close(paged.attend(q, cache, fmt, new_kr=got["k"], new_vr=got["v"], **kw),
+                               paged.attend(q, cache, fmt, new_k=k, new_v=v, **kw))
+    pad: dict = {}
+    paged.write(cache, fmt, k, v, torch.tensor([-1, 3]), r, r, positions=pos, row_seq_lens=pos + 1, arena=arena,
+                rotated=pad)
+    assert pad == {}  # a padding row: nothing handed back (attend rotates its own)

@@ -274,6 +274,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         check_budget(getattr(cfg.cache_config, "kv_cache_memory_bytes", None), sch, self.model.geometry,
                      self.model.layer_formats)
         self.arena: paged.TierArena | None = None  # made on the first write, once the block size is known
+        self._rotated: dict = {}  # this step's new rows as write rotated them (forward reuses them)
         from lowbit.vllm_plugin import cpu_kernel
 
         mod, why = cpu_kernel.load()  # built once per machine (cached); the first process pays ~1-2 min
@@ -333,7 +334,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
                                              window=self.sliding_window)
             positions, row_lens = paged.token_positions(md.query_start_loc, md.seq_lens, key.shape[0])
         self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv, positions=positions,
-                                           row_seq_lens=row_lens, arena=self.arena)
+                                           row_seq_lens=row_lens, arena=self.arena, rotated=self._rotated)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -346,11 +347,14 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         q = query[:n].view(n, self.num_heads, self.head_size)
         nk = key[:n].view(n, self.num_kv_heads, self.head_size)
         nv = value[:n].view(n, self.num_kv_heads, self.head_size_v)
+        rot = self._rotated if self._rotated.get("n") == n else {}  # written this step, no padding rows
+        self._rotated = {}
         out = paged.attend(q, self._bytes(kv_cache), self.fmt, block_table=attn_metadata.block_table,
                            seq_lens=attn_metadata.seq_lens, query_start_loc=attn_metadata.query_start_loc,
                            scale=self.scale, rot_k=rk, rot_v=rv, window=self.sliding_window, softcap=self.softcap,
                            arena=self.arena, new_k=nk, new_v=nv, kernel=self.kernel, memo=attn_metadata.memo,
-                           evict=False)  # stale dense blocks: dropped once per step in the builder (retain)
+                           evict=False,  # stale dense blocks: dropped once per step in the builder (retain)
+                           new_kr=rot.get("k"), new_vr=rot.get("v"))
         output[:n] = out.reshape(output[:n].shape).to(output.dtype)
         return output
 

@@ -175,15 +175,19 @@ class TierArena:
               k: torch.Tensor, v: torch.Tensor) -> None:
         """k [T, H, D_k], v [T, H, D_v] rotated; keeps rows with position < sink or in the recent window."""
         sel = (positions < self.sink) | ((positions >= seq_lens_of_rows - self.recent) & (self.recent > 0))
-        if not bool(sel.any()):
+        n_sel = int(sel.sum())
+        if n_sel == 0:
             return
-        s = slots[sel]
-        blocks, offs = s // self.bs, s % self.bs
+        if n_sel < sel.numel():  # else (every decode row is in its recent window): no boolean indexing
+            slots, k, v = slots[sel], k[sel], v[sel]
+        blocks, offs = slots // self.bs, slots % self.bs
         H = k.shape[1]
-        self.k.ensure(torch.unique(blocks).tolist(), H, self.bs, k.shape[2], k.device)
-        self.v.ensure(torch.unique(blocks).tolist(), H, self.bs, v.shape[2], v.device)
-        self.k.data[self.k.map[blocks], offs] = k[sel].to(self.dtype)  # [n, H, D]
-        self.v.data[self.v.map[blocks], offs] = v[sel].to(self.dtype)
+        new = [b for b in set(blocks.tolist()) if b not in self.k.slot]
+        if new:
+            self.k.ensure(new, H, self.bs, k.shape[2], k.device)
+            self.v.ensure(new, H, self.bs, v.shape[2], v.device)
+        self.k.data[self.k.map[blocks], offs] = k.to(self.dtype)  # [n, H, D]
+        self.v.data[self.v.map[blocks], offs] = v.to(self.dtype)
 
     def overlay(self, table_row: torch.Tensor, lo: int, seq_len: int, k: torch.Tensor, v: torch.Tensor,
                 vis_lo: int = 0):
@@ -234,8 +238,12 @@ def visible_from(q0: int, window: int | None) -> int:
 
 def write(cache_u8: torch.Tensor, fmt: SlotFormat, key: torch.Tensor, value: torch.Tensor,
           slot_mapping: torch.Tensor, rot_k=None, rot_v=None, *, positions: torch.Tensor | None = None,
-          row_seq_lens: torch.Tensor | None = None, arena: TierArena | None = None) -> int:
+          row_seq_lens: torch.Tensor | None = None, arena: TierArena | None = None,
+          rotated: dict | None = None) -> int:
     """Store key [T, H, D_k], value [T, H, D_v] at slot_mapping [T]; returns the tokens written.
+
+    rotated: a dict that receives "k" / "v" [n, H, D] (the rows as rotated here, in the input dtype) when no
+    row was padding, so `attend(new_kr=..., new_vr=...)` of the same step need not rotate them again.
 
     With an arena, `positions` [T] (each token's index in its request) and `row_seq_lens` [T]
     (its request's length after this step) pick the rows also kept dense (TierArena). Every row
@@ -257,6 +265,10 @@ def write(cache_u8: torch.Tensor, fmt: SlotFormat, key: torch.Tensor, value: tor
     kr = rotate(key.transpose(0, 1).unsqueeze(0), rot_k)  # [1, H, T, D_k]
     vr = rotate(value.transpose(0, 1).unsqueeze(0), rot_v)
     cache_u8[slots // bs, :, slots % bs, :] = fmt.encode_rotated(kr, vr)  # advanced indices first: [T, H, C]
+    if rotated is not None:
+        rotated.clear()
+        if all_kept:
+            rotated.update(k=kr[0].transpose(0, 1).to(key.dtype), v=vr[0].transpose(0, 1).to(value.dtype), n=n)
     if arena is not None and (arena.sink > 0 or arena.recent > 0):
         if positions is None or row_seq_lens is None:
             raise ValueError("a tier arena needs the token positions and their requests' lengths")
@@ -559,7 +571,8 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
            window: int | None = None, softcap: float | None = None,
            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, arena: TierArena | None = None,
            new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None, kernel: str = "torch",
-           memo: dict | None = None, evict: bool = True) -> torch.Tensor:
+           memo: dict | None = None, evict: bool = True, new_kr: torch.Tensor | None = None,
+           new_vr: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D] (the batch's new tokens, request after request) -> output [T, Hq, D_v] float32.
 
     seq_lens [R]: tokens each request holds after this step (its new ones included);
@@ -596,7 +609,9 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
     qr = rotate(query[:nq].float().reshape(nq, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, nq * G, D), rot_k)
     qr = qr.reshape(Hkv, nq, G, D).permute(1, 0, 2, 3)
     kr_new = vr_new = None
-    if new_k is not None:
+    if new_kr is not None and new_kr.shape[0] >= nq:  # rotated by `write` in this step (write(rotated=...))
+        kr_new, vr_new = new_kr[:nq], new_vr[:nq]
+    elif new_k is not None:
         kr_new = rotate(new_k[:nq].transpose(0, 1).unsqueeze(0), rot_k).to(new_k.dtype)[0].transpose(0, 1)
         vr_new = rotate(new_v[:nq].transpose(0, 1).unsqueeze(0), rot_v).to(new_v.dtype)[0].transpose(0, 1)
     groups = [[x for x in reqs if x[2] == 1]] + [[x] for x in reqs if x[2] > 1]
@@ -625,6 +640,9 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
         o = unrotate(o.reshape(1, R * Hkv, G * lq, Dv) if rot_v is None or rot_v.dim() == 2 else
                      o.reshape(R, Hkv, G * lq, Dv), rot_v)
         o = o.reshape(R, Hkv, G, lq, Dv).permute(0, 3, 1, 2, 4).reshape(R * lq, Hq, Dv)
+        if len(grp) == len(reqs) and lq == 1 and T == nq == len(grp) and all(x[1] == i for i, x in enumerate(grp)):
+            out = o  # a decode-only batch in order: the output as computed
+            continue
         tok = torch.cat([torch.arange(x[1], x[1] + lq) for x in grp]).to(query.device)
         out[tok] = o
     if arena is not None and evict:
