@@ -189,6 +189,7 @@ def main() -> int:
     ap.add_argument("--port", type=int, default=8795)
     ap.add_argument("--startup-timeout", type=float, default=1500)
     ap.add_argument("--request-timeout", type=float, default=1800)
+    ap.add_argument("--probe-only", action="store_true", help="only the single-request probe per recipe")
     ap.add_argument("--capacity-only", action="store_true", help="start each server, read its KV capacity, stop")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
@@ -253,7 +254,7 @@ def main() -> int:
                              "arena_bytes": round(arena_req)})
                 save()
                 print(f"[{name}] probe {args.probe_tokens} tokens: {r}", file=sys.stderr, flush=True)
-            levels = sorted({int(x) for x in args.levels.split(",") if x.strip()} | {n_cap})
+            levels = [] if args.probe_only else sorted({int(x) for x in args.levels.split(",") if x.strip()} | {n_cap})
             for n in [x for x in levels if 0 < x <= n_cap]:
                 r = _level(args.port, ids[: args.prompt_tokens], n, args.max_tokens, args.request_timeout)
                 rows.append({**base, **r, "prompt_tokens": args.prompt_tokens, "at_capacity": n == n_cap,
