@@ -24,8 +24,8 @@ def _held(model: str, row: dict, context: int, chunk: int):
     from lowbit.models.registry import BUILTINS
     from lowbit.recipe import kv_scheme_from_dict
 
-    if row["kind"] == "reference":
-        return None
+    if row["kind"] in ("reference", "hf-quantized"):  # bf16; HF peers: only their measured bits exist
+        return None if row["kind"] == "reference" else row.get("bits_per_elt")
     cfg = BUILTINS[model].config_dict()
     geo = ModelGeometry.from_config(cfg, name=model)
     conf = {k: v for k, v in row["config"].items() if k not in ("cache", "describe")}
@@ -39,6 +39,8 @@ def _held(model: str, row: dict, context: int, chunk: int):
 
 
 def main(paths: list[str]) -> int:
+    from lowbit.recipes import index
+
     ppl, needle = [], {}
     for p in paths:
         d = json.loads(Path(p).read_text())
@@ -61,9 +63,14 @@ def main(paths: list[str]) -> int:
             if n:
                 data += (f"; needle: PG essays, lengths {n[1]['lengths']}, depths {len(n[1]['depths'])}, "
                          f"{n[1]['trials']} trial(s), chunk {n[1]['chunk']} ({Path(n[2]).name})")
-            rows.append({"model": model, "recipe": r["scheme"], "bits_held": _held(model, r, pr["seq_len"], pr["chunk"]),
-                         "context": pr["seq_len"], "delta_ppl_pct": r["delta_ppl_pct"],
-                         "needle_rel_bf16": n[0] if n else None, "data": data})
+            row = {"model": model, "recipe": r["scheme"], "bits_held": _held(model, r, pr["seq_len"], pr["chunk"]),
+                   "context": pr["seq_len"], "delta_ppl_pct": r["delta_ppl_pct"],
+                   "needle_rel_bf16": n[0] if n else None, "data": data}
+            shipped = index().get(r["scheme"])
+            if shipped:  # a `lowbit tune` recipe: its budget is held bits at its own context, beside this run's
+                row.update({"budget": shipped["budget"], "budget_context": shipped["context"],
+                            "bits_held_at_budget_context": shipped["held_bits"]})
+            rows.append(row)
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     print(f"wrote {OUT} ({len(rows)} rows)")
