@@ -121,7 +121,7 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
         real = sum(f.content_bytes for f in per_layer) / len(per_layer)
         log.warning("lowbit plugin: per-layer bits (%s): every cell padded to the widest layer's %d B; the layers' "
                     "codes use %.1f B on average -- vLLM's capacity counts the padded %d B",
-                    ", ".join(f"{lp.index}={lp.scheme.describe().split(':')[0]}" for lp in plan.layers
+                    ", ".join(f"{lp.index}=k{lp.k.bits}v{lp.v.bits}" for lp in plan.layers
                               if lp.index in dict(scheme.layer_bits)), max(f.slot_bytes for f in per_layer),
                     real, max(f.slot_bytes for f in per_layer))
     if scheme.sink or scheme.recent:
