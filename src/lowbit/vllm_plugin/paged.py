@@ -387,7 +387,7 @@ def _mask_scores(s, kpos, valid, qpos, window, causal, scale, softcap):
     return s.masked_fill(~ok[:, None], float("-inf"))
 
 
-def _attend_group(out, reqs, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale,
+def _attend_group(reqs, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale,
                   chunk_tokens, arena, G):
     """Attention for requests with the same number of new queries lq (one batched pass).
 
@@ -634,7 +634,7 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
             o = _fused_decode(mod, grp, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale,
                               arena, memo)  # [R, Hkv, G, Dv]
         else:
-            o = _attend_group(out, grp, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale,
+            o = _attend_group(grp, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale,
                               chunk_tokens, arena, G)  # [R, Hkv, G*lq, Dv]
         R = len(grp)
         o = unrotate(o.reshape(1, R * Hkv, G * lq, Dv) if rot_v is None or rot_v.dim() == 2 else
