@@ -26,7 +26,10 @@ DEQUANT_TOL = 1e-2
 LLM_SHAPES = [("llama3-8b qkv/o", 4096, 4096), ("llama3-8b gate/up", 4096, 14336), ("llama3-8b down", 14336, 4096),
               ("llama3-8b k/v", 4096, 1024), ("smollm2 q/o", 576, 576), ("smollm2 up", 576, 1536),
               ("smollm2 down", 1536, 576)]
-DIT_SHAPES = [("dit qkv/o", 1152, 1152), ("dit mlp up", 1152, 4608), ("dit mlp down", 4608, 1152)]
+DIT_SHAPES = [("dit qkv/o", 1152, 1152), ("dit mlp up", 1152, 4608), ("dit mlp down", 4608, 1152),
+              # the trained artifacts/dit-digits32's own linears (K = in_features, N = out_features)
+              ("dit-digits32 attn", 128, 128), ("dit-digits32 adaLN", 128, 768), ("dit-digits32 ff up", 128, 512),
+              ("dit-digits32 ff down", 512, 128), ("dit-digits32 proj", 128, 256), ("dit-digits32 t-emb", 256, 128)]
 LLM_MS = (1, 2, 3, 4, 7, 8, 16, 17, 32, 64, 128, 255, 256, 1024, 4096, 16384)
 DIT_MS = (256, 1024, 4096, 16384)
 SCHEMES = ("w4a16-g128", "w4a16-g64-asym", "w4a16-g32", "w8a16", "w8a8", "w4a8")
