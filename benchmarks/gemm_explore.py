@@ -2,10 +2,10 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite]
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final]
 
-The winners per (kind, M bucket) become lowbit.kernels.weight_dispatch.MEASURED; the JSON is kept in
-benchmarks/results/weights/ as the evidence for that table.
+benchmarks/build_weight_table.py turns the committed JSONs (benchmarks/results/weights/gemm_explore_*) into
+the dispatch table lowbit/kernels/weight_tables/sm90.json.
 """
 
 from __future__ import annotations
@@ -67,29 +67,7 @@ def explore_gemv(rows, log):
     for scheme in ("w4a16-g128", "w8a16"):
         for shape, K, N in SHAPES + [("k/v", 4096, 1024)]:
             for M in (1, 2, 4):
-                pw, ws, xs, n = sets(scheme, N, K, M)
-                bf16 = timed([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(n)])
-                ref = wg.linear_twin(xs[0], pw[0], torch.float32).double()
-                cands, rels = {}, {}
-                for cfg in gemv_configs(M):
-                    try:
-                        y = wg.gemv(xs[0], pw[0], cfg, torch.float32).double()
-                        rels[cfg.name] = float((y - ref).norm() / ref.norm())
-                    except Exception as e:
-                        rels[cfg.name] = f"{type(e).__name__}: {str(e)[:80]}"
-                    cands[cfg.name] = timed([(lambda p=pw[i % len(pw)], x=xs[i], c=cfg: wg.gemv(x, p, c))
-                                             for i in range(n)])
-                ok = {k: v for k, v in cands.items() if isinstance(v, float) and isinstance(rels.get(k), float)
-                      and rels[k] < 1e-3}
-                best = min(ok, key=ok.get) if ok else None
-                rows.append({"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "bf16_ms": bf16,
-                             "best": best, "best_ms": ok.get(best), "ratio": bf16 / ok[best] if best else None,
-                             "candidates": cands, "rel_l2": rels})
-                log(f"gemv {scheme:<11} {shape:<8} M={M:<3} bf16 {bf16 * 1e3:6.1f} us  best "
-                    + (f"{ok[best] * 1e3:6.1f} us x{bf16 / ok[best]:.2f} {best}" if best else "none")
-                    + f"  [{time.time() - t0:.0f}s]")
-                del pw, ws, xs
-                torch.cuda.empty_cache()
+                rows.append(explore_cell(scheme, shape, K, N, M, gemv_configs(M), "gemv", log, t0))
 
 
 def final_configs(M: int):
@@ -107,34 +85,10 @@ def final_configs(M: int):
 
 def explore_final(rows, log):
     t0 = time.time()
-    scheme = "w4a16-g128"
     for shape, K, N in SHAPES:
         for M in (1, 2, 4, 16):
-            pw, ws, xs, n = sets(scheme, N, K, M)
-            bf16 = timed([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(n)])
-            ref = wg.linear_twin(xs[0], pw[0], torch.float32).double()
-            cands, rels = {}, {}
-            for cfg in final_configs(M):
-                if isinstance(cfg, wg.GemvConfig) and cfg.BM < M:
-                    continue
-                fn = wg.gemv if isinstance(cfg, wg.GemvConfig) else wg.linear
-                try:
-                    y = fn(xs[0], pw[0], cfg, torch.float32).double()
-                    rels[cfg.name] = float((y - ref).norm() / ref.norm())
-                except Exception as e:
-                    rels[cfg.name] = f"{type(e).__name__}: {str(e)[:80]}"
-                cands[cfg.name] = timed([(lambda p=pw[i % len(pw)], x=xs[i], c=cfg, f=fn: f(x, p, c)) for i in range(n)])
-            ok = {k: v for k, v in cands.items() if isinstance(v, float) and isinstance(rels.get(k), float)
-                  and rels[k] < 1e-3}
-            best = min(ok, key=ok.get) if ok else None
-            rows.append({"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "bf16_ms": bf16, "best": best,
-                         "best_ms": ok.get(best), "ratio": bf16 / ok[best] if best else None, "candidates": cands,
-                         "rel_l2": rels})
-            log(f"final {shape:<8} M={M:<3} bf16 {bf16 * 1e3:6.1f} us  best "
-                + (f"{ok[best] * 1e3:6.1f} us x{bf16 / ok[best]:.2f} {best}" if best else "none")
-                + f"  [{time.time() - t0:.0f}s]")
-            del pw, ws, xs
-            torch.cuda.empty_cache()
+            cfgs = [c for c in final_configs(M) if not (isinstance(c, wg.GemvConfig) and c.BM < M)]
+            rows.append(explore_cell("w4a16-g128", shape, K, N, M, cfgs, "final", log, t0))
 
 
 def timed(fns):
@@ -153,6 +107,35 @@ def sets(scheme, N, K, M):
     return pw, ws, xs, n
 
 
+def explore_cell(scheme, shape, K, N, M, cfgs, tag, log, t0, *, dequant=False) -> dict:
+    """One (scheme, shape, M) row: cuBLAS bf16, every config (GemmConfig or GemvConfig) checked against the
+    twin on fresh inputs and timed, and dequantize + cuBLAS if asked; the best that passed (rel L2 < 1e-3)."""
+    pw, ws, xs, n = sets(scheme, N, K, M)
+    bf16 = timed([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(n)])
+    ref = wg.linear_twin(xs[0], pw[0], torch.float32).double()
+    cands, rels = {}, {}
+    for cfg in cfgs:
+        fn = wg.gemv if isinstance(cfg, wg.GemvConfig) else wg.linear
+        try:
+            y = fn(xs[0], pw[0], cfg, torch.float32).double()
+            rels[cfg.name] = float((y - ref).norm() / ref.norm())
+        except Exception as e:
+            rels[cfg.name] = f"{type(e).__name__}: {str(e)[:80]}"
+        cands[cfg.name] = timed([(lambda p=pw[i % len(pw)], x=xs[i], c=cfg, f=fn: f(x, p, c)) for i in range(n)])
+    if dequant:
+        cands["dequant-cublas"] = timed([(lambda p=pw[i % len(pw)], x=xs[i]: wg.linear_dequant_cublas(x, p))
+                                         for i in range(n)])
+    ok = {k: v for k, v in cands.items() if isinstance(v, float)
+          and (k == "dequant-cublas" or (isinstance(rels.get(k), float) and rels[k] < 1e-3))}
+    best = min(ok, key=ok.get) if ok else None
+    log(f"{tag} {scheme:<11} {shape:<8} M={M:<5} bf16 {bf16 * 1e3:7.1f} us  best "
+        + (f"{ok[best] * 1e3:7.1f} us x{bf16 / ok[best]:.2f} {best}" if best else "none") + f"  [{time.time() - t0:.0f}s]")
+    del pw, ws, xs
+    torch.cuda.empty_cache()
+    return {"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "bf16_ms": bf16, "best": best,
+            "best_ms": ok.get(best), "ratio": bf16 / ok[best] if best else None, "candidates": cands, "rel_l2": rels}
+
+
 def explore(rows, log):
     t0 = time.time()
     for scheme in ("w4a16-g128", "w8a16", "w8a8"):
@@ -161,49 +144,26 @@ def explore(rows, log):
             for M in (1, 4, 16, 64, 256, 1024, 4096):
                 if a8 and M < 16:
                     continue
-                pw, ws, xs, n = sets(scheme, N, K, M)
-                bf16 = timed([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(n)])
                 cfgs = small_configs(w4) if M <= 16 else big_configs(w4, a8)
-                cands, rels = {}, {}
-                ref = wg.linear_twin(xs[0], pw[0], torch.float32).double()
-                for cfg in cfgs:
-                    try:
-                        y = wg.linear(xs[0], pw[0], cfg, out_dtype=torch.float32).double()
-                        rels[cfg.name] = float((y - ref).norm() / ref.norm())
-                    except Exception as e:
-                        rels[cfg.name] = f"{type(e).__name__}"
-                    cands[cfg.name] = timed([(lambda p=pw[i % len(pw)], x=xs[i], c=cfg: wg.linear(x, p, c))
-                                             for i in range(n)])
-                if not a8:
-                    cands["dequant-cublas"] = timed([(lambda p=pw[i % len(pw)], x=xs[i]: wg.linear_dequant_cublas(x, p))
-                                                     for i in range(n)])
-                ok = {k: v for k, v in cands.items() if isinstance(v, float)
-                      and (k == "dequant-cublas" or (isinstance(rels.get(k), float) and rels[k] < 1e-3))}
-                best = min(ok, key=ok.get)
-                rows.append({"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "bf16_ms": bf16,
-                             "best": best, "best_ms": ok[best], "ratio": bf16 / ok[best], "candidates": cands,
-                             "rel_l2": rels})
-                log(f"{scheme:<11} {shape:<8} M={M:<5} bf16 {bf16 * 1e3:7.1f} us  best {ok[best] * 1e3:7.1f} us "
-                    f"x{bf16 / ok[best]:.2f} {best}  [{time.time() - t0:.0f}s]")
-                del pw, ws, xs
-                torch.cuda.empty_cache()
+                rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "explore", log, t0, dequant=not a8))
 
 
 def gemlite_rows(rows, log):
     import os
 
     import gemlite
-    from gemlite.helper import A8W8_INT8_dynamic, A16W4_HQQ_INT, A16W8_INT8
+    from gemlite.helper import A16W4_HQQ_INT, A16W8_INT8, A8W8_INT8_dynamic
 
     cfg = os.path.join(os.path.dirname(gemlite.__file__), "configs", "h100.json")
     gemlite.load_config(cfg)  # no H200 file ships; the H100's autotune results (same SM)
     for scheme, shape, K, N in [(s, sh, k, n) for s in ("w4a16-g128", "w8a16", "w8a8") for sh, k, n in SHAPES[:2]]:
         for M in (1, 4, 16, 64, 256, 1024, 4096):
             n = 4
-            layers = []
+            layers, pw0 = [], None
             for i in range(n):
                 if scheme == "w4a16-g128":
                     pw = random_weight(scheme, N, K, "cuda", seed=i)
+                    pw0 = pw if i == 0 else pw0
                     codes = wg.unpack_int4_k(pw.qweight, K)
                     s = pw.scale.t().contiguous()  # [N, G]
                     lay = A16W4_HQQ_INT(device="cuda", dtype=torch.bfloat16).from_weights(
@@ -216,7 +176,7 @@ def gemlite_rows(rows, log):
             xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(n)]
             rel = None
             if scheme == "w4a16-g128":
-                ref = wg.linear_twin(xs[0], pw if n == 1 else random_weight(scheme, N, K, "cuda", seed=0), torch.float32)
+                ref = wg.linear_twin(xs[0], pw0, torch.float32)
                 y = layers[0](xs[0]).float()
                 rel = float((y - ref).norm() / ref.norm())
             ms = timed([(lambda l=layers[i], x=xs[i]: l(x)) for i in range(n)])
@@ -235,7 +195,6 @@ if __name__ == "__main__":
     try:
         if "--final" in sys.argv:
             explore_final(res["explore"], print)
-            sys.argv.append("--gemv-done")
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
         if "--no-explore" not in sys.argv and "--gemv" not in sys.argv and "--final" not in sys.argv:

@@ -106,7 +106,7 @@ def load_quantized_transformer(comp_dir: Path, *, dtype: torch.dtype | None = No
     """A diffusers model (DiTTransformer2DModel, ...) from a compressed-tensors component directory."""
     import diffusers
 
-    from lowbit.weights.load import _load_rest, _quantlinear, _read_safetensors, scheme_from_ct
+    from lowbit.weights.load import _load_rest, _read_safetensors, install_quantlinears, scheme_from_ct
 
     raw = json.loads((comp_dir / "config.json").read_text())
     scheme = scheme_from_ct(raw["quantization_config"])
@@ -121,18 +121,7 @@ def load_quantized_transformer(comp_dir: Path, *, dtype: torch.dtype | None = No
         sd.update(_read_safetensors(f))
     cfg = {k: v for k, v in raw.items() if k != "quantization_config"}
     model = cls.from_config(cfg)
-    prefixes = [k[: -len(".weight_scale")] for k in list(sd) if k.endswith(".weight_scale")]
-    if not prefixes:
-        raise LowbitError(f"{comp_dir}: no quantized tensors (*.weight_scale) in the safetensors")
-    for prefix in prefixes:
-        try:
-            old = model.get_submodule(prefix)
-        except AttributeError:
-            raise LowbitError(f"{comp_dir}: tensor {prefix}.weight_scale has no module {prefix} in the model") from None
-        if not isinstance(old, torch.nn.Linear):
-            raise LowbitError(f"{comp_dir}: {prefix} is a {type(old).__name__}, not a Linear")
-        parent, _, child = prefix.rpartition(".")
-        setattr(model.get_submodule(parent) if parent else model, child, _quantlinear(prefix, sd, scheme))
+    install_quantlinears(model, sd, scheme, comp_dir)
     _load_rest(model, sd, comp_dir)
     if dtype is not None:  # the float tensors outside QuantLinear; codes and scales stay as the checkpoint has them
         from lowbit.weights.qlinear import QuantLinear

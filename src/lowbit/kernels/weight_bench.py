@@ -26,7 +26,7 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, log=print, t0=0.0) -> list
     """Rows for every M in `ms` on one (scheme, shape); weight sets made once, inputs per M."""
     import torch.nn.functional as F
 
-    from lowbit.kernels import weight_gemm as wg
+    from lowbit.kernels.weight_dispatch import run_cell
 
     pw0 = random_weight(scheme, N, K, "cuda")
     n = n_buffers(pw0.nbytes(), 24e9)
@@ -39,17 +39,11 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, log=print, t0=0.0) -> list
         nx = max(len(pws), len(ws))
         xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(nx)]
 
-        def fns_for(path, cfg):
-            if path == "bf16":
-                return [(lambda w=ws[i % len(ws)], x=xs[i % len(xs)]: F.linear(x, w)) for i in range(nx)]
-            from lowbit.kernels.weight_dispatch import Cell, run_cell
-
-            c = Cell(pw0.kind, 1, M, path, cfg)
-            return [(lambda p=pws[i % len(pws)], x=xs[i % len(xs)]: run_cell(c, x, p)) for i in range(nx)]
-
-        bf16_ms = graph_time_ms(fns_for("bf16", None), reps=3, target_ms=10)
         cell = dispatch.choose(pw0.kind, M)
-        ms_ = graph_time_ms(fns_for(cell.path, cell.config), reps=3, target_ms=10)
+        bf16_ms = graph_time_ms([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(nx)],
+                                reps=3, target_ms=10)
+        ms_ = graph_time_ms([(lambda p=pws[i % len(pws)], x=xs[i], c=cell: run_cell(c, x, p)) for i in range(nx)],
+                            reps=3, target_ms=10)
         row = {"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "ms": ms_, "bf16_ms": bf16_ms,
                "ratio": bf16_ms / ms_, "kernel": cell.kernel}
         if a8:
@@ -67,9 +61,9 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, log=print, t0=0.0) -> list
 
 
 def run(schemes=BENCH_SCHEMES, *, dit: bool = True, log=print) -> dict:
-    from lowbit.kernels.weight_dispatch import Dispatch
-
     import triton
+
+    from lowbit.kernels.weight_dispatch import Dispatch
 
     dispatch = Dispatch.for_device("cuda")
     rows = []

@@ -141,8 +141,6 @@ class Dispatch:
 
     def linear(self, x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
         """x [M, K] -> [M, N] through the chosen cell."""
-        from lowbit.kernels import weight_gemm as wg
-
         return run_cell(self.choose(pw.kind, x.shape[0]), x, pw)
 
     def table(self) -> list[dict]:

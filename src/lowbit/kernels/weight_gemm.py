@@ -78,14 +78,12 @@ class PackedWeight:
         ts = [self.qweight, self.scale, self.zero, self.bias]
         return sum(t.numel() * t.element_size() for t in ts if t is not None)
 
-    def to(self, device) -> PackedWeight:
-        mv = lambda t: None if t is None else t.to(device)  # noqa: E731
-        return PackedWeight(self.N, self.K, self.bits, self.group, self.a_bits, mv(self.qweight), mv(self.scale),
-                            mv(self.zero), mv(self.bias), self.layout)
-
 
 def pack_int4_k(codes: torch.Tensor) -> torch.Tensor:
-    """codes uint8/int [N, K] in [0, 16) -> int32 [N, K/8]; code k sits in bits 4*(k % 8) of word k // 8."""
+    """codes uint8/int [N, K] in [0, 16) -> int32 [N, K/8]; code k sits in bits 4*(k % 8) of word k // 8.
+
+    The same words as compressed-tensors' pack_to_int32 (tested equal); written here because the GPU image
+    has no compressed-tensors and the kernels must not need it at run time."""
     N, K = codes.shape
     if K % 8:
         raise ValueError(f"K={K} is not a multiple of 8")

@@ -164,6 +164,16 @@ def load_quantized(path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module
         del config.quantization_config  # we build the quantized modules ourselves
     dt = dtype or _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.float32)
     model = AutoModelForCausalLM.from_config(config, dtype=dt, attn_implementation="sdpa")
+    install_quantlinears(model, sd, scheme, path)
+    _load_rest(model, sd, path)
+    model.eval()
+    tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
+    return model, tok
+
+
+def install_quantlinears(model: nn.Module, sd: dict, scheme: WeightScheme, path: Path) -> None:
+    """Replace every nn.Linear whose PREFIX.weight_scale is in `sd` by a QuantLinear built from (and
+    popping) its tensors; `path` names the checkpoint in errors."""
     prefixes = [k[: -len(".weight_scale")] for k in list(sd) if k.endswith(".weight_scale")]
     if not prefixes:
         raise LowbitError(f"{path}: no quantized tensors (*.weight_scale) in the safetensors")
@@ -176,10 +186,6 @@ def load_quantized(path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module
             raise LowbitError(f"{path}: {prefix} is a {type(old).__name__}, not a Linear")
         parent, _, child = prefix.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, child, _quantlinear(prefix, sd, scheme))
-    _load_rest(model, sd, path)
-    model.eval()
-    tok = AutoTokenizer.from_pretrained(path) if (path / "tokenizer_config.json").is_file() else None
-    return model, tok
 
 
 def _load_rest(model: nn.Module, sd: dict, path: Path) -> None:

@@ -184,7 +184,7 @@ def prepare_cuda(model: nn.Module, *, kernel: str = "auto", check_ms=(1, 16, 17,
     if kernel == "twin":
         disp = "twin"
     else:
-        from lowbit.kernels.weight_audit import check_cell
+        from lowbit.kernels.weight_audit import cell_passes, check_cell
         from lowbit.kernels.weight_dispatch import Dispatch
 
         disp = Dispatch.for_device(dev)
@@ -196,7 +196,7 @@ def prepare_cuda(model: nn.Module, *, kernel: str = "auto", check_ms=(1, 16, 17,
             seen.add(key)
             for M in check_ms:
                 rel, finite, name = check_cell(disp, m.packed, M, device=dev)
-                if not finite or rel > (1e-2 if name.startswith("dequant") else 1e-3):
+                if not cell_passes(rel, finite, name):
                     failed.append((m.packed.kind, M, name))
                     removed.append(f"{name} {m.packed.kind} M={M} N={m.packed.N} K={m.packed.K}: rel {rel:.3g}"
                                    f"{'' if finite else ' (non-finite)'}")
