@@ -1,0 +1,242 @@
+"""GenerateCache: the runtime's static packed cache as the `past_key_values` of transformers' `generate`.
+
+    cache = GenerateCache(model, "int2", batch=B, max_context=prompt_len + max_new_tokens)
+    out = model.generate(input_ids, max_new_tokens=N, do_sample=False, **cache_kwargs(model, cache))
+
+The same buffers and write paths as StaticKVCache (one quantizer: the layer codec), driven by what
+transformers does instead of by begin_prefill / begin_decode:
+    prefill  (the first forward, eager in generate): K/V [B, H, L, D] of B equal-length prompts; each
+             sequence is written into its slot by StaticLayer.write_chunk and its queries attend as the
+             runtime's prefill does (history from the tiers + the chunk exact).
+    decode   (every later one-token forward): one token per slot at positions lens[:B] (device tensor),
+             the tier lengths read from lens, lens += 1 after the last layer: no host sync and no
+             Python value that changes per step, so transformers' compiled forward traces it once.
+is_compileable is True, so generate compiles the decode forward where transformers allows it (CUDA;
+other devices with compile_config._compile_all_devices). `compile_config()` gives the config lowbit
+measures with (full graph, CUDA graphs, the codec's fp16 rounding kept).
+
+Supported: B prompts of equal length, no padding (an attention_mask with a zero is refused at prefill),
+greedy or sampled decoding (the cache does not care), one generate call per cache unless `reset()`
+(a second call continues the held sequences like transformers' StaticCache: its prompt is the new
+tokens). Not supported: left padding, beam search (reorder_cache), chunked prefill through the
+compiled forward (generation_config.prefill_chunk_size), more tokens than max_context (refused at
+prefill when the prompt alone overflows; a decode past capacity is counted on the device and raised
+by `check()` and by the next prefill -- a step cannot raise without a host sync).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.runtime.static_cache import StaticKVCache, _rot, _writer
+
+
+# ------------------------------------------------------------------ the kernel as one opaque op
+# The fused kernel's Python wrapper picks splits from the device's properties and launches two Triton
+# kernels; dynamo would trace (and break on) that host logic. As a custom op it is one node of the
+# compiled graph, captured in the CUDA graph like any other kernel (it makes no host sync).
+@torch.library.custom_op("lowbit::decode_attention_tiers", mutates_args=())
+def _decode_attention_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+                         v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, mid_lens: torch.Tensor,
+                         sink_k: torch.Tensor | None, sink_v: torch.Tensor | None, sink_lens: torch.Tensor | None,
+                         recent_k: torch.Tensor, recent_v: torch.Tensor, recent_lens: torch.Tensor,
+                         k_bits: int, v_bits: int, sm_scale: float) -> torch.Tensor:
+    """q [B, Hq, D] over sink / packed middle / recent -> [B, Hq, Dv] (lowbit.kernels.decode_attention)."""
+    from lowbit.kernels.decode_attention import decode_attention
+
+    has_mid = k_codes.shape[2] > 0
+    mid = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) if has_mid else (None,) * 6
+    dense = {"recent_k": recent_k, "recent_v": recent_v, "recent_lens": recent_lens}
+    if sink_k is not None:
+        dense.update(sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens)
+    return decode_attention(q, *mid, mid_lens=mid_lens if has_mid else None, k_bits=k_bits, v_bits=v_bits,
+                            sm_scale=sm_scale, **dense)
+
+
+@_decode_attention_op.register_fake
+def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens, sink_k, sink_v, sink_lens,
+      recent_k, recent_v, recent_lens, k_bits, v_bits, sm_scale):
+    return q.new_empty(q.shape[0], q.shape[1], recent_v.shape[-1])
+
+
+class GenerateCache(StaticKVCache):
+    """StaticKVCache for `model.generate` (module docstring): `batch` sequences of up to `max_context` tokens.
+
+    model: the transformers causal LM (its attention is switched to "lowbit"). scheme: a KVScheme, a
+    scheme string ("bf16", "int4", "int2", "k4v2", ...) or a Plan resolved for the model's device.
+    """
+
+    def __init__(self, model, scheme="bf16", *, batch: int, max_context: int, device=None, dtype=None):
+        from lowbit.kv.cache import model_device
+        from lowbit.kv.plan import Plan, resolve
+        from lowbit.models.geometry import ModelGeometry
+
+        if isinstance(scheme, Plan):
+            plan = scheme
+        else:
+            geo = ModelGeometry.from_config(model.config, name=getattr(model.config, "name_or_path", None) or None)
+            plan = resolve(scheme, geo, device=str(device or model_device(model)).split(":")[0])
+        super().__init__(model, plan, slots=batch, max_context=max_context, device=device, dtype=dtype)
+        # transformers compiles the whole step, writes included (a nested torch.compile would only be inlined);
+        # no host-synchronising input checks inside a step that may be traced
+        self.compile_writes = False
+        self.checks = False
+        self.batch = batch
+        self.max_cache_len = max_context
+        self._decoding = False  # after a prefill: one-token forwards are decode steps (a constant while decoding)
+        self._last_layer = len(self.layers) - 1
+        self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)  # decode steps past capacity
+        # what ran: prefills, and decode steps whose body ran as Python (not from a compiled graph: under
+        # torch.compile the branch below is resolved at trace time, so a compiled step never counts)
+        self.runs = {"prefill": 0, "eager_decode_steps": 0, "traced_decode": False}
+        # every buffer keeps its address: the compiled step mutates them in place, and CUDA graphs would
+        # otherwise copy each one (the whole KV cache) into graph memory on every replay, or skip the graph
+        for t in self._tensors():
+            torch._dynamo.mark_static_address(t)
+        # the decode writers exist before the first trace: made inside it, their registry would change
+        # under the trace's guards and force one recompile of the whole step
+        for layer in self.layers:
+            _writer(layer, self.checks, self.compile_writes)
+
+    def _tensors(self):
+        yield self.lens
+        yield self.overflow
+        for layer in self.layers:
+            yield from (layer.sink_k, layer.sink_v, layer.ring_k, layer.ring_v)
+            for fields in layer.mid.values():
+                yield from fields.values()
+            for r in (layer.rot_k, layer.rot_v):
+                if r is not None:
+                    yield r
+
+    # ------------------------------------------------------------- control
+    def reset(self) -> None:
+        """Empty every slot (a new generate call with new prompts)."""
+        self.lens.zero_()
+        self.overflow.zero_()
+        self._decoding = False
+
+    def check(self) -> None:
+        """Raise if a decode step ran past max_context (a host sync: call it after generate)."""
+        n = int(self.overflow)
+        if n:
+            raise LowbitError(f"generate ran {n} decode step(s) past the cache capacity {self.max_context}; "
+                              "build the GenerateCache with max_context >= prompt + max_new_tokens")
+
+    @staticmethod
+    def compile_config(fullgraph: bool = True):
+        """transformers.CompileConfig for generate with this cache: the whole decode step as one graph
+        (fullgraph: a graph break is an error, not a slower step), CUDA graphs (what "reduce-overhead"
+        asks for; torch.compile takes mode or options, not both), and the codec's float32 -> fp16 ->
+        float32 rounding of scales kept (emulate_precision_casts), so compiled codes match eager ones."""
+        from transformers import CompileConfig
+
+        return CompileConfig(fullgraph=fullgraph, dynamic=False, mode=None,
+                             options={"triton.cudagraphs": True, "emulate_precision_casts": True})
+
+    # ------------------------------------------------------------- write
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        B, _, L, _ = key_states.shape
+        if B != self.batch:
+            raise LowbitError(f"GenerateCache holds {self.batch} sequences but the forward has {B}; "
+                              "build it with batch equal to the number of prompts")
+        if self._decoding and L == 1:
+            if layer_idx == 0:
+                self.begin_decode(B)
+                if torch.compiler.is_compiling():
+                    self.runs["traced_decode"] = True
+                else:
+                    self.runs["eager_decode_steps"] += 1
+            return super().update(key_states, value_states, layer_idx)
+        if layer_idx == 0:
+            self._begin_prefill(L)
+        layer = self.layers[layer_idx]
+        from lowbit.kv import attention as attn
+
+        k = _rot(key_states, layer.rot_k).to(self.dtype)  # [B, H, L, D]
+        v = _rot(value_states, layer.rot_v).to(self.dtype)
+        start = self._start
+        chunks = []
+        for b in range(B):  # each prompt into its slot, as the runtime's prefill writes it
+            before = layer.dense_history(b, start) if layer.kind == "ring" else None
+            layer.write_chunk(k[b].transpose(0, 1), v[b].transpose(0, 1), b, start, checks=True)
+            chunks.append((k[b:b + 1], v[b:b + 1], before))
+        self._chunks = chunks
+        attn.post_handoff(self, layer_idx, key_states, value_states)
+        return key_states, value_states
+
+    def _begin_prefill(self, L: int) -> None:
+        self.check()
+        starts = self.lens.tolist()
+        if len(set(starts)) != 1:
+            raise LowbitError(f"GenerateCache: the slots hold different lengths {starts}; call reset()")
+        self._start = starts[0]
+        self._mode = None
+        if self._start + L > self.max_context:
+            raise LowbitError(f"the prompt ({L} tokens after {self._start} held) exceeds the cache capacity "
+                              f"{self.max_context}; build the GenerateCache with a larger max_context")
+        self.runs["prefill"] += 1
+
+    # ------------------------------------------------------------- read
+    def attend(self, layer_idx: int, query: torch.Tensor, attention_mask, *, scaling: float, softcap=None):
+        if self._mode is not None and self._mode[0] == "decode":
+            out = super().attend(layer_idx, query, None, scaling=scaling, softcap=softcap)
+            if layer_idx == self._last_layer:  # every layer has read this step's lengths: commit the token
+                self.overflow.add_((self.lens[:self.batch] >= self.max_context).any().to(torch.int32))
+                self.lens[:self.batch] += 1
+                self._step = {}
+            return out
+        if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
+            raise LowbitError("GenerateCache takes prompts of equal length without padding; pad-free batches only "
+                              "(or use lowbit.kv.QuantizedKVCache, which takes left padding)")
+        L = query.shape[2]
+        outs = []
+        for b, chunk in enumerate(self._chunks):
+            self._mode, self._chunk = ("prefill", b, self._start, L), chunk
+            outs.append(super().attend(layer_idx, query[b:b + 1], None, scaling=scaling, softcap=softcap))
+        self._mode = None
+        if layer_idx == self._last_layer:
+            self.lens[:self.batch] += L
+            self._decoding = True
+            self._chunks = None
+        return torch.cat(outs, 0)
+
+    def _decode_attention(self, layer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
+        if not (self.use_kernel and layer.kind == "tiers" and not softcap):
+            return super()._decode_attention(layer, qg, scaling, softcap)
+        B, H = qg.shape[:2]
+        sl, ml, rl = self._step_tier_lens(layer, B)
+        mk, mv = layer.mid["k"], layer.mid["v"]
+        C, S, R = layer.C, layer.S, layer.R
+        q = qg.to(self.dtype).reshape(B, -1, qg.shape[-1]).contiguous()
+        out = _decode_attention_op(
+            q, mk["codes"][:B, :, :C], mk["scale"][:B, :, :C], mk["zero"][:B, :, :C],
+            mv["codes"][:B, :, :C], mv["scale"][:B, :, :C], mv["zero"][:B, :, :C], ml,
+            layer.sink_k[:B, :, :S] if S else None, layer.sink_v[:B, :, :S] if S else None, sl if S else None,
+            layer.ring_k[:B, :, :R], layer.ring_v[:B, :, :R], rl,
+            layer.k_codec.cbits, layer.v_codec.cbits, float(scaling))
+        return out.float().reshape(B, H, -1, out.shape[-1])
+
+    # ------------------------------------------------------------- HF API
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+    def get_seq_length(self, layer_idx: int = 0):
+        """Tokens held by slot 0 (all slots hold the same): a 0-d device tensor, as transformers' StaticCache
+        returns, so reading it inside a compiled step is no host sync."""
+        return self.lens[0]
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        # the lowbit attention builds its masks from the tiers; transformers only needs a fixed size
+        return self.max_context, 0
+
+    def get_max_cache_shape(self, layer_idx: int = 0) -> int:
+        return self.max_context
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return self.max_context
+
+    def reorder_cache(self, beam_idx):
+        raise LowbitError("GenerateCache does not reorder sequences (beam search); use num_beams=1")
