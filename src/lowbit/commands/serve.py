@@ -35,7 +35,10 @@ def kv_scheme_from_args(args):
 def add_arguments(p) -> None:
     p.add_argument("--model", default=None, metavar="MODEL_OR_ARTIFACT",
                    help="built-in name (smollm2-135m, gemma3-270m), HF model dir, a `lowbit quantize` checkpoint, "
-                        "or a `lowbit export` directory; required")
+                        "a `lowbit export` directory, or random:GEOMETRY (random weights of a `lowbit bench decode` "
+                        "geometry, e.g. random:llama3-8b, word tokenizer, no EOS: for load tests); required")
+    p.add_argument("--device", default="cpu",
+                   help="where the model runs: cpu (default) | cuda | cuda:N | auto (cuda when available)")
     p.add_argument("model_positional", nargs="?", default=None, help=argparse.SUPPRESS)  # the old spelling
     add_kv_flags(p)
     p.add_argument("--weights", default=None, metavar="DIR",
@@ -119,9 +122,12 @@ def run(args) -> int:
             raise LowbitError(f"--threads {args.threads}: need at least 1")
         torch.set_num_threads(args.threads)
     try:
+        from lowbit.device import resolve_device
+
+        device = resolve_device(args.device)
         scheme = kv_scheme_from_args(args)
         rt = load_runtime(args.model, kv=scheme, weights=args.weights, dtype=torch_dtype(args.dtype),
-                          max_context=args.max_context, name=args.served_model_name)
+                          max_context=args.max_context, name=args.served_model_name, device=device)
         engine, app = build(rt, max_active=args.max_active, prefill_chunk=args.prefill_chunk, engine=args.engine,
                             decode_path=args.decode_path, when_full=args.when_full)
     except BaseException:

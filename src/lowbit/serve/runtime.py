@@ -45,13 +45,41 @@ def _eos_ids(model, tokenizer) -> list[int]:
     return sorted(ids)
 
 
+RANDOM_PREFIX = "random:"
+
+
+def _random_model(spec: str, dtype, device):
+    """(model, geometry, tokenizer) for `random:GEOMETRY`: the random-weight model `lowbit bench decode`
+    builds (lowbit.runtime.bench.GEOMETRIES, seed 0), built on `device`, with a word tokenizer ("t123" per id)."""
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.bench import GEOMETRIES, _word_tokenizer, build_model
+
+    geo = spec[len(RANDOM_PREFIX):]
+    if geo not in GEOMETRIES:
+        raise LowbitError(f"--model {spec}: unknown geometry {geo!r}; use random:{' or random:'.join(GEOMETRIES)}")
+    try:
+        model, cfg = build_model(geo, str(device), dtype=dtype)
+    except torch.OutOfMemoryError:
+        raise LowbitError(f"--model {spec} does not fit in {device} memory; use a smaller geometry") from None
+    return model, ModelGeometry.from_config(cfg, name=f"random-{geo}"), _word_tokenizer(cfg.vocab_size)
+
+
 def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None, dtype=torch.float32,
-                 max_context: int | None = None, name: str | None = None) -> Runtime:
-    """kv: a KVScheme, or None (the artifact's sidecar, else bf16)."""
+                 max_context: int | None = None, name: str | None = None, device=None) -> Runtime:
+    """kv: a KVScheme, or None (the artifact's sidecar, else bf16). device: where the model runs (None: CPU).
+
+    `random:GEOMETRY` (e.g. random:llama3-8b) serves a random-weight model of that geometry with a word
+    tokenizer and no EOS (every request runs to max_tokens): for load tests, not for text."""
     from lowbit.models import load_tokenizer, resolve
     from lowbit.recipe import parse_kv_scheme
     from lowbit.vllm_plugin import sidecar
 
+    if str(model_or_artifact).startswith(RANDOM_PREFIX):
+        if weights is not None:
+            raise LowbitError(f"--weights cannot be combined with --model {model_or_artifact} (random weights)")
+        model, geometry, tok = _random_model(str(model_or_artifact), dtype, device or "cpu")
+        return _finish(model, tok, geometry, name or str(model_or_artifact), kv or parse_kv_scheme("bf16"), None,
+                       max_context, eos=[])
     src = Path(model_or_artifact).expanduser()
     if src.is_dir() and (sidecar.has_sidecar(src) or (src / "manifest.json").is_file()):
         from lowbit.artifacts import load_manifest, require_intact
@@ -66,7 +94,7 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
         wdir = Path(weights).expanduser()
         if not wdir.is_dir():
             raise LowbitError(f"--weights {weights}: not a directory; pass a checkpoint written by `lowbit quantize`")
-        loaded = resolve(wdir, dtype=dtype)
+        loaded = resolve(wdir, dtype=dtype, device=device)
         if loaded.provenance.get("source") != "quantized-checkpoint":
             raise LowbitError(f"--weights {weights}: its config.json has no quantization_config; "
                               "pass a checkpoint written by `lowbit quantize`")
@@ -74,7 +102,7 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
         if tok is None:
             tok = resolve(model_or_artifact, dtype=dtype).tokenizer
     else:
-        loaded = resolve(model_or_artifact, dtype=dtype)  # a quantized checkpoint loads via lowbit.weights
+        loaded = resolve(model_or_artifact, dtype=dtype, device=device)  # a quantized checkpoint: lowbit.weights
         tok = loaded.tokenizer
     model, geometry, served_name = loaded.model, loaded.geometry, name or loaded.name
     weights_info = None
@@ -96,6 +124,11 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
             log.warning("--kv %s overrides the artifact's sidecar scheme %s", kv.name, side_scheme.name)
     if kv is None:
         kv = parse_kv_scheme("bf16")
+    return _finish(model, tok, geometry, served_name, kv, weights_info, max_context)
+
+
+def _finish(model, tok, geometry, served_name, kv, weights_info, max_context, eos=None) -> Runtime:
+    """The Runtime, with max_context checked against the model's positions (eos None: the model's own)."""
     ctx = int(getattr(model.config, "max_position_embeddings", 0) or 0) or 2048
     if max_context is not None:
         if max_context < 2:
@@ -105,4 +138,4 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
         ctx = max_context
     model.eval()
     return Runtime(model=model, tokenizer=tok, geometry=geometry, name=served_name, scheme=kv,
-                   weights=weights_info, max_context=ctx, eos_token_ids=_eos_ids(model, tok))
+                   weights=weights_info, max_context=ctx, eos_token_ids=_eos_ids(model, tok) if eos is None else eos)
