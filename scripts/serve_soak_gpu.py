@@ -22,8 +22,8 @@ What it does, in one process (no HTTP, no fastapi: the engine `lowbit serve --en
      counts, latency / TTFT / inter-token latency p50/p99 of the answered, GPU memory before/after, and
      what the engine holds after (live slots, reserved, queued, non-zero slot lengths: all must be 0).
 
-Budget (--budget-s, from the start of the script): sending stops at 50% of it (the report says how many
-were sent), stragglers are waited for until 60%, the solo check ends by the budget minus min(10 s, 10%).
+Budget (--budget-s, from the start of the script): sending stops at --send-frac of it (default 50%; the
+report says how many were sent), stragglers are waited for until --send-frac + 10%, the solo check ends by the budget minus min(10 s, 10%).
 The JSON is written to --out also when something fails (with the error), so one device call always brings
 numbers back. Times: latency = submit to "done"; TTFT = submit to the first token; ITL = between consecutive
 tokens of a request, stamped on the engine's worker thread when each token is made (in-process: no network).
@@ -296,7 +296,7 @@ def run(args, rep: dict) -> dict:
                  geometry=ModelGeometry.from_config(cfg, name=args.geometry), name=args.geometry,
                  scheme=parse_kv_scheme(args.kv), weights=None, max_context=max_context, eos_token_ids=[])
     engine = tracing_engine(rt, slots=args.concurrency, prefill_chunk=args.prefill_chunk,
-                            when_full="wait")
+                            when_full="wait", batch_invariant=args.batch_invariant)
     engine.start()
     try:
         rep["engine"] = {"path": engine.path, "slots": engine.slots, "max_context": max_context,
@@ -322,8 +322,8 @@ def run(args, rep: dict) -> dict:
         rep["memory_before"] = memory(device)
 
         t_soak = time.perf_counter()
-        res = soak(engine, reqs, args.concurrency, send_deadline=t0 + 0.5 * args.budget_s,
-                   drain_deadline=t0 + 0.6 * args.budget_s)
+        res = soak(engine, reqs, args.concurrency, send_deadline=t0 + args.send_frac * args.budget_s,
+                   drain_deadline=t0 + (args.send_frac + 0.1) * args.budget_s)
         idle = wait_idle(engine, time.perf_counter() + 10)
         rep["soak_s"] = time.perf_counter() - t_soak
         rep["memory_after_soak"] = memory(device)
@@ -426,6 +426,9 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=22)
     ap.add_argument("--budget-s", type=float, default=450.0,
                     help="wall seconds from start: sending stops at 50%%, the solo check ends min(10 s, 10%%) before it")
+    ap.add_argument("--send-frac", type=float, default=0.5, help="fraction of --budget-s after which sending stops")
+    ap.add_argument("--batch-invariant", action="store_true",
+                    help="the engine runs every step at full width (BatchEngine batch_invariant): solo == batched bit for bit")
     ap.add_argument("--solo-budget-s", type=float, default=240.0, help="most seconds the solo check may take")
     ap.add_argument("--threads", type=int, default=1, help="torch threads on CPU")
     args = ap.parse_args(argv)

@@ -427,3 +427,36 @@ def test_the_captured_paths_host_side_on_cpu(rt):
         assert alone.wait().text == sampled.text
     finally:
         eager.stop()
+
+
+@pytest.mark.parametrize("invariant", [False, True])
+def test_batch_invariant_runs_every_step_at_full_width(rt, monkeypatch, invariant):
+    # batch_invariant: the step's width (and so every kernel's shape) never depends on the load; the
+    # default shrinks the step to the live prefix. Tokens equal the single-request reference either way.
+    import lowbit.serve.batch_engine as be
+
+    widths = []
+    real = be.eager_decode
+
+    def spy(step, cache, ids, active):
+        widths.append(int(ids.shape[0]))
+        return real(step, cache, ids, active)
+
+    monkeypatch.setattr(be, "eager_decode", spy)
+    ref = reference_greedy(rt, rt.tokenizer.encode(PROMPTS[1]), 6, chunk=CHUNK)[1]
+    engine = _engine(rt, batch_invariant=invariant)
+    assert engine.info["batch_invariant"] is invariant
+    engine.start()
+    try:
+        c, _ = _submit(engine, rt, PROMPTS[1], 6)
+        assert c.wait().text == ref
+    finally:
+        engine.stop()
+    assert widths and set(widths) == ({3} if invariant else {1})
+
+
+def test_batch_invariant_needs_the_batching_engine(rt):
+    from lowbit.serve.server import build
+
+    with pytest.raises(LowbitError, match="--batch-invariant needs the batching engine"):
+        build(rt, engine="single", batch_invariant=True)

@@ -60,6 +60,9 @@ def add_arguments(p) -> None:
                         "or auto (default: graphs on CUDA, eager on CPU)")
     p.add_argument("--when-full", default="wait", choices=("wait", "reject"),
                    help="batch engine, every slot taken: wait for one (default) or answer 429 at once")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="batch engine: run every decode step at the full --max-active width, so a request's greedy "
+                        "tokens equal its tokens served alone (bit for bit); slower at low load")
     add_dtype(p, default="fp32", help="model dtype (fp32 is fastest on most CPUs)")
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
@@ -129,7 +132,8 @@ def run(args) -> int:
         rt = load_runtime(args.model, kv=scheme, weights=args.weights, dtype=torch_dtype(args.dtype),
                           max_context=args.max_context, name=args.served_model_name, device=device)
         engine, app = build(rt, max_active=args.max_active, prefill_chunk=args.prefill_chunk, engine=args.engine,
-                            decode_path=args.decode_path, when_full=args.when_full)
+                            decode_path=args.decode_path, when_full=args.when_full,
+                            batch_invariant=args.batch_invariant)
     except BaseException:
         sock.close()
         raise

@@ -21,6 +21,14 @@ cannot hold are LowbitErrors at start. Every result names its path (the "done" p
 Sampling is per request on the host (lowbit.serve.sampling: temperature, top_p, its own seeded
 generator), on the step's logits row of that request; an all-greedy batch reads the step's argmax.
 
+Batch invariance (`batch_invariant=True`, `lowbit serve --batch-invariant`): every decode step runs the
+full width (all `slots`, one captured graph) whatever the load, so the kernels a request's rows go
+through never depend on how many other requests are live: a request's greedy tokens then equal its
+tokens when served alone on the same engine, bit for bit. The default picks the smallest bucket that
+covers the live slots (faster at low load); there a bf16 near-tie (logit margin of an ulp or two) can
+flip between a batched run and a solo run, because cuBLAS and the attention kernel reduce in another
+order at another batch size.
+
 Admission: a request needs one free slot; prompt + max_tokens over max_context can never fit (400,
 AdmissionError). When every slot is taken, `when_full` says what happens: "wait" (queue FIFO, the
 wait is measured) or "reject" (AdmissionError 429 at submit, the HTTP side answers it).
@@ -90,7 +98,8 @@ class BatchEngine(Worker):
     """
 
     def __init__(self, runtime, metrics: Metrics | None = None, *, slots: int = DEFAULT_MAX_ACTIVE,
-                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait"):
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait",
+                 batch_invariant: bool = False):
         from lowbit.kv.cache import model_device
         from lowbit.kv.plan import resolve
         from lowbit.runtime.static_cache import StaticKVCache
@@ -126,9 +135,12 @@ class BatchEngine(Worker):
         self.cache_class = type(self.cache).__name__
         self.slots, self.prefill_chunk, self.mode, self.when_full = slots, prefill_chunk, mode, when_full
         self.eos = {int(t) for t in runtime.eos_token_ids}
-        self.graphs = DecodeGraphs(self.step, self.cache, buckets_for(slots)) if mode == "graphs" else None
+        self.batch_invariant = bool(batch_invariant)
+        buckets = (slots,) if self.batch_invariant else buckets_for(slots)  # invariant: one full-width graph
+        self.graphs = DecodeGraphs(self.step, self.cache, buckets) if mode == "graphs" else None
         self.path = f"batch-{mode}"
         self.info = {"engine": "batch", "path": mode, "slots": slots, "when_full": when_full,
+                     "batch_invariant": self.batch_invariant,
                      "buckets": list(self.graphs.buckets) if self.graphs else None}
         if metrics is None:
             from types import SimpleNamespace
@@ -304,7 +316,7 @@ class BatchEngine(Worker):
         rows = [s for s in self._live if s is not None and s.tok is not None]
         if not rows:
             return
-        n = max(s.slot for s in rows) + 1
+        n = self.slots if self.batch_invariant else max(s.slot for s in rows) + 1
         t0 = time.perf_counter()
         width = self.graphs.bucket_for(n) if self.graphs is not None else n
         ids = [0] * width
