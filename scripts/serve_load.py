@@ -240,6 +240,12 @@ def main(argv=None) -> int:
         "what": "lowbit serve streaming load test: official openai client, /v1/completions stream=True, greedy, "
                 "fixed output length, one burst of C streams per level, loopback",
         "env": env,
+        "definitions": {
+            "aggregate_tok_s": "completion tokens of all C streams / (first send .. last token), prefills included",
+            "aggregate_decode_tok_s": "tokens arriving after the last stream's first token and up to the first "
+                                      "stream's last token (all C decoding) / that window; compared with the bench row",
+            "ttft_ms": "send -> first content chunk, per stream", "itl_ms": "gaps between a stream's chunks",
+            "itl_steady_ms": "those gaps inside the window"},
         "server": {"url": url, "model": model, "card": card, "command": args.server_command},
         "params": {"concurrency": levels, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                    "vocab": args.vocab, "seed": args.seed, "timeout_s": args.timeout_s},

@@ -10,7 +10,7 @@
 # row (on CPU it only shows its command line parses: bench decode refuses to run without CUDA); (3) the server,
 # port 0, its log in OUT/server.log, stopped at exit whatever happens; (4) scripts/serve_load.py, which writes
 # OUT/serve_load_<gpu>.json with the levels, the bench row and the ratio. Exit status: the client's (or 3/4
-# when the wheels or the server failed).
+# when the wheels or the server failed). Worst case under 10 min: pip, bench 150 s, server up 240 s, client 170 s.
 set -u
 cd "$(dirname "$0")/.."
 OUT=${1:?usage: serve_load_gpu.sh OUT_DIR [--geometry G] [--device cuda|cpu] [--levels 1,8,32] [--prompt N] [--max-tokens N] [--prefill-chunk N] [--python PY]}
@@ -55,7 +55,7 @@ B=$(echo "$LEVELS" | tr , '\n' | sort -n | tail -1)
 BENCH_JSON="$OUT/decode_b${B}.json"
 # (2) the benchmark row the target compares against: B = the largest level, L = the prompt length
 say "bench decode: lowbit-int2 B=$B L=$PROMPT"
-timeout -s INT 180 "$PY" -m lowbit bench decode --geometry "$GEO" --paths lowbit-int2 --batch "$B" \
+timeout -s INT 150 "$PY" -m lowbit bench decode --geometry "$GEO" --paths lowbit-int2 --batch "$B" \
   --length "$PROMPT" --steps 20 --out "$BENCH_JSON" > "$OUT/bench.log" 2>&1
 say "bench rc $?: $(grep -E 'ms/step|error' "$OUT/bench.log" | tail -2)"
 
@@ -79,19 +79,19 @@ stop_server() {
 trap stop_server EXIT
 trap 'exit 130' INT TERM
 URL=""
-for _ in $(seq 600); do  # up to 300 s: model build, static cache, graph capture of every bucket
+for _ in $(seq 480); do  # up to 240 s: model build, static cache, graph capture of every bucket
   URL=$(sed -n 's/^listening on \(http[^ ]*\).*/\1/p' "$OUT/server.log" | head -1)
   [ -n "$URL" ] && break
   kill -0 "$SPID" 2>/dev/null || { say "the server exited:"; tail -30 "$OUT/server.log"; exit 4; }
   sleep 0.5
 done
-[ -n "$URL" ] || { say "the server did not come up in 300 s:"; tail -30 "$OUT/server.log"; exit 4; }
+[ -n "$URL" ] || { say "the server did not come up in 240 s:"; tail -30 "$OUT/server.log"; exit 4; }
 say "server up at $URL: $(grep '^lowbit serve:' "$OUT/server.log")"
 
 # (4) the load client
 set -o pipefail
-timeout -s INT 300 "$PY" scripts/serve_load.py --url "$URL" --concurrency "$LEVELS" --prompt-tokens "$PROMPT" \
-  --max-tokens "$MAXTOK" --bench-json "$BENCH_JSON" --server-command "python3 ${SERVE[*]}" --out-dir "$OUT" \
+timeout -s INT 170 "$PY" scripts/serve_load.py --url "$URL" --concurrency "$LEVELS" --prompt-tokens "$PROMPT" \
+  --max-tokens "$MAXTOK" --timeout-s 120 --deadline-s 140 --bench-json "$BENCH_JSON" --server-command "python3 ${SERVE[*]}" --out-dir "$OUT" \
   2>&1 | tee "$OUT/client.log"
 RC=$?
 say "client rc $RC; server log tail:"

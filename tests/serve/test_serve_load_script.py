@@ -89,6 +89,7 @@ def test_target_ratio_against_the_bench_row(tmp_path):
     assert d["levels"][-1]["server_metrics"]["requests"]["completions"] == 1 + 3 + 1
 
 
+@pytest.mark.slow  # three processes (bench, server, client) import torch / openai: 20-50 s on 2 shared cores
 def test_gpu_script_end_to_end_on_cpu(tmp_path):
     out = tmp_path / "out"
     # 330-token prompts: past sink 64 + recent 256, so the int2 middle holds tokens
