@@ -840,7 +840,14 @@ def decode_attention(
     if Hkv == 0 or Hq % Hkv:
         raise LowbitError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
     if D not in (64, 128, 256) or DV not in (64, 128, 256):
-        raise LowbitError(f"head_dim {D}/{DV} not supported by the kernel; it takes 64, 128 or 256")
+        # other head dims (K192/V128, 512, ...): the chunked geometry kernel, same tiers and arguments
+        from lowbit.kernels.decode_geometry import GeoConfig, decode_attention_geo
+
+        return decode_attention_geo(
+            q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens, k_bits=k_bits, v_bits=v_bits,
+            sm_scale=sm_scale, sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens, recent_k=recent_k,
+            recent_v=recent_v, recent_lens=recent_lens, config=config if isinstance(config, GeoConfig) else None,
+            out=out, return_launch=return_launch)
     G = Hq // Hkv
     HP = max(8, _pow2(G))
     cfg = cfg.resolve(B, Hkv, D, max(k_bits, v_bits) if has_mid else 8)

@@ -1,13 +1,19 @@
-"""The "triton-decode" KV backend: what the fused split-K decode kernel can take, and its call from the cache.
+"""The "triton-decode" KV backend: what the fused split-K decode kernels can take, and their call from the cache.
 
 Every capability rule of the kernel lives here once (the kernel's own argument checks, the plan, the
 export and the cache ask these functions). This module does not import Triton: a plan can be resolved
 and printed on a machine without it; `run` imports the kernel.
 
+Two kernels (lowbit.kernels.decode_attention, lowbit.kernels.decode_geometry):
+    head_dim in KERNEL_HEAD_DIMS (64/128/256): the word-trick kernel, group = D or D/2 (tiling_reason);
+    other head dims (K192/V128, 512, ...): the chunked geometry kernel (geo_tiling_reason: chunks of
+        gcd(packed row bytes, group) >= 16 dims, V a power of two);
+    shared K/V layers (mla-latent, Gemma-4 K = V): the geometry kernel's latent form (shared_reason):
+        V quantized (the stored latent / V), K's own dims dense with a power-of-two width >= 16.
 Static rules (per layer, checked when the plan is resolved):
-    K and V both quantized, per-token groups, uniform grid (no Lloyd-Max levels),
-    container bits in KERNEL_BITS, head_dim in KERNEL_HEAD_DIMS, group = D or D/2 with a tiling the
-    kernel has (tiling_reason), recent > 0 (the new token must sit in a dense tier).
+    K and V both quantized (shared layers: V), per-token groups, uniform grid (no Lloyd-Max levels),
+    container bits in KERNEL_BITS, a tiling one of the kernels has, recent > 0 (the new token must
+    sit in a dense tier).
 Per-call rules (checked each step, `call_reason`): the new token in the ring, no padding mask, no
 logit soft-capping.
 """
@@ -40,6 +46,27 @@ def tiling_reason(bits: int, head_dim: int, group: int) -> str | None:
     return None
 
 
+def geo_tiling_reason(bits: int, head_dim: int, group: int, *, value: bool = False) -> str | None:
+    """Why the geometry kernel (lowbit.kernels.decode_geometry) has no tiling for `bits`-bit codes of
+    `head_dim` in groups of `group` (None: it has). A packed row of S = head_dim*bits/8 bytes is cut into
+    chunks of W = gcd(S, group) dims (one byte range, one group); W must be >= 16 (the MMA's K), the group
+    a power of two dividing head_dim; `value` rows are also accumulated whole: a power of two <= 1024."""
+    import math
+
+    if bits not in KERNEL_BITS:
+        return f"{bits}-bit codes (the kernel takes {', '.join(map(str, KERNEL_BITS))}-bit containers)"
+    if head_dim % 16 or head_dim > 1024:
+        return f"head_dim {head_dim} (the geometry kernel takes multiples of 16 up to 1024)"
+    if value and head_dim & (head_dim - 1):
+        return f"V head_dim {head_dim} (the geometry kernel takes a power of two for V)"
+    if group <= 0 or group & (group - 1) or head_dim % group:
+        return f"group {group} at head_dim {head_dim} (the geometry kernel takes a power of two dividing it)"
+    w = math.gcd(head_dim * bits // 8, group)
+    if w < 16:
+        return f"group {group} with D={head_dim} at {bits} bits (register chunks of {w} dims; the kernel needs >= 16)"
+    return None
+
+
 def codec_reason(which: str, codec) -> str | None:
     """Why the kernel cannot read tensor `which` ("K"/"V") stored by `codec` (a lowbit.kv.codec.TensorCodec)."""
     if not codec.quantized:
@@ -48,20 +75,41 @@ def codec_reason(which: str, codec) -> str | None:
         return f"{which} is grouped per channel (the kernel takes per-token groups)"
     if codec.tq.lloyd_max:
         return f"{which} uses Lloyd-Max levels (the kernel takes the affine grid)"
-    r = tiling_reason(codec.cbits, codec.head_dim, codec.group)
+    if codec.head_dim in KERNEL_HEAD_DIMS:
+        r = tiling_reason(codec.cbits, codec.head_dim, codec.group)
+    else:
+        r = geo_tiling_reason(codec.cbits, codec.head_dim, codec.group, value=which == "V")
     return f"{which}: {r}" if r else None
+
+
+def shared_reason(layer) -> str | None:
+    """Why the latent form of the geometry kernel cannot take a shared K/V layer (None: it can):
+    V (the stored latent / V) is read as packed codes, K's own dims (k_pe, the RoPE'd dims) densely."""
+    r = codec_reason("V", layer.v)
+    if r:
+        return r
+    if layer.v.head_dim & (layer.v.head_dim - 1) or layer.v.head_dim < 16:
+        return f"shared K/V width {layer.v.head_dim} (the latent kernel takes a power of two)"
+    own = len(layer.geometry.k_own_dims())
+    if own and (own < 16 or own & (own - 1)):
+        return f"K's own part has {own} dims (the latent kernel takes a power of two >= 16, or none)"
+    if layer.k.quantized:
+        return "K's own part is quantized (the latent kernel reads it dense)"
+    return None
 
 
 def supports(layer, step: str, device: str) -> str | None:
     """Static rules for one lowbit.kv.plan.LayerPlan (see the module docstring)."""
     g = getattr(layer, "geometry", None)
     if getattr(g, "shares_kv", False):
-        return ("K is rebuilt from the stored latent / V (mla-latent or K = V): the torch path reads it "
-                "(no fused kernel for shared K/V yet)")
-    for which, c in (("K", layer.k), ("V", layer.v)):
-        r = codec_reason(which, c)
+        r = shared_reason(layer)
         if r:
             return r
+    else:
+        for which, c in (("K", layer.k), ("V", layer.v)):
+            r = codec_reason(which, c)
+            if r:
+                return r
     if layer.recent == 0:
         return "recent 0 (the new token is flushed straight into the middle; the kernel reads it from a dense tier)"
     if device not in ("cuda", "cpu"):
@@ -87,6 +135,8 @@ def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
     """
     from lowbit.kernels.decode_attention import decode_attention
 
+    if layer.shared:
+        return run_shared(layer, qg, scaling)
     view = layer.view()
     B, Hkv, G, _, D = qg.shape
     q = qg.reshape(B, Hkv * G, D).to(layer.dtype).contiguous()
@@ -111,3 +161,49 @@ def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
 
 
 BACKEND = register(Backend(NAME, ("decode",), supports, run, module=__name__))
+
+
+def _window_slices(layer, view):
+    """Slot offsets (sink, middle, ring) of the first slot the new query sees (the kernel has no window mask)."""
+    lo = view.n - layer.window if layer.window is not None else 0
+    ring_lo = view.n - view.ring_k.shape[-2]
+    return max(0, lo), max(0, lo - view.mid_lo), max(0, lo - ring_lo)
+
+
+def run_shared(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Decode step of a shared K/V layer (MLA latent, Gemma-4 K = V) through the latent kernel.
+
+    qg [B, Hkv, G, 1, Dk] (K's basis: shared layers have no K rotation). K_t = [own: stored | rest:
+    unrotate(V_t)[rest] * k_scale], so q . K_t = q[own] . k_own_t + rotate(q[rest] * k_scale, R_v) . V_t:
+    the kernel gets q_lat = that rotated query (V's width) and q_pe = q[own]; its output is in V's
+    rotated basis, which the cache takes back as for every layer. Returns [B, Hkv, G, 1, Dv] float32."""
+    from lowbit.kernels.decode_geometry import decode_attention_latent
+    from lowbit.kv.rotations import rotate
+
+    view = layer.view()
+    B, Hkv, G, _, D = qg.shape
+    Dv = layer.geometry.head_dim_v
+    q = qg.reshape(B, Hkv, G, D).float()
+    rest, own = layer.k_rest, layer.k_own
+    ql = q.new_zeros(B, Hkv, G, Dv)
+    qr = q.index_select(-1, rest)
+    if layer.k_scale_v is not None:
+        qr = qr * layer.k_scale_v.to(qr.device, torch.float32).index_select(-1, rest)
+    ql[..., rest] = qr  # K's rest dim d is V's dim d (layer.full_k)
+    ql = rotate(ql, view.rot_v)  # [B, Hkv, G, Dv] @ R_v: the basis V is stored in
+    q_lat = ql.reshape(B, Hkv * G, Dv).to(layer.dtype).contiguous()
+    q_pe = q.index_select(-1, own).reshape(B, Hkv * G, -1).to(layer.dtype).contiguous() if len(own) else None
+    s0, m0, r0 = _window_slices(layer, view)
+    dense = {}
+    if view.sink_v.shape[-2] > s0:
+        dense.update(sink_v=view.sink_v[:, :, s0:], sink_pe=view.sink_k[:, :, s0:] if q_pe is not None else None)
+    if view.ring_v.shape[-2] > r0:
+        dense.update(recent_v=view.ring_v[:, :, r0:], recent_pe=view.ring_k[:, :, r0:] if q_pe is not None else None)
+    codes = scale = zero = pe = None
+    if view.mid_len > m0:
+        mv = view.mid_v
+        codes, scale, zero = (mv[n][:, :, m0:] for n in ("codes", "scale", "zero"))
+        pe = view.mid_k["dense"][:, :, m0:] if q_pe is not None else None
+    out = decode_attention_latent(q_lat, q_pe, codes, scale, zero, pe, bits=layer.v_codec.cbits,
+                                  sm_scale=scaling, **dense)  # [B, Hq, Dv]
+    return out.float().reshape(B, Hkv, G, 1, Dv)

@@ -67,3 +67,39 @@ def decode_attention_ref(
         p = torch.softmax(s, dim=-1)
         out[b] = torch.einsum("hgn,hnd->hgd", p, V).reshape(Hq, Dv)
     return out
+
+
+def decode_attention_latent_ref(
+    q_lat, q_pe, codes, scale, zero, pe, mid_lens=None, *, bits=2, sm_scale=None,
+    sink_v=None, sink_pe=None, sink_lens=None, recent_v=None, recent_pe=None, recent_lens=None, dense_mid=False,
+) -> torch.Tensor:
+    """Twin of lowbit.kernels.decode_geometry.decode_attention_latent; float32 [B, Hq, D].
+
+    Written as the attention it stands for: K_t = [x_t | pe_t], V_t = x_t, q = [q_lat | q_pe], the middle's
+    x dequantized (or dense with dense_mid), every tier's valid slots concatenated, float32 softmax."""
+    B, Hq, D = q_lat.shape
+    has_pe = q_pe is not None
+
+    def key(x, p):
+        return torch.cat([x, p.float()], -1) if has_pe else x
+
+    tiers = []
+    if codes is not None:
+        x = codes.float() if dense_mid else dequantize_tier(codes, scale, zero, bits)
+        tiers.append((key(x, pe), x, _lens(mid_lens, B, codes.shape[2], q_lat.device)))
+    for v, p, n in ((sink_v, sink_pe, sink_lens), (recent_v, recent_pe, recent_lens)):
+        if v is not None:
+            tiers.append((key(v.float(), p), v.float(), _lens(n, B, v.shape[2], q_lat.device)))
+    q = torch.cat([q_lat.float(), q_pe.float()], -1) if has_pe else q_lat.float()
+    Hkv = tiers[0][0].shape[1]
+    G = Hq // Hkv
+    scale_ = sm_scale if sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    out = torch.zeros(B, Hq, D, dtype=torch.float32, device=q_lat.device)
+    for b in range(B):
+        K = torch.cat([k[b, :, : n[b]] for k, _, n in tiers], dim=1)  # [Hkv, N, D + DR]
+        V = torch.cat([v[b, :, : n[b]] for _, v, n in tiers], dim=1)
+        if K.shape[1] == 0:
+            continue
+        s = torch.einsum("hgd,hnd->hgn", q[b].reshape(Hkv, G, -1), K) * scale_
+        out[b] = torch.einsum("hgn,hnd->hgd", torch.softmax(s, -1), V).reshape(Hq, D)
+    return out

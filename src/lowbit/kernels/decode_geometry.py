@@ -1,0 +1,675 @@
+"""Fused split-K decode attention for the geometries the 64/128/256 kernel does not take (Triton).
+
+Two cache layouts, one kernel (`_geo_stage1`), the merge of lowbit.kernels.decode_attention (`_stage2`):
+
+* **Separate K and V** of any head dims (`decode_attention_geo`): K192/V128 (Kimi-K2 / DeepSeek-V3 as
+  expanded MHA), head_dim 512 (Gemma-4 full layers as plain GQA), ... Same tiers and arguments as
+  decode_attention; decode_attention hands such shapes here.
+* **Shared K/V** (`decode_attention_latent`): the stored tensor is BOTH the value and the key's main
+  part, plus a small dense key part of its own. MLA latent (DeepSeek-V3 absorbed): value = c_kv [512],
+  key = [c_kv | k_pe 64]; Gemma-4 K = V full layers: value = V [512], key = K's RoPE dims (own, dense)
+  and unrotate(V)[rest] * k_norm weight. Both reduce to
+      score_t = q_lat . x_t + q_pe . pe_t ,   out = sum_t p_t x_t        (x_t = the stored tensor)
+  where the caller folds everything elementwise or orthogonal into q_lat (lowbit.kernels.decode_backend:
+  q_lat = rotate(q[rest] * k_scale, R_v), q_pe = q[own]), and unrotates the output as for any layer.
+
+Tiers (B sequences, Hkv KV heads, q head h reads KV head h // G):
+  middle  codes uint8 [B, Hkv, T, D*bits/8] in the `strided` layout (lowbit.quant.packing: byte j holds
+          dims j + i*S, S = D*bits/8, at bit offset i*bits), scale/zero fp16 [B, Hkv, T, D/group],
+          x = codes * scale + zero; valid slots [0, mid_lens[b]). Shared layout: pe [B, Hkv, T, DR] dense.
+  sink / recent  dense, model dtype: K [B, Hkv, N, Dk] (separate) or pe [B, Hkv, N, DR] (shared),
+          V [B, Hkv, N, Dv]; valid slots [0, *_lens[b]).
+
+How a middle block of BT tokens is read. A row of D codes is cut into NC chunks of W = gcd(S, group)
+dims: chunk n is the dims [n*W, (n+1)*W), i.e. bytes (n*W) % S .. + W of the row at bit offset
+bits * ((n*W) // S), and lies inside one scale group. Any head dim whose packed row S and group are
+multiples of 16 works (192 at 2 bits: S = 48, group 64 -> 12 chunks of 16), in the stored layout as
+is: only the register tile pads NC to a power of two (masked chunks), never the storage. Codes become
+fp16 with one OR (0x6400 | code is the fp16 of 1024 + code), and the scale/zero are factored out of
+the dots, per chunk:  q . x_t = sum_n s_tn (q_n . c_tn) + z_tn sum(q_n)   (c = code - 2**(bits-1),
+centred so the fp32 sums do not cancel against the zero term). Scores are a batched MMA over chunks
+([NC, BT, W] x [NC, W, heads]); values likewise ([NC, W, BT] x [NC, BT, heads] of p * scale). In the
+shared layout the SAME code registers feed both products: the latent is read once per tile.
+Heads: a program takes BH query heads of one KV head (all G when G <= 64: MLA's 128 heads share every
+tile in a few programs), the tokens are the MMA's M dimension.
+
+Splits (flash-decoding): grid (Hkv * head blocks, middle splits + 1 dense split, B); the head blocks
+of one tile are neighbours in launch order (they read it from L2); stage 2 merges the splits by
+log-sum-exp (empty splits carry -inf; a sequence with no token gets zeros).
+
+`dense_mid=True` (shared layout only) reads a dense model-dtype middle [B, Hkv, T, D] instead of
+codes: the bf16 latent baseline of the benchmark, same kernel, one bf16 MMA per product.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from lowbit.errors import LowbitError
+from lowbit.kernels.decode_attention import (
+    LOG2E, _lens, _pow2, _stage2, check_mode, cuda_index, device_info, pick_num_splits,
+)
+
+
+# ----------------------------------------------------------------------------------------------
+# Middle-tier helpers
+# ----------------------------------------------------------------------------------------------
+@triton.jit
+def _code_chunks(base, tok, valid, S: tl.constexpr, W: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
+                 BITS: tl.constexpr):
+    """Packed rows at `base` (token stride S bytes) -> centred codes fp16 [NCP, BT, W].
+
+    tok/valid [BT]. Chunk n = dims [n*W, (n+1)*W) = bytes (n*W) % S + w at bit offset BITS*((n*W)//S).
+    Chunks >= NC (register padding) and invalid tokens load 0 (their q / p are 0)."""
+    n = tl.arange(0, NCP)
+    w = tl.arange(0, W)
+    byte = ((n * W) % S)[:, None, None] + w[None, None, :]
+    m = (n < NC)[:, None, None] & valid[None, :, None]
+    b = tl.load(base + tok[None, :, None] * S + byte, mask=m, other=0).to(tl.int32)
+    sh = (BITS * ((n * W) // S))[:, None, None]
+    # 0x6400 | c is the fp16 bit pattern of 1024 + c (c < 2**10): no int->float convert
+    h = (((b >> sh) & ((1 << BITS) - 1)) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
+    return h - (1024.0 + (1 << (BITS - 1)))
+
+
+@triton.jit
+def _chunk_sz(SC, ZE, base, tok, valid, W: tl.constexpr, GRP: tl.constexpr, NG: tl.constexpr,
+              NC: tl.constexpr, NCP: tl.constexpr, BITS: tl.constexpr):
+    """fp16 scale/zero of each chunk's group -> fp32 [NCP, BT] (scale, zero of the centred codes)."""
+    n = tl.arange(0, NCP)
+    off = base + tok[None, :] * NG + ((n * W) // GRP)[:, None]
+    m = (n < NC)[:, None] & valid[None, :]
+    s = tl.load(SC + off, mask=m, other=0.0).to(tl.float32)
+    z = tl.load(ZE + off, mask=m, other=0.0).to(tl.float32)
+    return s, z + s * (1 << (BITS - 1))
+
+
+@triton.jit
+def _dot2(a, x, EXACT_F32: tl.constexpr):
+    """a [M, K] (model dtype, exact) @ x [K, N] fp32 -> fp32: x split hi + lo in a's dtype (two MMAs,
+    ~fp32 products); EXACT_F32 (fp32 tiers, or the interpreter whose bf16 dot is wrong): tf32x3."""
+    if EXACT_F32:
+        r = tl.dot(a.to(tl.float32), x, input_precision="tf32x3")
+    else:
+        hi = x.to(a.dtype)
+        r = tl.dot(a, (x - hi.to(tl.float32)).to(a.dtype), tl.dot(a, hi))
+    return r
+
+
+@triton.jit
+def _geo_dense_block(Kp, Vp, Pp, skt, svt, spt, t0, n, q_t, qp_t, m_i, l_v, o_t,
+                     BT: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                     SHARED: tl.constexpr, HAS_PE: tl.constexpr, EXACT_F32: tl.constexpr):
+    """Rows [t0, t0+BT) of one dense tier: K main [n, DK] (V itself when SHARED), pe [n, DR], V [n, DV].
+    q_t [DKP, HP], qp_t [DR, HP] fp32 (times sm_scale*log2 e); o_t [DV, HP]; l_v [BT, HP] deferred sums."""
+    t = t0 + tl.arange(0, BT)
+    valid = t < n
+    dk = tl.arange(0, DKP)
+    dv = tl.arange(0, DV)
+    if SHARED:
+        k = tl.load(Vp + t[:, None] * svt + dk[None, :], mask=valid[:, None] & (dk < DK)[None, :], other=0.0)
+    else:
+        k = tl.load(Kp + t[:, None] * skt + dk[None, :], mask=valid[:, None] & (dk < DK)[None, :], other=0.0)
+    s = _dot2(k, q_t, EXACT_F32)  # [BT, HP]
+    if HAS_PE:
+        dr = tl.arange(0, DR)
+        pe = tl.load(Pp + t[:, None] * spt + dr[None, :], mask=valid[:, None], other=0.0)
+        s += _dot2(pe, qp_t, EXACT_F32)
+    s = tl.where(valid[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))  # finite: the block has >= 1 valid token
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[None, :])
+    l_v = l_v * alpha[None, :] + p
+    vt = tl.load(Vp + t[None, :] * svt + dv[:, None], mask=valid[None, :], other=0.0)  # [DV, BT]
+    o_t = _dot2(vt, p, EXACT_F32) + o_t * alpha[None, :]
+    return m_new, l_v, o_t
+
+
+@triton.jit
+def _geo_dense_tier(Kp, Vp, Pp, skt, svt, spt, n, ITERS: tl.constexpr, q_t, qp_t, m_i, l_v, o_t,
+                    BT: tl.constexpr, DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                    SHARED: tl.constexpr, HAS_PE: tl.constexpr, EXACT_F32: tl.constexpr, INTERP: tl.constexpr):
+    """Online softmax over a dense tier's valid rows [0, n) (ITERS: the interpreter's trip count)."""
+    if INTERP:
+        for it in range(ITERS):  # the interpreter takes no run-time range bound (see decode_attention)
+            if it * BT < n:
+                m_i, l_v, o_t = _geo_dense_block(Kp, Vp, Pp, skt, svt, spt, it * BT, n, q_t, qp_t, m_i, l_v, o_t,
+                                                 BT, DK, DKP, DV, DR, SHARED, HAS_PE, EXACT_F32)
+    else:
+        for t0 in range(0, n, BT):
+            m_i, l_v, o_t = _geo_dense_block(Kp, Vp, Pp, skt, svt, spt, t0, n, q_t, qp_t, m_i, l_v, o_t,
+                                             BT, DK, DKP, DV, DR, SHARED, HAS_PE, EXACT_F32)
+    return m_i, l_v, o_t
+
+
+@triton.jit
+def _geo_mid_block(t0, end, kw_base, vw_base, pe_base, spt, KS, KZ, ks_base, VS, VZ, vs_base,
+                   qc, qsum, qp_hi, qp_lo, qk_scale, m_i, l_i, o, lz,
+                   BT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
+                   WK: tl.constexpr, NCK: tl.constexpr, NCKP: tl.constexpr, GK: tl.constexpr, NGK: tl.constexpr,
+                   WV: tl.constexpr, NCV: tl.constexpr, NCVP: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr,
+                   DR: tl.constexpr, SHARED: tl.constexpr, HAS_PE: tl.constexpr, DENSE_MID: tl.constexpr,
+                   INTERP: tl.constexpr):
+    """One block of BT middle tokens from t0: scores, online softmax, value accumulation.
+    qc [NCKP, WK, HP] fp16 (or model dtype for DENSE_MID), qsum [NCKP, HP]; o [NCVP, WV, HP], lz [NCVP, HP]."""
+    tok = t0 + tl.arange(0, BT)
+    valid = tok < end
+    if DENSE_MID:
+        # bf16 baseline: rows of D model-dtype values, chunked like the codes (one MMA per product)
+        n = tl.arange(0, NCKP)
+        d = n[:, None, None] * WK + tl.arange(0, WK)[None, None, :]
+        kc = tl.load(vw_base + tok[None, :, None] * (NCK * WK) + d,
+                     mask=(n < NCK)[:, None, None] & valid[None, :, None], other=0.0)
+        if INTERP:
+            a = tl.dot(kc.to(tl.float32), qc.to(tl.float32))
+        else:
+            a = tl.dot(kc, qc)
+        s = tl.sum(a, 0)
+    else:
+        kc = _code_chunks(kw_base, tok, valid, SK, WK, NCK, NCKP, KBITS)  # [NCKP, BT, WK]
+        a = tl.dot(kc, qc)  # [NCKP, BT, HP]
+        ks, kz = _chunk_sz(KS, KZ, ks_base, tok, valid, WK, GK, NGK, NCK, NCKP, KBITS)
+        s = tl.sum(ks[:, :, None] * a + kz[:, :, None] * qsum[:, None, :], 0)  # [BT, HP]
+    if HAS_PE:
+        pe = tl.load(pe_base + tok[:, None] * spt + tl.arange(0, DR)[None, :], mask=valid[:, None], other=0.0)
+        if INTERP:
+            s += tl.dot(pe.to(tl.float32), qp_hi)
+        else:
+            s += tl.dot(pe, qp_lo, tl.dot(pe, qp_hi))
+    s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 0))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split may have no valid token yet
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[None, :])  # [BT, HP]
+    l_i = l_i * alpha + tl.sum(p, 0)
+    if DENSE_MID:
+        pv = p.to(kc.dtype)
+        if INTERP:
+            o = o * alpha[None, None, :] + tl.dot(tl.permute(kc, (0, 2, 1)).to(tl.float32),
+                                                  tl.broadcast_to(p[None, :, :], (NCVP, BT, p.shape[1])))
+        else:
+            o = o * alpha[None, None, :] + tl.dot(tl.permute(kc, (0, 2, 1)),
+                                                  tl.broadcast_to(pv[None, :, :], (NCVP, BT, p.shape[1])))
+    else:
+        if SHARED:
+            vc = kc  # the latent's codes, already in registers: read once for both products
+            vs = ks
+            vz = kz
+        else:
+            vc = _code_chunks(vw_base, tok, valid, SV, WV, NCV, NCVP, VBITS)  # [NCVP, BT, WV]
+            vs, vz = _chunk_sz(VS, VZ, vs_base, tok, valid, WV, GV, NGV, NCV, NCVP, VBITS)
+        ps = (p[None, :, :] * vs[:, :, None]).to(tl.float16)  # [NCVP, BT, HP]
+        o = o * alpha[None, None, :] + tl.dot(tl.permute(vc, (0, 2, 1)), ps)  # [NCVP, WV, HP]
+        lz = lz * alpha[None, :] + tl.sum(p[None, :, :] * vz[:, :, None], 1)
+    return m_new, l_i, o, lz
+
+
+@triton.jit(do_not_specialize=["split_tokens", "NSM", "NSPLIT"])
+def _geo_stage1(
+    Q, sqb, sqh, QP, sqpb, sqph,
+    KW, skb, skh, KS, KZ, sksb, sksh,
+    VW, svb, svh, VS, VZ, svsb, svsh,
+    MP, smpb, smph, smpt, MID_LEN,
+    SK_K, SK_V, SK_P, sskb, sskh, sskt, ssvb, ssvh, ssvt, sspb, ssph, sspt, SINK_LEN,
+    RK_K, RK_V, RK_P, srkb, srkh, srkt, srvb, srvh, srvt, srpb, srph, srpt, REC_LEN,
+    OP, LSE,
+    qk_scale, split_tokens, NSM, NSPLIT,
+    G: tl.constexpr, BH: tl.constexpr, NHB: tl.constexpr, HP: tl.constexpr,
+    DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+    KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
+    WK: tl.constexpr, NCK: tl.constexpr, NCKP: tl.constexpr, WV: tl.constexpr, NCV: tl.constexpr,
+    NCVP: tl.constexpr, SHARED: tl.constexpr, HAS_PE: tl.constexpr, DENSE_MID: tl.constexpr,
+    BT: tl.constexpr, BTD: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REC: tl.constexpr, INTERP: tl.constexpr,
+    MID_ITERS: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr,
+):
+    hb_kv = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    kvh = hb_kv // NHB
+    hl = (hb_kv % NHB) * BH + tl.arange(0, HP)  # q heads of this program inside the KV head's group
+    hvalid = (tl.arange(0, HP) < BH) & (hl < G)
+    head = kvh * G + hl
+    q_base = Q + b.to(tl.int64) * sqb + head * sqh  # [HP]
+    qp_base = QP + b.to(tl.int64) * sqpb + head * sqph
+    o_rows = (b.to(tl.int64) * (G * (tl.num_programs(0) // NHB)) + head) * NSPLIT + split  # [HP]
+
+    if split < NSM:
+        SK: tl.constexpr = DK * KBITS // 8
+        SV: tl.constexpr = DV * VBITS // 8
+        NGK: tl.constexpr = DK // GK
+        NGV: tl.constexpr = DV // GV
+        L = tl.load(MID_LEN + b)
+        start = split * split_tokens
+        end = tl.minimum(start + split_tokens, L)
+        # q per K chunk [NCKP, WK, HP] (chunk n = dims n*WK + w), its sums for the zero term
+        nk = tl.arange(0, NCKP)
+        dq = nk[:, None] * WK + tl.arange(0, WK)[None, :]
+        qf = tl.load(q_base[None, None, :] + dq[:, :, None], mask=(nk < NCK)[:, None, None] & hvalid[None, None, :],
+                     other=0.0).to(tl.float32)
+        qsum = tl.sum(qf, 1)  # [NCKP, HP]
+        if DENSE_MID:
+            qc = qf.to(Q.dtype.element_ty)
+        else:
+            qc = qf.to(tl.float16)
+        if HAS_PE:
+            qpf = tl.load(qp_base[None, :] + tl.arange(0, DR)[:, None], mask=hvalid[None, :], other=0.0).to(tl.float32)
+            if INTERP:
+                qp_hi = qpf
+                qp_lo = qpf
+            else:
+                qp_hi = qpf.to(MP.dtype.element_ty)
+                qp_lo = (qpf - qp_hi.to(tl.float32)).to(MP.dtype.element_ty)
+        else:
+            qp_hi = tl.zeros([DR, HP], tl.float32)
+            qp_lo = qp_hi
+        m_i = tl.full([HP], float("-inf"), tl.float32)
+        l_i = tl.zeros([HP], tl.float32)
+        o = tl.zeros([NCVP, WV, HP], tl.float32)
+        lz = tl.zeros([NCVP, HP], tl.float32)
+        kw_base = KW + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
+        vw_base = VW + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
+        ks_base = b.to(tl.int64) * sksb + kvh.to(tl.int64) * sksh
+        vs_base = b.to(tl.int64) * svsb + kvh.to(tl.int64) * svsh
+        pe_base = MP + b.to(tl.int64) * smpb + kvh.to(tl.int64) * smph
+        if INTERP:
+            for it in range(MID_ITERS):
+                t0 = start + it * BT
+                if t0 < end:
+                    m_i, l_i, o, lz = _geo_mid_block(
+                        t0, end, kw_base, vw_base, pe_base, smpt, KS, KZ, ks_base, VS, VZ, vs_base,
+                        qc, qsum, qp_hi, qp_lo, qk_scale, m_i, l_i, o, lz,
+                        BT, KBITS, VBITS, SK, SV, WK, NCK, NCKP, GK, NGK, WV, NCV, NCVP, GV, NGV,
+                        DR, SHARED, HAS_PE, DENSE_MID, INTERP)
+        else:
+            for t0 in range(start, end, BT):
+                m_i, l_i, o, lz = _geo_mid_block(
+                    t0, end, kw_base, vw_base, pe_base, smpt, KS, KZ, ks_base, VS, VZ, vs_base,
+                    qc, qsum, qp_hi, qp_lo, qk_scale, m_i, l_i, o, lz,
+                    BT, KBITS, VBITS, SK, SV, WK, NCK, NCKP, GK, NGK, WV, NCV, NCVP, GV, NGV,
+                    DR, SHARED, HAS_PE, DENSE_MID, INTERP)
+        inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
+        tl.store(LSE + o_rows, lse, mask=hvalid)
+        nv = tl.arange(0, NCVP)
+        dv = nv[:, None] * WV + tl.arange(0, WV)[None, :]  # [NCVP, WV] dim of each accumulator row
+        res = (o + lz[:, None, :]) * inv_l[None, None, :]
+        tl.store(OP + o_rows[None, None, :] * DV + dv[:, :, None], res,
+                 mask=(nv < NCV)[:, None, None] & hvalid[None, None, :])
+    else:
+        # ---------------- dense tiers (sink, recent) in the last split ----------------
+        DT: tl.constexpr = SK_V.dtype.element_ty
+        EXACT_F32: tl.constexpr = (DT == tl.float32) or INTERP
+        dk = tl.arange(0, DKP)
+        q_t = tl.load(q_base[None, :] + dk[:, None], mask=(dk < DK)[:, None] & hvalid[None, :],
+                      other=0.0).to(tl.float32) * qk_scale  # [DKP, HP]
+        if HAS_PE:
+            qp_t = tl.load(qp_base[None, :] + tl.arange(0, DR)[:, None], mask=hvalid[None, :],
+                           other=0.0).to(tl.float32) * qk_scale
+        else:
+            qp_t = tl.zeros([DR, HP], tl.float32)
+        m_d = tl.full([HP], float("-inf"), tl.float32)
+        l_d = tl.zeros([BTD, HP], tl.float32)
+        o_t = tl.zeros([DV, HP], tl.float32)
+        if HAS_SINK:
+            n = tl.load(SINK_LEN + b)
+            m_d, l_d, o_t = _geo_dense_tier(
+                SK_K + b.to(tl.int64) * sskb + kvh.to(tl.int64) * sskh,
+                SK_V + b.to(tl.int64) * ssvb + kvh.to(tl.int64) * ssvh,
+                SK_P + b.to(tl.int64) * sspb + kvh.to(tl.int64) * ssph,
+                sskt, ssvt, sspt, n, SINK_ITERS, q_t, qp_t, m_d, l_d, o_t,
+                BTD, DK, DKP, DV, DR, SHARED, HAS_PE, EXACT_F32, INTERP)
+        if HAS_REC:
+            n = tl.load(REC_LEN + b)
+            m_d, l_d, o_t = _geo_dense_tier(
+                RK_K + b.to(tl.int64) * srkb + kvh.to(tl.int64) * srkh,
+                RK_V + b.to(tl.int64) * srvb + kvh.to(tl.int64) * srvh,
+                RK_P + b.to(tl.int64) * srpb + kvh.to(tl.int64) * srph,
+                srkt, srvt, srpt, n, REC_ITERS, q_t, qp_t, m_d, l_d, o_t,
+                BTD, DK, DKP, DV, DR, SHARED, HAS_PE, EXACT_F32, INTERP)
+        l_i = tl.sum(l_d, 0)
+        inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+        lse = tl.where(l_i > 0, m_d + tl.log2(l_i), float("-inf"))
+        tl.store(LSE + o_rows, lse, mask=hvalid)
+        dv = tl.arange(0, DV)
+        tl.store(OP + o_rows[None, :] * DV + dv[:, None], o_t * inv_l[None, :], mask=hvalid[None, :])
+
+
+# ----------------------------------------------------------------------------------------------
+# Python wrappers
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class GeoConfig:
+    """Launch choices of the geometry kernel; None = chosen from the shape (`resolve`).
+
+    block_t: middle tokens per loop step; heads: query heads per program (of one KV head);
+    num_splits: middle splits per (sequence, KV head); dense_block: tokens per step on the dense
+    tiers; num_warps / num_stages: Triton's."""
+
+    block_t: int | None = None
+    heads: int | None = None
+    num_splits: int | None = None
+    num_warps: int | None = None
+    num_stages: int = 2
+    dense_block: int = 32
+
+    def resolve(self, G: int, DV: int) -> GeoConfig:
+        """heads: all G up to 16 per program (more heads per program = fewer re-reads of a tile, but
+        an accumulator of DV x heads fp32 registers); 8 warps when that accumulator is large."""
+        heads = self.heads or min(_pow2(G), 16)
+        acc = DV * max(8, heads)
+        warps = self.num_warps or (8 if acc >= 8192 else 4)
+        bt = self.block_t or (32 if DV >= 512 else 64)
+        return GeoConfig(block_t=bt, heads=heads, num_splits=self.num_splits, num_warps=warps,
+                         num_stages=self.num_stages, dense_block=self.dense_block)
+
+
+@dataclass(frozen=True)
+class GeoLaunch:
+    """What one call launched: splits, grid, middle tokens per split, resolved config, mode."""
+
+    num_splits: int
+    grid: tuple[int, int, int]
+    split_tokens: int
+    config: GeoConfig
+    mode: str
+
+
+def chunk_width(S: int, group: int) -> int:
+    """Dims per register chunk: gcd(packed row bytes S, group) (a chunk lies in one byte range and group)."""
+    return math.gcd(S, group)
+
+
+def tiling_reason(bits: int, head_dim: int, group: int) -> str | None:
+    """Why this kernel has no tiling for `bits`-bit codes of `head_dim` in groups of `group` (None: it
+    has). The rule lives once, in lowbit.kernels.decode_backend.geo_tiling_reason (which the plan asks)."""
+    from lowbit.kernels.decode_backend import geo_tiling_reason
+
+    return geo_tiling_reason(bits, head_dim, group)
+
+
+def _codes(codes, scale, zero, bits, B, Hkv, D, device, what):
+    """Check one packed middle tensor; returns its group."""
+    if codes.dtype != torch.uint8 or codes.dim() != 4:
+        raise LowbitError(f"{what} codes must be uint8 [B, Hkv, T, D*bits/8], got {codes.dtype} {tuple(codes.shape)}")
+    S = D * bits // 8
+    if codes.shape[0] != B or codes.shape[1] != Hkv or codes.shape[3] != S:
+        raise LowbitError(f"{what} codes must be [B={B}, Hkv={Hkv}, T, {S}], got {tuple(codes.shape)}")
+    if codes.stride(3) != 1 or (codes.shape[2] > 1 and codes.stride(2) != S):
+        raise LowbitError(f"{what} codes: each (sequence, KV head) must hold its T rows of {S} bytes back to back "
+                          "(slice a [B, Hkv, Tmax, S] buffer along T only)")
+    if codes.shape[2] * S >= 2**31:
+        raise LowbitError(f"{what} codes: {codes.shape[2]} slots x {S} bytes exceed the kernel's 32-bit offsets")
+    if scale.shape != zero.shape or scale.dim() != 4 or scale.shape[:3] != codes.shape[:3]:
+        raise LowbitError(f"{what} scale/zero must be [B, Hkv, T, D/group] like the codes, got {tuple(scale.shape)}")
+    if scale.dtype != torch.float16 or zero.dtype != torch.float16:
+        raise LowbitError(f"{what} scale/zero must be float16 (the cache layout), got {scale.dtype}/{zero.dtype}")
+    ng = scale.shape[3]
+    if scale.stride() != zero.stride() or scale.stride(3) != 1 or (scale.shape[2] > 1 and scale.stride(2) != ng):
+        raise LowbitError(f"{what} scale and zero must share strides with contiguous [T, D/group] rows per head")
+    if ng <= 0 or D % ng:
+        raise LowbitError(f"{what}: {ng} groups do not divide head_dim {D}")
+    r = tiling_reason(bits, D, D // ng)
+    if r:
+        raise LowbitError(f"{what}: {r}")
+    for t in (codes, scale, zero):
+        if t.device != device:
+            raise LowbitError(f"{what} is on {t.device}, q on {device}: put the cache on one device")
+    return D // ng
+
+
+def _dense(t, B, Hkv, D, device, what):
+    if t.dim() != 4 or t.shape[0] != B or t.shape[1] != Hkv or t.shape[3] != D:
+        raise LowbitError(f"{what} must be [B={B}, Hkv={Hkv}, N, {D}], got {tuple(t.shape)}")
+    if t.stride(-1) != 1:
+        raise LowbitError(f"{what} needs a contiguous last dim; call .contiguous()")
+    if t.device != device:
+        raise LowbitError(f"{what} is on {t.device}, q on {device}: put the tiers on one device")
+    return t
+
+
+def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, recent, *, shared, dense_mid,
+         DK, DV, DR, Hkv, config, out, return_launch):
+    """Common launch: kmid/vmid (codes, scale, zero) or None; sink/recent (k, v, pe, lens) or None."""
+    B, Hq, _ = q.shape
+    dev = q.device
+    cfg = (config or GeoConfig()).resolve(Hq // Hkv, DV)
+    BT, BTD = int(cfg.block_t), int(cfg.dense_block)
+    for name, v in (("block_t", BT), ("dense_block", BTD)):
+        if v < 16 or v & (v - 1):
+            raise LowbitError(f"{name} must be a power of two >= 16, got {v}")
+    G = Hq // Hkv
+    BH = min(int(cfg.heads), G) if cfg.heads else G
+    BH = _pow2(BH) if BH < G else BH
+    NHB = -(-G // BH)
+    HP = max(8, _pow2(BH))
+    has_mid = vmid is not None
+    f16 = torch.zeros(1, dtype=torch.float16, device=dev)
+    if has_mid:
+        vc, vs, vz = vmid
+        T = vc.shape[2]
+        if dense_mid:
+            GV = DV
+            NCV = NCK = 1 if DV <= 128 else DV // 128
+            WV = WK = DV // NCV
+            GK, kc, ks, kz, vs, vz = GV, vc, f16, f16, f16, f16
+        else:
+            GV = _codes(vc, vs, vz, v_bits, B, Hkv, DV, dev, "V middle" if not shared else "middle")
+            WV = chunk_width(DV * v_bits // 8, GV)
+            NCV = DV // WV
+            if shared:
+                kc, ks, kz, GK, WK, NCK = vc, vs, vz, GV, WV, NCV
+            else:
+                kc, ks, kz = kmid
+                GK = _codes(kc, ks, kz, k_bits, B, Hkv, DK, dev, "K middle")
+                if kc.shape[2] != T:
+                    raise LowbitError("K and V middle tiers must have the same number of slots T")
+                WK = chunk_width(DK * k_bits // 8, GK)
+                NCK = DK // WK
+        mid_lens = _lens(T if mid_lens is None else mid_lens, B, dev, "mid_lens")
+        if mid_pe is not None:
+            _dense(mid_pe, B, Hkv, DR, dev, "middle pe")
+            if mid_pe.shape[2] != T:
+                raise LowbitError("the middle pe must have the middle's T slots")
+    else:
+        T, GK, GV, WK, WV, NCK, NCV = 0, DK, DV, 16, 16, 1, 1
+        kc = vc = torch.zeros(1, dtype=torch.uint8, device=dev)
+        ks = kz = vs = vz = f16
+        mid_lens = torch.zeros(B, dtype=torch.int32, device=dev)
+    if DR and mid_pe is None:
+        mid_pe = q.new_zeros(1, 1, 1, DR)
+    kc = kc if kc is not None else vc
+
+    def tier(tr, what):
+        if tr is None:
+            return None
+        k, v, pe, n = tr
+        _dense(v, B, Hkv, DV, dev, f"{what} V")
+        if not shared:
+            _dense(k, B, Hkv, DK, dev, f"{what} K")
+        elif DR:
+            _dense(pe, B, Hkv, DR, dev, f"{what} pe")
+            if pe.shape[2] != v.shape[2]:
+                raise LowbitError(f"{what} pe and V must have the same slots")
+        if not shared and k.shape[2] != v.shape[2]:
+            raise LowbitError(f"{what} K and V must have the same slots")
+        lens = _lens(v.shape[2] if n is None else n, B, dev, f"{what} lens")
+        k = v if shared else k
+        pe = pe if (shared and DR) else v
+        return k, v, pe, lens
+
+    st, rt = tier(sink, "sink"), tier(recent, "recent")
+    has_sink, has_rec = st is not None, rt is not None
+    ph = q[:, None]
+    st = st or (ph, ph, ph, mid_lens)
+    rt = rt or (ph, ph, ph, mid_lens)
+    qp = qp if qp is not None else q
+    mp = mid_pe if mid_pe is not None else q[:, None]
+    if sm_scale is None:
+        sm_scale = 1.0 / math.sqrt(DK + DR)
+    interp = dev.type != "cuda"
+    if out is None:
+        out = torch.empty((B, Hq, DV), dtype=q.dtype, device=dev)
+    elif out.shape != (B, Hq, DV) or out.stride(-1) != 1:
+        raise LowbitError(f"out must be [B, Hq, Dv] = {(B, Hq, DV)} with a contiguous last dim")
+
+    if has_mid:
+        nsm = cfg.num_splits
+        if not nsm:
+            sms = 8 if interp else device_info(cuda_index(dev)).sms
+            nsm = pick_num_splits(B, Hkv * NHB, T, BT, sms, int(cfg.num_warps))
+        nsm = max(1, int(nsm))
+        split_tokens = max(BT, math.ceil(max(T, 1) / nsm / BT) * BT)
+        nsm = max(1, math.ceil(max(T, 1) / split_tokens))
+    else:
+        nsm, split_tokens = 0, BT
+    nsplit = nsm + (1 if (has_sink or has_rec) else 0)
+    part = torch.empty((B, Hq, nsplit, DV), dtype=torch.float32, device=dev)
+    lse = torch.empty((B, Hq, nsplit), dtype=torch.float32, device=dev)
+    grid = (Hkv * NHB, nsplit, B)
+
+    def st2(t):
+        return (t.stride(0), t.stride(1)) if t.dim() == 4 else (0, 0)
+
+    def st3(t):
+        return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
+
+    sk, sv, sp, sl = st
+    rk, rv, rp, rl = rt
+    _geo_stage1[grid](
+        q, q.stride(0), q.stride(1), qp, qp.stride(0), qp.stride(1),
+        kc, *st2(kc), ks, kz, *st2(ks),
+        vc, *st2(vc), vs, vz, *st2(vs),
+        mp, *st3(mp), mid_lens,
+        sk, sv, sp, *st3(sk), *st3(sv), *st3(sp), sl,
+        rk, rv, rp, *st3(rk), *st3(rv), *st3(rp), rl,
+        part, lse, float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit,
+        G=G, BH=BH, NHB=NHB, HP=HP, DK=DK, DKP=_pow2(DK), DV=DV, DR=max(DR, 16),
+        KBITS=k_bits, VBITS=v_bits, GK=GK, GV=GV, WK=WK, NCK=NCK, NCKP=_pow2(NCK), WV=WV, NCV=NCV,
+        NCVP=_pow2(NCV), SHARED=shared, HAS_PE=bool(DR), DENSE_MID=dense_mid,
+        BT=BT, BTD=BTD, HAS_SINK=has_sink, HAS_REC=has_rec, INTERP=interp,
+        MID_ITERS=(split_tokens // BT) if interp else 0,
+        SINK_ITERS=triton.cdiv(sk.shape[2], BTD) if interp else 0,
+        REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
+        num_warps=int(cfg.num_warps), num_stages=int(cfg.num_stages),
+    )
+    ch = min(32, max(16, _pow2(nsplit)))
+    _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
+                     DV=DV, num_warps=4)
+    launch = GeoLaunch(num_splits=nsm, grid=grid, split_tokens=split_tokens, config=cfg,
+                       mode="interpreter" if interp else "compiled")
+    return (out, launch) if return_launch else out
+
+
+def _check_q(q, what="q"):
+    if q.dim() != 3:
+        raise LowbitError(f"{what} must be [B, Hq, D], got {tuple(q.shape)}")
+    if q.stride(-1) != 1:
+        raise LowbitError(f"{what} needs a contiguous last dim; call .contiguous()")
+
+
+def decode_attention_geo(
+    q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens=None, *,
+    k_bits: int = 2, v_bits: int = 2, sm_scale: float | None = None,
+    sink_k=None, sink_v=None, sink_lens=None, recent_k=None, recent_v=None, recent_lens=None,
+    config: GeoConfig | None = None, out=None, return_launch: bool = False,
+):
+    """decode_attention for separate K and V of any head dims (K192/V128, 512, ...): same arguments.
+
+    q        [B, Hq, Dk] (bf16/fp16; fp32 is rounded to fp16 for the packed tier); Hq = G * Hkv.
+    k_codes  uint8 [B, Hkv, T, Dk*k_bits/8] strided; k_scale/k_zero fp16 [B, Hkv, T, Dk/group].
+    v_codes  uint8 [B, Hkv, T, Dv*v_bits/8]; v_scale/v_zero fp16 [B, Hkv, T, Dv/group]. Dv a power of two.
+    mid_lens int32 [B] or int; sink_k/recent_k [B, Hkv, N, Dk], sink_v/recent_v [B, Hkv, N, Dv].
+    Returns [B, Hq, Dv] in q's dtype (or into `out`); with return_launch, (out, GeoLaunch).
+    """
+    check_mode(q.device)
+    _check_q(q)
+    B, Hq, DK = q.shape
+    has_mid = k_codes is not None
+    if has_mid:
+        if any(t is None for t in (k_scale, k_zero, v_codes, v_scale, v_zero)):
+            raise LowbitError("middle tier: pass k_codes, k_scale, k_zero, v_codes, v_scale, v_zero together")
+        Hkv, DV = k_codes.shape[1], v_codes.shape[3] * 8 // v_bits
+    else:
+        ref = sink_k if sink_k is not None else recent_k
+        if ref is None:
+            raise LowbitError("no tier given: pass the middle tier and/or a dense tier")
+        Hkv = ref.shape[1]
+        DV = (sink_v if sink_v is not None else recent_v).shape[3]
+    if Hkv == 0 or Hq % Hkv:
+        raise LowbitError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    if DK % 16 or DK > 1024 or DV < 16 or DV & (DV - 1) or DV > 1024:
+        raise LowbitError(f"head_dim K {DK} / V {DV}: the geometry kernel takes K a multiple of 16 and V a power "
+                          "of two, both <= 1024")
+    for k, v, what in ((sink_k, sink_v, "sink"), (recent_k, recent_v, "recent")):
+        if (k is None) != (v is None):
+            raise LowbitError(f"{what}: pass both its K and V tensors or neither")
+    sink = (sink_k, sink_v, None, sink_lens) if sink_k is not None else None
+    recent = (recent_k, recent_v, None, recent_lens) if recent_k is not None else None
+    return _run(q, None, (k_codes, k_scale, k_zero) if has_mid else None, (v_codes, v_scale, v_zero) if has_mid else None,
+                None, mid_lens, k_bits, v_bits, sm_scale, sink, recent, shared=False, dense_mid=False,
+                DK=DK, DV=DV, DR=0, Hkv=Hkv, config=config, out=out, return_launch=return_launch)
+
+
+def decode_attention_latent(
+    q_lat, q_pe, codes, scale, zero, pe, mid_lens=None, *,
+    bits: int = 2, sm_scale: float | None = None,
+    sink_v=None, sink_pe=None, sink_lens=None, recent_v=None, recent_pe=None, recent_lens=None,
+    dense_mid: bool = False, config: GeoConfig | None = None, out=None, return_launch: bool = False,
+):
+    """Decode attention over a shared K/V tensor x (MLA latent c_kv, or Gemma-4's K = V) plus a dense key part.
+
+    score_t = (q_lat . x_t + q_pe . pe_t) * sm_scale,  out = softmax(score) @ x   (per q head).
+    q_lat    [B, Hq, D] (bf16/fp16): the query against x (MLA: q_nope absorbed by W_uk; rotated by
+             x's rotation when it has one).  q_pe [B, Hq, DR] or None (no dense key part).
+    codes    uint8 [B, Hkv, T, D*bits/8] strided, scale/zero fp16 [B, Hkv, T, D/group]: x of the middle;
+             with dense_mid, `codes` is x itself in the model dtype [B, Hkv, T, D] (scale/zero None).
+    pe       [B, Hkv, T, DR] model dtype: the middle's dense key part (None when q_pe is None).
+    sink_v / recent_v [B, Hkv, N, D], sink_pe / recent_pe [B, Hkv, N, DR]: the dense tiers.
+    mid_lens / sink_lens / recent_lens int32 [B] or int (default: every slot).
+    sm_scale default 1/sqrt(D + DR). D a power of two; DR a power of two >= 16 (64: MLA; 128: Gemma-4).
+    Returns [B, Hq, D] in q_lat's dtype (or into `out`); with return_launch, (out, GeoLaunch).
+    """
+    check_mode(q_lat.device)
+    _check_q(q_lat, "q_lat")
+    B, Hq, D = q_lat.shape
+    DR = 0
+    if q_pe is not None:
+        _check_q(q_pe, "q_pe")
+        if q_pe.shape[:2] != (B, Hq):
+            raise LowbitError(f"q_pe must be [B={B}, Hq={Hq}, DR], got {tuple(q_pe.shape)}")
+        DR = q_pe.shape[2]
+        if DR < 16 or DR & (DR - 1):
+            raise LowbitError(f"the dense key part has {DR} dims; the kernel takes a power of two >= 16")
+    if D < 16 or D & (D - 1) or D > 1024:
+        raise LowbitError(f"shared K/V width {D}: the kernel takes a power of two in [16, 1024]")
+    has_mid = codes is not None
+    if has_mid:
+        Hkv = codes.shape[1]
+        if dense_mid:
+            _dense(codes, B, Hkv, D, q_lat.device, "dense middle")
+            if codes.shape[2] > 1 and codes.stride(2) != D:
+                raise LowbitError("dense middle rows must be contiguous [T, D] per head")
+        elif scale is None or zero is None:
+            raise LowbitError("middle tier: pass codes, scale and zero together")
+        if DR and pe is None:
+            raise LowbitError("q_pe given but no middle pe: pass the middle's dense key part")
+    else:
+        ref = sink_v if sink_v is not None else recent_v
+        if ref is None:
+            raise LowbitError("no tier given: pass the middle tier and/or a dense tier")
+        Hkv = ref.shape[1]
+    if Hkv == 0 or Hq % Hkv:
+        raise LowbitError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    for v, p, what in ((sink_v, sink_pe, "sink"), (recent_v, recent_pe, "recent")):
+        if v is not None and DR and p is None:
+            raise LowbitError(f"{what}: pass its pe with its V (q_pe is given)")
+    sink = (None, sink_v, sink_pe, sink_lens) if sink_v is not None else None
+    recent = (None, recent_v, recent_pe, recent_lens) if recent_v is not None else None
+    return _run(q_lat, q_pe, None, (codes, scale, zero) if has_mid else None, pe if DR else None, mid_lens,
+                bits, bits, sm_scale, sink, recent, shared=True, dense_mid=dense_mid, DK=D, DV=D, DR=DR,
+                Hkv=Hkv, config=config, out=out, return_launch=return_launch)
