@@ -137,6 +137,12 @@ def run_level(url: str, model: str, prompts: list[str], max_tokens: int, timeout
     }
 
 
+def _busy_s(metrics: dict) -> float:
+    """Seconds the server's worker spent in forward passes so far (generated tokens / tokens per busy second)."""
+    t = metrics.get("tokens", {})
+    return t["generated_total"] / t["per_s_busy"] if t.get("per_s_busy") else 0.0
+
+
 def _gpu_name() -> str | None:
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], check=False,
@@ -216,14 +222,21 @@ def main(argv=None) -> int:
             results.append({"concurrency": C, "skipped": "deadline"})
             continue
         prompts = [_words(g, args.prompt_tokens, args.vocab) for _ in range(C)]
+        before = loadtest._http(url + "/metrics")[1]
         r = run_level(url, model, prompts, args.max_tokens, args.timeout_s, deadline)
         r["server_metrics"] = loadtest._http(url + "/metrics")[1]
+        busy = _busy_s(r["server_metrics"]) - _busy_s(before)
+        # the worker's time inside prefill chunks and decode steps over the level's wall time: the rest is
+        # host work between steps (sampling, detokenizing, streaming, scheduling) or idle
+        r["server_busy_s"] = round(busy, 4)
+        r["server_busy_fraction"] = round(busy / r["wall_s"], 4) if r.get("wall_s") else None
         r["loadavg_1m_after"] = round(os.getloadavg()[0], 2)
         results.append(r)
         print(f"C={C:3d} {r['ok']}/{C} ok  aggregate {r.get('aggregate_tok_s')} tok/s  decode "
               f"{r.get('aggregate_decode_tok_s')} tok/s (window {r.get('steady_window_s')} s)  TTFT p50/p99 "
               f"{(r.get('ttft_ms') or {}).get('p50')}/{(r.get('ttft_ms') or {}).get('p99')} ms  ITL p50/p99 "
-              f"{(r.get('itl_ms') or {}).get('p50')}/{(r.get('itl_ms') or {}).get('p99')} ms", flush=True)
+              f"{(r.get('itl_ms') or {}).get('p50')}/{(r.get('itl_ms') or {}).get('p99')} ms  server busy "
+              f"{r.get('server_busy_fraction')}", flush=True)
     B = max(levels)
     ref, why = bench_row(args.bench_json, B)
     top = next((r for r in results if r.get("concurrency") == B and r.get("aggregate_decode_tok_s")), None)
@@ -245,7 +258,9 @@ def main(argv=None) -> int:
             "aggregate_decode_tok_s": "tokens arriving after the last stream's first token and up to the first "
                                       "stream's last token (all C decoding) / that window; compared with the bench row",
             "ttft_ms": "send -> first content chunk, per stream", "itl_ms": "gaps between a stream's chunks",
-            "itl_steady_ms": "those gaps inside the window"},
+            "itl_steady_ms": "those gaps inside the window",
+            "server_busy_fraction": "the server worker's time in prefill chunks and decode steps (its /metrics) / "
+                                    "wall_s: the rest is host work between steps or idle"},
         "server": {"url": url, "model": model, "card": card, "command": args.server_command},
         "params": {"concurrency": levels, "prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
                    "vocab": args.vocab, "seed": args.seed, "timeout_s": args.timeout_s},

@@ -82,6 +82,7 @@ def test_target_ratio_against_the_bench_row(tmp_path):
         assert lv["one_chunk_per_token"] and lv["finish_reasons"] == ["length"]
         assert lv["ttft_ms"]["p50"] <= lv["ttft_ms"]["p99"] <= lv["ttft_ms"]["max"]
         assert lv["aggregate_decode_tok_s"] > 0 and lv["itl_ms"]["p50"] > 0
+        assert 0 < lv["server_busy_s"] and 0 < lv["server_busy_fraction"] < 1.05
     t = d["target"]
     assert t["level"] == 3 and t["bench_tok_s"] == 1e6 and d["decode_benchmark"]["path"] == "lowbit-int2"
     assert t["ratio"] == round(d["levels"][0]["aggregate_decode_tok_s"] / 1e6, 4) and t["met"] is False
