@@ -8,6 +8,9 @@ same (scheme, shape, M, candidate) replaces an earlier one (kernels change betwe
 and M bucket the table takes the candidate with the best geometric-mean speed-up over bf16 across
 the shapes timed at the bucket's representative M, among candidates whose rel L2 against the twin
 passed (< 1e-3) and that were timed on every shape. W4A8 has no exploration: it takes W8A8's cells.
+Where the CUDA small-M kernel (path "cuda", M <= 16) wins a bucket, the best other candidate follows it
+as a second cell for the same M: the dispatch falls through to it for a weight or input the CUDA kernel
+does not take (or a machine without nvcc).
 """
 
 from __future__ import annotations
@@ -18,10 +21,13 @@ import sys
 
 BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 16, 16), (17, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
 SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
+CUDA_M_MAX = 16  # lowbit.kernels.weight_cuda.M_MAX
 KIND = {"w4a16-g128": "w4a16", "w8a16": "w8a16", "w8a8": "w8a8"}
 
 
 def path_of(name: str) -> str:
+    if name.startswith("cuda-"):
+        return "cuda"
     return "dequant-cublas" if name == "dequant-cublas" else ("gemv" if name.startswith("gemv-") else "triton")
 
 
@@ -54,13 +60,19 @@ def main(out: str, files: list[str]) -> None:
                 continue
             names = set.intersection(*(set(v) for v in rows.values()))
             names = {n for n in names if not n.startswith("gemv-") or gemv_bm(n) >= (hi or 10**9)}
+            names = {n for n in names if not n.startswith("cuda-") or (hi is not None and hi <= CUDA_M_MAX)}
             if not names:
                 continue
             score = {n: math.exp(sum(math.log(v[n]) for v in rows.values()) / len(rows)) for n in names}
             best = max(score, key=score.get)
-            table.append({"kind": kind, "m_lo": lo, "m_hi": hi, "path": path_of(best),
-                          "config": None if best == "dequant-cublas" else best,
-                          "geomean_speedup_vs_bf16": round(score[best], 3), "shapes": sorted(k[1] for k in rows)})
+            picks = [best]
+            if best.startswith("cuda-"):  # the next cell covering the bucket: where the CUDA kernel passes a weight over
+                rest = {n: v for n, v in score.items() if not n.startswith("cuda-")}
+                picks += [max(rest, key=rest.get)] if rest else []
+            for n in picks:
+                table.append({"kind": kind, "m_lo": lo, "m_hi": hi, "path": path_of(n),
+                              "config": None if n == "dequant-cublas" else n,
+                              "geomean_speedup_vs_bf16": round(score[n], 3), "shapes": sorted(k[1] for k in rows)})
     table += [{**c, "kind": "w4a8"} for c in table if c["kind"] == "w8a8"]
     res = {"gpu": gpu, "capability": [9, 0], "built_from": files, "cells": table}
     with open(out, "w") as fh:

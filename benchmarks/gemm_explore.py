@@ -2,7 +2,10 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final]
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda]
+
+--cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
+the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
 
 benchmarks/build_weight_table.py turns the committed JSONs (benchmarks/results/weights/gemm_explore_*) into
 the dispatch table lowbit/kernels/weight_tables/sm90.json.
@@ -20,6 +23,7 @@ import torch.nn.functional as F
 from lowbit.kernels import weight_gemm as wg
 from lowbit.kernels.bench import graph_time_ms, n_buffers
 from lowbit.kernels.weight_audit import random_weight
+from lowbit.kernels.weight_cuda import CudaConfig
 from lowbit.kernels.weight_gemm import GemmConfig
 
 SHAPES = [("gate/up", 4096, 14336), ("down", 14336, 4096), ("qkv/o", 4096, 4096)]
@@ -116,6 +120,10 @@ def explore_cell(scheme, shape, K, N, M, cfgs, tag, log, t0, *, dequant=False) -
     cands, rels = {}, {}
     for cfg in cfgs:
         fn = wg.gemv if isinstance(cfg, wg.GemvConfig) else wg.linear
+        if isinstance(cfg, CudaConfig):
+            from lowbit.kernels import weight_cuda
+
+            fn = weight_cuda.linear
         try:
             y = fn(xs[0], pw[0], cfg, torch.float32).double()
             rels[cfg.name] = float((y - ref).norm() / ref.norm())
@@ -134,6 +142,58 @@ def explore_cell(scheme, shape, K, N, M, cfgs, tag, log, t0, *, dequant=False) -
     torch.cuda.empty_cache()
     return {"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "bf16_ms": bf16, "best": best,
             "best_ms": ok.get(best), "ratio": bf16 / ok[best] if best else None, "candidates": cands, "rel_l2": rels}
+
+
+CUDA_SHAPES = SHAPES + [("k/v", 4096, 1024)]
+
+
+def cuda_configs():
+    """Launch geometries of the CUDA small-M kernel (RT row tiles per warp, warps per block, split-K; 0 = auto)."""
+    return [CudaConfig(rt, w, sk) for rt, w, sk in ((1, 4, 0), (2, 4, 0), (4, 4, 0), (1, 8, 0), (2, 8, 0), (1, 4, 1),
+                                                    (2, 4, 2), (2, 4, 4), (2, 4, 8), (1, 4, 8), (4, 4, 2), (4, 4, 4),
+                                                    (2, 8, 4))]
+
+
+def explore_cuda(rows, log):
+    """The CUDA kernel vs the tabled Triton cell and cuBLAS bf16 per (scheme, shape, M <= 16)."""
+    from lowbit.kernels.weight_dispatch import Dispatch
+
+    table = Dispatch.for_device("cuda")
+    t0 = time.time()
+    for scheme in ("w4a16-g128", "w8a16", "w4a16-g64-asym"):
+        kind = "w4a16" if scheme.startswith("w4") else "w8a16"
+        for shape, K, N in CUDA_SHAPES:
+            for M in (1, 2, 4, 8, 16):
+                cfgs = cuda_configs()
+                cur = table.choose(kind, M)  # the cell the committed table runs here (no pw: not a CUDA one)
+                if cur.config is not None and cur.path != "cuda":
+                    cfgs.append(cur.config)
+                rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "cuda", log, t0))
+    log(cuda_ratio_table(rows))
+
+
+def cuda_ratio_table(rows) -> str:
+    """One line per (scheme, shape): speed-up over bf16 of the best CUDA config and of the Triton cell, per M."""
+    out, by = [], {}
+    for r in rows:
+        by.setdefault((r["scheme"], r["shape"]), []).append(r)
+    ms = sorted({r["M"] for r in rows})
+    out.append(f"{'scheme':<15} {'shape':<8} " + " ".join(f"{'M=' + str(m):>15}" for m in ms) + "   (cuda / triton x bf16)")
+    for (scheme, shape), rs in by.items():
+        cells = []
+        for m in ms:
+            r = next((x for x in rs if x["M"] == m), None)
+            if r is None:
+                cells.append(f"{'-':>15}")
+                continue
+            ok = {k: v for k, v in r["candidates"].items() if isinstance(v, float) and isinstance(r["rel_l2"].get(k), float)
+                  and r["rel_l2"][k] < 1e-3}
+            cu = [v for k, v in ok.items() if k.startswith("cuda-")]
+            tr = [v for k, v in ok.items() if not k.startswith("cuda-")]
+            cu_s, tr_s = (f"{r['bf16_ms'] / min(v):.2f}" if v else "--" for v in (cu, tr))
+            cells.append(f"{cu_s + ' / ' + tr_s:>15}")
+        out.append(f"{scheme:<15} {shape:<8} " + " ".join(cells))
+    return "\n".join(out)
 
 
 def explore(rows, log):
@@ -193,13 +253,16 @@ if __name__ == "__main__":
     res = {"env": {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__}, "explore": [], "gemlite": [],
            "gemv": []}
     try:
+        if "--cuda" in sys.argv:
+            explore_cuda(res["explore"], print)
         if "--final" in sys.argv:
             explore_final(res["explore"], print)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        if "--no-explore" not in sys.argv and "--gemv" not in sys.argv and "--final" not in sys.argv:
+        only = ("--gemv", "--final", "--cuda")
+        if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
-        if "--no-gemlite" not in sys.argv and "--gemv" not in sys.argv and "--final" not in sys.argv:
+        if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):
             try:
                 gemlite_rows(res["gemlite"], print)
             except Exception as e:

@@ -81,7 +81,7 @@ def check_cell(dispatch, pw, M: int, *, device, seed: int = 0, dtype=torch.bfloa
     from lowbit.kernels import weight_gemm as wg
     from lowbit.kernels.weight_dispatch import run_cell
 
-    cell = dispatch.choose(pw.kind, M)
+    cell = dispatch.choose(pw.kind, M, pw, dtype)  # the cell that runs this weight (CUDA cells have conditions)
     g = torch.Generator(device=device).manual_seed(1000 + seed)
     x = torch.randn(M, pw.K, generator=g, device=device).to(dtype)
     y = run_cell(cell, x, pw, torch.float32)

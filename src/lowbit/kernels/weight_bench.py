@@ -39,7 +39,7 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, log=print, t0=0.0) -> list
         nx = max(len(pws), len(ws))
         xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(nx)]
 
-        cell = dispatch.choose(pw0.kind, M)
+        cell = dispatch.choose(pw0.kind, M, pw0)
         bf16_ms = graph_time_ms([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(nx)],
                                 reps=3, target_ms=10)
         ms_ = graph_time_ms([(lambda p=pws[i % len(pws)], x=xs[i], c=cell: run_cell(c, x, p)) for i in range(nx)],

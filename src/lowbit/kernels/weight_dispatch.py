@@ -9,6 +9,9 @@ A cell is (kind, M range, capability) -> path + launch config. Paths:
     triton          lowbit.kernels.weight_gemm.linear with the cell's GemmConfig
     dequant-cublas  dequantize the weight (Triton) then cuBLAS (A16 only; wins where the GEMM is
                     compute-bound, since the fused kernel's dequantization then costs tensor-core time)
+    cuda            lowbit.kernels.weight_cuda.linear with the cell's CudaConfig (A16 bf16, M <= 16: the
+                    CUDA C++ tensor-core kernel built with nvcc); a weight or input it does not take (or no
+                    nvcc on the machine) falls through to the next cell that covers M
 The cells for a capability with a table in weight_tables/ (sm90.json: the H200) are the winners of the
 committed explorations (benchmarks/build_weight_table.py over benchmarks/results/weights/gemm_explore_*);
 other devices get the generic cells. A kind with no cell
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.kernels.weight_cuda import CudaConfig
 from lowbit.kernels.weight_gemm import GemmConfig, GemvConfig, PackedWeight
 
 KINDS = ("w4a16", "w8a16", "w8a8", "w4a8")
@@ -36,7 +40,7 @@ class Cell:
     m_lo: int
     m_hi: int
     path: str
-    config: GemmConfig | GemvConfig | None = None
+    config: GemmConfig | GemvConfig | CudaConfig | None = None
 
     @property
     def kernel(self) -> str:
@@ -76,6 +80,8 @@ def last_resort() -> list[Cell]:
 def config_from_name(path: str, name: str | None):
     if path == "dequant-cublas" or name is None:
         return None
+    if path == "cuda":
+        return CudaConfig.from_name(name)
     return GemvConfig.from_name(name) if path == "gemv" else GemmConfig.from_name(name)
 
 
@@ -103,7 +109,20 @@ def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dty
         return y if out_dtype is None else y.to(out_dtype)
     if cell.path == "gemv":
         return wg.gemv(x, pw, cell.config, out_dtype)
+    if cell.path == "cuda":
+        from lowbit.kernels import weight_cuda
+
+        return weight_cuda.linear(x, pw, cell.config, out_dtype)
     return wg.linear(x, pw, cell.config, out_dtype)
+
+
+def _takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
+    """Whether the cell's path runs this weight: only the CUDA kernel has conditions beyond (kind, M)."""
+    if cell.path != "cuda":
+        return True
+    from lowbit.kernels import weight_cuda
+
+    return weight_cuda.why_not(pw, x_dtype, M) is None and weight_cuda.nvcc_missing() is None
 
 
 class Dispatch:
@@ -131,9 +150,11 @@ class Dispatch:
         return Dispatch([c for c in self.cells if c not in bad], self.source + (f", {len(bad)} cell(s) removed by "
                                                                                  "the audit" if bad else ""))
 
-    def choose(self, kind: str, M: int) -> Cell:
+    def choose(self, kind: str, M: int, pw: PackedWeight | None = None, x_dtype=torch.bfloat16) -> Cell:
+        """The first cell of `kind` covering M; with `pw`, cells whose path cannot take this weight / input
+        dtype (the CUDA kernel's conditions) are passed over."""
         for c in self.cells:
-            if c.kind == kind and c.covers(M):
+            if c.kind == kind and c.covers(M) and (pw is None or _takes(c, pw, x_dtype, M)):
                 return c
         have = sorted({c.kind for c in self.cells})
         raise LowbitError(f"no weight kernel for {kind} at M={M} on this device ({self.source}); kernels exist for "
@@ -141,7 +162,7 @@ class Dispatch:
 
     def linear(self, x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
         """x [M, K] -> [M, N] through the chosen cell."""
-        return run_cell(self.choose(pw.kind, x.shape[0]), x, pw)
+        return run_cell(self.choose(pw.kind, x.shape[0], pw, x.dtype), x, pw)
 
     def table(self) -> list[dict]:
         return [{"kind": c.kind, "m_lo": c.m_lo, "m_hi": None if c.m_hi >= M_INF else c.m_hi, "path": c.path,

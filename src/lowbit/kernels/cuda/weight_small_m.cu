@@ -1,0 +1,399 @@
+// lowbit: weight-only GEMM for small M (LLM decode, M = 1..16) on tensor cores.
+//
+//   y[M, N] = x[M, K] @ W^T,  W[n, k] = (q[n, k] - zero[g, n]) * scale[g, n],  g = k / group
+//
+// Built by lowbit/kernels/weight_cuda.py with nvcc into a shared library (no torch headers) and called
+// through ctypes with raw device pointers on the caller's stream (so it can be captured in a CUDA graph).
+//
+// Weight layout: lowbit's PackedWeight as it is (no repack):
+//   bits 4: int32 words [N, K/8], nibble i of word j = q[n, 8j + i] + 8 (compressed-tensors pack_to_int32)
+//   bits 8: int8 [N, K], q signed
+//   scale [G, N] (bf16 / fp16 / fp32), zero int8 [G, N] or null, bias [N] or null.
+//
+// Why it can run near the copy rate: the weight is the mma's A operand (16 weight rows x 16 k), the
+// activations the B operand (16 k x 8 activation rows; two mmas for M > 8), so an mma does 256 weights
+// for one warp instruction and M costs nothing up to 16. The K order inside an mma is free as long as
+// A and B agree, so each lane feeds the mma from the words it loaded itself (16-byte loads of its
+// weight row, a warp reading 8 rows x 64 contiguous bytes per instruction) and the activations are
+// permuted once into shared memory in the matching order. 4-bit: one lop3 puts two nibbles
+// (bits 0-3 and 16-19 of the shifted word) under the bf16 exponent of 128 (0x4300 | c == 128 + c) and
+// one bf16x2 subtract of 136 + zero gives q - zero exactly (small integers are exact in bf16): 11
+// instructions per 8 weights. 8-bit: byte_perm into the fp32 2**23 magic, subtract, pack to bf16x2.
+// Each K chunk lies inside one group (chunk = 4 lanes x LW words, LW chosen on the host so that the
+// chunk divides the group), so its fp32 partial is exact integer-weight sums and the group scale
+// multiplies the partial once per chunk. Split-K across blocks writes fp32 partials to a workspace;
+// the last block of a row block (a counter, reset by that block) sums them in a fixed order (the
+// result does not depend on which block finishes last) and writes y: no memset, no extra launch.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+enum { KIND_BF16 = 0, KIND_FP16 = 1, KIND_FP32 = 2 };
+
+struct Params {
+  const __nv_bfloat16* x;  // [M, ldx] bf16, 16-byte aligned rows
+  long long ldx;
+  const uint32_t* qw;      // 4-bit: [N, K/8] words; 8-bit: [N, K] bytes read as [N, K/4] words
+  const void* scale;       // [G, N]
+  const int8_t* zero;      // [G, N] or null
+  const void* bias;        // [N] or null
+  void* y;                 // [M, ldy]
+  long long ldy;
+  float* ws;               // split-K partials [splitk, M, N] (splitk > 1)
+  unsigned* counters;      // one per row block, zero between launches (splitk > 1)
+  int M, N, K, group;
+  int chunks_per_split;    // K chunks per blockIdx.y
+  int splitk;              // gridDim.y
+  int scale_kind, bias_kind, out_kind;
+};
+
+__device__ __forceinline__ float ld_scalar(const void* p, int kind, long long i) {
+  if (kind == KIND_BF16) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
+  if (kind == KIND_FP16) return __half2float(reinterpret_cast<const __half*>(p)[i]);
+  return reinterpret_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ void st_out(void* y, int kind, long long i, float v) {
+  if (kind == KIND_BF16) reinterpret_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v);
+  else if (kind == KIND_FP16) reinterpret_cast<__half*>(y)[i] = __float2half_rn(v);
+  else reinterpret_cast<float*>(y)[i] = v;
+}
+
+// LW consecutive 32-bit words, read once: no L1 allocation (the weight is streamed), 256-byte L2 fetch.
+template <int LW>
+__device__ __forceinline__ void ldg_words(const uint32_t* p, uint32_t* w) {
+  if constexpr (LW == 4) {
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(w[0]), "=r"(w[1]), "=r"(w[2]), "=r"(w[3]) : "l"(p));
+  } else if constexpr (LW == 2) {
+    asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
+  } else {
+    asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
+  }
+}
+
+// Nibbles at bits 0-3 and 16-19 of w -> bf16x2 (128 + c_lo, 128 + c_hi): (w & 0x000F000F) | 0x43004300.
+__device__ __forceinline__ uint32_t nib_pair(uint32_t w) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(0x000F000F), "n"(0x43004300));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// D = A (16x16, row) * B (16x8, col) + D, bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// BITS: 4 or 8. MT: activation tiles of 8 rows (1: M <= 8, 2: M <= 16). LW: words per lane per row and
+// chunk (a chunk is 4 lanes x LW words of K). RT: 16-row weight tiles per warp (they share the B loads).
+template <int BITS, int MT, int LW, int RT>
+__global__ void __launch_bounds__(256) wq_small_m(const Params p) {
+  constexpr int KPW = BITS == 4 ? 8 : 4;  // k per word
+  constexpr int SPW = BITS == 4 ? 2 : 1;  // mma k16-steps per word
+  constexpr int CK = 4 * LW * KPW;        // k per chunk
+  constexpr int S = LW * SPW;             // mma steps per chunk
+  constexpr int WPC = CK / KPW;           // words per row per chunk (= 4 * LW)
+  // B fragments: [chunk][step][MT][lane] x (b0, b1); a warp reads 256 contiguous bytes per step and tile.
+  extern __shared__ uint2 xs[];
+  __shared__ int last_block;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int wpr = p.K / KPW;  // words per weight row
+  const int c_begin = blockIdx.y * p.chunks_per_split;
+  const int c_end = min(p.K / CK, c_begin + p.chunks_per_split);
+  const int nch = c_end - c_begin;
+  const int rows_per_block = nwarps * RT * 16;
+  const int n_block = blockIdx.x * rows_per_block;
+  const int n_warp = n_block + warp * RT * 16;
+
+  // this lane's two weight rows per tile (gid, gid + 8), clamped inside the weight (stores are masked)
+  const uint32_t* rowp[RT][2];
+  int rown[RT][2];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      rown[rt][h] = n_warp + rt * 16 + gid + 8 * h;
+      rowp[rt][h] = p.qw + (long long)min(rown[rt][h], p.N - 1) * wpr + (long long)c_begin * WPC + tig * LW;
+    }
+  }
+
+  uint32_t cur[RT][2][LW];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) ldg_words<LW>(rowp[rt][h], cur[rt][h]);  // in flight while x is staged
+
+  // stage x[:, this split's K] in the fragment order (rows m >= M are zeros)
+  {
+    const int k_begin = c_begin * CK;
+    const int pieces = nch * CK / 8;  // 16-byte pieces per activation row
+    for (int u = threadIdx.x; u < 8 * MT * pieces; u += blockDim.x) {
+      const int m = u / pieces, piece = u - m * pieces;
+      uint4 v = make_uint4(0u, 0u, 0u, 0u);
+      if (m < p.M) v = *reinterpret_cast<const uint4*>(p.x + (long long)m * p.ldx + k_begin + piece * 8);
+      const int t = m >> 3, g = m & 7;
+      const int c = (piece * 8) / CK, kin = piece * 8 - c * CK;
+      if constexpr (BITS == 4) {
+        // one word's 8 k: step 2j takes pairs (k0, k4), (k1, k5); step 2j + 1 (k2, k6), (k3, k7)
+        const int wi = kin / 8, tg = wi / LW, j = wi - tg * LW;
+        const uint2 even = make_uint2(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
+        const uint2 odd = make_uint2(__byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+        xs[((c * S + 2 * j) * MT + t) * 32 + g * 4 + tg] = even;
+        xs[((c * S + 2 * j + 1) * MT + t) * 32 + g * 4 + tg] = odd;
+      } else {
+        // two words of 4 k each, natural order: b0 = (k0, k1), b1 = (k2, k3)
+        const int wi = kin / 4;
+        const int tg0 = wi / LW, s0 = wi - tg0 * LW, tg1 = (wi + 1) / LW, s1 = wi + 1 - tg1 * LW;
+        xs[((c * S + s0) * MT + t) * 32 + g * 4 + tg0] = make_uint2(v.x, v.y);
+        xs[((c * S + s1) * MT + t) * 32 + g * 4 + tg1] = make_uint2(v.z, v.w);
+      }
+    }
+  }
+  __syncthreads();
+
+  float acc[RT][MT][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[rt][t][i] = 0.f;
+
+  for (int c = 0; c < nch; ++c) {
+    uint32_t nxt[RT][2][LW];
+    if (c + 1 < nch) {
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) ldg_words<LW>(rowp[rt][h] + (c + 1) * WPC, nxt[rt][h]);
+    }
+    const int grp = (c_begin + c) * CK / p.group;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt) {
+      float sc[2];
+      uint32_t sub2[2];  // 4-bit: bf16x2 (136 + z); 8-bit: fp32 bits of 2**23 + 128 + z
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const long long gi = (long long)grp * p.N + min(rown[rt][h], p.N - 1);
+        sc[h] = ld_scalar(p.scale, p.scale_kind, gi);
+        const float z = p.zero ? (float)p.zero[gi] : 0.f;
+        if constexpr (BITS == 4) sub2[h] = pack_bf16x2(136.f + z, 136.f + z);
+        else sub2[h] = __float_as_uint(8388736.f + z);
+      }
+      float part[MT][4];
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) part[t][i] = 0.f;
+#pragma unroll
+      for (int j = 0; j < LW; ++j) {
+        const uint32_t wa = cur[rt][0][j], wb = cur[rt][1][j];  // rows gid, gid + 8
+        if constexpr (BITS == 4) {
+#pragma unroll
+          for (int hs = 0; hs < 2; ++hs) {
+            uint32_t a[4];
+            a[0] = bf16x2_sub(nib_pair(wa >> (8 * hs)), sub2[0]);      // (n_{2hs}, n_{2hs+4}) of row gid
+            a[1] = bf16x2_sub(nib_pair(wb >> (8 * hs)), sub2[1]);      // the same of row gid + 8
+            a[2] = bf16x2_sub(nib_pair(wa >> (8 * hs + 4)), sub2[0]);  // (n_{2hs+1}, n_{2hs+5})
+            a[3] = bf16x2_sub(nib_pair(wb >> (8 * hs + 4)), sub2[1]);
+            const int s = 2 * j + hs;
+#pragma unroll
+            for (int t = 0; t < MT; ++t) {
+              const uint2 b = xs[((c * S + s) * MT + t) * 32 + lane];
+              mma_bf16(part[t], a, b.x, b.y);
+            }
+          }
+        } else {
+          const uint32_t ua = wa ^ 0x80808080u, ub = wb ^ 0x80808080u;  // q + 128 per byte
+          const float oa = __uint_as_float(sub2[0]), ob = __uint_as_float(sub2[1]);
+          float fa[4], fb[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            fa[i] = __uint_as_float(__byte_perm(ua, 0x4B000000u, 0x7540 + i)) - oa;  // exact q - z
+            fb[i] = __uint_as_float(__byte_perm(ub, 0x4B000000u, 0x7540 + i)) - ob;
+          }
+          uint32_t a[4] = {pack_bf16x2(fa[0], fa[1]), pack_bf16x2(fb[0], fb[1]), pack_bf16x2(fa[2], fa[3]),
+                           pack_bf16x2(fb[2], fb[3])};
+#pragma unroll
+          for (int t = 0; t < MT; ++t) {
+            const uint2 b = xs[((c * S + j) * MT + t) * 32 + lane];
+            mma_bf16(part[t], a, b.x, b.y);
+          }
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        acc[rt][t][0] += part[t][0] * sc[0];
+        acc[rt][t][1] += part[t][1] * sc[0];
+        acc[rt][t][2] += part[t][2] * sc[1];
+        acc[rt][t][3] += part[t][3] * sc[1];
+      }
+    }
+    if (c + 1 < nch) {
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+#pragma unroll
+          for (int j = 0; j < LW; ++j) cur[rt][h][j] = nxt[rt][h][j];
+    }
+  }
+
+  // C fragment: acc[rt][t][i] is (weight row gid + 8 * (i >= 2), activation row 8t + 2 tig + (i & 1))
+  if (p.splitk == 1) {
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = rown[rt][i >> 1], m = 8 * t + 2 * tig + (i & 1);
+          if (n < p.N && m < p.M) {
+            const float b = p.bias ? ld_scalar(p.bias, p.bias_kind, n) : 0.f;
+            st_out(p.y, p.out_kind, (long long)m * p.ldy + n, acc[rt][t][i] + b);
+          }
+        }
+    return;
+  }
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = rown[rt][i >> 1], m = 8 * t + 2 * tig + (i & 1);
+        if (n < p.N && m < p.M) p.ws[((long long)blockIdx.y * p.M + m) * p.N + n] = acc[rt][t][i];
+      }
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last_block = atomicAdd(&p.counters[blockIdx.x], 1u) == (unsigned)(p.splitk - 1);
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  for (int idx = threadIdx.x; idx < rows_per_block * p.M; idx += blockDim.x) {
+    const int m = idx / rows_per_block, n = n_block + idx - m * rows_per_block;
+    if (n >= p.N) continue;
+    float v = 0.f;
+    for (int ks = 0; ks < p.splitk; ++ks) v += __ldcg(&p.ws[((long long)ks * p.M + m) * p.N + n]);
+    if (p.bias) v += ld_scalar(p.bias, p.bias_kind, n);
+    st_out(p.y, p.out_kind, (long long)m * p.ldy + n, v);
+  }
+  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;  // ready for the next launch on this stream
+}
+
+template <int BITS, int MT, int LW, int RT>
+int launch(const Params& p, int warps, int smem, cudaStream_t stream) {
+  auto kern = wq_small_m<BITS, MT, LW, RT>;
+  static int smem_set[64] = {0};  // per device: the dynamic shared memory limit raised so far
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (smem > 48 * 1024 && (dev >= 64 || smem > smem_set[dev])) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+    if (dev < 64) smem_set[dev] = smem;
+  }
+  const int rows_per_block = warps * RT * 16;
+  dim3 grid((p.N + rows_per_block - 1) / rows_per_block, p.splitk);
+  kern<<<grid, warps * 32, smem, stream>>>(p);
+  return (int)cudaGetLastError();
+}
+
+template <int BITS, int MT>
+int by_lw_rt(const Params& p, int lw, int rt, int warps, int smem, cudaStream_t s) {
+#ifdef LOWBIT_COMPILE_CHECK  // the CPU test's quick compile: every code path, fewer template instances
+#define LOWBIT_RT(LW_)                                                 \
+  if (rt == 1) return launch<BITS, MT, LW_, 1>(p, warps, smem, s);    \
+  return -2;
+#else
+#define LOWBIT_RT(LW_)                                                 \
+  if (rt == 1) return launch<BITS, MT, LW_, 1>(p, warps, smem, s);    \
+  if (rt == 2) return launch<BITS, MT, LW_, 2>(p, warps, smem, s);    \
+  if (rt == 4) return launch<BITS, MT, LW_, 4>(p, warps, smem, s);    \
+  return -2;
+#endif
+  if (lw == 4) { LOWBIT_RT(4) }
+  if (lw == 2) { LOWBIT_RT(2) }
+  if (lw == 1) { LOWBIT_RT(1) }
+#undef LOWBIT_RT
+  return -3;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Bytes of dynamic shared memory one block needs (the caller checks it against the device).
+int lowbit_wq_small_m_smem(int bits, int M, int lw, int chunks_per_split) {
+  const int mt = M <= 8 ? 1 : 2, s = lw * (bits == 4 ? 2 : 1);
+  return chunks_per_split * s * mt * 32 * 8;
+}
+
+// y = x @ W^T for 1 <= M <= 16. Returns 0, a cudaError_t, or -1..-4 for arguments the library has no
+// instance for (bits, M, lw, rt, warps). Sizes are checked by the Python wrapper (weight_cuda.py).
+int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
+                      const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
+                      float* ws, unsigned* counters, int M, int N, int K, int group, int bits, int lw, int rt,
+                      int warps, int chunks_per_split, int splitk, unsigned long long stream) {
+  if (M < 1 || M > 16) return -1;
+  if (warps != 2 && warps != 4 && warps != 8) return -4;
+  Params p;
+  p.x = reinterpret_cast<const __nv_bfloat16*>(x);
+  p.ldx = ldx;
+  p.qw = reinterpret_cast<const uint32_t*>(qw);
+  p.scale = scale;
+  p.zero = reinterpret_cast<const int8_t*>(zero);
+  p.bias = bias;
+  p.y = y;
+  p.ldy = ldy;
+  p.ws = ws;
+  p.counters = counters;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.group = group;
+  p.chunks_per_split = chunks_per_split;
+  p.splitk = splitk;
+  p.scale_kind = scale_kind;
+  p.bias_kind = bias_kind;
+  p.out_kind = out_kind;
+  const int smem = lowbit_wq_small_m_smem(bits, M, lw, chunks_per_split);
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+#ifdef LOWBIT_COMPILE_CHECK
+  if (bits == 4) return M <= 8 ? by_lw_rt<4, 1>(p, lw, rt, warps, smem, s) : -1;
+  if (bits == 8) return M <= 8 ? by_lw_rt<8, 1>(p, lw, rt, warps, smem, s) : -1;
+#else
+  if (bits == 4) return M <= 8 ? by_lw_rt<4, 1>(p, lw, rt, warps, smem, s) : by_lw_rt<4, 2>(p, lw, rt, warps, smem, s);
+  if (bits == 8) return M <= 8 ? by_lw_rt<8, 1>(p, lw, rt, warps, smem, s) : by_lw_rt<8, 2>(p, lw, rt, warps, smem, s);
+#endif
+  return -1;
+}
+
+const char* lowbit_cuda_error_string(int code) {
+  if (code == -1) return "no instance for these bits / M (4 or 8 bits, 1 <= M <= 16)";
+  if (code == -2) return "no instance for this rows-per-warp (1, 2 or 4)";
+  if (code == -3) return "no instance for this words-per-lane (1, 2 or 4)";
+  if (code == -4) return "no instance for this warps-per-block (2, 4 or 8)";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+}  // extern "C"

@@ -1,0 +1,274 @@
+"""CUDA C++ weight-only GEMM for small M (decode, 1 <= M <= 16): built once with nvcc, called via ctypes.
+
+    y = linear(x, pw, CudaConfig(RT=2, warps=4))    x [M, K] bf16 -> y [M, N] (bf16 / fp16 / fp32 out)
+    why_not(pw, x)                                  None if the kernel takes this (weight, input), else the reason
+
+The kernel (kernels/cuda/weight_small_m.cu) reads lowbit's PackedWeight as it is (pw.layout: 4-bit
+compressed-tensors int32 words [N, K/8], 8-bit int8 [N, K], scale [G, N], zero int8 [G, N]): no repack, so
+the Triton and dequantize + cuBLAS cells for larger M read the same tensors. It needs no torch C++
+headers: nvcc builds a shared library with `extern "C"` launchers taking raw device pointers and the
+caller's stream (torch.cuda.current_stream().cuda_stream), so a call is capturable in a CUDA graph.
+
+Build cache: ~/.cache/lowbit/cuda (or the temp dir when home is not writable), one file per sha256 of
+(source, `nvcc --version`, arch, flags); a build writes a temporary name and renames it, so processes
+building at once never read a half-written library.
+
+Launch geometry (CudaConfig): a block of `warps` warps, each warp RT tiles of 16 weight rows; K split
+across SPLITK blocks (0: enough blocks for ~2 waves of the SMs, and at least what shared memory needs:
+a block stages its K range of x, 16 * MT bytes per k, MT = 1 for M <= 8, 2 for M <= 16). A K chunk is
+4 lanes x LW words, LW in {4, 2, 1} the largest with chunk | group and chunk | K, so every chunk has one
+scale (4-bit: chunk 32 * LW, so g128 / g64 / g32 get LW 4 / 2 / 1; 8-bit: chunk 16 * LW).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import math
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from lowbit.errors import LowbitError
+
+SOURCE = Path(__file__).with_name("cuda") / "weight_small_m.cu"
+NVCC: str | None = None  # None: `nvcc` on PATH, else /usr/local/cuda/bin/nvcc (tests point it elsewhere)
+FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
+SMEM_CAP = 96 * 1024  # dynamic shared memory per block we allow (two blocks per SM on an H100/H200)
+M_MAX = 16
+_KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_lock = threading.Lock()
+_libs: dict[str, ctypes.CDLL] = {}
+_counters: dict[tuple, torch.Tensor] = {}
+
+
+@dataclass(frozen=True)
+class CudaConfig:
+    """Launch geometry of the small-M CUDA kernel: RT 16-row tiles per warp, `warps` per block, SPLITK
+    K-splits (0: automatic)."""
+
+    RT: int = 2
+    warps: int = 4
+    SPLITK: int = 0
+
+    @classmethod
+    def from_name(cls, name: str) -> CudaConfig:
+        import re
+
+        m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)", name)
+        if m is None:
+            raise ValueError(f"not a CudaConfig name: {name!r}")
+        return cls(int(m[1]), int(m[2]), int(m[3]))
+
+    @property
+    def name(self) -> str:
+        return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}"
+
+
+def find_nvcc() -> str:
+    """The nvcc to build with, or a one-line LowbitError."""
+    cand = NVCC or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
+    if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
+        raise LowbitError(f"nvcc not found ({cand}): the CUDA weight kernel is built at first use; install the CUDA "
+                          "toolkit (nvcc) or use the Triton cells (they need no nvcc)")
+    return cand
+
+
+_nvcc_state: list = []
+
+
+def nvcc_missing() -> str | None:
+    """None when nvcc is there to build the kernel, else the one-line reason (checked once per process; the
+    dispatch then passes over the CUDA cells instead of failing every call)."""
+    if not _nvcc_state:
+        try:
+            find_nvcc()
+            _nvcc_state.append(None)
+        except LowbitError as e:
+            _nvcc_state.append(str(e))
+    return _nvcc_state[0]
+
+
+def arch_for(cap: tuple[int, int]) -> str:
+    """nvcc's -arch for a compute capability (sm_90a on Hopper)."""
+    return f"sm_{cap[0]}{cap[1]}" + ("a" if tuple(cap) == (9, 0) else "")
+
+
+def _cache_dir() -> Path:
+    for d in (Path.home() / ".cache" / "lowbit" / "cuda", Path(tempfile.gettempdir()) / f"lowbit-cuda-{os.getuid()}"):
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            if os.access(d, os.W_OK):
+                return d
+        except OSError:
+            continue
+    raise LowbitError("no writable cache directory for the CUDA weight kernel (tried ~/.cache/lowbit and the temp "
+                      "dir): make one of them writable")
+
+
+def build(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
+    """The shared library for `arch`, compiled now unless the cache has it. `defines` (-D...) are for the
+    compile-only test (LOWBIT_COMPILE_CHECK: a few template instances)."""
+    nvcc = find_nvcc()
+    try:
+        ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60,
+                             check=False).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise LowbitError(f"{nvcc} --version failed ({type(e).__name__}): check the CUDA toolkit install") from e
+    src = SOURCE.read_bytes()
+    flags = (*FLAGS, f"-gencode=arch=compute_{arch[3:]},code={arch}", *(f"-D{d}" for d in defines))
+    key = hashlib.sha256(src + ver.encode() + " ".join(flags).encode()).hexdigest()[:20]
+    d = cache_dir or _cache_dir()
+    out = Path(d) / f"lowbit_weight_small_m_{arch}_{key}.so"
+    if out.is_file():
+        return out
+    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=900,
+                           check=False)
+        if r.returncode != 0:
+            first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[:200])
+            raise LowbitError(f"nvcc failed to build {SOURCE.name} for {arch}: {first.strip()} (see `nvcc --version`; "
+                              "the kernel needs CUDA >= 12 and sm_80+)")
+        os.replace(tmp, out)  # atomic: another process sees the old state or the whole file
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return out
+
+
+def _load(path: Path) -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(path))
+    P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
+    lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I,
+                                      ctypes.c_ulonglong]
+    lib.lowbit_wq_small_m.restype = I
+    lib.lowbit_wq_small_m_smem.argtypes = [I, I, I, I]
+    lib.lowbit_wq_small_m_smem.restype = I
+    lib.lowbit_cuda_error_string.argtypes = [I]
+    lib.lowbit_cuda_error_string.restype = ctypes.c_char_p
+    return lib
+
+
+_devices: dict[int, tuple[ctypes.CDLL, int]] = {}
+
+
+def library(device) -> ctypes.CDLL:
+    """The loaded library for this CUDA device's architecture (built on first use)."""
+    return _device(torch.device(device))[0]
+
+
+def _device(dev: torch.device) -> tuple[ctypes.CDLL, int]:
+    """(library, SM count) of a CUDA device, looked up once (the call path stays a few dict lookups)."""
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    got = _devices.get(idx)
+    if got is None:
+        arch = arch_for(torch.cuda.get_device_capability(idx))
+        with _lock:
+            if arch not in _libs:
+                _libs[arch] = _load(build(arch))
+        got = _devices[idx] = (_libs[arch], torch.cuda.get_device_properties(idx).multi_processor_count)
+    return got
+
+
+def words_per_lane(bits: int, K: int, group: int) -> int | None:
+    """LW: the largest of 4, 2, 1 whose K chunk (4 lanes x LW words) divides both K and the group."""
+    kpw = 8 if bits == 4 else 4
+    for lw in (4, 2, 1):
+        ck = 4 * lw * kpw
+        if K % ck == 0 and group % ck == 0:
+            return lw
+    return None
+
+
+def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None) -> str | None:
+    """None when the kernel runs this weight (and input dtype / M), else why not (the dispatch falls through)."""
+    if pw.a_bits != 16 or pw.bits not in (4, 8):
+        return f"the CUDA small-M kernel is weight-only A16 with 4- or 8-bit weights, not {pw.kind}"
+    if x_dtype != torch.bfloat16:
+        return f"the CUDA small-M kernel takes bf16 activations, got {x_dtype}"
+    if M is not None and not 1 <= M <= M_MAX:
+        return f"the CUDA small-M kernel covers 1 <= M <= {M_MAX}, got M={M}"
+    if words_per_lane(pw.bits, pw.K, pw.group) is None:
+        return f"K={pw.K} / group {pw.group} is not a multiple of {32 if pw.bits == 4 else 16}"
+    if pw.scale.dtype not in _KIND or (pw.bias is not None and pw.bias.dtype not in _KIND):
+        return f"scale/bias dtype {pw.scale.dtype} is not bf16/fp16/fp32"
+    if not (pw.qweight.is_contiguous() and pw.qweight.data_ptr() % 16 == 0 and pw.scale.is_contiguous()
+            and (pw.zero is None or pw.zero.is_contiguous())):
+        return "the packed weight is not contiguous / 16-byte aligned"
+    return None
+
+
+@dataclass(frozen=True)
+class Plan:
+    lw: int
+    chunks_per_split: int
+    splitk: int
+    row_blocks: int
+    smem: int
+
+
+def plan(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
+    """K chunks per block and the K split for one call (the numbers the .cu launcher takes)."""
+    lw = words_per_lane(pw.bits, pw.K, pw.group)
+    ck = 4 * lw * (8 if pw.bits == 4 else 4)
+    nch = pw.K // ck
+    mt = 1 if M <= 8 else 2
+    per_chunk = lw * (2 if pw.bits == 4 else 1) * mt * 32 * 8  # smem bytes per chunk
+    row_blocks = math.ceil(pw.N / (16 * cfg.RT * cfg.warps))
+    sk_min = math.ceil(nch * per_chunk / SMEM_CAP)
+    sk = cfg.SPLITK or math.ceil(2 * sms / row_blocks)
+    sk = max(1, min(nch, max(sk, sk_min), 64))
+    cps = math.ceil(nch / sk)
+    sk = math.ceil(nch / cps)  # no empty split
+    return Plan(lw, cps, sk, row_blocks, cps * per_chunk)
+
+
+def _counter_buffer(device, stream: int, n: int) -> torch.Tensor:
+    """Zeroed int32 counters, one per row block, kept per (device, stream): the kernel's last block of a row
+    block resets its counter, so they are zero between launches on one stream."""
+    key = (str(device), stream)
+    buf = _counters.get(key)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
+        _counters[key] = buf
+    return buf
+
+
+def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] bf16 (1 <= M <= 16) -> y [M, N] in out_dtype (default x's) on the current stream."""
+    cfg = config or CudaConfig()
+    M, K = x.shape
+    if K != pw.K:
+        raise ValueError(f"x has K={K}, the weight K={pw.K}")
+    reason = why_not(pw, x.dtype, M)
+    if reason:
+        raise ValueError(reason)
+    out_dtype = out_dtype or x.dtype
+    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
+        x = x.contiguous()
+    dev = x.device
+    lib, sms = _device(dev)
+    pl = plan(pw, M, cfg, sms)
+    y = torch.empty(M, pw.N, dtype=out_dtype, device=dev)
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    ws = cnt = None
+    if pl.splitk > 1:
+        ws = torch.empty(pl.splitk * M * pw.N, dtype=torch.float32, device=dev)
+        cnt = _counter_buffer(dev, stream, pl.row_blocks)
+    rc = lib.lowbit_wq_small_m(
+        x.data_ptr(), x.stride(0), pw.qweight.data_ptr(), pw.scale.data_ptr(), _KIND[pw.scale.dtype],
+        None if pw.zero is None else pw.zero.data_ptr(), None if pw.bias is None else pw.bias.data_ptr(),
+        _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0), _KIND[out_dtype],
+        None if ws is None else ws.data_ptr(), None if cnt is None else cnt.data_ptr(),
+        M, pw.N, K, pw.group, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.splitk, stream)
+    if rc != 0:
+        msg = lib.lowbit_cuda_error_string(rc).decode()
+        raise LowbitError(f"CUDA weight kernel {cfg.name} failed at M={M} N={pw.N} K={K}: {msg}")
+    return y

@@ -1,0 +1,264 @@
+"""The CUDA C++ small-M weight kernel (lowbit.kernels.weight_cuda) against the torch twin.
+
+CPU: the .cu compiles with nvcc (a few template instances, when nvcc is here), a missing nvcc is a
+one-line error, the launch plan and the conditions under which the dispatch passes the kernel over.
+GPU (marked): every scheme it takes vs `linear_twin` at M 1/3/4/16 on odd N, the launch geometries and
+split-K agree, split-K is deterministic across calls, a CUDA graph replays it, the audit covers its cells.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.kernels import weight_cuda as wc
+from lowbit.kernels import weight_gemm as wg
+from lowbit.kernels.weight_audit import random_weight
+from lowbit.kernels.weight_cuda import CudaConfig
+from lowbit.kernels.weight_dispatch import Cell, Dispatch, config_from_name
+from lowbit.kernels.weight_gemm import GemmConfig
+
+
+def rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def test_cu_compiles_with_nvcc(tmp_path):
+    """Every code path of the .cu (4/8-bit, LW 4/2/1) through nvcc for sm_90a; the host entry points answer."""
+    if wc.nvcc_missing():
+        pytest.skip(f"no nvcc here: {wc.nvcc_missing()}")
+    so = wc.build("sm_90a", cache_dir=tmp_path, defines=("LOWBIT_COMPILE_CHECK",))
+    assert so.is_file() and so.parent == tmp_path and not list(tmp_path.glob("*.tmp"))
+    assert wc.build("sm_90a", cache_dir=tmp_path, defines=("LOWBIT_COMPILE_CHECK",)) == so  # cached, same key
+    lib = wc._load(so)
+    # host-only entry points (no device needed): shared memory per block, and argument checks before any launch
+    assert lib.lowbit_wq_small_m_smem(4, 1, 4, 3) == 3 * 8 * 1 * 32 * 8
+    assert lib.lowbit_wq_small_m_smem(8, 9, 2, 5) == 5 * 2 * 2 * 32 * 8
+    # x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters,
+    # M=0 (refused), N, K, group, bits, lw, rt, warps, chunks_per_split, splitk, stream
+    rc = lib.lowbit_wq_small_m(None, 0, None, None, 0, None, None, 0, None, 0, 0, None, None,
+                               0, 1, 128, 128, 4, 4, 2, 4, 1, 1, 0)
+    assert rc == -1 and b"1 <= M <= 16" in lib.lowbit_cuda_error_string(rc)
+    assert isinstance(lib, ctypes.CDLL)
+
+
+def test_missing_nvcc_is_a_one_line_error(monkeypatch, tmp_path):
+    monkeypatch.setattr(wc, "NVCC", str(tmp_path / "no-nvcc-here"))
+    with pytest.raises(LowbitError) as e:
+        wc.build("sm_90a", cache_dir=tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and "nvcc not found" in msg and "install the CUDA toolkit" in msg
+
+
+def test_words_per_lane_and_plan():
+    # 4-bit chunk = 32 * LW: g128 -> 4, g64 -> 2, g32 -> 1; 8-bit chunk = 16 * LW
+    assert [wc.words_per_lane(4, 4096, g) for g in (128, 64, 32, 4096)] == [4, 2, 1, 4]
+    assert [wc.words_per_lane(8, k, k) for k in (576, 1056, 1008, 1000)] == [4, 2, 1, None]  # 1000 % 16 != 0
+    assert wc.words_per_lane(4, 40, 40) is None
+    pw = random_weight("w4a16-g128", 14336, 4096, "cpu")
+    p1 = wc.plan(pw, 1, CudaConfig(RT=2, warps=4), sms=132)
+    assert p1.lw == 4 and p1.row_blocks == 112 and p1.splitk * p1.chunks_per_split >= 32
+    assert (p1.splitk - 1) * p1.chunks_per_split < 32  # no empty split
+    down = random_weight("w8a16", 4096, 14336, "cpu")
+    for M in (1, 16):  # x's K range must fit the shared-memory cap
+        p = wc.plan(down, M, CudaConfig(RT=1, warps=4, SPLITK=1), sms=132)
+        assert p.smem <= wc.SMEM_CAP and p.splitk * p.chunks_per_split * 64 >= 14336
+
+
+def test_why_not_and_dispatch_falls_through():
+    pw = random_weight("w4a16-g64-asym", 33, 256, "cpu")
+    assert wc.why_not(pw, torch.bfloat16, 16) is None
+    assert "bf16" in wc.why_not(pw, torch.float16, 1)
+    assert "M=17" in wc.why_not(pw, torch.bfloat16, 17)
+    assert "A16" in wc.why_not(random_weight("w8a8", 33, 128, "cpu"))
+    assert "multiple" in wc.why_not(wg.pack_weight(torch.zeros(5, 40, dtype=torch.uint8), torch.ones(5, 1), None,
+                                                   bits=4, group=40, a_bits=16))
+    cuda = Cell("w4a16", 1, 16, "cuda", CudaConfig())
+    tri = Cell("w4a16", 1, 16, "triton", GemmConfig())
+    d = Dispatch([cuda, tri], "test")
+    if wc.nvcc_missing() is None:
+        assert d.choose("w4a16", 3, pw, torch.bfloat16) is cuda
+    assert d.choose("w4a16", 3, pw, torch.float16) is tri  # fp16 input: the next cell that covers M
+    assert d.choose("w4a16", 3) is cuda  # without the weight: the table's cell
+    assert config_from_name("cuda", cuda.config.name) == cuda.config and cuda.kernel == "cuda:cuda-rt2-w4-sk0"
+    assert CudaConfig.from_name("cuda-rt4-w8-sk3") == CudaConfig(4, 8, 3)
+
+
+def test_table_builder_puts_a_fallback_after_a_cuda_cell(tmp_path):
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bwt", Path(__file__).parents[2] / "benchmarks/build_weight_table.py")
+    bwt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bwt)
+    rows = [{"scheme": "w4a16-g128", "shape": sh, "M": 1, "N": 8, "K": 8, "bf16_ms": 1.0,
+             "candidates": {"cuda-rt2-w4-sk0": 0.25, "bm16-bn32-bk256-sk4-w4-s3-sp": 1.2},
+             "rel_l2": {"cuda-rt2-w4-sk0": 1e-6, "bm16-bn32-bk256-sk4-w4-s3-sp": 1e-6}} for sh in bwt.SHAPES]
+    f = tmp_path / "e.json"
+    f.write_text(json.dumps({"env": {"gpu": "X"}, "explore": rows}))
+    bwt.main(str(tmp_path / "t.json"), [str(f)])
+    cells = [c for c in json.loads((tmp_path / "t.json").read_text())["cells"] if c["m_lo"] == 1]
+    assert [(c["path"], c["config"]) for c in cells] == [("cuda", "cuda-rt2-w4-sk0"),
+                                                         ("triton", "bm16-bn32-bk256-sk4-w4-s3-sp")]
+
+
+gpu = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+SCHEMES = ["w4a16-g128", "w4a16-g64-asym", "w4a16-g32", "w8a16"]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("scheme", SCHEMES)
+@pytest.mark.parametrize("N,K", [(1001, 1024), (1024, 4096), (4096, 14336)])
+def test_gpu_cuda_matches_twin(scheme, N, K):
+    pw = random_weight(scheme, N, K, "cuda", seed=N)
+    if N == 1001:
+        pw.bias = torch.randn(N, device="cuda").bfloat16()
+    for M in (1, 3, 4, 16):
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        ref = wg.linear_twin(x, pw, torch.float32)
+        y = wc.linear(x, pw, CudaConfig(), torch.float32)
+        assert torch.isfinite(y).all(), (scheme, M)
+        assert rel(y, ref) < 1e-4, (scheme, M, rel(y, ref))  # exact integer weights, fp32 sums: order only
+        yb = wc.linear(x, pw)
+        assert yb.dtype == torch.bfloat16 and rel(yb.float(), ref) < 1e-2
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w8a16"])
+def test_gpu_cuda_geometries_and_split_k_agree(scheme):
+    N, K, M = 333, 1536, 5
+    pw = random_weight(scheme, N, K, "cuda", seed=3)
+    pw.scale = pw.scale.float()  # fp32 scales are read as they are
+    x = torch.randn(M, K, device="cuda").bfloat16()
+    ref = wg.linear_twin(x, pw, torch.float32)
+    for cfg in (CudaConfig(1, 4, 1), CudaConfig(2, 4, 3), CudaConfig(4, 2, 5), CudaConfig(1, 8, 0), CudaConfig(4, 8, 12)):
+        y1 = wc.linear(x, pw, cfg, torch.float32)
+        y2 = wc.linear(x, pw, cfg, torch.float32)
+        assert rel(y1, ref) < 1e-4, (cfg, rel(y1, ref))
+        assert torch.equal(y1, y2), cfg  # split-K sums in a fixed order; the counters reset for the next call
+    x9 = torch.randn(9, K, device="cuda").bfloat16()  # 9..16: two activation tiles
+    assert rel(wc.linear(x9, pw, CudaConfig(2, 4, 3), torch.float32), wg.linear_twin(x9, pw, torch.float32)) < 1e-4
+
+
+@gpu
+@needs_cuda
+def test_gpu_cuda_graph_replay():
+    pw = random_weight("w4a16-g128", 4096, 4096, "cuda")
+    x = torch.randn(2, 4096, device="cuda").bfloat16()
+    cfg = CudaConfig(2, 4, 4)  # split-K: the workspace and the counters inside the graph
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        wc.linear(x, pw, cfg)  # build, load, counters for this stream
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            y = wc.linear(x, pw, cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel(y.float(), wg.linear_twin(x, pw, torch.float32)) < 1e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_audit_covers_cuda_cells():
+    from lowbit.kernels.weight_audit import audit_weights
+    from lowbit.kernels.weight_dispatch import last_resort
+
+    cells = [Cell(k, 1, 16, "cuda", CudaConfig()) for k in ("w4a16", "w8a16")] + last_resort()
+    rows, _ = audit_weights("cuda", schemes=("w4a16-g128", "w4a16-g64-asym", "w8a16"),
+                            shapes=[("odd", 1024, 1001), ("smollm2 up", 576, 1536)], ms=(1, 7, 16, 17),
+                            dispatch=Dispatch(cells, "test"))
+    small = [r for r in rows if r.M <= 16]
+    assert small and all(r.kernel.startswith("cuda:") for r in small)
+    assert all(r.ok for r in rows), [r for r in rows if not r.ok]
+    assert all(r.kernel == "dequant-cublas" for r in rows if r.M == 17)
+
+
+def _emulate_warp(x, pw, lw, n0=0):
+    """One warp of the kernel (RT 1, two activation tiles, one K split) in torch, index for index as the .cu
+    writes it: the staged B fragments, each lane's A registers from the words it loads, the mma as
+    A[16 x 16] @ B[16 x 8] assembled from the lanes' registers, the group scale per chunk. -> [M, 16]"""
+    M, K = x.shape
+    bits, N = pw.bits, pw.N
+    kpw, spw = (8, 2) if bits == 4 else (4, 1)
+    ck, S = 4 * lw * kpw, lw * spw
+    if bits == 4:
+        words = pw.qweight.to(torch.int64) & 0xFFFFFFFF  # [N, K/8]
+    else:
+        b = pw.qweight.view(torch.uint8).to(torch.int64).reshape(N, K // 4, 4)
+        words = b[..., 0] | (b[..., 1] << 8) | (b[..., 2] << 16) | (b[..., 3] << 24)
+    xp = torch.zeros(16, K, dtype=torch.float64)
+    xp[:M] = x.double()
+    xs = torch.zeros(K // ck, S, 2, 32, 4, dtype=torch.float64)  # [chunk][step][tile][lane] (b0 lo, hi, b1 lo, hi)
+    for m in range(16):
+        for piece in range(K // 8):
+            v = xp[m, piece * 8:piece * 8 + 8]
+            t, g, c = m >> 3, m & 7, piece * 8 // ck
+            kin = piece * 8 - c * ck
+            if bits == 4:
+                wi = kin // 8
+                tg, j = wi // lw, wi % lw
+                xs[c, 2 * j, t, g * 4 + tg] = v[[0, 4, 1, 5]]
+                xs[c, 2 * j + 1, t, g * 4 + tg] = v[[2, 6, 3, 7]]
+            else:
+                for q in range(2):
+                    w_ = kin // 4 + q
+                    xs[c, w_ % lw, t, g * 4 + w_ // lw] = v[4 * q:4 * q + 4]
+    acc = torch.zeros(16, 16, dtype=torch.float64)  # [weight row, activation row]
+    for c in range(K // ck):
+        grp = c * ck // pw.group
+        rows = [min(n0 + r, N - 1) for r in range(16)]
+        sc = torch.tensor([float(pw.scale[grp, r]) for r in rows], dtype=torch.float64)
+        z = [0 if pw.zero is None else int(pw.zero[grp, r]) for r in rows]
+        part = torch.zeros(16, 16, dtype=torch.float64)
+        for s in range(S):
+            A = torch.zeros(16, 16, dtype=torch.float64)
+            for lane in range(32):
+                gid, tig = lane >> 2, lane & 3
+                j, hs = (s // 2, s % 2) if bits == 4 else (s, 0)
+                regs = []
+                for r in (gid, gid + 8):
+                    w = int(words[rows[r], c * (ck // kpw) + tig * lw + j])
+                    if bits == 4:  # nib_pair(w >> sh) - (136 + z): (bits 0-3, bits 16-19) of the shifted word
+                        pr = [((w >> sh) & 0xF, (w >> (sh + 16)) & 0xF) for sh in (8 * hs, 8 * hs + 4)]
+                        regs.append([(128 + a - 136 - z[r], 128 + b_ - 136 - z[r]) for a, b_ in pr])
+                    else:  # byte i of w ^ 0x80808080, minus 128 + z
+                        u = [((w ^ 0x80808080) >> (8 * i)) & 0xFF for i in range(4)]
+                        regs.append([(u[0] - 128 - z[r], u[1] - 128 - z[r]), (u[2] - 128 - z[r], u[3] - 128 - z[r])])
+                (A[gid, 2 * tig], A[gid, 2 * tig + 1]), (A[gid, 2 * tig + 8], A[gid, 2 * tig + 9]) = regs[0]
+                (A[gid + 8, 2 * tig], A[gid + 8, 2 * tig + 1]), (A[gid + 8, 2 * tig + 8], A[gid + 8, 2 * tig + 9]) = regs[1]
+            for t in range(2):
+                B = torch.zeros(16, 8, dtype=torch.float64)
+                for lane in range(32):
+                    gid, tig = lane >> 2, lane & 3
+                    b = xs[c, s, t, lane]
+                    B[2 * tig, gid], B[2 * tig + 1, gid], B[2 * tig + 8, gid], B[2 * tig + 9, gid] = b
+                part[:, 8 * t:8 * t + 8] += A @ B
+        acc += part * sc[:, None]
+    return acc[:, :M].t()
+
+
+@pytest.mark.parametrize("scheme,K", [("w4a16-g128", 256), ("w4a16-g64-asym", 192), ("w4a16-g32", 96),
+                                      ("w8a16", 192), ("w8a16", 80)])
+def test_fragment_mapping_emulated_matches_twin(scheme, K):
+    """The kernel's index math (staging permutation, A-register nibble/byte choice, per-chunk group scale)
+    computes the twin's function: the CPU check of the design the GPU tests then check on the device."""
+    pw = random_weight(scheme, 21, K, "cpu", seed=K)
+    lw = wc.words_per_lane(pw.bits, K, pw.group)
+    x = torch.randn(11, K).bfloat16()
+    ref = wg.linear_twin(x, pw, torch.float32).double()
+    for n0 in (0, 16):  # the second tile runs past N = 21 (rows clamped, not stored)
+        y = _emulate_warp(x, pw, lw, n0)
+        n = min(16, 21 - n0)
+        assert rel(y[:, :n], ref[:, n0:n0 + n]) < 1e-6, (scheme, lw, n0)
