@@ -16,6 +16,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="cuda: full shapes; cpu: small shapes through the Triton interpreter (default: cuda if present)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    parser.add_argument("--kernel", choices=["all", "decode_attention", "decode_geometry"], default="all",
+                        help="which decode-attention sweep: the 64/128/256 kernel, the geometry kernel (MLA latent, "
+                             "Gemma-4 K = V, K192/V128, head_dim 512), or both (default)")
     parser.add_argument("--weights", action="store_true",
                         help="audit the weight GEMMs (W4A16/W8A16/W8A8/W4A8, every dispatched (scheme, M) cell on "
                              "LLM and DiT shapes) instead of the decode-attention kernel")
@@ -35,6 +38,8 @@ def run(args) -> int:
             cmd += ["--json", args.json]
         if args.weights:
             cmd += ["--weights"]
+        if getattr(args, "kernel", "all") != "all":
+            cmd += ["--kernel", args.kernel]
         return subprocess.call(cmd, env=env)
 
     if args.weights:
@@ -50,7 +55,8 @@ def run(args) -> int:
 
     from lowbit.kernels.audit import audit, format_table
 
-    rows = audit(device)
+    which = getattr(args, "kernel", "all")
+    rows = audit(device, kernels=("decode_attention", "decode_geometry") if which == "all" else (which,))
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:

@@ -60,7 +60,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--length", default="4k,32k,128k", help="context lengths (default 4k,32k,128k)")
     parser.add_argument("--geometry", default=None,
                         help="decode-attention: llama3-8b,gemma3-1b (default both; Hq 32 / Hkv 8 / D 128 and "
-                             "Hq 4 / Hkv 1 / D 256); decode: one random-weight model geometry (default llama3-8b)")
+                             "Hq 4 / Hkv 1 / D 256), or the geometry kernel's deepseek-v3-latent, "
+                             "deepseek-v3-latent-tp8, kimi-k192v128, gemma4-full512; decode: one random-weight model "
+                             "geometry (default llama3-8b)")
     parser.add_argument("--bits", default="2,4,8", help="K=V bit widths to time (default 2,4,8)")
     parser.add_argument("--mem-cap-gb", type=float, default=60.0, help="skip shapes whose bf16 KV exceeds this")
     parser.add_argument("--out", metavar="JSON",
@@ -149,15 +151,23 @@ def run(args) -> int:
         write_new(path, res)
         print(f"wrote {path}")
         return 0
-    from lowbit.kernels import bench
+    from lowbit.kernels import bench, geo_bench
 
     geos = tuple(g.strip() for g in (args.geometry or "llama3-8b,gemma3-1b").split(","))
-    bad = [g for g in geos if g not in bench.GEOMETRIES]
+    bad = [g for g in geos if g not in bench.GEOMETRIES and g not in geo_bench.GEOMETRIES]
     if bad:
-        raise LowbitError(f"unknown geometry {bad}; use {sorted(bench.GEOMETRIES)}")
+        raise LowbitError(f"unknown geometry {bad}; use {sorted(bench.GEOMETRIES) + sorted(geo_bench.GEOMETRIES)}")
     bits = tuple((b, b) for b in _ints(args.bits))
     path = resolve_out(args.out, args.what, torch.cuda.get_device_name(0))
-    res = bench.run(_ints(args.batch), _ints(args.length), geos, bits, mem_cap_gb=args.mem_cap_gb)
+    classic = tuple(g for g in geos if g in bench.GEOMETRIES)
+    new = tuple(g for g in geos if g in geo_bench.GEOMETRIES)  # issue-19 geometries: the geometry kernel
+    res = {"env": None, "rows": []}
+    if classic:
+        res = bench.run(_ints(args.batch), _ints(args.length), classic, bits, mem_cap_gb=args.mem_cap_gb)
+    if new:
+        geo_bits = tuple(b for b, _ in bits if b in (2, 4, 8))
+        more = geo_bench.run(_ints(args.batch), _ints(args.length), new, geo_bits, mem_cap_gb=args.mem_cap_gb)
+        res = {"env": res["env"] or more["env"], "rows": res["rows"] + more["rows"]}
     write_new(path, res)
     print(f"wrote {path}")
     return 0

@@ -97,13 +97,125 @@ def sweep(device: str) -> list[dict]:
     ]
 
 
-def audit(device: str | None = None, cases=None, config=None) -> list[AuditRow]:
+def make_latent_case(B, Hq, D, DR, T, bits, *, group=128, sink=0, recent=0, ragged=False, dense_mid=False,
+                     dtype=torch.bfloat16, device="cpu", seed=0):
+    """Random inputs for decode_attention_latent: one latent head (c_kv / Gemma-4's V) with per-channel
+    offsets, packed through lowbit.quant, its dense key part (k_pe / K's RoPE dims) and dense tiers."""
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    x = rnd(B, 1, T, D) + 1.5 * rnd(1, 1, 1, D)
+    if dense_mid:
+        c, s, z = x.to(dtype), None, None
+    else:
+        c, s, z = _packed(x, bits, group)
+    del x
+    lens = torch.randint(0, T + 1, (B,), generator=g, device=device) if ragged else torch.full((B,), T, device=device)
+    kw = {"q_lat": rnd(B, Hq, D).to(dtype), "q_pe": rnd(B, Hq, DR).to(dtype), "codes": c, "scale": s, "zero": z,
+          "pe": rnd(B, 1, T, DR).to(dtype), "mid_lens": lens.to(torch.int32), "bits": bits, "dense_mid": dense_mid}
+    if sink:
+        kw.update(sink_v=rnd(B, 1, sink, D).to(dtype), sink_pe=rnd(B, 1, sink, DR).to(dtype))
+    if recent:
+        kw.update(recent_v=rnd(B, 1, recent, D).to(dtype), recent_pe=rnd(B, 1, recent, DR).to(dtype),
+                  recent_lens=torch.randint(0, recent + 1, (B,), generator=g, device=device).to(torch.int32))
+    return kw
+
+
+def geo_sweep(device: str) -> list[tuple]:
+    """(kernel, name, kwargs) for the geometry kernel: MLA latent (DeepSeek-V3 128 heads, TP8 16 heads),
+    Gemma-4 full K = V (16 heads, 512 + 128 RoPE dims), Kimi-K2 K192/V128 (64 heads), head_dim 512 GQA;
+    bits 2/4/8, ragged lengths, with and without dense tiers, the bf16 dense-latent baseline."""
+    if device == "cuda":
+        lat = [(16, 128, 512, 64, 32768, 2, {}), (1, 128, 512, 64, 32768, 2, {}), (16, 16, 512, 64, 32768, 2, {}),
+               (3, 128, 512, 64, 5000, 4, {"ragged": True}), (5, 16, 512, 128, 32768, 2, {}),
+               (3, 16, 512, 128, 3000, 8, {"ragged": True}), (2, 128, 512, 64, 4096, 16, {"dense_mid": True})]
+        mha = [(16, 64, 64, 192, 128, 8192, 2, 2, 64), (1, 64, 64, 192, 128, 32768, 4, 4, 64),
+               (5, 64, 64, 192, 128, 1000, 2, 4, 64), (16, 16, 1, 512, 512, 32768, 2, 2, 128),
+               (3, 16, 1, 512, 512, 5000, 4, 4, 128)]
+        tiers = {"sink": 64, "recent": 256}
+    else:
+        lat = [(1, 3, 512, 64, 17, 2, {}), (3, 5, 512, 64, 99, 4, {"ragged": True}),
+               (1, 4, 512, 128, 17, 2, {}), (2, 3, 512, 64, 17, 16, {"dense_mid": True})]
+        mha = [(3, 2, 2, 192, 128, 17, 2, 2, 64), (1, 3, 1, 512, 512, 19, 4, 4, 128)]
+        tiers = {"sink": 3, "recent": 5}
+    out = []
+    for B, Hq, D, DR, T, bits, extra in lat:
+        for tr in ({}, tiers):
+            what = "bf16 latent" if extra.get("dense_mid") else f"int{bits}"
+            out.append(("decode_latent", f"B{B} Hq{Hq} D{D}+{DR} T{T} {what}" + (" +tiers" if tr else "")
+                        + (" ragged" if extra.get("ragged") else ""),
+                        dict(B=B, Hq=Hq, D=D, DR=DR, T=T, bits=bits, **extra, **tr)))
+    for B, Hq, Hkv, Dk, Dv, T, kb, vb, grp in mha:
+        for tr in ({}, tiers):
+            out.append(("decode_geometry", f"B{B} Hq{Hq}/Hkv{Hkv} K{Dk}/V{Dv} T{T} k{kb}v{vb}" + (" +tiers" if tr else ""),
+                        dict(B=B, Hq=Hq, Hkv=Hkv, D=Dk, Dv=Dv, T=T, kbits=kb, vbits=vb, group=grp, **tr)))
+    return out
+
+
+def _row(kernel, name, out, ref, t):
+    finite = bool(torch.isfinite(out).all())
+    d = (out.double() - ref.double())
+    rel = float(d.norm() / ref.double().norm().clamp_min(1e-30)) if finite else float("inf")
+    mrel = float(d.abs().max() / ref.double().abs().max().clamp_min(1e-30)) if finite else float("inf")
+    return AuditRow(kernel, name, rel, mrel, finite, finite and rel <= TOL, time.time() - t)
+
+
+def audit_geometry(device: str | None = None, cases=None) -> list[AuditRow]:
+    """The geometry kernel (lowbit.kernels.decode_geometry) against its twins, default launch config
+    on CUDA, a small one under the interpreter."""
+    from lowbit.kernels.decode_geometry import GeoConfig, decode_attention_geo, decode_attention_latent
+    from lowbit.kernels.reference import decode_attention_latent_ref, decode_attention_ref
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cfg = GeoConfig() if device == "cuda" else GeoConfig(block_t=16, num_splits=3, dense_block=16)
+    rows = []
+    for kernel, name, kw in cases or geo_sweep(device):
+        t = time.time()
+        if kernel == "decode_latent":
+            inp = make_latent_case(**kw, device=device, seed=len(rows))
+            q = inp["q_lat"]
+            out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=device)
+            decode_attention_latent(**inp, config=cfg, out=out)
+            ref = decode_attention_latent_ref(**inp)
+        else:
+            Dv = kw.pop("Dv")
+            inp = _make_geo_case(**kw, Dv=Dv, device=device, seed=len(rows))
+            q = inp["q"]
+            out = torch.full((q.shape[0], q.shape[1], Dv), float("nan"), dtype=torch.float32, device=device)
+            decode_attention_geo(**inp, config=cfg, out=out)
+            ref = decode_attention_ref(**inp)
+            kw["Dv"] = Dv
+        rows.append(_row(kernel, name, out, ref, t))
+        del inp, out, ref
+    return rows
+
+
+def _make_geo_case(B, Hq, Hkv, D, Dv, T, kbits, vbits, *, group, sink=0, recent=0, device="cpu", seed=0,
+                   dtype=torch.bfloat16):
+    """make_case with a V head_dim of its own (V's group: min(group, Dv))."""
+    kw = make_case(B, Hq, Hkv, D, T, kbits, vbits, group=group, sink=sink, recent=recent, device=device, seed=seed,
+                   dtype=dtype)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    vc, vs, vz = _packed(torch.randn(B, Hkv, T, Dv, generator=g, device=device), vbits, min(group, Dv))
+    kw.update(v_codes=vc, v_scale=vs, v_zero=vz)
+    for name in ("sink", "recent"):
+        if f"{name}_v" in kw:
+            kw[f"{name}_v"] = torch.randn(B, Hkv, kw[f"{name}_v"].shape[2], Dv, generator=g, device=device).to(dtype)
+    return kw
+
+
+def audit(device: str | None = None, cases=None, config=None, kernels=("decode_attention", "decode_geometry")) -> list[AuditRow]:
     """Run the sweep on `device` ('cuda' or 'cpu'; default: cuda if available) with the kernel's
-    default launch config (or `config`)."""
+    default launch config (or `config`). kernels: which sweeps ("decode_attention": the 64/128/256
+    kernel; "decode_geometry": the geometry kernel's latent and K/V cases)."""
     from lowbit.kernels.decode_attention import KernelConfig, decode_attention
     from lowbit.kernels.reference import decode_attention_ref
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if "decode_attention" not in kernels:
+        return audit_geometry(device) if "decode_geometry" in kernels else []
     if config is not None:
         cfg = config
     else:
@@ -124,6 +236,8 @@ def audit(device: str | None = None, cases=None, config=None) -> list[AuditRow]:
         rows.append(AuditRow("decode_attention", name, rel, mrel, finite, finite and rel <= TOL,
                              time.time() - t))
         del inp, out, ref
+    if "decode_geometry" in kernels and cases is None:
+        rows += audit_geometry(device)
     return rows
 
 

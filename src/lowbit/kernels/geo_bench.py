@@ -1,0 +1,266 @@
+"""GPU benchmark of the geometry decode kernel (lowbit.kernels.decode_geometry): the issue-19 geometries.
+
+Rows have the format of lowbit.kernels.bench (results/decode_attention_<gpu>.json): `sdpa_ms` /
+`sdpa_tbs` are the bf16 baseline, `k{b}v{b}_ms/_ratio/_tbs/_bytes/_config` the packed kernel. A row
+whose baseline is not torch SDPA names it in "baseline" and repeats its time in "baseline_ms"; the
+ratios are always relative to the row's baseline. Timing: lowbit.kernels.bench.graph_time_ms (a CUDA
+graph of calls cycling through enough input sets to defeat the L2), the same for both sides.
+
+Geometries (full-size attention shapes, random codes/scales; bytes from the tensors held):
+  deepseek-v3-latent      MLA latent, 128 q heads over one latent (c_kv 512 packed + k_pe 64 bf16);
+                          baseline: the same kernel over a dense bf16 latent (best of its configs) or
+                          the torch matmul form over a 576-wide bf16 cache, whichever is faster.
+  deepseek-v3-latent-tp8  the same with 16 q heads (one GPU of a TP8 deployment).
+  kimi-k192v128           expanded MHA, 64 heads, K 192 (group 64) / V 128 (group 128); baseline SDPA.
+  gemma4-full512          Gemma-4 full layers, 16 q heads, 1 KV head of 512, K = V stored once
+                          (V packed, group 128, + K's 128 RoPE dims bf16); baseline SDPA over K, V [.., 512].
+Each packed row is timed under a few launch configs; the fastest is reported with its config and
+every candidate's time ("candidates_ms").
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lowbit.kernels.bench import env_info, graph_time_ms, n_buffers
+
+GEOMETRIES = {
+    # name: dict(kind, Hq, Hkv, Dk, Dv, DR, gk, gv)
+    "deepseek-v3-latent": dict(kind="latent", Hq=128, Hkv=1, Dk=512, Dv=512, DR=64, gk=128, gv=128),
+    "deepseek-v3-latent-tp8": dict(kind="latent", Hq=16, Hkv=1, Dk=512, Dv=512, DR=64, gk=128, gv=128),
+    "kimi-k192v128": dict(kind="mha", Hq=64, Hkv=64, Dk=192, Dv=128, DR=0, gk=64, gv=128),
+    "gemma4-full512": dict(kind="latent", Hq=16, Hkv=1, Dk=512, Dv=512, DR=128, gk=128, gv=128),
+}
+
+
+def candidates(geo: dict, packed: bool = True):
+    """Launch configs tried per row (GeoConfig); the first is the kernel's own default."""
+    from lowbit.kernels.decode_geometry import GeoConfig
+
+    if geo["kind"] == "mha":
+        return [GeoConfig(), GeoConfig(block_t=128, num_warps=4), GeoConfig(block_t=32, num_warps=2)]
+    if geo["Hq"] >= 64:
+        return [GeoConfig(), GeoConfig(heads=32, num_warps=8, block_t=32), GeoConfig(heads=64, num_warps=8, block_t=16)]
+    return [GeoConfig(), GeoConfig(heads=16, num_warps=4, block_t=32), GeoConfig(heads=8, num_warps=4, block_t=64)]
+
+
+def kernel_bytes(geo, B, L, bits) -> int:
+    """Bytes one decode step reads from the middle: codes + fp16 scale/zero (+ the dense key part)."""
+    H = geo["Hkv"]
+    if geo["kind"] == "latent":
+        per = geo["Dv"] * bits // 8 + 4 * geo["Dv"] // geo["gv"] + 2 * geo["DR"]
+    else:
+        per = (geo["Dk"] * bits // 8 + 4 * geo["Dk"] // geo["gk"]) + (geo["Dv"] * bits // 8 + 4 * geo["Dv"] // geo["gv"])
+    return B * H * L * per
+
+
+def dense_bytes(geo, B, L) -> int:
+    """bf16 bytes of the baseline's cache: latent [c_kv | k_pe]; MHA / Gemma K and V (SDPA reads both)."""
+    H = geo["Hkv"]
+    if geo["kind"] == "latent" and geo["DR"] == 64:
+        return B * H * L * 2 * (geo["Dv"] + geo["DR"])
+    return B * H * L * 2 * (geo["Dk"] + geo["Dv"])
+
+
+def _rand_packed(B, H, L, D, bits, group, g):
+    c = torch.randint(0, 256, (B, H, L, D * bits // 8), device="cuda", dtype=torch.uint8, generator=g)
+    s = (torch.rand(B, H, L, D // group, device="cuda", generator=g) * 0.1 + 0.01).half()
+    z = (-torch.rand(B, H, L, D // group, device="cuda", generator=g)).half()
+    return c, s, z
+
+
+def latent_fns(geo, B, L, bits, nbuf, cfg, dense_mid=False, seed=0):
+    """Callables of decode_attention_latent over nbuf middle sets (packed, or bf16 with dense_mid)."""
+    from lowbit.kernels.decode_geometry import decode_attention_latent
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Hq, D, DR = geo["Hq"], geo["Dv"], geo["DR"]
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    qp = torch.randn(B, Hq, DR, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    sets = []
+    for _ in range(nbuf):
+        if dense_mid:
+            t = {"c": torch.randn(B, 1, L, D, device="cuda", dtype=torch.bfloat16, generator=g), "s": None, "z": None}
+        else:
+            t = dict(zip("csz", _rand_packed(B, 1, L, D, bits, geo["gv"], g)))
+        t["pe"] = torch.randn(B, 1, L, DR, device="cuda", dtype=torch.bfloat16, generator=g)
+        sets.append(t)
+
+    def mk(t):
+        def f():
+            o, t["launch"] = decode_attention_latent(q, qp, t["c"], t["s"], t["z"], t["pe"], bits=bits,
+                                                     dense_mid=dense_mid, config=cfg, out=out, return_launch=True)
+            return o
+        return f
+
+    return [mk(t) for t in sets], sets
+
+
+def mha_fns(geo, B, L, bits, nbuf, cfg, seed=0):
+    from lowbit.kernels.decode_geometry import decode_attention_geo
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Hq, H, Dk, Dv = geo["Hq"], geo["Hkv"], geo["Dk"], geo["Dv"]
+    q = torch.randn(B, Hq, Dk, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.empty(B, Hq, Dv, device="cuda", dtype=torch.bfloat16)
+    sets = []
+    for _ in range(nbuf):
+        kc, ks, kz = _rand_packed(B, H, L, Dk, bits, geo["gk"], g)
+        vc, vs, vz = _rand_packed(B, H, L, Dv, bits, geo["gv"], g)
+        sets.append(dict(kc=kc, ks=ks, kz=kz, vc=vc, vs=vs, vz=vz))
+
+    def mk(t):
+        def f():
+            o, t["launch"] = decode_attention_geo(q, t["kc"], t["ks"], t["kz"], t["vc"], t["vs"], t["vz"], k_bits=bits,
+                                                  v_bits=bits, config=cfg, out=out, return_launch=True)
+            return o
+        return f
+
+    return [mk(t) for t in sets], sets
+
+
+def sdpa_fns(geo, B, L, nbuf, seed=0):
+    """bf16 SDPA over K [B, Hkv, L, Dk], V [B, Hkv, L, Dv] with the first backend that runs the shape
+    (flash, then efficient, cuDNN, math). Returns (fns, sets, backend name)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Hq, H, Dk, Dv = geo["Hq"], geo["Hkv"], geo["Dk"], geo["Dv"]
+    q = torch.randn(B, Hq, 1, Dk, device="cuda", dtype=torch.bfloat16, generator=g)
+    sets = [(torch.randn(B, H, L, Dk, device="cuda", dtype=torch.bfloat16, generator=g),
+             torch.randn(B, H, L, Dv, device="cuda", dtype=torch.bfloat16, generator=g)) for _ in range(nbuf)]
+    for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
+        try:
+            with sdpa_kernel(be):
+                sdpa(q, *sets[0], enable_gqa=Hq != H)
+            torch.cuda.synchronize()
+        except RuntimeError:
+            continue
+
+        def mk(k, v, be=be):
+            def f():
+                with sdpa_kernel(be):
+                    return sdpa(q, k, v, enable_gqa=Hq != H)
+            return f
+
+        return [mk(k, v) for k, v in sets], sets, be.name.lower()
+    raise RuntimeError("no SDPA backend runs this shape")
+
+
+def torch_latent_fns(geo, B, L, nbuf, seed=0):
+    """The MLA decode in plain torch over a bf16 [B, L, 576] cache (FlashMLA's layout: V = its first 512
+    columns): one batched GEMM for the scores of all heads, softmax, one GEMM for the values."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    Hq, D, DR = geo["Hq"], geo["Dv"], geo["DR"]
+    q = torch.randn(B, Hq, D + DR, device="cuda", dtype=torch.bfloat16, generator=g)
+    sets = [torch.randn(B, L, D + DR, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(nbuf)]
+    scale = (D + DR) ** -0.5
+
+    def mk(kv):
+        def f():
+            s = torch.matmul(q, kv.transpose(1, 2))  # [B, Hq, L]
+            p = torch.softmax(s.float() * scale, -1).to(torch.bfloat16)
+            return torch.matmul(p, kv[..., :D])
+        return f
+
+    return [mk(kv) for kv in sets], sets
+
+
+def _best(make, cfgs, log):
+    """Time make(cfg) for each candidate config; returns (best ms, best cfg, launch, {cfg str: ms})."""
+    best, times = None, {}
+    for cfg in cfgs:
+        try:
+            fns, keep = make(cfg)
+            t = graph_time_ms(fns)
+        except Exception as e:  # noqa: BLE001  (a candidate that does not compile/fit is reported, not fatal)
+            log(f"  config {cfg} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
+            times[repr(cfg)] = None
+            continue
+        times[repr(cfg)] = t
+        if best is None or t < best[0]:
+            best = (t, cfg, keep[0].get("launch"))
+        del fns, keep
+        torch.cuda.empty_cache()
+    if best is None:
+        raise RuntimeError("no candidate config ran")
+    return best[0], best[1], best[2], times
+
+
+def run(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=(2, 4), mem_cap_gb: float = 60.0,
+        log=print) -> dict:
+    """Rows for the geometry kernel (format of lowbit.kernels.bench.run)."""
+    rows = []
+    for name in geometries:
+        geo = GEOMETRIES[name]
+        for B in batches:
+            for L in lengths:
+                db = dense_bytes(geo, B, L)
+                if db > mem_cap_gb * 1e9:
+                    log(f"skip {name} B{B} L{L}: bf16 KV {db / 1e9:.0f} GB over the {mem_cap_gb:.0f} GB cap")
+                    continue
+                nb = n_buffers(db, mem_cap_gb * 1e9)
+                row = {"geometry": name, "B": B, "L": L, "Hq": geo["Hq"], "Hkv": geo["Hkv"], "D": geo["Dk"],
+                       "Dv": geo["Dv"], "DR": geo["DR"], "group": geo["gv"], "group_k": geo["gk"],
+                       "bf16_bytes": db, "bf16_buffers": nb}
+                if geo["kind"] == "latent" and name.startswith("deepseek"):
+                    t_k, cfg_k, _, cand = _best(lambda c: latent_fns(geo, B, L, 16, nb, c, dense_mid=True),
+                                                candidates(geo), log)
+                    # the kernel's dense middle holds c_kv and k_pe apart: same bytes as the 576-wide cache
+                    fns, keep = torch_latent_fns(geo, B, L, nb)
+                    t_t = graph_time_ms(fns)
+                    del fns, keep
+                    row.update(bf16_kernel_ms=t_k, bf16_kernel_config=repr(cfg_k), bf16_kernel_candidates_ms=cand,
+                               torch_latent_ms=t_t)
+                    if t_k <= t_t:
+                        row["baseline"] = "lowbit latent kernel over a dense bf16 latent (c_kv 512 + k_pe 64)"
+                        t_ref = t_k
+                    else:
+                        row["baseline"] = "torch matmul-softmax-matmul over a bf16 [B, L, 576] latent cache"
+                        t_ref = t_t
+                    row["baseline_ms"] = t_ref
+                else:
+                    fns, keep, be = sdpa_fns(geo, B, L, nb)
+                    t_ref = graph_time_ms(fns)
+                    del fns, keep
+                    row["sdpa_backend"] = be
+                    if be != "flash_attention":
+                        row["baseline"] = f"torch SDPA ({be}; flash does not take head_dim {geo['Dk']}/{geo['Dv']})"
+                        row["baseline_ms"] = t_ref
+                row.update(sdpa_ms=t_ref, sdpa_tbs=db / t_ref / 1e9)
+                torch.cuda.empty_cache()
+                for b in bits:
+                    pb = kernel_bytes(geo, B, L, b)
+                    nbk = n_buffers(pb, mem_cap_gb * 1e9)
+                    cfgs = candidates(geo) if b == bits[0] else candidates(geo)[:1]
+                    if geo["kind"] == "latent":
+                        t, cfg, launch, cand = _best(lambda c: latent_fns(geo, B, L, b, nbk, c), cfgs, log)
+                    else:
+                        t, cfg, launch, cand = _best(lambda c: mha_fns(geo, B, L, b, nbk, c), cfgs, log)
+                    tag = f"k{b}v{b}"
+                    row[f"{tag}_ms"] = t
+                    row[f"{tag}_ratio"] = t_ref / t
+                    row[f"{tag}_tbs"] = pb / t / 1e9
+                    row[f"{tag}_bytes"] = pb
+                    row[f"{tag}_bytes_per_token_layer"] = pb // (B * L)
+                    row[f"{tag}_config"] = dict(cfg.resolve(geo["Hq"] // geo["Hkv"], geo["Dv"]).__dict__,
+                                                num_splits=launch.num_splits if launch else None)
+                    row[f"{tag}_candidates_ms"] = cand
+                    torch.cuda.empty_cache()
+                row["bf16_bytes_per_token_layer"] = db // (B * L)
+                rows.append(row)
+                log(format_row(row, bits))
+    return {"env": env_info(), "rows": rows}
+
+
+def format_row(r: dict, bits=(2, 4)) -> str:
+    base = r.get("baseline", "sdpa flash")
+    s = (f"{r['geometry']:<22} B{r['B']:<3} L{r['L']:<6} base {r['sdpa_ms']:.3f} ms ({r['sdpa_tbs']:.2f} TB/s; "
+         f"{base[:40]})")
+    for b in bits:
+        tag = f"k{b}v{b}"
+        if f"{tag}_ms" in r:
+            s += f" | {tag} {r[f'{tag}_ms']:.3f} ms x{r[f'{tag}_ratio']:.2f} {r[f'{tag}_tbs']:.2f} TB/s"
+    return s
