@@ -1,9 +1,9 @@
 """Qwen2.5-VL: generate with an image through the lowbit cache (M-RoPE 3-D positions, image tokens in the tiers).
 
-A tiny random Qwen2_5_VLForConditionalGeneration shaped like the real one where the cache cares: head_dim 128
-with M-RoPE sections [16, 24, 24] (temporal / height / width), GQA 4 q / 2 kv heads, the real prompt layout
-<vision_start> <image> x N <vision_end>; a 2-block vision tower. The cache holds post-RoPE keys, so the 3-D
-positions only have to reach transformers' rotary code unchanged; the reference is the same generate call
+A tiny random Qwen2_5_VLForConditionalGeneration from the shipped qwen2.5-vl-7b config (lowbit.models.families):
+head_dim 128 with M-RoPE sections [16, 24, 24] (temporal / height / width), GQA 8 q / 4 kv heads (the real 4 KV heads),
+the real prompt layout <vision_start> <image> x N <vision_end>; a 2-block vision tower with the real patch
+geometry. The cache holds post-RoPE keys, so the 3-D positions only have to reach transformers' rotary code unchanged; the reference is the same generate call
 with DynamicCache. The vision tower keeps its own attention (it packs images by cu_seqlens).
 """
 
@@ -13,35 +13,26 @@ from transformers import DynamicCache
 
 from lowbit.kv import QuantizedKVCache
 from lowbit.kv.cache import cache_kwargs
+from lowbit.models.families import tiny_overrides
+from lowbit.models.tiny import tiny_model
 
 from .helpers import rel_err, scheme
 
-IMAGE, V_START, V_END = 151, 150, 153
+_IDS = tiny_overrides("qwen2.5-vl-7b")
+IMAGE, V_START, V_END = _IDS["image_token_id"], _IDS["vision_start_token_id"], _IDS["vision_end_token_id"]
 
 
 @pytest.fixture(scope="module")
 def vlm():
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    text = dict(vocab_size=160, hidden_size=512, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=4096, rope_theta=1e6, rms_norm_eps=1e-6,
-                rope_scaling={"type": "mrope", "mrope_section": [16, 24, 24]})
-    vision = dict(depth=2, hidden_size=64, intermediate_size=96, num_heads=2, out_hidden_size=512, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1], in_chans=3)
-    cfg = Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=IMAGE, video_token_id=152,
-                           vision_start_token_id=V_START, vision_end_token_id=V_END, bos_token_id=0, eos_token_id=1,
-                           pad_token_id=2)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        m = Qwen2_5_VLForConditionalGeneration._from_config(cfg, attn_implementation="sdpa")
-    return m.float().eval()
+    m, _ = tiny_model("qwen2.5-vl-7b", seed=0)
+    return m
 
 
 def _inputs(seed=0):
     g = torch.Generator().manual_seed(seed)
     grid = torch.tensor([[1, 4, 6]])  # 24 patches -> 6 image tokens after the 2x2 merge
     pix = torch.randn(int(grid.prod()), 3 * 2 * 14 * 14, generator=g)
-    text = torch.randint(10, 140, (19,), generator=g).tolist()
+    text = torch.randint(10, 90, (19,), generator=g).tolist()
     ids = torch.tensor([[5, 6, V_START] + [IMAGE] * 6 + [V_END] + text])
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "pixel_values": pix, "image_grid_thw": grid}
 

@@ -106,7 +106,8 @@ def _alpha(text: str):
 def run(args) -> int:
     from lowbit.calib.corpora import load_text, token_windows
     from lowbit.models import resolve
-    from lowbit.weights.apply import DEFAULT_IGNORE, quantize_model
+    from lowbit.weights.apply import is_ignored, quantize_model
+    from lowbit.weights.arch import default_ignore, vision_tower
     from lowbit.weights.export import save_compressed
     from lowbit.weights.scheme import parse_weight_scheme
 
@@ -138,7 +139,6 @@ def run(args) -> int:
     if args.component is not None or os.path.isfile(os.path.join(args.model, "model_index.json")):
         return _run_diffusers(args, scheme)
     device = _device(args.device)
-    ignore = list(args.ignore) if args.ignore else list(DEFAULT_IGNORE)
     dtype = torch_dtype(args.dtype)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
@@ -146,6 +146,11 @@ def run(args) -> int:
     lm = resolve(args.model, dtype=torch.float32)
     if lm.provenance.get("source") == "quantized-checkpoint":
         raise LowbitError(f"--model {args.model} is already a quantized checkpoint; quantize the unquantized model")
+    tower = vision_tower(lm.model)  # a VLM: its decoder is quantized, its vision tower kept unquantized by design
+    ignore = list(args.ignore) if args.ignore else default_ignore(lm.model)
+    if tower is not None and not all(is_ignored(n, ignore) for n in _linears(lm.model, tower)):
+        raise LowbitError(f"--ignore {' '.join(ignore)} leaves {tower} (the vision tower) to be quantized; lowbit "
+                          f"quantizes a VLM's decoder only: add --ignore '{default_ignore(lm.model)[-1]}' or drop --ignore")
     calib, calib_info = None, None
     if args.method != "rtn" or args.smooth is not None or tune is not None:
         if args.calib_seq_len < 1 or args.calib_tokens < 1 or args.calib_tokens % args.calib_seq_len:
@@ -182,7 +187,14 @@ def run(args) -> int:
     inputs = {"model": lm.name, "weights_sha256": lm.weights_sha256, "calibration": calib_info}
     counts = report.counts()
     counts.update(quantized_modules=counts["quantized_linears"], skipped=counts["skipped_linears"],
-                  quantize_seconds=round(report.seconds, 1))
+                  quantize_seconds=round(report.seconds, 1), ignore=ignore, ignored=sorted(report.ignored))
+    if tower is not None:
+        tower_linears = _linears(lm.model, tower)
+        counts["kept_unquantized"] = {tower: {
+            "what": "vision tower", "linears": len(tower_linears),
+            "ignored_by": [p for p in ignore if any(is_ignored(n, [p]) for n in tower_linears)],
+            "dtype": args.dtype, "why": "by design: lowbit quantizes the decoder only (W4A8 / KV8 serve the "
+                                        "decoder); the tower's weights are written unquantized"}}
     save_compressed(lm.model, lm.tokenizer, scheme, args.out, inputs=inputs, recipe=recipe, counts=counts,
                     ignore=ignore, dtype=dtype)
     raised = f", damp raised on {len(report.damp_raised)}" if report.damp_raised else ""
@@ -190,11 +202,18 @@ def run(args) -> int:
     if st is not None:
         raised += (f"; scale tuning: holdout KL {st['kl_holdout_before']:.4g} -> {st['kl_holdout_after']:.4g}"
                    f"{'' if st['kept'] else ' (not lower: not kept)'}")
+    kept = "" if tower is None else f" (vision tower {tower}: {counts['kept_unquantized'][tower]['linears']} kept)"
     print(f"{lm.name} {scheme.name} {args.method}{' +rotate' if args.rotate else ''}"
           f"{f' +smooth {args.smooth}' if args.smooth is not None else ''}: {counts['layers']} layers, "
-          f"{counts['quantized_linears']} linears quantized, {counts['ignored_linears']} ignored, 0 skipped{raised}; "
+          f"{counts['quantized_linears']} linears quantized, {counts['ignored_linears']} ignored{kept}, "
+          f"0 skipped{raised}; "
           f"quantize {report.seconds:.1f}s, total {time.perf_counter() - t0:.1f}s -> {args.out}")
     return 0
+
+
+def _linears(model, prefix: str) -> list[str]:
+    """Names of the nn.Linear modules under `prefix` (a dotted module path)."""
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(prefix + ".")]
 
 
 def _run_diffusers(args, scheme) -> int:

@@ -315,9 +315,12 @@ def _read_valid_meta(path: Path) -> dict | None:
 
 
 def _load_dir(path: Path, name: str, prov: dict, dtype, attn_implementation: str, device) -> LoadedModel:
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    from lowbit.models.auto import causal_lm_class
+
+    cls = causal_lm_class(AutoConfig.from_pretrained(path))  # a VLM dir (Qwen2.5-VL) is not AutoModelForCausalLM's
+    model = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
     return _finish(model, None, path, name, prov, device)
 
 

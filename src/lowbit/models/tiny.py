@@ -10,7 +10,7 @@ Pass `vocab_size` (e.g. 99) to shrink the embedding: gemma's real 262144 x 640 t
 from __future__ import annotations
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from lowbit.errors import LowbitError
 from lowbit.models.registry import get_builtin
@@ -41,7 +41,9 @@ def tiny_config(name: str, num_layers: int | None = None, vocab_size: int | None
         real = d["layer_types"]
         d["layer_types"] = [real[i % len(real)] for i in range(n)]
     if vocab_size is not None:
-        special = [d.get(k) for k in ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id")]
+        special = [d.get(k) for k in ("pad_token_id", "bos_token_id", "eos_token_id", "unk_token_id",
+                                      "image_token_id", "video_token_id", "vision_start_token_id",
+                                      "vision_end_token_id", "vision_token_id")]
         top = max((t for t in special if isinstance(t, int)), default=0)
         if vocab_size <= top:
             raise LowbitError(f"tiny_model: vocab_size must exceed the special token ids (max {top}), got {vocab_size}")
@@ -62,10 +64,12 @@ def tiny_model(
     Deterministic per `seed`; the caller's global RNG state is left untouched.
     Returns (model, config); `ModelGeometry.from_config(config)` gives its geometry.
     """
+    from lowbit.models.auto import causal_lm_class
+
     config = tiny_config(name, num_layers, vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model = causal_lm_class(config).from_config(config, attn_implementation="sdpa")
     model = model.to(dtype).eval()
     return model, model.config
 

@@ -38,6 +38,11 @@ class ArchSpec:
     mlp_readers: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
     mlp_writer: str = "mlp.down_proj"
     rotation_refusal: str | None = None  # why the residual rotation cannot be folded, if it cannot
+    # VLMs: the vision tower (kept unquantized by design: only the decoder is quantized) and the tower's
+    # linears whose outputs enter the decoder's residual stream (image embeddings replace image tokens'
+    # rows of the embedding output, so the residual rotation must rotate them as it rotates E)
+    vision: str | None = None
+    vision_writers: tuple[str, ...] = ()
 
 
 _LLAMA = ArchSpec()
@@ -50,12 +55,20 @@ _GEMMA3 = ArchSpec(
     ),
 )
 
+# Qwen2.5-VL (transformers >= 4.52 module layout, 5.17 and 5.24): a Qwen2 decoder under model.language_model,
+# the tower at model.visual; its PatchMerger's last linear (mlp.2) writes the image embeddings.
+_QWEN2_5_VL = ArchSpec(
+    layers="model.language_model.layers", embed="model.language_model.embed_tokens",
+    final_norm="model.language_model.norm", vision="model.visual", vision_writers=("model.visual.merger.mlp.2",),
+)
+
 ARCHS: dict[str, ArchSpec] = {
     "llama": _LLAMA,
     "mistral": _LLAMA,
     "qwen2": _LLAMA,  # q/k/v biases ride along: a rotation of the inputs leaves output biases alone
     "gemma3_text": _GEMMA3,
     "gemma3": _GEMMA3,
+    "qwen2_5_vl": _QWEN2_5_VL,
 }
 
 
@@ -76,6 +89,26 @@ def rotation_spec(model: nn.Module) -> ArchSpec:
     if spec.rotation_refusal:
         raise LowbitError(f"--rotate is not supported on {mt}: {spec.rotation_refusal}; quantize without --rotate")
     return spec
+
+
+def vision_tower(model: nn.Module) -> str | None:
+    """Dotted path of `model`'s vision tower (registered VLMs), else None."""
+    _, spec = arch_of(model)
+    if spec is None or spec.vision is None:
+        return None
+    try:
+        get_module(model, spec.vision)
+    except AttributeError:
+        raise LowbitError(f"{type(model).__name__}: no vision tower at {spec.vision}; this transformers version lays "
+                          "the model out differently: update lowbit.weights.arch.ARCHS") from None
+    return spec.vision
+
+
+def default_ignore(model: nn.Module) -> list[str]:
+    """The ignore list when none is given: lm_head, and a VLM's whole vision tower (as one regex, the
+    compressed-tensors convention, so transformers' loader leaves the tower's linears alone too)."""
+    tower = vision_tower(model)
+    return ["lm_head"] + ([] if tower is None else [f"re:^{tower.replace('.', chr(92) + '.')}\\."])
 
 
 def get_module(root: nn.Module, path: str) -> nn.Module:

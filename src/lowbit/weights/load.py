@@ -141,7 +141,7 @@ def load_quantized(path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module
 
     dtype: of the non-quantized tensors (default: the checkpoint's).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
     if not (path / "config.json").is_file():
@@ -163,7 +163,9 @@ def load_quantized(path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we build the quantized modules ourselves
     dt = dtype or _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.float32)
-    model = AutoModelForCausalLM.from_config(config, dtype=dt, attn_implementation="sdpa")
+    from lowbit.models.auto import causal_lm_class
+
+    model = causal_lm_class(config).from_config(config, dtype=dt, attn_implementation="sdpa")
     install_quantlinears(model, sd, scheme, path)
     _load_rest(model, sd, path)
     model.eval()

@@ -9,7 +9,8 @@ becomes x Q. RMSNorm commutes with Q only without its weight (rms(x Q) = rms(x))
 then `rotate_residual`:
     embed rows   E <- E Q              (the stream starts rotated)
     readers      W <- W Q              (x Q (W Q)^T = x W^T)
-    writers      W <- Q^T W, b <- b Q  (o_proj, down_proj write y Q)
+    writers      W <- Q^T W, b <- b Q  (o_proj, down_proj write y Q; a VLM's vision merger output
+                                        too: image embeddings enter the stream where tokens' rows would)
 Value/output heads: per KV head, V rows are rotated by a Hadamard of head_dim Hh, and each query
 head's o_proj input columns by the same Hh: attention mixes whole V vectors, so o = sum p v
 becomes o Hh and o_proj undoes it (W_o[:, head] <- W_o[:, head] Hh).
@@ -84,6 +85,9 @@ def rotate_residual(model: nn.Module, Q: torch.Tensor) -> None:
         writers += [get_module(layer, spec.attn_writer), get_module(layer, spec.mlp_writer)]
     for lin in readers:
         _set(lin.weight, lin.weight.detach().double() @ Q)
+    # a VLM's tower writes image embeddings into the stream in place of image tokens' embedding rows: rotated
+    # like E (the tower itself stays unquantized; this folds Q into its last linear, exact up to rounding)
+    writers += [get_module(model, p) for p in spec.vision_writers]
     for lin in writers:
         _set(lin.weight, Q.T @ lin.weight.detach().double())
         if lin.bias is not None:
@@ -93,7 +97,7 @@ def rotate_residual(model: nn.Module, Q: torch.Tensor) -> None:
 def rotate_value_heads(model: nn.Module) -> None:
     """Rotate each V head and the matching o_proj input columns by a Hadamard of head_dim."""
     spec = rotation_spec(model)
-    cfg = model.config
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config  # VLMs nest it
     hq = cfg.num_attention_heads
     hd = getattr(cfg, "head_dim", None) or cfg.hidden_size // hq
     if not is_supported_order(hd):
