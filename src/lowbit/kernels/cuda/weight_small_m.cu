@@ -57,6 +57,18 @@ __device__ __forceinline__ float ld_scalar(const void* p, int kind, long long i)
   return reinterpret_cast<const float*>(p)[i];
 }
 
+// A scale as its raw bits (converted where it is used, so the load stays in flight meanwhile).
+__device__ __forceinline__ uint32_t ld_raw(const void* p, int kind, long long i) {
+  if (kind == KIND_FP32) return __ldg(reinterpret_cast<const unsigned int*>(p) + i);
+  return __ldg(reinterpret_cast<const unsigned short*>(p) + i);
+}
+
+__device__ __forceinline__ float raw_to_float(uint32_t r, int kind) {
+  if (kind == KIND_BF16) return __uint_as_float(r << 16);
+  if (kind == KIND_FP16) return __half2float(__ushort_as_half(static_cast<unsigned short>(r)));
+  return __uint_as_float(r);
+}
+
 __device__ __forceinline__ void st_out(void* y, int kind, long long i, float v) {
   if (kind == KIND_BF16) reinterpret_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v);
   else if (kind == KIND_FP16) reinterpret_cast<__half*>(y)[i] = __float2half_rn(v);
@@ -137,11 +149,28 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
     }
   }
 
-  uint32_t cur[RT][2][LW];
+  // A ring of NB chunks in registers (indices are compile-time after unrolling): NB - 1 chunks of words,
+  // scales and zero-points in flight while one is computed.
+  constexpr int WORDS = RT * 2 * LW;
+  constexpr int NB = WORDS <= 8 ? 4 : (WORDS <= 16 ? 3 : 2);
+  uint32_t bw[NB][RT][2][LW];
+  uint32_t bs[NB][RT][2];
+  int bz[NB][RT][2];
+  auto issue = [&](int b, int c) {  // chunk c (of this split) into buffer b
+    const int grp = (c_begin + c) * CK / p.group;
 #pragma unroll
-  for (int rt = 0; rt < RT; ++rt)
+    for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) ldg_words<LW>(rowp[rt][h], cur[rt][h]);  // in flight while x is staged
+      for (int h = 0; h < 2; ++h) {
+        ldg_words<LW>(rowp[rt][h] + c * WPC, bw[b][rt][h]);
+        const long long gi = (long long)grp * p.N + min(rown[rt][h], p.N - 1);
+        bs[b][rt][h] = ld_raw(p.scale, p.scale_kind, gi);
+        bz[b][rt][h] = p.zero ? (int)__ldg(p.zero + gi) : 0;
+      }
+  };
+#pragma unroll
+  for (int b = 0; b < NB - 1; ++b)
+    if (b < nch) issue(b, b);  // in flight while x is staged
 
   // stage x[:, this split's K] in the fragment order (rows m >= M are zeros)
   {
@@ -179,24 +208,15 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[rt][t][i] = 0.f;
 
-  for (int c = 0; c < nch; ++c) {
-    uint32_t nxt[RT][2][LW];
-    if (c + 1 < nch) {
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) ldg_words<LW>(rowp[rt][h] + (c + 1) * WPC, nxt[rt][h]);
-    }
-    const int grp = (c_begin + c) * CK / p.group;
+  auto compute = [&](int b, int c) {
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) {
       float sc[2];
       uint32_t sub2[2];  // 4-bit: bf16x2 (136 + z); 8-bit: fp32 bits of 2**23 + 128 + z
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const long long gi = (long long)grp * p.N + min(rown[rt][h], p.N - 1);
-        sc[h] = ld_scalar(p.scale, p.scale_kind, gi);
-        const float z = p.zero ? (float)p.zero[gi] : 0.f;
+        sc[h] = raw_to_float(bs[b][rt][h], p.scale_kind);
+        const float z = (float)bz[b][rt][h];
         if constexpr (BITS == 4) sub2[h] = pack_bf16x2(136.f + z, 136.f + z);
         else sub2[h] = __float_as_uint(8388736.f + z);
       }
@@ -207,7 +227,7 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
         for (int i = 0; i < 4; ++i) part[t][i] = 0.f;
 #pragma unroll
       for (int j = 0; j < LW; ++j) {
-        const uint32_t wa = cur[rt][0][j], wb = cur[rt][1][j];  // rows gid, gid + 8
+        const uint32_t wa = bw[b][rt][0][j], wb = bw[b][rt][1][j];  // rows gid, gid + 8
         if constexpr (BITS == 4) {
 #pragma unroll
           for (int hs = 0; hs < 2; ++hs) {
@@ -219,8 +239,8 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
             const int s = 2 * j + hs;
 #pragma unroll
             for (int t = 0; t < MT; ++t) {
-              const uint2 b = xs[((c * S + s) * MT + t) * 32 + lane];
-              mma_bf16(part[t], a, b.x, b.y);
+              const uint2 bf = xs[((c * S + s) * MT + t) * 32 + lane];
+              mma_bf16(part[t], a, bf.x, bf.y);
             }
           }
         } else {
@@ -236,8 +256,8 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
                            pack_bf16x2(fb[2], fb[3])};
 #pragma unroll
           for (int t = 0; t < MT; ++t) {
-            const uint2 b = xs[((c * S + j) * MT + t) * 32 + lane];
-            mma_bf16(part[t], a, b.x, b.y);
+            const uint2 bf = xs[((c * S + j) * MT + t) * 32 + lane];
+            mma_bf16(part[t], a, bf.x, bf.y);
           }
         }
       }
@@ -249,13 +269,15 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
         acc[rt][t][3] += part[t][3] * sc[1];
       }
     }
-    if (c + 1 < nch) {
+  };
+  for (int c0 = 0; c0 < nch; c0 += NB) {
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h)
-#pragma unroll
-          for (int j = 0; j < LW; ++j) cur[rt][h][j] = nxt[rt][h][j];
+    for (int b = 0; b < NB; ++b) {
+      const int c = c0 + b;
+      if (c < nch) {
+        if (c + NB - 1 < nch) issue((b + NB - 1) % NB, c + NB - 1);
+        compute(b, c);
+      }
     }
   }
 
