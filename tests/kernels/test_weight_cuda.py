@@ -262,3 +262,11 @@ def test_fragment_mapping_emulated_matches_twin(scheme, K):
         y = _emulate_warp(x, pw, lw, n0)
         n = min(16, 21 - n0)
         assert rel(y[:, :n], ref[:, n0:n0 + n]) < 1e-6, (scheme, lw, n0)
+
+
+def test_linear_refuses_cpu_tensors_before_any_launch():
+    pw = random_weight("w4a16-g128", 33, 256, "cpu")
+    with pytest.raises(ValueError, match="CUDA device"):
+        wc.linear(torch.randn(2, 256).bfloat16(), pw)
+    with pytest.raises(ValueError, match="M=17"):
+        wc.linear(torch.randn(17, 256).bfloat16(), pw)

@@ -250,6 +250,8 @@ def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: tor
     reason = why_not(pw, x.dtype, M)
     if reason:
         raise ValueError(reason)
+    if not (x.is_cuda and pw.qweight.device == x.device):
+        raise ValueError(f"the CUDA kernel needs x and the weight on one CUDA device, got {x.device} / {pw.qweight.device}")
     out_dtype = out_dtype or x.dtype
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
