@@ -149,9 +149,10 @@ CUDA_SHAPES = SHAPES + [("k/v", 4096, 1024)]
 
 def cuda_configs():
     """Launch geometries of the CUDA small-M kernel (RT row tiles per warp, warps per block, split-K; 0 = auto)."""
-    return [CudaConfig(rt, w, sk) for rt, w, sk in ((1, 4, 0), (2, 4, 0), (4, 4, 0), (1, 8, 0), (2, 8, 0), (1, 4, 1),
-                                                    (2, 4, 2), (2, 4, 4), (2, 4, 8), (1, 4, 8), (4, 4, 2), (4, 4, 4),
-                                                    (2, 8, 4))]
+    auto = [CudaConfig(rt, w, 0, wv) for rt, w, wv in ((1, 4, 2), (2, 4, 2), (4, 4, 2), (1, 8, 2), (2, 8, 2),
+                                                       (1, 4, 4), (2, 4, 4), (4, 4, 4), (2, 8, 4))]
+    return auto + [CudaConfig(rt, w, sk) for rt, w, sk in ((1, 4, 1), (2, 4, 4), (2, 4, 8), (1, 4, 8), (4, 4, 4),
+                                                           (2, 8, 4))]
 
 
 def explore_cuda(rows, log):

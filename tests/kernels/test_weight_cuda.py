@@ -61,6 +61,7 @@ def test_words_per_lane_and_plan():
     pw = random_weight("w4a16-g128", 14336, 4096, "cpu")
     p1 = wc.plan(pw, 1, CudaConfig(RT=2, warps=4), sms=132)
     assert p1.lw == 4 and p1.row_blocks == 112 and p1.splitk * p1.chunks_per_split >= 32
+    assert p1.splitk == 3 and wc.plan(pw, 1, CudaConfig(RT=2, warps=4, waves=4), sms=132).splitk == 5  # 32 / 7
     assert (p1.splitk - 1) * p1.chunks_per_split < 32  # no empty split
     down = random_weight("w8a16", 4096, 14336, "cpu")
     for M in (1, 16):  # x's K range must fit the shared-memory cap
@@ -85,6 +86,7 @@ def test_why_not_and_dispatch_falls_through():
     assert d.choose("w4a16", 3) is cuda  # without the weight: the table's cell
     assert config_from_name("cuda", cuda.config.name) == cuda.config and cuda.kernel == "cuda:cuda-rt2-w4-sk0"
     assert CudaConfig.from_name("cuda-rt4-w8-sk3") == CudaConfig(4, 8, 3)
+    assert CudaConfig.from_name(CudaConfig(1, 4, 0, 4).name) == CudaConfig(1, 4, 0, 4)
 
 
 def test_table_builder_puts_a_fallback_after_a_cuda_cell(tmp_path):

@@ -14,7 +14,7 @@ Build cache: ~/.cache/lowbit/cuda (or the temp dir when home is not writable), o
 building at once never read a half-written library.
 
 Launch geometry (CudaConfig): a block of `warps` warps, each warp RT tiles of 16 weight rows; K split
-across SPLITK blocks (0: enough blocks for ~2 waves of the SMs, and at least what shared memory needs:
+across SPLITK blocks (0: enough blocks for `waves` (2) x the SMs, and at least what shared memory needs:
 a block stages its K range of x, 16 * MT bytes per k, MT = 1 for M <= 8, 2 for M <= 16). A K chunk is
 4 lanes x LW words, LW in {4, 2, 1} the largest with chunk | group and chunk | K, so every chunk has one
 scale (4-bit: chunk 32 * LW, so g128 / g64 / g32 get LW 4 / 2 / 1; 8-bit: chunk 16 * LW).
@@ -51,24 +51,25 @@ _counters: dict[tuple, torch.Tensor] = {}
 @dataclass(frozen=True)
 class CudaConfig:
     """Launch geometry of the small-M CUDA kernel: RT 16-row tiles per warp, `warps` per block, SPLITK
-    K-splits (0: automatic)."""
+    K-splits (0: automatic, enough blocks for `waves` x the SM count)."""
 
     RT: int = 2
     warps: int = 4
     SPLITK: int = 0
+    waves: int = 2
 
     @classmethod
     def from_name(cls, name: str) -> CudaConfig:
         import re
 
-        m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)", name)
+        m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)(?:-wv(\d+))?", name)
         if m is None:
             raise ValueError(f"not a CudaConfig name: {name!r}")
-        return cls(int(m[1]), int(m[2]), int(m[3]))
+        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2))
 
     @property
     def name(self) -> str:
-        return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}"
+        return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}" + ("" if self.waves == 2 else f"-wv{self.waves}")
 
 
 def find_nvcc() -> str:
@@ -223,7 +224,7 @@ def plan(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
     per_chunk = lw * (2 if pw.bits == 4 else 1) * mt * 32 * 8  # smem bytes per chunk
     row_blocks = math.ceil(pw.N / (16 * cfg.RT * cfg.warps))
     sk_min = math.ceil(nch * per_chunk / SMEM_CAP)
-    sk = cfg.SPLITK or math.ceil(2 * sms / row_blocks)
+    sk = cfg.SPLITK or math.ceil(cfg.waves * sms / row_blocks)
     sk = max(1, min(nch, max(sk, sk_min), 64))
     cps = math.ceil(nch / sk)
     sk = math.ceil(nch / cps)  # no empty split
