@@ -49,3 +49,30 @@ def test_detokenizer_holds_split_characters_and_cuts_stops():
     assert not any("EN" in x for x in deltas)  # the held-back start of the stop never leaks
     deltas, d = _feed(tok, text, ["€"])  # a stop that is itself a multi-byte character
     assert "".join(deltas) == "naïve café — 3 " and d.stopped
+
+
+def _metaspace_tokenizer():
+    # a sentencepiece-like tokenizer: words carry a leading "▁" that decoding turns into a space and drops at
+    # the very start, the case an incremental decode gets wrong if it decodes the new token on its own
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["▁the", "▁cat", "▁sat", "▁on", "▁mat", "the", "s", ".", ",", "▁é", "é", "<unk>"]
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>"), len(words) - 1
+
+
+def test_incremental_detokenizer_equals_a_whole_decode_on_random_ids():
+    g = torch.Generator().manual_seed(5)
+    byte_tok = byte_tokenizer()
+    meta_tok, meta_n = _metaspace_tokenizer()
+    utf8 = byte_tok.encode("naïve café — 3 €, 日本語 ok")
+    for tok, pool in ((byte_tok, list(range(3, byte_tok.vocab_size))), (meta_tok, list(range(meta_n))), (byte_tok, utf8)):
+        for _ in range(60):
+            n = int(torch.randint(1, 40, (1,), generator=g))
+            ids = [pool[int(i)] for i in torch.randint(0, len(pool), (n,), generator=g)]
+            d = Detokenizer(tok, [])
+            out = "".join(d.add(t) for t in ids) + d.flush()
+            assert out == tok.decode(ids, skip_special_tokens=True), ids
