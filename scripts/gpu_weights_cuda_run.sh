@@ -6,13 +6,14 @@
 # Usage (device tool, repo root): bash scripts/gpu_weights_cuda_run.sh "$OUT"
 set -u
 OUT=${1:-${OUT:-/tmp/out}}; mkdir -p "$OUT"
+TOTAL=${2:-330}  # seconds for tests + exploration (the exploration keeps a partial JSON when cut)
 export PYTHONPATH="$PWD/src" TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; nvcc --version | tail -1
 t0=$(date +%s)
 # the first test builds the library (~30-60 s of nvcc) into ~/.cache/lowbit/cuda; the exploration reuses it
-timeout -s INT 170 python3 -m pytest -q -m gpu tests/kernels/test_weight_cuda.py -p no:cacheprovider > "$OUT/tests.log" 2>&1
+timeout -s INT $(( TOTAL / 2 )) python3 -m pytest -q -m gpu tests/kernels/test_weight_cuda.py -p no:cacheprovider > "$OUT/tests.log" 2>&1
 echo "tests rc $? [$(( $(date +%s) - t0 ))s]"; tail -15 "$OUT/tests.log"
-left=$(( 330 - ($(date +%s) - t0) )); [ "$left" -lt 150 ] && left=150  # the exploration gets what the tests left
+left=$(( TOTAL - ($(date +%s) - t0) )); [ "$left" -lt $(( TOTAL / 3 )) ] && left=$(( TOTAL / 3 ))  # the exploration gets what the tests left
 timeout -s INT "$left" python3 benchmarks/gemm_explore.py "$OUT/gemm_explore_cuda.json" --cuda > "$OUT/explore_cuda.log" 2>&1
 echo "explore rc $? [$(( $(date +%s) - t0 ))s]"; grep -E "^cuda " "$OUT/explore_cuda.log" | grep -E "M=(1|16) " | head -24
 python3 - "$OUT/gemm_explore_cuda.json" <<'PY'
