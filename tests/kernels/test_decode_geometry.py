@@ -227,6 +227,7 @@ def _tiny_run(name, mla, scheme_name, backend, steps=3, **model_kw):
     return run_chunks(model, cache, ids, None, chunks), cache
 
 
+@pytest.mark.slow
 @cpu_only
 @pytest.mark.parametrize("name, mla, scheme_name, kw", [
     ("deepseek-v3", "latent", "int2", {"first_k_dense_replace": 2}),
@@ -289,3 +290,27 @@ def test_geo_matches_twin_gpu(case):
                      dtype=torch.bfloat16, device="cuda", seed=T)
     _check(*_run_geo(kw, GeoConfig(), device="cuda"))
 
+
+
+@pytest.mark.slow
+@cpu_only
+def test_geo_bench_rows_run_end_to_end_on_cpu():
+    """The bench's row logic (baselines, candidates, bytes, ratios) on CPU tensors with a stand-in timer."""
+    from lowbit.kernels import geo_bench
+
+    calls = []
+
+    def timer(fns):
+        fns[0]()
+        calls.append(1)
+        return 1.0 + 0.1 * len(calls)
+
+    res = geo_bench.run(batches=(1,), lengths=(40,), geometries=("deepseek-v3-latent-tp8", "gemma4-full512", "kimi-k192v128"),
+                        bits=(2,), log=lambda *_: None, dev="cpu", timer=timer)
+    lat, gem, kimi = res["rows"]
+    assert lat["baseline"].startswith("lowbit latent kernel") and lat["baseline_ms"] < lat["torch_latent_ms"]
+    assert "sdpa_ms" not in lat and lat["k2v2_ratio"] == lat["baseline_ms"] / lat["k2v2_ms"]
+    assert lat["bf16_bytes_per_token_layer"] == 1152 and lat["k2v2_bytes_per_token_layer"] == 128 + 16 + 128
+    assert gem["k2v2_bytes_per_token_layer"] == 128 + 16 + 256 and gem["bf16_bytes_per_token_layer"] == 2048
+    assert kimi["k2v2_bytes_per_token_layer"] == 64 * (48 + 12 + 32 + 4) and "sdpa_ms" in kimi
+    assert len(kimi["k2v2_candidates_ms"]) == 3 and kimi["k2v2_config"]["num_splits"] >= 1

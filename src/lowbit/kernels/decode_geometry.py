@@ -335,8 +335,8 @@ def _geo_stage1(
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
         lse = tl.where(l_i > 0, m_d + tl.log2(l_i), float("-inf"))
         tl.store(LSE + o_rows, lse, mask=hvalid)
-        dv = tl.arange(0, DV)
-        tl.store(OP + o_rows[None, :] * DV + dv[:, None], o_t * inv_l[None, :], mask=hvalid[None, :])
+        dvd = tl.arange(0, DV)  # (a name of its own: both branches of `if split < NSM` must agree on types)
+        tl.store(OP + o_rows[None, :] * DV + dvd[:, None], o_t * inv_l[None, :], mask=hvalid[None, :])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -358,12 +358,16 @@ class GeoConfig:
     dense_block: int = 32
 
     def resolve(self, G: int, DV: int) -> GeoConfig:
-        """heads: all G up to 16 per program (more heads per program = fewer re-reads of a tile, but
-        an accumulator of DV x heads fp32 registers); 8 warps when that accumulator is large."""
+        """heads: all G up to 16 per program (more heads per program = fewer dequantizations of a tile,
+        but an accumulator of DV x heads fp32 registers); 8 warps when that accumulator is large.
+        Chosen from sm_90 compiles (benchmarks/compile_geo_sm90.py: registers, spills), not yet from
+        timings: latent 512 x 16 heads, 16 tokens, 8 warps: 224 registers, no spills (32 tokens: 255
+        + spills; 32 or 64 heads: thousands of bytes of spills); K192/V128 1 head, 32 tokens, 4 warps:
+        128 registers (64 tokens: 253)."""
         heads = self.heads or min(_pow2(G), 16)
         acc = DV * max(8, heads)
         warps = self.num_warps or (8 if acc >= 8192 else 4)
-        bt = self.block_t or (32 if DV >= 512 else 64)
+        bt = self.block_t or (16 if DV >= 512 else 32)
         return GeoConfig(block_t=bt, heads=heads, num_splits=self.num_splits, num_warps=warps,
                          num_stages=self.num_stages, dense_block=self.dense_block)
 
@@ -522,6 +526,17 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
         if not nsm:
             sms = 8 if interp else device_info(cuda_index(dev)).sms
             nsm = pick_num_splits(B, Hkv * NHB, T, BT, sms, int(cfg.num_warps))
+            # Each split writes and stage 2 reads Hq x Dv fp32 per sequence: with 128 heads x 512 dims
+            # (MLA) that is 0.5 MB a split, more than a B1 32k latent's codes at 17 splits. Past one
+            # wave of programs, keep that traffic under a quarter of the middle's bytes.
+            if dense_mid:
+                row = Hkv * (DV + DR) * q.element_size()
+            else:
+                row = Hkv * (DV * v_bits // 8 + 4 * (DV // GV) + 2 * DR)
+                if not shared:
+                    row += Hkv * (DK * k_bits // 8 + 4 * (DK // GK))
+            by_bytes = int(0.25 * row * T / (Hq * DV * 8))
+            nsm = min(nsm, max(by_bytes, -(-sms // max(1, B * Hkv * NHB)), 1))
         nsm = max(1, int(nsm))
         split_tokens = max(BT, math.ceil(max(T, 1) / nsm / BT) * BT)
         nsm = max(1, math.ceil(max(T, 1) / split_tokens))

@@ -20,6 +20,8 @@ every candidate's time ("candidates_ms").
 
 from __future__ import annotations
 
+import json
+
 import torch
 
 from lowbit.kernels.bench import env_info, graph_time_ms, n_buffers
@@ -37,11 +39,10 @@ def candidates(geo: dict, packed: bool = True):
     """Launch configs tried per row (GeoConfig); the first is the kernel's own default."""
     from lowbit.kernels.decode_geometry import GeoConfig
 
+    # from sm_90 compiles (benchmarks/compile_geo_sm90.py): configs that do not spill, or barely
     if geo["kind"] == "mha":
-        return [GeoConfig(), GeoConfig(block_t=128, num_warps=4), GeoConfig(block_t=32, num_warps=2)]
-    if geo["Hq"] >= 64:
-        return [GeoConfig(), GeoConfig(heads=32, num_warps=8, block_t=32), GeoConfig(heads=64, num_warps=8, block_t=16)]
-    return [GeoConfig(), GeoConfig(heads=16, num_warps=4, block_t=32), GeoConfig(heads=8, num_warps=4, block_t=64)]
+        return [GeoConfig(), GeoConfig(block_t=16, num_warps=4), GeoConfig(block_t=64, num_warps=8)]
+    return [GeoConfig(), GeoConfig(heads=16, num_warps=4, block_t=16), GeoConfig(heads=16, num_warps=8, block_t=32)]
 
 
 def kernel_bytes(geo, B, L, bits) -> int:
@@ -62,29 +63,29 @@ def dense_bytes(geo, B, L) -> int:
     return B * H * L * 2 * (geo["Dk"] + geo["Dv"])
 
 
-def _rand_packed(B, H, L, D, bits, group, g):
-    c = torch.randint(0, 256, (B, H, L, D * bits // 8), device="cuda", dtype=torch.uint8, generator=g)
-    s = (torch.rand(B, H, L, D // group, device="cuda", generator=g) * 0.1 + 0.01).half()
-    z = (-torch.rand(B, H, L, D // group, device="cuda", generator=g)).half()
+def _rand_packed(B, H, L, D, bits, group, g, dev):
+    c = torch.randint(0, 256, (B, H, L, D * bits // 8), device=dev, dtype=torch.uint8, generator=g)
+    s = (torch.rand(B, H, L, D // group, device=dev, generator=g) * 0.1 + 0.01).half()
+    z = (-torch.rand(B, H, L, D // group, device=dev, generator=g)).half()
     return c, s, z
 
 
-def latent_fns(geo, B, L, bits, nbuf, cfg, dense_mid=False, seed=0):
+def latent_fns(geo, B, L, bits, nbuf, cfg, dense_mid=False, seed=0, dev="cuda"):
     """Callables of decode_attention_latent over nbuf middle sets (packed, or bf16 with dense_mid)."""
     from lowbit.kernels.decode_geometry import decode_attention_latent
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
     Hq, D, DR = geo["Hq"], geo["Dv"], geo["DR"]
-    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-    qp = torch.randn(B, Hq, DR, device="cuda", dtype=torch.bfloat16, generator=g)
-    out = torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, Hq, D, device=dev, dtype=torch.bfloat16, generator=g)
+    qp = torch.randn(B, Hq, DR, device=dev, dtype=torch.bfloat16, generator=g)
+    out = torch.empty(B, Hq, D, device=dev, dtype=torch.bfloat16)
     sets = []
     for _ in range(nbuf):
         if dense_mid:
-            t = {"c": torch.randn(B, 1, L, D, device="cuda", dtype=torch.bfloat16, generator=g), "s": None, "z": None}
+            t = {"c": torch.randn(B, 1, L, D, device=dev, dtype=torch.bfloat16, generator=g), "s": None, "z": None}
         else:
-            t = dict(zip("csz", _rand_packed(B, 1, L, D, bits, geo["gv"], g)))
-        t["pe"] = torch.randn(B, 1, L, DR, device="cuda", dtype=torch.bfloat16, generator=g)
+            t = dict(zip("csz", _rand_packed(B, 1, L, D, bits, geo["gv"], g, dev)))
+        t["pe"] = torch.randn(B, 1, L, DR, device=dev, dtype=torch.bfloat16, generator=g)
         sets.append(t)
 
     def mk(t):
@@ -97,17 +98,17 @@ def latent_fns(geo, B, L, bits, nbuf, cfg, dense_mid=False, seed=0):
     return [mk(t) for t in sets], sets
 
 
-def mha_fns(geo, B, L, bits, nbuf, cfg, seed=0):
+def mha_fns(geo, B, L, bits, nbuf, cfg, seed=0, dev="cuda"):
     from lowbit.kernels.decode_geometry import decode_attention_geo
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
     Hq, H, Dk, Dv = geo["Hq"], geo["Hkv"], geo["Dk"], geo["Dv"]
-    q = torch.randn(B, Hq, Dk, device="cuda", dtype=torch.bfloat16, generator=g)
-    out = torch.empty(B, Hq, Dv, device="cuda", dtype=torch.bfloat16)
+    q = torch.randn(B, Hq, Dk, device=dev, dtype=torch.bfloat16, generator=g)
+    out = torch.empty(B, Hq, Dv, device=dev, dtype=torch.bfloat16)
     sets = []
     for _ in range(nbuf):
-        kc, ks, kz = _rand_packed(B, H, L, Dk, bits, geo["gk"], g)
-        vc, vs, vz = _rand_packed(B, H, L, Dv, bits, geo["gv"], g)
+        kc, ks, kz = _rand_packed(B, H, L, Dk, bits, geo["gk"], g, dev)
+        vc, vs, vz = _rand_packed(B, H, L, Dv, bits, geo["gv"], g, dev)
         sets.append(dict(kc=kc, ks=ks, kz=kz, vc=vc, vs=vs, vz=vz))
 
     def mk(t):
@@ -120,42 +121,45 @@ def mha_fns(geo, B, L, bits, nbuf, cfg, seed=0):
     return [mk(t) for t in sets], sets
 
 
-def sdpa_fns(geo, B, L, nbuf, seed=0):
+def sdpa_fns(geo, B, L, nbuf, seed=0, dev="cuda"):
     """bf16 SDPA over K [B, Hkv, L, Dk], V [B, Hkv, L, Dv] with the first backend that runs the shape
-    (flash, then efficient, cuDNN, math). Returns (fns, sets, backend name)."""
+    (flash, then efficient, cuDNN, math). Returns (fns, sets, backend name). With Hkv < Hq the G query
+    heads of a KV head go in as G query positions of one head (no causal mask: the same attention),
+    so backends without GQA read each K/V once instead of a repeated copy."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
     Hq, H, Dk, Dv = geo["Hq"], geo["Hkv"], geo["Dk"], geo["Dv"]
-    q = torch.randn(B, Hq, 1, Dk, device="cuda", dtype=torch.bfloat16, generator=g)
-    sets = [(torch.randn(B, H, L, Dk, device="cuda", dtype=torch.bfloat16, generator=g),
-             torch.randn(B, H, L, Dv, device="cuda", dtype=torch.bfloat16, generator=g)) for _ in range(nbuf)]
+    q = torch.randn(B, H, Hq // H, Dk, device=dev, dtype=torch.bfloat16, generator=g)
+    sets = [(torch.randn(B, H, L, Dk, device=dev, dtype=torch.bfloat16, generator=g),
+             torch.randn(B, H, L, Dv, device=dev, dtype=torch.bfloat16, generator=g)) for _ in range(nbuf)]
     for be in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.MATH):
         try:
             with sdpa_kernel(be):
-                sdpa(q, *sets[0], enable_gqa=Hq != H)
-            torch.cuda.synchronize()
+                sdpa(q, *sets[0])
+            if dev == "cuda":
+                torch.cuda.synchronize()
         except RuntimeError:
             continue
 
         def mk(k, v, be=be):
             def f():
                 with sdpa_kernel(be):
-                    return sdpa(q, k, v, enable_gqa=Hq != H)
+                    return sdpa(q, k, v)
             return f
 
         return [mk(k, v) for k, v in sets], sets, be.name.lower()
     raise RuntimeError("no SDPA backend runs this shape")
 
 
-def torch_latent_fns(geo, B, L, nbuf, seed=0):
+def torch_latent_fns(geo, B, L, nbuf, seed=0, dev="cuda"):
     """The MLA decode in plain torch over a bf16 [B, L, 576] cache (FlashMLA's layout: V = its first 512
     columns): one batched GEMM for the scores of all heads, softmax, one GEMM for the values."""
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=dev).manual_seed(seed)
     Hq, D, DR = geo["Hq"], geo["Dv"], geo["DR"]
-    q = torch.randn(B, Hq, D + DR, device="cuda", dtype=torch.bfloat16, generator=g)
-    sets = [torch.randn(B, L, D + DR, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(nbuf)]
+    q = torch.randn(B, Hq, D + DR, device=dev, dtype=torch.bfloat16, generator=g)
+    sets = [torch.randn(B, L, D + DR, device=dev, dtype=torch.bfloat16, generator=g) for _ in range(nbuf)]
     scale = (D + DR) ** -0.5
 
     def mk(kv):
@@ -168,13 +172,13 @@ def torch_latent_fns(geo, B, L, nbuf, seed=0):
     return [mk(kv) for kv in sets], sets
 
 
-def _best(make, cfgs, log):
+def _best(make, cfgs, log, timer):
     """Time make(cfg) for each candidate config; returns (best ms, best cfg, launch, {cfg str: ms})."""
     best, times = None, {}
     for cfg in cfgs:
         try:
             fns, keep = make(cfg)
-            t = graph_time_ms(fns)
+            t = timer(fns)
         except Exception as e:  # noqa: BLE001  (a candidate that does not compile/fit is reported, not fatal)
             log(f"  config {cfg} failed: {type(e).__name__}: {str(e).splitlines()[0][:200]}")
             times[repr(cfg)] = None
@@ -183,15 +187,15 @@ def _best(make, cfgs, log):
         if best is None or t < best[0]:
             best = (t, cfg, keep[0].get("launch"))
         del fns, keep
-        torch.cuda.empty_cache()
     if best is None:
         raise RuntimeError("no candidate config ran")
     return best[0], best[1], best[2], times
 
 
 def run(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=(2, 4), mem_cap_gb: float = 60.0,
-        log=print) -> dict:
-    """Rows for the geometry kernel (format of lowbit.kernels.bench.run)."""
+        log=print, dev: str = "cuda", timer=graph_time_ms) -> dict:
+    """Rows for the geometry kernel (format of lowbit.kernels.bench.run). dev/timer: tests run the same
+    code on CPU tensors (the Triton interpreter) with a stand-in timer."""
     rows = []
     for name in geometries:
         geo = GEOMETRIES[name]
@@ -206,11 +210,11 @@ def run(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=(2
                        "Dv": geo["Dv"], "DR": geo["DR"], "group": geo["gv"], "group_k": geo["gk"],
                        "bf16_bytes": db, "bf16_buffers": nb}
                 if geo["kind"] == "latent" and name.startswith("deepseek"):
-                    t_k, cfg_k, _, cand = _best(lambda c: latent_fns(geo, B, L, 16, nb, c, dense_mid=True),
-                                                candidates(geo), log)
+                    t_k, cfg_k, _, cand = _best(lambda c: latent_fns(geo, B, L, 16, nb, c, dense_mid=True, dev=dev),
+                                                candidates(geo), log, timer)
                     # the kernel's dense middle holds c_kv and k_pe apart: same bytes as the 576-wide cache
-                    fns, keep = torch_latent_fns(geo, B, L, nb)
-                    t_t = graph_time_ms(fns)
+                    fns, keep = torch_latent_fns(geo, B, L, nb, dev=dev)
+                    t_t = timer(fns)
                     del fns, keep
                     row.update(bf16_kernel_ms=t_k, bf16_kernel_config=repr(cfg_k), bf16_kernel_candidates_ms=cand,
                                torch_latent_ms=t_t)
@@ -220,25 +224,26 @@ def run(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=(2
                     else:
                         row["baseline"] = "torch matmul-softmax-matmul over a bf16 [B, L, 576] latent cache"
                         t_ref = t_t
-                    row["baseline_ms"] = t_ref
+                    row.update(baseline_ms=t_ref, baseline_tbs=db / t_ref / 1e9)
                 else:
-                    fns, keep, be = sdpa_fns(geo, B, L, nb)
-                    t_ref = graph_time_ms(fns)
+                    fns, keep, be = sdpa_fns(geo, B, L, nb, dev=dev)
+                    t_ref = timer(fns)
                     del fns, keep
-                    row["sdpa_backend"] = be
+                    row.update(sdpa_backend=be, sdpa_ms=t_ref, sdpa_tbs=db / t_ref / 1e9)
                     if be != "flash_attention":
-                        row["baseline"] = f"torch SDPA ({be}; flash does not take head_dim {geo['Dk']}/{geo['Dv']})"
+                        row["baseline"] = f"torch SDPA ({be}; flash does not run head_dim {geo['Dk']}/{geo['Dv']})"
                         row["baseline_ms"] = t_ref
-                row.update(sdpa_ms=t_ref, sdpa_tbs=db / t_ref / 1e9)
-                torch.cuda.empty_cache()
+                if dev == "cuda":
+                    torch.cuda.empty_cache()
                 for b in bits:
                     pb = kernel_bytes(geo, B, L, b)
                     nbk = n_buffers(pb, mem_cap_gb * 1e9)
                     cfgs = candidates(geo) if b == bits[0] else candidates(geo)[:1]
                     if geo["kind"] == "latent":
-                        t, cfg, launch, cand = _best(lambda c: latent_fns(geo, B, L, b, nbk, c), cfgs, log)
+                        t, cfg, launch, cand = _best(lambda c: latent_fns(geo, B, L, b, nbk, c, dev=dev), cfgs, log,
+                                                     timer)
                     else:
-                        t, cfg, launch, cand = _best(lambda c: mha_fns(geo, B, L, b, nbk, c), cfgs, log)
+                        t, cfg, launch, cand = _best(lambda c: mha_fns(geo, B, L, b, nbk, c, dev=dev), cfgs, log, timer)
                     tag = f"k{b}v{b}"
                     row[f"{tag}_ms"] = t
                     row[f"{tag}_ratio"] = t_ref / t
@@ -248,17 +253,20 @@ def run(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=(2
                     row[f"{tag}_config"] = dict(cfg.resolve(geo["Hq"] // geo["Hkv"], geo["Dv"]).__dict__,
                                                 num_splits=launch.num_splits if launch else None)
                     row[f"{tag}_candidates_ms"] = cand
-                    torch.cuda.empty_cache()
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
                 row["bf16_bytes_per_token_layer"] = db // (B * L)
                 rows.append(row)
                 log(format_row(row, bits))
+                log("ROW " + json.dumps(row))  # a run cut short still leaves its rows in the log
     return {"env": env_info(), "rows": rows}
 
 
 def format_row(r: dict, bits=(2, 4)) -> str:
     base = r.get("baseline", "sdpa flash")
-    s = (f"{r['geometry']:<22} B{r['B']:<3} L{r['L']:<6} base {r['sdpa_ms']:.3f} ms ({r['sdpa_tbs']:.2f} TB/s; "
-         f"{base[:40]})")
+    ms = r.get("baseline_ms", r.get("sdpa_ms"))
+    tbs = r.get("baseline_tbs", r.get("sdpa_tbs"))
+    s = f"{r['geometry']:<22} B{r['B']:<3} L{r['L']:<6} base {ms:.3f} ms ({tbs:.2f} TB/s; {base[:48]})"
     for b in bits:
         tag = f"k{b}v{b}"
         if f"{tag}_ms" in r:
