@@ -125,15 +125,20 @@ class GenerateCache(StaticKVCache):
                               "build the GenerateCache with max_context >= prompt + max_new_tokens")
 
     @staticmethod
-    def compile_config(fullgraph: bool = True):
+    def compile_config(fullgraph: bool = True, backend: str = "inductor", all_devices: bool = False):
         """transformers.CompileConfig for generate with this cache: the whole decode step as one graph
         (fullgraph: a graph break is an error, not a slower step), CUDA graphs (what "reduce-overhead"
         asks for; torch.compile takes mode or options, not both), and the codec's float32 -> fp16 ->
-        float32 rounding of scales kept (emulate_precision_casts), so compiled codes match eager ones."""
+        float32 rounding of scales kept (emulate_precision_casts), so compiled codes match eager ones.
+        backend: another torch.compile backend (e.g. "aot_eager" to check tracing on CPU; no options then).
+        all_devices: compile on CPU too (transformers compiles only on CUDA-like devices by default)."""
         from transformers import CompileConfig
 
-        return CompileConfig(fullgraph=fullgraph, dynamic=False, mode=None,
-                             options={"triton.cudagraphs": True, "emulate_precision_casts": True})
+        opts = {"triton.cudagraphs": True, "emulate_precision_casts": True} if backend == "inductor" else None
+        cc = CompileConfig(fullgraph=fullgraph, dynamic=False, backend=backend, mode=None, options=opts)
+        if all_devices:
+            cc._compile_all_devices = True
+        return cc
 
     # ------------------------------------------------------------- write
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
