@@ -46,17 +46,22 @@ def check_tokens_arg(tokens: int, seq_len: int) -> int:
 
 @torch.no_grad()
 def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_weighted: bool = True, sample_per_seq: int = 16,
-            progress=None):
+            progress=None, geometry=None):
     """Feed windows [N, T] (one sequence per forward, no cache) through `model` under the capture.
 
+    geometry: the cache geometry the statistics are for (default: ModelGeometry.from_config(model.config));
+    layers it stores as an MLA latent report the latent (lowbit.calib.mla), the rest post-RoPE K/V.
     Returns the StatsCollector. Raises LowbitError unless every attention layer saw N*T tokens.
     """
     from lowbit.calib.capture import attention_layers, capture_attention
+    from lowbit.calib.mla import latent_capture, latent_layers
     from lowbit.calib.stats import StatsCollector
+    from lowbit.models.geometry import ModelGeometry
 
+    geometry = geometry if geometry is not None else ModelGeometry.from_config(model.config)
     layers = [m.layer_idx for m in attention_layers(model)]
     col = StatsCollector(skip=skip, sample_per_seq=sample_per_seq, score_weighted=score_weighted)
-    with capture_attention(model, col):
+    with latent_capture(model, col, latent_layers(geometry)) as observer, capture_attention(model, observer):
         for n, w in enumerate(windows):
             # logits_to_keep=1: the lm_head over every position is wasted work for calibration
             model(w[None], use_cache=False, logits_to_keep=1)
@@ -99,7 +104,7 @@ def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_
             print(f"  {n}/{total} sequences, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
 
     with pb:
-        col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted, progress=step)
+        col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted, progress=step, geometry=geo)
     seconds = time.time() - t0
     inputs = {
         "model": loaded.name,
@@ -131,6 +136,7 @@ def write_calibration(col, out: Path, geo, inputs: dict, *, tokens: int, seq_len
 def _geometry_doc(geo) -> list[dict]:
     return [
         {"index": lg.index, "attention": lg.attention, "window": lg.window, "num_q_heads": lg.num_q_heads,
-         "num_kv_heads": lg.num_kv_heads, "head_dim_k": lg.head_dim_k, "head_dim_v": lg.head_dim_v}
+         "num_kv_heads": lg.num_kv_heads, "head_dim_k": lg.head_dim_k, "head_dim_v": lg.head_dim_v,
+         "storage": getattr(lg, "storage", "mha"), "latent_dim": getattr(lg, "latent_dim", None)}
         for lg in geo.layers
     ]

@@ -67,6 +67,38 @@ def _rope_fns(m):
     return mod.apply_rotary_pos_emb_interleave, mod.apply_rotary_pos_emb
 
 
+def mla_project(self, hidden_states, position_embeddings):
+    """A DeepseekV3Attention's projections of hidden_states [B, T, hidden] -> q_nope [B, H, T, nope],
+    q_pe [B, H, T, rope] (RoPE'd), the latent c_kv [B, 1, T, rank] (after kv_a_layernorm: what the
+    latent cache stores) and k_pe [B, 1, T, rope] (RoPE'd)."""
+    B, T = hidden_states.shape[:2]
+    H, nope, rope, rank = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank
+    if getattr(self, "q_lora_rank", None) is None:
+        q = self.q_proj(hidden_states)
+    else:
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    q = q.view(B, T, H, nope + rope).transpose(1, 2)  # [B, H, T, nope + rope]
+    q_nope, q_pe = torch.split(q, [nope, rope], dim=-1)
+    c, k_pe = torch.split(self.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
+    c = self.kv_a_layernorm(c).view(B, 1, T, rank)  # the latent c_kv, one "head"
+    k_pe = k_pe.view(B, 1, T, rope)
+    cos, sin = position_embeddings
+    interleave, plain = _rope_fns(self)
+    q_pe, k_pe = (interleave if self.config.rope_interleave else plain)(q_pe, k_pe, cos, sin)
+    return q_nope, q_pe, c, k_pe
+
+
+def mla_latent_qkv(self, q_nope, q_pe, c, k_pe):
+    """The absorbed (latent) attention inputs from mla_project's outputs: query float32 [B, H, T, rank + rope]
+    (q_nope W_uk | q_pe), key [B, 1, T, rank + rope] ([c_kv | k_pe]), value [B, 1, T, rank] (c_kv), and
+    kv_b_proj's weight float32 [H, nope + dv, rank] (its rows nope.. give W_uv for the output)."""
+    H, nope, rank, dv = self.num_heads, self.qk_nope_head_dim, self.kv_lora_rank, self.v_head_dim
+    w = self.kv_b_proj.weight.float().view(H, nope + dv, rank)  # [H, nope + dv, rank]
+    q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope.float(), w[:, :nope])  # [B, H, T, rank]
+    query = torch.cat([q_lat, q_pe.float()], dim=-1)  # [B, H, T, rank + rope], float32
+    return query, torch.cat([c, k_pe], dim=-1), c, w
+
+
 def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
     """DeepseekV3Attention.forward with the lowbit cache (see the module docstring); [B, T, hidden], None."""
     from lowbit.kv.attention import lowbit_attention
@@ -83,25 +115,11 @@ def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=N
     B, T = hidden_states.shape[:2]
     H, nope, rope, rank, dv = (self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, self.kv_lora_rank,
                                self.v_head_dim)
-    if getattr(self, "q_lora_rank", None) is None:
-        q = self.q_proj(hidden_states)
-    else:
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-    q = q.view(B, T, H, nope + rope).transpose(1, 2)  # [B, H, T, nope + rope]
-    q_nope, q_pe = torch.split(q, [nope, rope], dim=-1)
-    c, k_pe = torch.split(self.kv_a_proj_with_mqa(hidden_states), [rank, rope], dim=-1)
-    c = self.kv_a_layernorm(c).view(B, 1, T, rank)  # the latent c_kv, one "head"
-    k_pe = k_pe.view(B, 1, T, rope)
-    cos, sin = position_embeddings
-    interleave, plain = _rope_fns(self)
-    q_pe, k_pe = (interleave if self.config.rope_interleave else plain)(q_pe, k_pe, cos, sin)
+    q_nope, q_pe, c, k_pe = mla_project(self, hidden_states, position_embeddings)
 
     storage = cache.layers[self.layer_idx].geometry.storage
     if storage == "mla-latent":
-        w = self.kv_b_proj.weight.float().view(H, nope + dv, rank)  # [H, nope + dv, rank]
-        q_lat = torch.einsum("bhtn,hnr->bhtr", q_nope.float(), w[:, :nope])  # [B, H, T, rank]
-        query = torch.cat([q_lat, q_pe.float()], dim=-1)  # [B, H, T, rank + rope], float32
-        key, value = torch.cat([c, k_pe], dim=-1), c  # [B, 1, T, rank + rope], [B, 1, T, rank]
+        query, key, value, w = mla_latent_qkv(self, q_nope, q_pe, c, k_pe)
         key, value = cache.update(key, value, self.layer_idx)
         o_lat, _ = lowbit_attention(self, query, key, value, attention_mask, scaling=self.scaling)  # [B, T, H, rank]
         out = torch.einsum("bthr,hvr->bthv", o_lat.float(), w[:, nope:])  # [B, T, H, dv]

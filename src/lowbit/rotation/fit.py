@@ -16,6 +16,8 @@ Kinds:
     hadamard   R = H for every layer (no calibration needed; format v1)
     per-layer  one R per layer from the covariance summed over the layer's KV heads (format v1, [D, D])
     per-head   one R per KV head (format v2, [H_kv, D, D])
+An MLA latent layer (DeepseekV3 cached as c_kv + k_pe) is fitted per layer on the latent c_kv (V, 512 wide);
+its K rotation is the identity (K is rebuilt from the stored V; its k_pe part is held dense).
 Objectives: "kk" fits K to KᵀK and V to VᵀV; "qq" fits K to the query second moment of its group
 (directions where the queries look are where a key error moves the logits) and V to the
 attention-weighted VᵀV.
@@ -100,14 +102,23 @@ class FittedLayer:
 
 
 def fit_layer(st, kind: str, objective: str = "kk", *, mix: str = "hadamard", bit_reversal: bool = False,
-              center: bool = False) -> FittedLayer:
+              center: bool = False, latent: bool = False) -> FittedLayer:
     """Fit one layer from its LayerStats `st`. Returns float32 rotations (v1 [D,D] or v2 [H,D,D]).
 
     center: fit K/V to their covariance about the calibration mean (objective kk), for caches that
     store mean-centred K/V.
+    latent: the layer caches an MLA latent (statistics of K = [c_kv | k_pe], V = c_kv; lowbit.calib.mla):
+    V's rotation is the latent's (fitted); K is rebuilt from V plus its dense k_pe and takes no rotation
+    of its own, so K's is the identity. One latent head: a per-head kind is refused.
     """
     try:
-        return _fit_layer(st, kind, objective, mix=mix, bit_reversal=bit_reversal, center=center)
+        if latent and kind == "per-head":
+            raise LowbitError("it caches an MLA latent, one head shared by all query heads: a per-KV-head rotation "
+                              "does not apply; use --kind per-layer (one rotation of the latent per layer)")
+        fl = _fit_layer(st, kind, objective, mix=mix, bit_reversal=bit_reversal, center=center)
+        if latent and kind == "per-layer":
+            fl.k = torch.eye(st.head_dim_k)
+        return fl
     except LowbitError as e:
         raise LowbitError(f"layer {st.index} (head_dim K {st.head_dim_k} / V {st.head_dim_v}): {e}") from None
 
@@ -142,9 +153,11 @@ def fit_rotations(calib, kind: str, objective: str = "kk", *, mix: str = "hadama
     progress: a bar over layers with ETA (lowbit.progress; None: when stderr is a terminal)."""
     from lowbit.progress import bar
 
+    latent = {d["index"] for d in calib.meta.get("geometry") or [] if d.get("storage") == "mla-latent"}
     out = []
     with bar(len(calib.layers), f"fit {kind}", "layer", progress) as pb:
         for i in sorted(calib.layers):
-            out.append(fit_layer(calib.layers[i], kind, objective, mix=mix, bit_reversal=bit_reversal, center=center))
+            out.append(fit_layer(calib.layers[i], kind, objective, mix=mix, bit_reversal=bit_reversal, center=center,
+                                 latent=i in latent))
             pb.update(1)
     return out
