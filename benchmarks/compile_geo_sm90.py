@@ -71,8 +71,17 @@ def compile_launch(launch, out_dir, tag):
     return regs, spill, c.metadata.shared
 
 
-def calls(name, geo, cfg, bits, dense_mid=False):
+def calls(name, geo, cfg, bits, dense_mid=False, tiers=False):
     L, B = 256, 1
+    if tiers:  # the audit's inputs, with sink 64 / recent 256 dense tiers (the dense split's code too)
+        from lowbit.kernels.audit import _make_geo_case, make_latent_case
+
+        if geo["kind"] == "latent":
+            kw = make_latent_case(B, geo["Hq"], geo["Dv"], geo["DR"], L, bits, sink=64, recent=256, dense_mid=dense_mid)
+            return lambda: dg.decode_attention_latent(**kw, config=cfg)
+        kw = _make_geo_case(B, geo["Hq"], geo["Hkv"], geo["Dk"], geo["Dv"], L, bits, bits, group=geo["gk"], sink=64,
+                            recent=256)
+        return lambda: dg.decode_attention_geo(**kw, config=cfg)
     if geo["kind"] == "latent":
         fns, _ = geo_bench.latent_fns(geo, B, L, bits, 1, cfg, dense_mid=dense_mid, dev="cpu")
     else:
@@ -87,6 +96,7 @@ def main(argv=None):
     ap.add_argument("--cfg", action="append", default=[],
                     help="GeoConfig fields instead of the bench candidates, e.g. block_t=16,heads=16,num_warps=4")
     ap.add_argument("--bits", default="2,4,16", help="variants: 2, 4 (packed), 16 (dense bf16 middle, latent)")
+    ap.add_argument("--tiers", action="store_true", help="with sink/recent dense tiers (the dense split compiled)")
     a = ap.parse_args(argv)
     want = {int(b) for b in a.bits.split(",")}
     for name, geo in geo_bench.GEOMETRIES.items():
@@ -98,9 +108,10 @@ def main(argv=None):
         cfgs = [dg.GeoConfig(**{k: int(v) for k, v in (kv.split("=") for kv in c.split(","))}) for c in a.cfg]
         for bits, dm in variants:
             for cfg in cfgs or geo_bench.candidates(geo):
-                tag = f"{name}_{'bf16' if dm else f'int{bits}'}_{cfg.block_t}_{cfg.heads}_{cfg.num_warps}"
+                tag = (f"{name}_{'bf16' if dm else f'int{bits}'}_{cfg.block_t}_{cfg.heads}_{cfg.num_warps}"
+                       + ("_tiers" if a.tiers else ""))
                 try:
-                    launch = capture(calls(name, geo, cfg, bits, dm))
+                    launch = capture(calls(name, geo, cfg, bits, dm, a.tiers))
                     regs, spill, shared = compile_launch(launch, a.out, tag)
                     print(f"{tag}: regs={regs} spill_stores={spill} shared={shared}B", flush=True)
                 except Exception as e:  # noqa: BLE001

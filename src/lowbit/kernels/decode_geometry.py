@@ -52,7 +52,7 @@ import triton.language as tl
 
 from lowbit.errors import LowbitError
 from lowbit.kernels.decode_attention import (
-    LOG2E, _lens, _pow2, _stage2, check_mode, cuda_index, device_info, pick_num_splits,
+    LOG2E, _halves, _lens, _pow2, _stage2, check_mode, cuda_index, device_info, pick_num_splits,
 )
 
 
@@ -60,33 +60,53 @@ from lowbit.kernels.decode_attention import (
 # Middle-tier helpers
 # ----------------------------------------------------------------------------------------------
 @triton.jit
-def _code_chunks(base, tok, valid, S: tl.constexpr, W: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
-                 BITS: tl.constexpr):
-    """Packed rows at `base` (token stride S bytes) -> centred codes fp16 [NCP, BT, W].
-
-    tok/valid [BT]. Chunk n = dims [n*W, (n+1)*W) = bytes (n*W) % S + w at bit offset BITS*((n*W)//S).
-    Chunks >= NC (register padding) and invalid tokens load 0 (their q / p are 0)."""
+def _chunk_shift(S: tl.constexpr, W: tl.constexpr, NCP: tl.constexpr, BITS: tl.constexpr):
+    """Bit offset of each chunk's codes in its bytes [NCP]: BITS * (position (n*W) // S)."""
     n = tl.arange(0, NCP)
-    w = tl.arange(0, W)
-    byte = ((n * W) % S)[:, None, None] + w[None, None, :]
+    return BITS * ((n * W) // S)
+
+
+@triton.jit
+def _chunk_dims(W: tl.constexpr, NCP: tl.constexpr):
+    """Dim of each column of _code_words [NCP, W]: chunk n starts at n*W; inside a 4-column group the
+    columns hold bytes (0, 2, 1, 3) of a word (bits 0 and 1 of the column index swapped)."""
+    c = tl.arange(0, W)
+    return tl.arange(0, NCP)[:, None] * W + ((c & ~3) + ((c & 1) << 1) + ((c >> 1) & 1))[None, :]
+
+
+@triton.jit
+def _code_words(base, tok, valid, S: tl.constexpr, W: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
+                BITS: tl.constexpr):
+    """Packed rows at `base` (int32 words, token stride S/4) -> codes fp16 [NCP, BT, W], column order
+    of _chunk_dims, value code * 2**(shift - 24) (shift: _chunk_shift).
+
+    One AND per two codes: a word ANDed with a mask that keeps one code in each 16-bit half IS two fp16
+    subnormals (bytes 0 and 2; the word shifted by 8 gives bytes 1 and 3), so no convert, subtract or
+    multiply per element; the powers of two are folded into q (scores) and into one factor per chunk
+    after the loop (values). Chunks >= NC (register padding) and invalid tokens load 0."""
+    WU: tl.constexpr = W // 4
+    n = tl.arange(0, NCP)
+    word = (((n * W) % S) // 4)[:, None, None] + tl.arange(0, WU)[None, None, :]
     m = (n < NC)[:, None, None] & valid[None, :, None]
-    b = tl.load(base + tok[None, :, None] * S + byte, mask=m, other=0).to(tl.int32)
-    sh = (BITS * ((n * W) // S))[:, None, None]
-    # 0x6400 | c is the fp16 bit pattern of 1024 + c (c < 2**10): no int->float convert
-    h = (((b >> sh) & ((1 << BITS) - 1)) | 0x6400).to(tl.int16).to(tl.float16, bitcast=True)
-    return h - (1024.0 + (1 << (BITS - 1)))
+    e = tl.load(base + tok[None, :, None] * (S // 4) + word, mask=m, other=0)  # int32 [NCP, BT, WU]
+    o = e >> 8
+    msk = ((((1 << BITS) - 1) << _chunk_shift(S, W, NCP, BITS)) * 0x10001)[:, None, None]
+    el, eh = _halves(e & msk)  # bytes 0, 2
+    ol, oh = _halves(o & msk)  # bytes 1, 3
+    x = tl.join(tl.join(el, ol), tl.join(eh, oh))  # [NCP, BT, WU, 2, 2] -> column 4u + (0, 2, 1, 3)
+    return tl.reshape(x, (NCP, x.shape[1], W))
 
 
 @triton.jit
 def _chunk_sz(SC, ZE, base, tok, valid, W: tl.constexpr, GRP: tl.constexpr, NG: tl.constexpr,
-              NC: tl.constexpr, NCP: tl.constexpr, BITS: tl.constexpr):
-    """fp16 scale/zero of each chunk's group -> fp32 [NCP, BT] (scale, zero of the centred codes)."""
+              NC: tl.constexpr, NCP: tl.constexpr):
+    """fp16 scale/zero of each chunk's group -> fp32 [NCP, BT] (0 for padding chunks / invalid tokens)."""
     n = tl.arange(0, NCP)
     off = base + tok[None, :] * NG + ((n * W) // GRP)[:, None]
     m = (n < NC)[:, None] & valid[None, :]
     s = tl.load(SC + off, mask=m, other=0.0).to(tl.float32)
     z = tl.load(ZE + off, mask=m, other=0.0).to(tl.float32)
-    return s, z + s * (1 << (BITS - 1))
+    return s, z
 
 
 @triton.jit
@@ -141,7 +161,9 @@ def _geo_dense_tier(Kp, Vp, Pp, skt, svt, spt, n, ITERS: tl.constexpr, q_t, qp_t
                 m_i, l_v, o_t = _geo_dense_block(Kp, Vp, Pp, skt, svt, spt, it * BT, n, q_t, qp_t, m_i, l_v, o_t,
                                                  BT, DK, DKP, DV, DR, SHARED, HAS_PE, EXACT_F32)
     else:
-        for t0 in range(0, n, BT):
+        # not software-pipelined: the dense tiers are short, and staging [BT, 512] K and V tiles would
+        # cost the shared memory (hence the occupancy) of every program of the kernel, middle ones too
+        for t0 in tl.range(0, n, BT, num_stages=1):
             m_i, l_v, o_t = _geo_dense_block(Kp, Vp, Pp, skt, svt, spt, t0, n, q_t, qp_t, m_i, l_v, o_t,
                                              BT, DK, DKP, DV, DR, SHARED, HAS_PE, EXACT_F32)
     return m_i, l_v, o_t
@@ -171,10 +193,10 @@ def _geo_mid_block(t0, end, kw_base, vw_base, pe_base, spt, KS, KZ, ks_base, VS,
             a = tl.dot(kc, qc)
         s = tl.sum(a, 0)
     else:
-        kc = _code_chunks(kw_base, tok, valid, SK, WK, NCK, NCKP, KBITS)  # [NCKP, BT, WK]
-        a = tl.dot(kc, qc)  # [NCKP, BT, HP]
-        ks, kz = _chunk_sz(KS, KZ, ks_base, tok, valid, WK, GK, NGK, NCK, NCKP, KBITS)
-        s = tl.sum(ks[:, :, None] * a + kz[:, :, None] * qsum[:, None, :], 0)  # [BT, HP]
+        kc = _code_words(kw_base, tok, valid, SK, WK, NCK, NCKP, KBITS)  # [NCKP, BT, WK]
+        a = tl.dot(kc, qc)  # [NCKP, BT, HP] = (q . codes) * 2**-24 (qc carries 2**-shift)
+        ks, kz = _chunk_sz(KS, KZ, ks_base, tok, valid, WK, GK, NGK, NCK, NCKP)
+        s = tl.sum((ks * 16777216.0)[:, :, None] * a + kz[:, :, None] * qsum[:, None, :], 0)  # [BT, HP]
     if HAS_PE:
         pe = tl.load(pe_base + tok[:, None] * spt + tl.arange(0, DR)[None, :], mask=valid[:, None], other=0.0)
         if INTERP:
@@ -201,10 +223,13 @@ def _geo_mid_block(t0, end, kw_base, vw_base, pe_base, spt, KS, KZ, ks_base, VS,
             vs = ks
             vz = kz
         else:
-            vc = _code_chunks(vw_base, tok, valid, SV, WV, NCV, NCVP, VBITS)  # [NCVP, BT, WV]
-            vs, vz = _chunk_sz(VS, VZ, vs_base, tok, valid, WV, GV, NGV, NCV, NCVP, VBITS)
+            vc = _code_words(vw_base, tok, valid, SV, WV, NCV, NCVP, VBITS)  # [NCVP, BT, WV]
+            vs, vz = _chunk_sz(VS, VZ, vs_base, tok, valid, WV, GV, NGV, NCV, NCVP)
         ps = (p[None, :, :] * vs[:, :, None]).to(tl.float16)  # [NCVP, BT, HP]
-        o = o * alpha[None, None, :] + tl.dot(tl.permute(vc, (0, 2, 1)), ps)  # [NCVP, WV, HP]
+        # the block's product from zero, folded in by one FMA: the MMA accumulates only BT tokens of
+        # uncentred codes (`o * alpha + dot` would let Triton fold the running sum into the MMA's
+        # truncating accumulator; see decode_attention's PV_FRESH)
+        o = tl.fma(o, alpha[None, None, :], tl.dot(tl.permute(vc, (0, 2, 1)), ps))  # [NCVP, WV, HP]
         lz = lz * alpha[None, :] + tl.sum(p[None, :, :] * vz[:, :, None], 1)
     return m_new, l_i, o, lz
 
@@ -248,14 +273,18 @@ def _geo_stage1(
         end = tl.minimum(start + split_tokens, L)
         # q per K chunk [NCKP, WK, HP] (chunk n = dims n*WK + w), its sums for the zero term
         nk = tl.arange(0, NCKP)
-        dq = nk[:, None] * WK + tl.arange(0, WK)[None, :]
+        if DENSE_MID:
+            dq = nk[:, None] * WK + tl.arange(0, WK)[None, :]
+        else:
+            dq = _chunk_dims(WK, NCKP)  # the column order of _code_words
         qf = tl.load(q_base[None, None, :] + dq[:, :, None], mask=(nk < NCK)[:, None, None] & hvalid[None, None, :],
                      other=0.0).to(tl.float32)
         qsum = tl.sum(qf, 1)  # [NCKP, HP]
         if DENSE_MID:
             qc = qf.to(Q.dtype.element_ty)
         else:
-            qc = qf.to(tl.float16)
+            # times 2**-shift of the chunk's codes (exact in fp16); the 2**24 goes on the scale
+            qc = (qf * tl.exp2(-_chunk_shift(SK, WK, NCKP, KBITS).to(tl.float32))[:, None, None]).to(tl.float16)
         if HAS_PE:
             qpf = tl.load(qp_base[None, :] + tl.arange(0, DR)[:, None], mask=hvalid[None, :], other=0.0).to(tl.float32)
             if INTERP:
@@ -296,8 +325,13 @@ def _geo_stage1(
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(LSE + o_rows, lse, mask=hvalid)
         nv = tl.arange(0, NCVP)
-        dv = nv[:, None] * WV + tl.arange(0, WV)[None, :]  # [NCVP, WV] dim of each accumulator row
-        res = (o + lz[:, None, :]) * inv_l[None, None, :]
+        if DENSE_MID:
+            dv = nv[:, None] * WV + tl.arange(0, WV)[None, :]  # [NCVP, WV] dim of each accumulator row
+            res = (o + lz[:, None, :]) * inv_l[None, None, :]
+        else:
+            dv = _chunk_dims(WV, NCVP)
+            f = tl.exp2((24 - _chunk_shift(SV, WV, NCVP, VBITS)).to(tl.float32))[:, None, None]
+            res = (o * f + lz[:, None, :]) * inv_l[None, None, :]
         tl.store(OP + o_rows[None, None, :] * DV + dv[:, :, None], res,
                  mask=(nv < NCV)[:, None, None] & hvalid[None, None, :])
     else:
@@ -355,7 +389,7 @@ class GeoConfig:
     num_splits: int | None = None
     num_warps: int | None = None
     num_stages: int = 2
-    dense_block: int = 32
+    dense_block: int | None = None
 
     def resolve(self, G: int, DV: int) -> GeoConfig:
         """heads: all G up to 16 per program (more heads per program = fewer dequantizations of a tile,
@@ -368,8 +402,10 @@ class GeoConfig:
         acc = DV * max(8, heads)
         warps = self.num_warps or (8 if acc >= 8192 else 4)
         bt = self.block_t or (16 if DV >= 512 else 32)
+        # dense tiers of 512-wide rows: 16 tokens a step (32: Gemma-4 full spills, 76 KB of shared memory)
+        dbt = self.dense_block or (16 if DV >= 512 else 32)
         return GeoConfig(block_t=bt, heads=heads, num_splits=self.num_splits, num_warps=warps,
-                         num_stages=self.num_stages, dense_block=self.dense_block)
+                         num_stages=self.num_stages, dense_block=dbt)
 
 
 @dataclass(frozen=True)
@@ -403,9 +439,10 @@ def _codes(codes, scale, zero, bits, B, Hkv, D, device, what):
     S = D * bits // 8
     if codes.shape[0] != B or codes.shape[1] != Hkv or codes.shape[3] != S:
         raise LowbitError(f"{what} codes must be [B={B}, Hkv={Hkv}, T, {S}], got {tuple(codes.shape)}")
-    if codes.stride(3) != 1 or (codes.shape[2] > 1 and codes.stride(2) != S):
-        raise LowbitError(f"{what} codes: each (sequence, KV head) must hold its T rows of {S} bytes back to back "
-                          "(slice a [B, Hkv, Tmax, S] buffer along T only)")
+    if codes.stride(3) != 1 or (codes.shape[2] > 1 and codes.stride(2) != S) or any(
+            s % 4 for s in codes.stride()[:2]) or codes.storage_offset() % 4 or S % 4:
+        raise LowbitError(f"{what} codes: each (sequence, KV head) must hold its T rows of {S} bytes back to back, "
+                          "4-byte aligned (slice a [B, Hkv, Tmax, S] buffer along T only)")
     if codes.shape[2] * S >= 2**31:
         raise LowbitError(f"{what} codes: {codes.shape[2]} slots x {S} bytes exceed the kernel's 32-bit offsets")
     if scale.shape != zero.shape or scale.dim() != 4 or scale.shape[:3] != codes.shape[:3]:
@@ -481,12 +518,13 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
                 raise LowbitError("the middle pe must have the middle's T slots")
     else:
         T, GK, GV, WK, WV, NCK, NCV = 0, DK, DV, 16, 16, 1, 1
-        kc = vc = torch.zeros(1, dtype=torch.uint8, device=dev)
+        kc = vc = torch.zeros(1, dtype=torch.int32, device=dev)
         ks = kz = vs = vz = f16
         mid_lens = torch.zeros(B, dtype=torch.int32, device=dev)
     if DR and mid_pe is None:
         mid_pe = q.new_zeros(1, 1, 1, DR)
-    kc = kc if kc is not None else vc
+    if has_mid and not dense_mid:  # the kernel reads codes as int32 words
+        kc, vc = kc.view(torch.int32), vc.view(torch.int32)
 
     def tier(tr, what):
         if tr is None:
