@@ -83,7 +83,6 @@ class GenerateCache(StaticKVCache):
         self.compile_writes = False
         self.checks = False
         self.batch = batch
-        self.max_cache_len = max_context
         self._decoding = False  # after a prefill: one-token forwards are decode steps (a constant while decoding)
         self._last_layer = len(self.layers) - 1
         self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)  # decode steps past capacity
@@ -236,6 +235,10 @@ class GenerateCache(StaticKVCache):
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         # the lowbit attention builds its masks from the tiers; transformers only needs a fixed size
         return self.max_context, 0
+
+    @property
+    def max_cache_len(self) -> int:  # transformers 5.17 reads it as a Cache property
+        return self.max_context
 
     def get_max_cache_shape(self, layer_idx: int = 0) -> int:
         return self.max_context
