@@ -18,7 +18,7 @@ CPU_PID=$!
 
 export TRITON_INTERPRET=0
 # 1. GPU tests
-timeout -s INT ${TEST_S:-110} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_decode_geometry.py \
+timeout -s INT ${TEST_S:-100} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_decode_geometry.py \
     > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc $?"
 tail -n 15 "$OUT/gpu_tests.log"
 # 2. audit (new cases only)
@@ -26,7 +26,7 @@ timeout -s INT ${AUDIT_S:-70} python3 -m lowbit audit kernels --device cuda --ke
     --json "$OUT/audit_geometry_NVIDIA_H200.json" > "$OUT/audit.log" 2>&1; echo "audit rc $?"
 tail -n 32 "$OUT/audit.log"
 # 3. bench
-timeout -s INT ${BENCH_S:-170} python3 -m lowbit bench decode-attention \
+timeout -s INT ${BENCH_S:-200} python3 -m lowbit bench decode-attention \
     --geometry deepseek-v3-latent,kimi-k192v128,gemma4-full512,deepseek-v3-latent-tp8 --batch 1,16 --length 32k \
     --bits 2,4 --out "$OUT/decode_attention_geometry_NVIDIA_H200.json" > "$OUT/bench.log" 2>&1; echo "bench rc $?"
 grep -vE "^\s*$" "$OUT/bench.log" | tail -n 30

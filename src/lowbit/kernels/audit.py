@@ -128,27 +128,30 @@ def geo_sweep(device: str) -> list[tuple]:
     Gemma-4 full K = V (16 heads, 512 + 128 RoPE dims), Kimi-K2 K192/V128 (64 heads), head_dim 512 GQA;
     bits 2/4/8, ragged lengths, with and without dense tiers, the bf16 dense-latent baseline."""
     if device == "cuda":
+        # the bench's shapes (B16 / B1 at 32k) without tiers, odd ones with the sink/recent tiers
         lat = [(16, 128, 512, 64, 32768, 2, {}), (1, 128, 512, 64, 32768, 2, {}), (16, 16, 512, 64, 32768, 2, {}),
-               (3, 128, 512, 64, 5000, 4, {"ragged": True}), (5, 16, 512, 128, 32768, 2, {}),
-               (3, 16, 512, 128, 3000, 8, {"ragged": True}), (2, 128, 512, 64, 4096, 16, {"dense_mid": True})]
-        mha = [(16, 64, 64, 192, 128, 8192, 2, 2, 64), (1, 64, 64, 192, 128, 32768, 4, 4, 64),
-               (5, 64, 64, 192, 128, 1000, 2, 4, 64), (16, 16, 1, 512, 512, 32768, 2, 2, 128),
-               (3, 16, 1, 512, 512, 5000, 4, 4, 128)]
+               (3, 128, 512, 64, 5000, 4, {"ragged": True, "tiers": True}), (16, 16, 512, 128, 32768, 2, {}),
+               (3, 16, 512, 128, 3000, 8, {"ragged": True, "tiers": True}),
+               (2, 128, 512, 64, 4096, 16, {"dense_mid": True, "tiers": True})]
+        mha = [(16, 64, 64, 192, 128, 8192, 2, 2, 64, False), (1, 64, 64, 192, 128, 32768, 4, 4, 64, False),
+               (5, 64, 64, 192, 128, 1000, 2, 4, 64, True), (16, 16, 1, 512, 512, 32768, 2, 2, 128, False),
+               (3, 16, 1, 512, 512, 5000, 4, 4, 128, True)]
         tiers = {"sink": 64, "recent": 256}
     else:
-        lat = [(1, 3, 512, 64, 17, 2, {}), (3, 5, 512, 64, 99, 4, {"ragged": True}),
-               (1, 4, 512, 128, 17, 2, {}), (2, 3, 512, 64, 17, 16, {"dense_mid": True})]
-        mha = [(3, 2, 2, 192, 128, 17, 2, 2, 64), (1, 3, 1, 512, 512, 19, 4, 4, 128)]
+        lat = [(1, 3, 512, 64, 17, 2, {}), (3, 5, 512, 64, 99, 4, {"ragged": True, "tiers": True}),
+               (1, 4, 512, 128, 17, 2, {"tiers": True}), (2, 3, 512, 64, 17, 16, {"dense_mid": True, "tiers": True})]
+        mha = [(3, 2, 2, 192, 128, 17, 2, 2, 64, True), (1, 3, 1, 512, 512, 19, 4, 4, 128, True)]
         tiers = {"sink": 3, "recent": 5}
     out = []
     for B, Hq, D, DR, T, bits, extra in lat:
-        for tr in ({}, tiers):
+        extra = dict(extra)
+        for tr in ((tiers,) if extra.pop("tiers", False) else ({},)):
             what = "bf16 latent" if extra.get("dense_mid") else f"int{bits}"
             out.append(("decode_latent", f"B{B} Hq{Hq} D{D}+{DR} T{T} {what}" + (" +tiers" if tr else "")
                         + (" ragged" if extra.get("ragged") else ""),
                         dict(B=B, Hq=Hq, D=D, DR=DR, T=T, bits=bits, **extra, **tr)))
-    for B, Hq, Hkv, Dk, Dv, T, kb, vb, grp in mha:
-        for tr in ({}, tiers):
+    for B, Hq, Hkv, Dk, Dv, T, kb, vb, grp, with_tiers in mha:
+        for tr in ((tiers,) if with_tiers else ({},)):
             out.append(("decode_geometry", f"B{B} Hq{Hq}/Hkv{Hkv} K{Dk}/V{Dv} T{T} k{kb}v{vb}" + (" +tiers" if tr else ""),
                         dict(B=B, Hq=Hq, Hkv=Hkv, D=Dk, Dv=Dv, T=T, kbits=kb, vbits=vb, group=grp, **tr)))
     return out

@@ -41,8 +41,8 @@ def candidates(geo: dict, packed: bool = True):
 
     # from sm_90 compiles (benchmarks/compile_geo_sm90.py): configs that do not spill, or barely
     if geo["kind"] == "mha":
-        return [GeoConfig(), GeoConfig(block_t=16, num_warps=4), GeoConfig(block_t=64, num_warps=8)]
-    return [GeoConfig(), GeoConfig(heads=16, num_warps=4, block_t=16), GeoConfig(heads=16, num_warps=8, block_t=32)]
+        return [GeoConfig(), GeoConfig(block_t=64, num_warps=8)]
+    return [GeoConfig(), GeoConfig(heads=16, num_warps=8, block_t=32)]
 
 
 def kernel_bytes(geo, B, L, bits) -> int:
