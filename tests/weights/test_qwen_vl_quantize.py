@@ -272,3 +272,14 @@ def test_rotation_folds_into_the_vision_merger_so_images_stay_exact():
     assert rel < 1e-5
     assert rel_text < 1e-5 and rel_wrong > 1e-2  # text alone never meets the tower; the image rows do
 
+
+
+def test_bf16_checkpoint_keeps_the_tower_in_bf16(vl_dir, tmp_path):
+    out = tmp_path / "bf16"
+    assert main(["quantize", "--model", str(vl_dir), "--scheme", "w4a8", "--method", "rtn", "--dtype", "bf16",
+                 "--no-progress", "--out", str(out)]) == 0
+    kept = json.loads((out / "manifest.json").read_text())["counts"]["kept_unquantized"]["model.visual"]
+    assert kept["dtype"] == "bf16" and kept["linears"] == 12
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        tower = {f.get_tensor(k).dtype for k in f.keys() if k.startswith("model.visual.")}
+    assert tower == {torch.bfloat16}
