@@ -117,6 +117,18 @@ def supports(layer, step: str, device: str) -> str | None:
     return None
 
 
+def kernel_name(layer) -> str:
+    """Which fused kernel runs a layer the backend takes (for the plan table)."""
+    g = getattr(layer, "geometry", None)
+    if getattr(g, "shares_kv", False):
+        what = "MLA latent" if g.storage == "mla-latent" else "K = V"
+        return (f"decode_geometry latent form, {what}: {layer.v.head_dim} packed for K and V + "
+                f"{len(g.k_own_dims())} dense K dims")
+    if layer.k.head_dim in KERNEL_HEAD_DIMS and layer.v.head_dim in KERNEL_HEAD_DIMS:
+        return "decode_attention"
+    return f"decode_geometry, K {layer.k.head_dim} / V {layer.v.head_dim}"
+
+
 def call_reason(layer, keep, softcap) -> str | None:
     """Per-step rules: why this particular call of a QuantizedKVLayer cannot go to the kernel (None: it can)."""
     if layer.ring_len == 0:

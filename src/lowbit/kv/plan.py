@@ -297,7 +297,9 @@ def _choose(lp: LayerPlan, requested: str, device: str) -> dict:
     elif why:
         out["decode"] = BackendChoice("torch-stream", why)
     else:
-        out["decode"] = BackendChoice("triton-decode", "the fused kernel takes this layer")
+        from lowbit.kernels.decode_backend import kernel_name
+
+        out["decode"] = BackendChoice("triton-decode", f"the fused kernel takes this layer ({kernel_name(lp)})")
     return out
 
 
