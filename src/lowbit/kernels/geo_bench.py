@@ -42,7 +42,8 @@ def candidates(geo: dict, packed: bool = True):
     # from sm_90 compiles (benchmarks/compile_geo_sm90.py): configs that do not spill, or barely
     if geo["kind"] == "mha":
         return [GeoConfig(), GeoConfig(block_t=64, num_warps=8)]
-    return [GeoConfig(), GeoConfig(heads=16, num_warps=8, block_t=32)]
+    more = [GeoConfig(heads=8, num_warps=4, block_t=16)] if geo["Hq"] <= 16 else []  # 167 registers: 3 programs/SM
+    return [GeoConfig(), GeoConfig(heads=16, num_warps=8, block_t=32), *more]
 
 
 def kernel_bytes(geo, B, L, bits) -> int:
