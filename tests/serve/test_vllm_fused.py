@@ -78,13 +78,20 @@ def test_fused_decode_equals_torch_twin(name, D, group, Hkv, G, bs, lens, sink, 
     torch.testing.assert_close(again, want, rtol=2e-4, atol=2e-5)
 
 
-def test_fused_decode_refuses_a_missing_dense_row():
+def test_fused_decode_reads_dropped_dense_rows_from_their_codes():
+    """Dense rows gone from the arena (a request left out of a step, a prefix-cache hit's shared rows: paged.
+    _fill_missing) are read from their codes -- the attention of no exact tiers -- and counted; never raise."""
     fmt, cache, table, arena, q, nk, nv, rk, rv = _setup("int4", 64, 64, 1, 2, 8, [30], 4, 8, None, False,
                                                          torch.float32, 0)
     arena.retain(set())  # as if the request had not been scheduled and its dense rows were dropped
-    with pytest.raises(RuntimeError, match="dense copy of position"):
-        paged.attend(q, cache, fmt, block_table=table, seq_lens=torch.tensor([30]), query_start_loc=torch.arange(2),
-                     scale=0.1, arena=arena, new_k=nk, new_v=nv, kernel="cpu-fused")
+    kw = dict(block_table=table, seq_lens=torch.tensor([30]), query_start_loc=torch.arange(2), scale=0.1,
+              new_k=nk, new_v=nv, kernel="cpu-fused")
+    got = paged.attend(q, cache, fmt, arena=arena, **kw)
+    assert arena.refilled == 4 + 7  # sink 0..3, recent 22..28 (29 is the step's own row)
+    torch.testing.assert_close(got, paged.attend(q, cache, fmt, arena=None, **kw), rtol=2e-4, atol=2e-5)
+    with pytest.raises(RuntimeError, match="dense copy of position 29"):  # a row of this very step: a bug
+        paged._fill_missing(arena, cache, fmt, table[:, 3:4], torch.tensor([[5]]), torch.tensor([[29]]),
+                            torch.ones(1, 1, dtype=torch.bool), torch.tensor([29]))
 
 
 def test_prefill_chunks_and_dense_tensors_take_the_torch_path():

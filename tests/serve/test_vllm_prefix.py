@@ -137,7 +137,7 @@ def test_a_prefix_hit_gives_the_tokens_of_a_miss(name, sink, recent, layer_bits,
     other = emu.request()  # another request runs meanwhile and reuses A's freed blocks
     emu.step(other, a[::-1][:40])
     emu.finish(other)
-    assert set(first[: -(-sink // bs)]) <= emu.arenas[0].held  # A's sink blocks outlive A
+    assert set(first[: -(-sink // bs)]) <= emu.arenas[0].held.keys()  # A's sink blocks outlive A
     r2 = emu.request(first)  # the hit: B starts on A's first blocks, at `hit`
     hit_toks, hit_logits = emu.greedy(r2, emu.step(r2, b[hit:]), 10)
     assert r2["table"][: hit // bs] == first and all(x.refilled == 0 for x in emu.arenas)
@@ -155,20 +155,27 @@ def test_a_prefix_hit_gives_the_tokens_of_a_miss(name, sink, recent, layer_bits,
         assert reference_greedy(rt, b, 10, chunk=hit)[0][: len(hit_toks)] == hit_toks
 
 
-def test_without_held_sink_blocks_a_hit_has_no_sink_rows():
-    """The control: with the arena dropping a finished request's blocks (no hold), the hit's sink rows are gone."""
+@pytest.mark.parametrize("hold", ["off", "cap-1"])
+def test_a_hit_without_its_held_sink_rows_reads_them_from_codes(hold):
+    """The control: with the arena dropping a finished request's blocks (no hold), or holding only the latest
+    prompt start (hold_cap 1, and another request started since), the hit's sink rows are gone: they are
+    decoded from their codes (exactly the `sink` rows, counted), not read from whatever the pool holds."""
     from tests.serve.conftest import tiny_runtime
 
-    rt = tiny_runtime("int2", sink=5, recent=21, page=1, rotation="hadamard")
+    sink = 5
+    rt = tiny_runtime("int2", sink=sink, recent=21, page=1, rotation="hadamard")
     a, b = _prompts(rt, 60, 100)
-    emu = PrefixEmulation(rt, 16, hold_prefix=False)
+    emu = PrefixEmulation(rt, 16, hold_prefix=hold != "off")
+    for x in emu.arenas:
+        x.hold_cap = 1 if hold == "cap-1" else None
     r1 = emu.request()
     emu.step(r1, a)
     emu.finish(r1, keep=3)
-    emu.step(emu.request(), a[:9])  # a step without A: the builder drops A's blocks
+    emu.step(emu.request(), a[::-1][:9])  # a step without A: its blocks are not live
+    assert (r1["table"][0] in emu.arenas[0].held) is False
     r2 = emu.request(r1["table"][:3])
-    with pytest.raises(RuntimeError, match="dense copy of position 0 .* is gone"):
-        emu.step(r2, b[48:])
+    emu.step(r2, b[48:])
+    assert [x.refilled for x in emu.arenas] == [sink] * len(emu.arenas)
 
 
 def test_a_hit_whose_first_chunk_is_cut_reads_the_shared_window_from_codes():

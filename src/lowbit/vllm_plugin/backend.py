@@ -87,6 +87,7 @@ class LowbitModel:
     layer_formats: list = field(default_factory=list)  # SlotFormat per layer (own bits, padded cell)
     windows_logged: set = field(default_factory=set)  # sliding windows whose layers were described in the log
     kernel_logged: bool = False
+    prefix_logged: bool = False
 
     def fmt(self, dk: int, dv: int) -> SlotFormat:
         return self.formats[(dk, dv)]
@@ -260,6 +261,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         self.dense_dtype = cfg.model_config.dtype
         sch = self.model.scheme
         self.prefix_caching = bool(getattr(cfg.cache_config, "enable_prefix_caching", False))
+        self._max_seqs = int(getattr(getattr(cfg, "scheduler_config", None), "max_num_seqs", 0) or 256)
         if sch.recent and self.prefix_caching:
             from lowbit.vllm_plugin import prefix
 
@@ -311,6 +313,23 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         """vLLM's [num_blocks, H, block_size, C in dtype units] view -> the same cells as bytes."""
         return kv_cache.view(torch.uint8)
 
+    def _hold_cap(self, bs: int) -> int | None:
+        """Prefix caching: how many blocks with sink rows the arena keeps for later hits (paged.TierArena.hold):
+        2 x max_num_seqs prompt starts; logged once with what they cost."""
+        sch = self.model.scheme
+        if not (self.prefix_caching and sch.sink):
+            return None
+        seqs = self._max_seqs
+        cap = 2 * seqs * -(-sch.sink // bs)
+        if not self.model.prefix_logged:
+            self.model.prefix_logged = True
+            elt = torch.empty((), dtype=self.dense_dtype).element_size()
+            per = bs * sum(g.num_kv_heads * (g.head_dim_k + g.head_dim_v) * elt for g in self.model.geometry.layers)
+            log.warning("lowbit plugin: %s", f"prefix caching: the sink rows of up to {2 * seqs} cached prompt starts "
+                        f"stay exact ({cap} blocks, up to {cap * per / 2**20:.1f} MiB beside vLLM's cache); a hit on an "
+                        "older one reads them from their codes (logged)")
+        return cap
+
     def do_kv_cache_update(self, layer, key, value, kv_cache, slot_mapping) -> None:
         if self.kv_sharing_target_layer_name is not None:
             return
@@ -329,7 +348,8 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
             if self.arena is None:
                 # owned by this impl; the metadata builder finds it through vLLM's layer table
                 self.arena = paged.TierArena(sch.sink, sch.recent, cache.shape[2], self.dense_dtype,
-                                             window=self.sliding_window, hold_prefix=self.prefix_caching)
+                                             window=self.sliding_window, hold_prefix=self.prefix_caching,
+                                             hold_cap=self._hold_cap(cache.shape[2]))
             positions, row_lens = paged.token_positions(md.query_start_loc, md.seq_lens, key.shape[0])
         self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv, positions=positions,
                                            row_seq_lens=row_lens, arena=self.arena, rotated=self._rotated)

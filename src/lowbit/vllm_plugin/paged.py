@@ -149,8 +149,9 @@ class TierArena:
     and `evict` drops the blocks of a request that have fallen behind its recent window.
     Entries are keyed by the physical block: a block reused by a later request is overwritten by
     that request's own writes before it reads them. `retain(live)` drops blocks no live request
-    needs (finished requests); a row that is missing when read raises instead of being read from
-    its codes.
+    needs (finished requests). A row missing when read that the request wrote before this step (it
+    was left out of a step, or a prefix-cache case below) is decoded from its codes into the arena
+    (`_fill_missing`: logged once, counted in `refilled`); a row of this step missing raises.
     Sliding window: only rows at positions >= visible_from(first query) are ever read, and a
     request's blocks below that position are never touched (vLLM may have given them to another
     request); `evict` drops what the next query can no longer see.
@@ -159,22 +160,27 @@ class TierArena:
     those same physical blocks (block ids in its table) and skips computing them. The hit's sink
     rows are in the first blocks, so `hold` keeps every block that holds a request's sink rows after
     the request is done, for as long as vLLM may still hand it out: until the block shows up at a
-    later index of some table (vLLM reallocated it and dropped its hash). The hit's recent rows are
+    later index of some table (vLLM reallocated it and dropped its hash), at most `hold_cap` blocks
+    (the least recently seen go first; a hit on one of those reads its sink rows from codes, logged).
+    The hit's recent rows are
     not stored: vLLM's scheduler holds back the last `recent` tokens of every hit (prefix.py), so the
     request computes -- and stores dense -- every row its recent window holds, as a miss whose
     prefill had a chunk boundary at the hit does. Only when the step's token budget cuts that first
     chunk below `recent` tokens would the window reach into the shared prefix: those rows are then
     decoded from their codes into the arena (`_fill_missing`, counted in `refilled`, logged once).
+    Each held block costs a dense block (bs x H x (D_k + D_v) x dtype bytes) per layer.
     """
 
     def __init__(self, sink: int, recent: int, block_size: int, dtype: torch.dtype, window: int | None = None,
-                 hold_prefix: bool = False):
+                 hold_prefix: bool = False, hold_cap: int | None = None):
         self.sink, self.recent, self.bs, self.dtype = int(sink), int(recent), int(block_size), dtype
         self.window = int(window) if window else None
         self.k = BlockPool(dtype)
         self.v = BlockPool(dtype)
         self.hold_prefix = bool(hold_prefix)
-        self.held: set[int] = set()  # blocks holding some request's sink rows that vLLM may hand out again
+        self.hold_cap = hold_cap
+        self.held: dict[int, None] = {}  # blocks holding some request's sink rows that vLLM may hand out again
+        # (insertion order = last seen: the first ones go when over hold_cap)
         self.refilled = 0  # rows decoded from codes into the arena (a hit whose first chunk was cut short)
 
     @property
@@ -267,8 +273,13 @@ class TierArena:
         request's sink rows), `others` blocks at a later index of some running request's table (reallocated:
         vLLM dropped their hash, no hit can hand them out as a first block any more). See sink_blocks."""
         if self.hold_prefix and self.sink:
-            self.held.difference_update(others)
-            self.held.update(heads)
+            for b in others:
+                self.held.pop(b, None)
+            for b in heads:  # seen now: last in line
+                self.held.pop(b, None)
+                self.held[b] = None
+            while self.hold_cap is not None and len(self.held) > self.hold_cap:
+                self.held.pop(next(iter(self.held)))
 
 
 def sink_blocks(table: torch.Tensor, lens: list[int], sink: int, bs: int) -> tuple[set[int], set[int]]:
@@ -304,10 +315,12 @@ def retain_step(arenas: list, table: torch.Tensor, lens: list[int], q_lens: list
 def _fill_missing(arena: TierArena, cache_u8: torch.Tensor, fmt: SlotFormat, blk: torch.Tensor, off: torch.Tensor,
                   jpos: torch.Tensor, missing: torch.Tensor, first: torch.Tensor) -> None:
     """Dense rows the step needs but the arena lacks (missing [R, n] over positions jpos, blocks blk, offsets
-    off). Rows of the shared prefix of a prefix-cache hit (sink <= position < the request's first new token):
-    decoded from their codes into the arena, i.e. read as a middle row would be -- which happens only when the
-    step's token budget cut a hit's first chunk below `recent` tokens (TierArena). Anything else is a bug."""
-    shared = missing & (jpos >= arena.sink) & (jpos < first[:, None])
+    off). Rows before the request's first new token (not written in this step): decoded from their codes into
+    the arena, i.e. read as a middle row would be. That happens when a prefix-cache hit's first chunk was cut
+    below `recent` tokens by the step's token budget, for a hit on a prompt start beyond the `hold_cap` held
+    ones (its sink rows), or for a request vLLM left out of a step (its blocks were not live). A row of this
+    step missing is a bug (raises)."""
+    shared = missing & (jpos < first[:, None])
     if not torch.equal(shared, missing):
         r_, c_ = (int(x) for x in torch.nonzero(missing & ~shared)[0])
         raise RuntimeError(f"lowbit plugin: the dense copy of position {int(jpos[r_, c_])} (block "
@@ -319,10 +332,11 @@ def _fill_missing(arena: TierArena, cache_u8: torch.Tensor, fmt: SlotFormat, blk
         import logging
 
         logging.getLogger("lowbit.vllm_plugin").warning(
-            "lowbit plugin: a prefix-cache hit's first chunk was cut below the recent window (%d tokens) by the "
-            "step's token budget: %d rows of the shared prefix in its recent window are read from their codes, "
-            "where a miss would read them exact (raise --max-num-batched-tokens to avoid it)", arena.recent,
-            int(b.numel()))
+            "lowbit plugin: %d dense rows (sink %d / recent %d tiers) were not held and are read from their codes, "
+            "where a miss would read them exact: a prefix-cache hit whose first chunk the step's token budget cut "
+            "below the recent window (raise --max-num-batched-tokens), a hit on a prompt start older than the %s "
+            "held, or a request left out of a step (counted in TierArena.refilled; logged once)", int(b.numel()),
+            arena.sink, arena.recent, arena.hold_cap)
     arena.refilled += int(b.numel())
 
 
