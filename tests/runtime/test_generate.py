@@ -200,3 +200,18 @@ def test_unsupported_inputs_are_refused():
         small.check()
     with pytest.raises(LowbitError, match="beam search"):
         cache.reorder_cache(torch.tensor([1, 0]))
+
+
+def test_bench_row_harness_on_cpu():
+    """The `hf-generate-compile-lowbit-*` row of `lowbit bench decode` (a GPU benchmark) run on CPU with the
+    aot_eager backend: the continuation of a filled cache through generate works, and the row records that
+    every timed decode step ran compiled from one graph."""
+    from lowbit.runtime.bench import _row_hf_generate, build_model
+
+    model, cfg = build_model("tiny-llama", "cpu", dtype=torch.float32)
+    torch._dynamo.reset()
+    cc = GenerateCache.compile_config(backend="aot_eager", all_devices=True)
+    row = _row_hf_generate("hf-generate-compile-lowbit-int2", model, cfg, 2, 301, 5, warm=2, compile_config=cc)
+    assert row["ran"]["eager_decode_steps"] == 0 and row["ran"]["unique_graphs"] == 1
+    assert not row["ran"]["graph_breaks"] and len(row["step_ms"]) == 4 and row["ms_per_step"] > 0
+    assert row["kv_bytes"] > 0 and row["decode_backends"] == ["torch-stream"]

@@ -5,6 +5,11 @@ Paths (one run, same model weights):
     hf-static-compile-bf16  transformers StaticCache + torch.compile(model.forward, mode="reduce-overhead")
     lowbit-bf16             lowbit runtime: StaticKVCache with nothing quantized, one CUDA graph per step
     lowbit-int4 / -int2     lowbit runtime, the packed middle read by the fused kernel, one CUDA graph
+    hf-generate-compile-lowbit-int2 / -int4 / -bf16
+                            transformers' own model.generate with the lowbit GenerateCache as its cache and
+                            transformers' own compile of the decode forward (its default CompileConfig:
+                            torch.compile "reduce-overhead"); a row records that every decode step ran
+                            compiled (else it raises), the graphs, graph breaks and CUDA-graph skips
 
 Context: L tokens of random K/V written into each cache directly (prefill compute is not what is
 timed); then decode steps, each one token per sequence. ms_per_step: median wall time of a step
@@ -30,8 +35,12 @@ GEOMETRIES = {
     "tiny-llama": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
                        "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "max_position_embeddings": 1 << 15},
 }
-PATHS = ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2", "lowbit-w4a16-int2")
-SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2", "lowbit-w4a16-int2": "int2"}
+# transformers' generate + compile over the lowbit cache (lowbit.runtime.generate.GenerateCache)
+GEN_PATHS = {"hf-generate-compile-lowbit-int2": "int2", "hf-generate-compile-lowbit-int4": "int4",
+             "hf-generate-compile-lowbit-bf16": "bf16"}
+PATHS = ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2", "lowbit-w4a16-int2",
+         *GEN_PATHS)
+SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2", "lowbit-w4a16-int2": "int2", **GEN_PATHS}
 # paths whose decoder linears are weight-quantized (RTN of the random weights, through lowbit.weights.grid),
 # run after the bf16-weight paths: the model is converted in place once
 WEIGHT_PATHS = {"lowbit-w4a16-int2": "w4a16-g128"}
@@ -85,7 +94,7 @@ def build_model(geometry: str, device: str, dtype=torch.bfloat16):
 def kv_bytes(path: str, cfg, B: int, L: int) -> int:
     """Bytes of KV the path holds for B sequences at capacity L (what decides `fits`)."""
     H, D, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
-    if path in ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16"):
+    if path in ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "hf-generate-compile-lowbit-bf16"):
         return B * L * n * H * 2 * D * 2
     from lowbit.recipe import parse_kv_scheme
 
@@ -228,6 +237,95 @@ def _row_hf(path, model, cfg, B, L, steps):
     return row
 
 
+def _row_hf_generate(path, model, cfg, B, L, steps, warm: int = 6, compile_config=None):
+    """transformers' model.generate over a GenerateCache holding L random tokens per sequence (written into
+    the tiers as _fill_static does), continued by `steps` greedy tokens with transformers' own compile of the
+    decode forward. Per step: CUDA events recorded by a logits processor (once per generate iteration, on
+    the stream, no sync), so ms_per_step is the whole iteration a user gets (compiled forward + generate's
+    own per-token work). gpu_ms_per_step: profiler kernel time of a generate of warm + steps tokens minus one
+    of warm tokens, per token (the one-token continuation prefill cancels out). compile_config: None for
+    transformers' default (what a user who only swaps the cache gets), or a transformers.CompileConfig."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    from lowbit.kv.cache import cache_kwargs
+    from lowbit.kv.plan import resolve
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.generate import GenerateCache
+
+    dev = next(model.parameters()).device  # cuda; cpu only for the CPU smoke test of this harness
+    cuda = dev.type == "cuda"
+    geo = ModelGeometry.from_config(cfg, name="random-llama")
+    plan = resolve(GEN_PATHS[path], geo, device=dev.type)
+    cache = GenerateCache(model, plan, batch=B, max_context=L + 1 + warm + steps + 16)
+    _fill_static(cache, L, torch.Generator(device=dev).manual_seed(1))
+    # the whole sequence, as transformers continues a cache: it slices off the L tokens the cache holds
+    # ids >= 3: a pad id (0) in the prompt would make generate infer a padding mask
+    ids = torch.randint(3, cfg.vocab_size, (B, L + 1), device=dev, generator=torch.Generator(device=dev).manual_seed(2))
+
+    class Stamp(LogitsProcessor):
+        def __init__(self):
+            self.events = []
+
+        def __call__(self, input_ids, scores):
+            if cuda:
+                e = torch.cuda.Event(enable_timing=True)
+                e.record()
+            else:
+                e = time.perf_counter()
+            self.events.append(e)
+            return scores
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    def gen(n, stamp=None):
+        cache.lens.fill_(L)  # the same context every call (the tiers keep the random history)
+        cache._decoding = False
+        procs = LogitsProcessorList([stamp] if stamp else [])
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
+                           logits_processor=procs, compile_config=compile_config, **cache_kwargs(model, cache))
+
+    counters = torch._dynamo.utils.counters
+    counters.clear()
+    t = time.perf_counter()
+    gen(warm)  # transformers compiles the decode forward here (and CUDA graphs record on the next calls)
+    sync()
+    compile_s = time.perf_counter() - t
+    gen(warm)
+    cache.reset_runs()
+    stamp = Stamp()
+    t = time.perf_counter()
+    gen(steps + 1, stamp)
+    sync()
+    wall = time.perf_counter() - t
+    if cache.runs["eager_decode_steps"] or not hasattr(model, "_compiled_call"):
+        raise LowbitError(f"{path}: {cache.runs['eager_decode_steps']} decode steps ran eagerly: transformers did not "
+                          "compile the decode forward (a result must name what ran)")
+    ev = stamp.events
+    times = [a.elapsed_time(b) if cuda else (b - a) * 1e3 for a, b in itertools.pairwise(ev[1:])]  # after the first
+    busy_a, _ = _gpu_busy(lambda: gen(warm), n=1) if cuda else (None, [])
+    busy_b, top = _gpu_busy(lambda: gen(warm + steps), n=1, top=12) if cuda else (None, [])
+    busy = (busy_b - busy_a) / steps if busy_a is not None and busy_b is not None else None
+    top = [[k, round(ms / (warm + steps), 4), c / (warm + steps)] for k, ms, c in top]  # per token, prefill included
+    skips = int(counters["inductor"].get("cudagraph_skips", 0))
+    row = {"ms_per_step": statistics.median(times), "step_ms": times, "gpu_ms_per_step": busy, "top_kernels": top,
+           "kv_bytes": cache.bytes_held(), "capture_s": compile_s, "wall_ms_per_step": wall * 1e3 / (steps + 1),
+           "decode_backends": sorted(plan.backend_names("decode")),
+           "attention": "fused Triton kernel (custom op in the compiled graph)" if cache.use_kernel else
+                        "torch over the tiers (compiled)",
+           "ran": {"compiled_decode_steps": steps, "eager_decode_steps": cache.runs["eager_decode_steps"],
+                   "compile_config": "transformers default (torch.compile mode reduce-overhead, fullgraph False)"
+                                     if compile_config is None else str(compile_config.to_dict()),
+                   "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+                   "graph_breaks": {k: int(v) for k, v in counters["graph_break"].items()},
+                   "cudagraph_skips": skips,
+                   "cudagraphs": skips == 0}}
+    del cache
+    return row
+
+
 def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
     """One L-token prompt: transformers' own bf16 forward (SDPA, DynamicCache, chunks of `chunk`) against
     the lowbit runtime's prefill into a StaticKVCache slot (bf16 and int2), tokens/s of each."""
@@ -329,7 +427,7 @@ def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log):
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 try:
-                    fn = _row_hf if path.startswith("hf-") else _row_lowbit
+                    fn = _row_hf_generate if path in GEN_PATHS else _row_hf if path.startswith("hf-") else _row_lowbit
                     r = fn(path, model, cfg, B, L, steps)
                 except torch.cuda.OutOfMemoryError as e:
                     rows.append({**base, "fits": False, "kv_bytes": need, "ms_per_step": None, "tok_s": None,

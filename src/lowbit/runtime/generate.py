@@ -86,9 +86,10 @@ class GenerateCache(StaticKVCache):
         self._decoding = False  # after a prefill: one-token forwards are decode steps (a constant while decoding)
         self._last_layer = len(self.layers) - 1
         self.overflow = torch.zeros((), dtype=torch.int32, device=self.device)  # decode steps past capacity
-        # what ran: prefills, and decode steps whose body ran as Python (not from a compiled graph: under
-        # torch.compile the branch below is resolved at trace time, so a compiled step never counts)
-        self.runs = {"prefill": 0, "eager_decode_steps": 0, "traced_decode": False}
+        # what ran (see `runs`); plain attributes: a dict written inside a trace would be guarded on all its
+        # values, and a count that changes between generate calls would then force a retrace
+        self._n_prefill = self._n_eager = 0
+        self._traced = False
         # every buffer keeps its address: the compiled step mutates them in place, and CUDA graphs would
         # otherwise copy each one (the whole KV cache) into graph memory on every replay, or skip the graph
         for t in self._tensors():
@@ -110,6 +111,15 @@ class GenerateCache(StaticKVCache):
                     yield r
 
     # ------------------------------------------------------------- control
+    @property
+    def runs(self) -> dict:
+        """What ran: prefills, decode steps whose body ran as Python (eagerly, not from a compiled graph),
+        and whether a decode step was traced by torch.compile."""
+        return {"prefill": self._n_prefill, "eager_decode_steps": self._n_eager, "traced_decode": self._traced}
+
+    def reset_runs(self) -> None:
+        self._n_prefill = self._n_eager = 0
+
     def reset(self) -> None:
         """Empty every slot (a new generate call with new prompts)."""
         self.lens.zero_()
@@ -148,10 +158,10 @@ class GenerateCache(StaticKVCache):
         if self._decoding and L == 1:
             if layer_idx == 0:
                 self.begin_decode(B)
-                if torch.compiler.is_compiling():
-                    self.runs["traced_decode"] = True
+                if torch.compiler.is_compiling():  # resolved at trace time: a compiled step never counts
+                    self._traced = True
                 else:
-                    self.runs["eager_decode_steps"] += 1
+                    self._n_eager += 1
             return super().update(key_states, value_states, layer_idx)
         if layer_idx == 0:
             self._begin_prefill(L)
@@ -180,7 +190,7 @@ class GenerateCache(StaticKVCache):
         if self._start + L > self.max_context:
             raise LowbitError(f"the prompt ({L} tokens after {self._start} held) exceeds the cache capacity "
                               f"{self.max_context}; build the GenerateCache with a larger max_context")
-        self.runs["prefill"] += 1
+        self._n_prefill += 1
 
     # ------------------------------------------------------------- read
     def attend(self, layer_idx: int, query: torch.Tensor, attention_mask, *, scaling: float, softcap=None):
