@@ -40,7 +40,8 @@ GEN_PATHS = {"hf-generate-compile-lowbit-int2": "int2", "hf-generate-compile-low
              "hf-generate-compile-lowbit-bf16": "bf16"}
 PATHS = ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2", "lowbit-w4a16-int2",
          *GEN_PATHS)
-SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2", "lowbit-w4a16-int2": "int2", **GEN_PATHS}
+SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2", "lowbit-w4a16-int2": "int2",
+           **GEN_PATHS}
 # paths whose decoder linears are weight-quantized (RTN of the random weights, through lowbit.weights.grid),
 # run after the bf16-weight paths: the model is converted in place once
 WEIGHT_PATHS = {"lowbit-w4a16-int2": "w4a16-g128"}
@@ -322,7 +323,6 @@ def _row_hf_generate(path, model, cfg, B, L, steps, warm: int = 6, compile_confi
                    "graph_breaks": {k: int(v) for k, v in counters["graph_break"].items()},
                    "cudagraph_skips": skips,
                    "cudagraphs": skips == 0}}
-    del cache
     return row
 
 

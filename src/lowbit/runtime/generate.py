@@ -12,16 +12,17 @@ transformers does instead of by begin_prefill / begin_decode:
              the tier lengths read from lens, lens += 1 after the last layer: no host sync and no
              Python value that changes per step, so transformers' compiled forward traces it once.
 is_compileable is True, so generate compiles the decode forward where transformers allows it (CUDA;
-other devices with compile_config._compile_all_devices). `compile_config()` gives the config lowbit
-measures with (full graph, CUDA graphs, the codec's fp16 rounding kept).
+other devices with compile_config._compile_all_devices), with its default CompileConfig unless told;
+`compile_config()` gives a stricter one (full graph, CUDA graphs, the codec's fp16 rounding kept).
 
-Supported: B prompts of equal length, no padding (an attention_mask with a zero is refused at prefill),
-greedy or sampled decoding (the cache does not care), one generate call per cache unless `reset()`
-(a second call continues the held sequences like transformers' StaticCache: its prompt is the new
-tokens). Not supported: left padding, beam search (reorder_cache), chunked prefill through the
-compiled forward (generation_config.prefill_chunk_size), more tokens than max_context (refused at
-prefill when the prompt alone overflows; a decode past capacity is counted on the device and raised
-by `check()` and by the next prefill -- a step cannot raise without a host sync).
+Supported: B prompts of equal length, no padding (an attention_mask with a zero is refused at prefill);
+greedy decoding is what is tested (sampling happens in generate after the forward, untested). A new
+generate call on a used cache: `reset()` first, or pass the whole sequence so far (held tokens + new
+ones) to continue it, as with transformers' StaticCache (generate slices off what the cache holds;
+`lowbit bench decode` does this). Not supported: left padding, beam search (reorder_cache), chunked
+prefill through the compiled forward (generation_config.prefill_chunk_size), more tokens than
+max_context (refused at prefill when the prompt alone overflows; a decode past capacity is counted on
+the device and raised by `check()` and by the next prefill -- a step cannot raise without a host sync).
 """
 
 from __future__ import annotations
