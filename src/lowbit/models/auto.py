@@ -25,9 +25,3 @@ def causal_lm_class(config):
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 
-
-def is_vlm(model) -> bool:
-    """True for a model with a vision tower next to its decoder (lowbit.weights.arch names the tower)."""
-    from lowbit.weights.arch import vision_tower
-
-    return vision_tower(model) is not None
