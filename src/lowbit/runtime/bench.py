@@ -288,6 +288,9 @@ def _row_hf_generate(path, model, cfg, B, L, steps, warm: int = 6, compile_confi
             model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
                            logits_processor=procs, compile_config=compile_config, **cache_kwargs(model, cache))
 
+    # a fresh compile: the hf-static-compile row compiled the same forward (transformers' decorated
+    # LlamaForCausalLM.forward), and a recompile of it would be made shape-dynamic ("automatic dynamic")
+    torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
     t = time.perf_counter()
