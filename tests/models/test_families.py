@@ -52,12 +52,13 @@ def test_gemma4_shared_kv_layers_are_named_and_refused_by_the_plan():
         resolve("int4", g)
 
 
-def test_shared_kv_layers_decode_on_the_torch_path_with_the_reason():
+def test_shared_kv_layers_decode_on_the_latent_kernel_with_the_reason():
     from lowbit.kv.plan import resolve
 
     plan = resolve("int2", family_geometry("deepseek-v3"), device="cuda")
-    assert plan.layers[0].backends["decode"].name == "torch-stream"
+    assert plan.layers[0].backends["decode"].name == "triton-decode"
     assert "latent" in plan.layers[0].backends["decode"].reason
+    assert resolve("int2", family_geometry("deepseek-v3"), device="cpu").layers[0].backends["decode"].name != "triton-decode"
     assert plan.layers[0].k.bits == 16 and plan.layers[0].k.head_dim == 64 and plan.layers[0].rot_k is None
     assert plan.layers[0].v.bits == 2 and plan.layers[0].v.group == 128 and plan.layers[0].rot_v.shape == (512, 512)
 
