@@ -190,17 +190,19 @@ def lowbit_attention(
     return cache.attend(layer_idx, query, attention_mask, scaling=scaling, softcap=softcap), None
 
 
-def lowbit_mask(*args, attention_mask=None, kv_length=None, **kwargs):
+def lowbit_mask(*args, attention_mask=None, kv_length=None, q_offset=None, **kwargs):
     """transformers mask-interface function for "lowbit": the 2-D padding mask as given (or None).
 
-    Causal and sliding-window structure is built by the attention from slot indices. A cache that
-    reports more key slots than the mask covers (a static cache: kv_length = its capacity) gets the mask
-    padded with ones to kv_length: slots past the sequence are masked by the attention itself, and a
-    fixed-shape mask keeps a compiled decode step from retracing as the mask grows by one each step
-    (transformers 5.17 passes generate's 2-D mask to every step)."""
+    Causal and sliding-window structure is built by the attention from slot indices. A static cache
+    (its length a device tensor, q_offset; kv_length its capacity; lowbit.runtime.generate.GenerateCache)
+    gets the mask padded with ones to kv_length: slots past the sequence are masked by the attention
+    itself, and a fixed-shape mask keeps a compiled decode step from retracing as the mask grows by one
+    each step (transformers 5.17 passes generate's 2-D mask to every step). Other caches (int lengths)
+    get the mask unchanged, so a mask of the wrong length is still refused by the attention."""
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() != 2:
         return attention_mask  # a prepared 4-D mask: the attention refuses it with a clear error
-    if isinstance(attention_mask, torch.Tensor) and isinstance(kv_length, int) and kv_length > attention_mask.shape[-1]:
+    if (isinstance(attention_mask, torch.Tensor) and isinstance(q_offset, torch.Tensor) and isinstance(kv_length, int)
+            and kv_length > attention_mask.shape[-1]):
         pad = attention_mask.new_ones(attention_mask.shape[0], kv_length - attention_mask.shape[-1])
         return torch.cat([attention_mask, pad], -1)
     return attention_mask
