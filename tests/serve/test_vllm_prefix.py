@@ -26,6 +26,7 @@ class PrefixEmulation:
 
         g = rt.geometry.layers[0]
         plan = resolve(rt.scheme, rt.geometry)
+        self.windows = [lg.window if lg.attention == "sliding" else None for lg in rt.geometry.layers]
         self.fmts = layer_formats(plan, torch.float32)
         self.rots = [(lp.rot_k, lp.rot_v) for lp in plan.layers]
         gen = torch.Generator().manual_seed(seed)
@@ -36,8 +37,8 @@ class PrefixEmulation:
         self.free = torch.randperm(num_blocks, generator=gen).tolist()
         self.bs = block_size
         s = rt.scheme
-        self.arenas = [paged.TierArena(s.sink, s.recent, block_size, torch.float32, hold_prefix=hold_prefix)
-                       for _ in rt.geometry.layers]
+        self.arenas = [paged.TierArena(s.sink, s.recent, block_size, torch.float32, window=w, hold_prefix=hold_prefix)
+                       for w in self.windows]
         self.model = rt.model
         self.cur = None
         AttentionInterface.register("lowbit_prefix_emulation", self._attention)
@@ -66,7 +67,7 @@ class PrefixEmulation:
                     positions=positions, row_seq_lens=row_lens, arena=self.arenas[i])
         out = paged.attend(query[0].transpose(0, 1), self.caches[i], self.fmts[i], block_table=table,
                            seq_lens=seq_lens, query_start_loc=qsl, scale=scaling, rot_k=rk, rot_v=rv,
-                           arena=self.arenas[i], chunk_tokens=32, new_k=key[0].transpose(0, 1),
+                           window=self.windows[i], softcap=kw.get("softcap"), arena=self.arenas[i], chunk_tokens=32, new_k=key[0].transpose(0, 1),
                            new_v=value[0].transpose(0, 1), kernel=self.kernel, evict=False)
         return out[None].to(query.dtype), None
 
@@ -195,6 +196,50 @@ def test_a_hit_whose_first_chunk_is_cut_reads_the_shared_window_from_codes():
     assert [x.refilled for x in emu.arenas] == [48 - max(sink, 48 + c - recent)] * len(emu.arenas)
     logits = emu.step(r2, b[48 + c:])
     assert torch.isfinite(logits).all() and emu.arenas[0].refilled == 48 - (48 + c - recent)
+
+
+def test_a_prefix_hit_on_sliding_window_layers_gives_the_tokens_of_a_miss():
+    """A tiny gemma3 (5 sliding layers, window 13, + 1 full layer), blocks of 4, sink 3 / recent 7: the shared
+    part ends inside B's recent window, so the hit is cut; on the sliding layers the hit reads only its window
+    of the shared blocks. Same logits and greedy tokens as the miss chunked at the hit."""
+    from types import SimpleNamespace as NS
+
+    from transformers import AutoModelForCausalLM
+
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.models.tiny import tiny_config
+    from lowbit.recipe import parse_kv_scheme
+
+    cfg = tiny_config("gemma3-270m", vocab_size=101)
+    cfg.sliding_window = 13
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    rt = NS(model=model, geometry=ModelGeometry.from_config(cfg, name="tiny-gemma3"),
+            scheme=parse_kv_scheme("int2", sink=3, recent=7, page=1, rotation="hadamard"))
+    bs, shared, len_b = 4, 46, 50
+    gen = torch.Generator().manual_seed(7)
+    a = torch.randint(4, 101, (60,), generator=gen).tolist()
+    b = a[:shared] + [(x % 90) + 5 for x in a[shared:len_b]]
+    b[shared] = 4 if a[shared] != 4 else 5
+    plain, hit = _hit_len(shared, len_b, 7, bs)
+    assert 13 < hit < plain  # past the window: the sliding layers read only part of the shared blocks
+
+    emu = PrefixEmulation(rt, bs, num_blocks=64)
+    r1 = emu.request()
+    emu.greedy(r1, emu.step(r1, a), 3)
+    emu.finish(r1, keep=hit // bs)
+    emu.step(emu.request(), a[::-1][:9])
+    r2 = emu.request(r1["table"][: hit // bs])
+    hit_toks, hit_logits = emu.greedy(r2, emu.step(r2, b[hit:]), 8)
+    assert all(x.refilled == 0 for x in emu.arenas)
+    miss = PrefixEmulation(rt, bs, num_blocks=64, seed=1)
+    m = miss.request()
+    miss.step(m, b[:hit])
+    miss_toks, miss_logits = miss.greedy(m, miss.step(m, b[hit:]), 8)
+    assert hit_toks == miss_toks
+    for x, y in zip(hit_logits, miss_logits):
+        torch.testing.assert_close(x, y, rtol=1e-3, atol=1e-3)
 
 
 def test_scheduler_holds_back_the_recent_window(tmp_path):
