@@ -225,7 +225,16 @@ class TierArena:
         s = self.k.map[blocks]
         self.k.data[s, offs] = k.to(self.dtype)  # [n, H, D]
         self.v.data[self.v.map[blocks], offs] = v.to(self.dtype)
-        self.k.valid[s, offs] = True
+        if self.hold_prefix:  # only shared blocks (prefix caching) are ever read partly stored: see `missing`
+            self.k.valid[s, offs] = True
+
+    def missing(self, slots: torch.Tensor, offs: torch.Tensor, wanted: torch.Tensor) -> torch.Tensor:
+        """bool [...]: the rows `wanted` whose dense copy is not held. Without prefix caching a request's blocks
+        are its own and hold every dense row it reads once they hold any (TierArena), so the block-level map
+        is enough (two ops fewer per layer-step); with it, a shared block may hold some rows only (row flags)."""
+        if self.hold_prefix:
+            return wanted & ~self.k.present(slots, offs)
+        return wanted & (slots < 0)
 
     def overlay(self, table_row: torch.Tensor, lo: int, seq_len: int, k: torch.Tensor, v: torch.Tensor,
                 vis_lo: int = 0):
@@ -560,7 +569,7 @@ def _attend_group(reqs, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, 
         blk = table[rows[:, None], (jc // bs).clamp(max=nbt - 1)]
         off = jc % bs
         slots = arena.k.lookup(blk)
-        missing = jvalid & ~arena.k.present(slots, off)
+        missing = arena.missing(slots, off, jvalid)
         if bool(missing.any()):  # a prefix-cache hit's shared rows (or a bug: raises)
             _fill_missing(arena, cache_u8, fmt, blk, off, jpos, missing, first)
             slots = arena.k.lookup(blk)
@@ -659,7 +668,7 @@ def _fused_decode(mod, reqs, qr, kr_new, vr_new, cache_u8, fmt, block_table, win
     if "blk" in idx:
         jvalid = idx["jvalid"]
         slots = arena.k.lookup(idx["blk"])
-        missing = jvalid & ~arena.k.present(slots, idx["off"])
+        missing = arena.missing(slots, idx["off"], jvalid)
         if bool(missing.any()):  # a prefix-cache hit's shared rows (or a bug: raises)
             _fill_missing(arena, cache_u8, fmt, idx["blk"], idx["off"], idx["jpos"], missing, idx["first"])
             slots = arena.k.lookup(idx["blk"])
