@@ -139,7 +139,8 @@ class GenerateCache(StaticKVCache):
         """transformers.CompileConfig for generate with this cache: the whole decode step as one graph
         (fullgraph: a graph break is an error, not a slower step), CUDA graphs (what "reduce-overhead"
         asks for; torch.compile takes mode or options, not both), and the codec's float32 -> fp16 ->
-        float32 rounding of scales kept (emulate_precision_casts), so compiled codes match eager ones.
+        float32 rounding of scales kept (emulate_precision_casts), so compiled codes match eager ones on CUDA
+        (on CPU inductor's code still rounds about half the scales one fp16 ulp away: test_generate.py).
         backend: another torch.compile backend (e.g. "aot_eager" to check tracing on CPU; no options then).
         all_devices: compile on CPU too (transformers compiles only on CUDA-like devices by default)."""
         from transformers import CompileConfig
