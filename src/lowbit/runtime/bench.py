@@ -284,9 +284,14 @@ def _row_hf_generate(path, model, cfg, B, L, steps, warm: int = 6, compile_confi
         cache.lens.fill_(L)  # the same context every call (the tiers keep the random history)
         cache._decoding = False
         procs = LogitsProcessorList([stamp] if stamp else [])
-        with torch.no_grad():
-            model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0,
-                           logits_processor=procs, compile_config=compile_config, **cache_kwargs(model, cache))
+        eos = model.generation_config.eos_token_id
+        model.generation_config.eos_token_id = None  # exactly n tokens, no end-of-sequence bookkeeping
+        try:
+            with torch.no_grad():
+                model.generate(ids, max_new_tokens=n, do_sample=False, pad_token_id=0, logits_processor=procs,
+                               compile_config=compile_config, **cache_kwargs(model, cache))
+        finally:
+            model.generation_config.eos_token_id = eos
 
     # a fresh compile: the hf-static-compile row compiled the same forward (transformers' decorated
     # LlamaForCausalLM.forward), and a recompile of it would be made shape-dynamic ("automatic dynamic")
@@ -304,6 +309,7 @@ def _row_hf_generate(path, model, cfg, B, L, steps, warm: int = 6, compile_confi
     gen(steps + 1, stamp)
     sync()
     wall = time.perf_counter() - t
+    cache.check()  # no step ran past the capacity
     if cache.runs["eager_decode_steps"] or not hasattr(model, "_compiled_call"):
         raise LowbitError(f"{path}: {cache.runs['eager_decode_steps']} decode steps ran eagerly: transformers did not "
                           "compile the decode forward (a result must name what ran)")
