@@ -232,6 +232,32 @@ def test_bench_row_harness_on_cpu():
     assert row["kv_bytes"] > 0 and row["decode_backends"] == ["torch-stream"]
 
 
+def test_kernel_op_equals_the_torch_twin():
+    """The fused kernel as the custom op GenerateCache puts in a compiled step (the Triton interpreter on
+    CPU): the same attention as the torch twin over ragged tiers, called directly and inside a full-graph
+    trace (the op is one opaque node: dynamo does not trace the kernel's launcher)."""
+    from lowbit.kernels.decode_attention import interpreted
+    from lowbit.runtime.bench import _fill_static, build_model
+
+    if not interpreted():
+        pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")
+    model, cfg = build_model("tiny-llama", "cpu", dtype=torch.float32)
+    plan = resolve(scheme("int2", sink=16, recent=32, page=1), ModelGeometry.from_config(cfg, name="t"))
+    c = GenerateCache(model, plan, batch=2, max_context=300)
+    _fill_static(c, 200, torch.Generator().manual_seed(0))
+    c.lens[1] = 99  # ragged: slot 1 holds fewer tokens
+    c.begin_decode(2)
+    layer = c.layers[1]
+    qg = torch.randn(2, layer.H, 2, 64, generator=torch.Generator().manual_seed(1))
+    ref = c._torch_decode(layer, qg, *c._step_tier_lens(layer, 2), 0.125, None)
+    c.use_kernel = True  # what a CUDA plan sets; here the interpreter runs the kernel
+    out = c._decode_attention(layer, qg, 0.125, None)
+    assert float((out - ref).abs().max() / ref.abs().max()) < 1e-3
+    torch._dynamo.reset()
+    traced = torch.compile(lambda q: c._decode_attention(layer, q, 0.125, None), backend="aot_eager", fullgraph=True)
+    assert torch.equal(traced(qg), out)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kv", ["bf16", "int2"])

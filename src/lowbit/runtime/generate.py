@@ -25,7 +25,8 @@ max_context (refused at prefill when the prompt alone overflows; a decode past c
 the device and raised by `check()` and by the next prefill -- a step cannot raise without a host sync).
 """
 
-from __future__ import annotations
+# no `from __future__ import annotations`: torch.library.custom_op reads the op's annotations as types
+from typing import Optional
 
 import torch
 
@@ -40,7 +41,8 @@ from lowbit.runtime.static_cache import StaticKVCache, _rot, _writer
 @torch.library.custom_op("lowbit::decode_attention_tiers", mutates_args=())
 def _decode_attention_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                          v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, mid_lens: torch.Tensor,
-                         sink_k: torch.Tensor | None, sink_v: torch.Tensor | None, sink_lens: torch.Tensor | None,
+                         sink_k: Optional[torch.Tensor], sink_v: Optional[torch.Tensor],  # noqa: UP045
+                         sink_lens: Optional[torch.Tensor],  # noqa: UP045 (typing.Optional: older torch schemas)
                          recent_k: torch.Tensor, recent_v: torch.Tensor, recent_lens: torch.Tensor,
                          k_bits: int, v_bits: int, sm_scale: float) -> torch.Tensor:
     """q [B, Hq, D] over sink / packed middle / recent -> [B, Hq, Dv] (lowbit.kernels.decode_attention)."""
