@@ -28,7 +28,7 @@ tail -n 32 "$OUT/audit.log"
 # 3. bench
 timeout -s INT ${BENCH_S:-200} python3 -m lowbit bench decode-attention \
     --geometry deepseek-v3-latent,kimi-k192v128,gemma4-full512,deepseek-v3-latent-tp8 --batch 1,16 --length 32k \
-    --bits 2,4 --out "$OUT/decode_attention_geometry_NVIDIA_H200.json" > "$OUT/bench.log" 2>&1; echo "bench rc $?"
+    --bits ${BITS:-2,4} --out "$OUT/decode_attention_geometry_NVIDIA_H200.json" > "$OUT/bench.log" 2>&1; echo "bench rc $?"
 grep -vE "^\s*$" "$OUT/bench.log" | tail -n 30
 
 wait $CPU_PID
