@@ -52,7 +52,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt-len", type=int, default=4096, help="serve-engine: prompt tokens (default 4096)")
     parser.add_argument("--max-tokens", type=int, default=64, help="serve-engine: tokens per request (default 64)")
     parser.add_argument("--paths", default="hf-eager-bf16,hf-static-compile-bf16,lowbit-bf16,lowbit-int4,lowbit-int2",
-                        help="decode: which paths to time (default these five; also lowbit-w4a16-int2 and "
+                        help="decode: which paths to time (default these five; also lowbit-w4a16-int2, the "
+                             "runtime with its decode body torch.compile'd before capture lowbit-int2-compiled / "
+                             "lowbit-int4-compiled / lowbit-w4a16-int2-compiled, and "
                              "hf-generate-compile-lowbit-int2/-int4/-bf16: transformers' compiled generate over "
                              "lowbit's GenerateCache)")
     parser.add_argument("--steps", type=int, default=20, help="decode: timed steps per row (default 20)")

@@ -5,6 +5,10 @@ Paths (one run, same model weights):
     hf-static-compile-bf16  transformers StaticCache + torch.compile(model.forward, mode="reduce-overhead")
     lowbit-bf16             lowbit runtime: StaticKVCache with nothing quantized, one CUDA graph per step
     lowbit-int4 / -int2     lowbit runtime, the packed middle read by the fused kernel, one CUDA graph
+    lowbit-w4a16-int2       lowbit-int2 with the decoder linears W4A16 (RTN) on the CUDA weight kernels
+    lowbit-*-compiled       the same runtime with the decode body torch.compile'd (Inductor, full graph,
+                            static shapes, the kernels as custom ops) before capture; the row records
+                            compiled: true, the compile seconds and the graphs dynamo made
     hf-generate-compile-lowbit-int2 / -int4 / -bf16
                             transformers' own model.generate with the lowbit GenerateCache as its cache and
                             transformers' own compile of the decode forward (its default CompileConfig:
@@ -38,13 +42,15 @@ GEOMETRIES = {
 # transformers' generate + compile over the lowbit cache (lowbit.runtime.generate.GenerateCache)
 GEN_PATHS = {"hf-generate-compile-lowbit-int2": "int2", "hf-generate-compile-lowbit-int4": "int4",
              "hf-generate-compile-lowbit-bf16": "bf16"}
+# the lowbit runtime with the decode body torch.compile'd (Inductor) before capture: DecodeGraphs(compile=True)
+COMPILED_PATHS = ("lowbit-int4-compiled", "lowbit-int2-compiled", "lowbit-w4a16-int2-compiled")
 PATHS = ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2", "lowbit-w4a16-int2",
-         *GEN_PATHS)
+         *COMPILED_PATHS, *GEN_PATHS)
 SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2", "lowbit-w4a16-int2": "int2",
-           **GEN_PATHS}
+           **{p: {"lowbit-int4-compiled": "int4"}.get(p, "int2") for p in COMPILED_PATHS}, **GEN_PATHS}
 # paths whose decoder linears are weight-quantized (RTN of the random weights, through lowbit.weights.grid),
 # run after the bf16-weight paths: the model is converted in place once
-WEIGHT_PATHS = {"lowbit-w4a16-int2": "w4a16-g128"}
+WEIGHT_PATHS = {"lowbit-w4a16-int2": "w4a16-g128", "lowbit-w4a16-int2-compiled": "w4a16-g128"}
 
 
 def quantize_linears(model, scheme_name: str, log=print) -> dict:
@@ -174,8 +180,12 @@ def _row_lowbit(path, model, cfg, B, L, steps):
     geo = ModelGeometry.from_config(cfg, name="random-llama")
     plan = resolve(SCHEMES[path], geo, device="cuda")
     cache = StaticKVCache(model, plan, slots=B, max_context=L + steps + 16)
+    compiled = path in COMPILED_PATHS
+    if compiled:  # a fresh dynamo state: each row's new cache object would count as a recompile of the body
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
     t = time.perf_counter()
-    graphs = DecodeGraphs(ModelStep(model), cache, buckets=(B,))  # on the empty cache, then fill
+    graphs = DecodeGraphs(ModelStep(model), cache, buckets=(B,), compile=compiled)  # on the empty cache, then fill
     capture_s = time.perf_counter() - t
     _fill_static(cache, L, torch.Generator(device="cuda").manual_seed(1))
     graphs.active[:B] = True
@@ -188,7 +198,14 @@ def _row_lowbit(path, model, cfg, B, L, steps):
     row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": busy, "top_kernels": top,
            "kv_bytes": cache.bytes_held(), "compiled_writes": cache.compile_writes,
            "capture_s": capture_s, "decode_backends": sorted(plan.backend_names("decode")),
-           "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask"}
+           "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask",
+           "compiled": graphs.compiled}
+    if compiled:
+        counters = torch._dynamo.utils.counters
+        row["ran"] = {"compile": "torch.compile inductor fullgraph dynamic=False, no inductor cudagraphs, "
+                                 "emulate_precision_casts; then one torch.cuda.CUDAGraph",
+                      "compile_s": graphs.compile_s, "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
+                      "graph_breaks": {k: int(v) for k, v in counters["graph_break"].items()}}
     return row
 
 

@@ -25,42 +25,15 @@ max_context (refused at prefill when the prompt alone overflows; a decode past c
 the device and raised by `check()` and by the next prefill -- a step cannot raise without a host sync).
 """
 
-# no `from __future__ import annotations`: torch.library.custom_op reads the op's annotations as types
-from typing import Optional
-
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.runtime.ops import decode_attention_op
 from lowbit.runtime.static_cache import StaticKVCache, _rot, _writer
 
-
-# ------------------------------------------------------------------ the kernel as one opaque op
-# The fused kernel's Python wrapper picks splits from the device's properties and launches two Triton
-# kernels; dynamo would trace (and break on) that host logic. As a custom op it is one node of the
-# compiled graph, captured in the CUDA graph like any other kernel (it makes no host sync).
-@torch.library.custom_op("lowbit::decode_attention_tiers", mutates_args=())
-def _decode_attention_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-                         v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, mid_lens: torch.Tensor,
-                         sink_k: Optional[torch.Tensor], sink_v: Optional[torch.Tensor],  # noqa: UP045
-                         sink_lens: Optional[torch.Tensor],  # noqa: UP045 (typing.Optional: older torch schemas)
-                         recent_k: torch.Tensor, recent_v: torch.Tensor, recent_lens: torch.Tensor,
-                         k_bits: int, v_bits: int, sm_scale: float) -> torch.Tensor:
-    """q [B, Hq, D] over sink / packed middle / recent -> [B, Hq, Dv] (lowbit.kernels.decode_attention)."""
-    from lowbit.kernels.decode_attention import decode_attention
-
-    has_mid = k_codes.shape[2] > 0
-    mid = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) if has_mid else (None,) * 6
-    dense = {"recent_k": recent_k, "recent_v": recent_v, "recent_lens": recent_lens}
-    if sink_k is not None:
-        dense.update(sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens)
-    return decode_attention(q, *mid, mid_lens=mid_lens if has_mid else None, k_bits=k_bits, v_bits=v_bits,
-                            sm_scale=sm_scale, **dense)
-
-
-@_decode_attention_op.register_fake
-def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens, sink_k, sink_v, sink_lens,
-      recent_k, recent_v, recent_lens, k_bits, v_bits, sm_scale):
-    return q.new_empty(q.shape[0], q.shape[1], recent_v.shape[-1])
+# the fused kernel as one opaque node of the compiled step (lowbit.runtime.ops; DecodeGraphs(compile=True)
+# uses the same op): kept under its old name for callers of this module
+_decode_attention_op = decode_attention_op
 
 
 class GenerateCache(StaticKVCache):
@@ -85,6 +58,7 @@ class GenerateCache(StaticKVCache):
         # no host-synchronising input checks inside a step that may be traced
         self.compile_writes = False
         self.checks = False
+        self.kernel_op = True  # the fused kernel through the custom op, traced or not (one path)
         self.batch = batch
         self._decoding = False  # after a prefill: one-token forwards are decode steps (a constant while decoding)
         self._last_layer = len(self.layers) - 1
@@ -219,22 +193,6 @@ class GenerateCache(StaticKVCache):
             self._decoding = True
             self._chunks = None
         return torch.cat(outs, 0)
-
-    def _decode_attention(self, layer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
-        if not (self.use_kernel and layer.kind == "tiers" and not softcap):
-            return super()._decode_attention(layer, qg, scaling, softcap)
-        B, H = qg.shape[:2]
-        sl, ml, rl = self._step_tier_lens(layer, B)
-        mk, mv = layer.mid["k"], layer.mid["v"]
-        C, S, R = layer.C, layer.S, layer.R
-        q = qg.to(self.dtype).reshape(B, -1, qg.shape[-1]).contiguous()
-        out = _decode_attention_op(
-            q, mk["codes"][:B, :, :C], mk["scale"][:B, :, :C], mk["zero"][:B, :, :C],
-            mv["codes"][:B, :, :C], mv["scale"][:B, :, :C], mv["zero"][:B, :, :C], ml,
-            layer.sink_k[:B, :, :S] if S else None, layer.sink_v[:B, :, :S] if S else None, sl if S else None,
-            layer.ring_k[:B, :, :R], layer.ring_v[:B, :, :R], rl,
-            layer.k_codec.cbits, layer.v_codec.cbits, float(scaling))
-        return out.float().reshape(B, H, -1, out.shape[-1])
 
     # ------------------------------------------------------------- HF API
     @property

@@ -339,6 +339,8 @@ class StaticKVCache(Cache):
         self._step: dict = {}
         self._pending: int | None = None
         self.checks = device.type != "cuda"  # input checks synchronise: never inside a GPU step
+        # the fused kernel through its custom op even when not traced (GenerateCache); a traced step always uses it
+        self.kernel_op = False
         if model is not None:
             attn.install_attention(model)
 
@@ -429,6 +431,8 @@ class StaticKVCache(Cache):
     def _decode_attention(self, layer: StaticLayer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
         B, H = qg.shape[:2]
         sl, ml, rl = self._step_tier_lens(layer, B)
+        if self.use_kernel and layer.kind == "tiers" and not softcap and (self.kernel_op or torch.compiler.is_compiling()):
+            return self._kernel_op_attention(layer, qg, scaling, sl, ml, rl)
         if self.use_kernel and layer.kind == "tiers" and not softcap:
             from lowbit.kernels.decode_attention import decode_attention
 
@@ -445,6 +449,24 @@ class StaticKVCache(Cache):
                                    v_bits=layer.v_codec.cbits, sm_scale=scaling, **dense)
             return out.float().reshape(B, H, -1, out.shape[-1])
         return self._torch_decode(layer, qg, sl, ml, rl, scaling, softcap)
+
+    def _kernel_op_attention(self, layer, qg: torch.Tensor, scaling: float, sl, ml, rl) -> torch.Tensor:
+        """The fused kernel through the custom op lowbit::decode_attention_tiers (lowbit.runtime.ops): one
+        opaque node when the step is traced by torch.compile (dynamo would break on the launcher's host
+        logic). qg [B, H, G, D] -> [B, H, G, Dv] float32."""
+        from lowbit.runtime.ops import decode_attention_op
+
+        B, H = qg.shape[:2]
+        mk, mv = layer.mid["k"], layer.mid["v"]
+        C, S, R = layer.C, layer.S, layer.R
+        q = qg.to(self.dtype).reshape(B, -1, qg.shape[-1]).contiguous()
+        out = decode_attention_op(
+            q, mk["codes"][:B, :, :C], mk["scale"][:B, :, :C], mk["zero"][:B, :, :C],
+            mv["codes"][:B, :, :C], mv["scale"][:B, :, :C], mv["zero"][:B, :, :C], ml,
+            layer.sink_k[:B, :, :S] if S else None, layer.sink_v[:B, :, :S] if S else None, sl if S else None,
+            layer.ring_k[:B, :, :R], layer.ring_v[:B, :, :R], rl,
+            layer.k_codec.cbits, layer.v_codec.cbits, float(scaling))
+        return out.float().reshape(B, H, -1, out.shape[-1])
 
     def _torch_decode(self, layer, qg, sl, ml, rl, scaling, softcap):
         """Fixed-shape torch attention over every row of every tier, invalid rows masked (the CPU path,

@@ -4,6 +4,7 @@
     logits = step(input_ids, position_ids, cache)  # embeddings -> every decoder layer -> norm -> lm_head
     graphs = DecodeGraphs(step, cache, buckets=(1, 2, 4, 8, 16))   # one CUDA graph per batch bucket
     graphs.replay(batch)                          # one greedy decode step for slots [0, bucket)
+    graphs = DecodeGraphs(step, cache, compile=True)  # the same step torch.compile'd (Inductor), then captured
 
 Why not model.forward: the top-level forward builds masks and reads lengths on the host (a sync per
 step); the runtime's cache builds its own masks from device lengths, so the step calls the decoder
@@ -14,6 +15,7 @@ embeddings are made (one rotary for all layers, or one per layer type) and in fi
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -81,15 +83,90 @@ class ModelStep:
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
 
 
+def decode_body(step: ModelStep, cache, ids: torch.Tensor, active: torch.Tensor, logits: torch.Tensor, b: int) -> None:
+    """One greedy decode step for slots [0, b), in place: what a DecodeGraphs graph holds (eager or compiled).
+
+    ids [>=b, 1] long: the last token of each slot in, the argmax out where active [>=b] (else kept);
+    logits [>=b, V] float32: this step's logits; cache.lens[:b] += active[:b]. b: a python int (the bucket).
+    """
+    cache.begin_decode(b)
+    pos = cache.lens[:b].long().unsqueeze(1)
+    lg = step(ids[:b], pos, cache)
+    logits[:b].copy_(lg)
+    ids[:b, 0].copy_(torch.where(active[:b], lg.argmax(-1), ids[:b, 0]))
+    cache.advance(active[:b])
+
+
+def compile_decode(step: ModelStep, cache, *, backend="inductor"):
+    """decode_body(step, cache, ...) as one torch.compile'd function: fn(ids, active, logits, b).
+
+    Inductor fuses what the eager step runs as ~30 small kernels per layer (RMSNorm, RoPE, SiLU*mul,
+    residual adds, casts, the cache writes); the fused decode kernel and packed-weight linears are
+    custom ops (lowbit.runtime.ops), one node each. fullgraph: a graph break is an error, never a partly
+    eager step. dynamic=False: one graph per bucket b (a python int, guarded). No Inductor CUDA graphs
+    (DecodeGraphs captures the step itself). emulate_precision_casts: the codec's float32 -> fp16 ->
+    float32 rounding of scales is kept (as the compiled writes keep it), so codes match the eager step.
+    backend: "inductor", or another torch.compile backend (a name such as "aot_eager": the same trace
+    without code generation, what the CPU tests use; or a callable backend).
+
+    Sets on the cache what a traced step needs: no host-synchronising input checks, the decode writes
+    traced into this graph (not a nested compiled writer), and the writers made before the first trace
+    (made inside it, their registry would change under the guards and force a recompile)."""
+    from lowbit.runtime.ops import register_packed_linears
+    from lowbit.runtime.static_cache import _writer
+
+    cache.checks = False
+    cache.compile_writes = False
+    for layer in cache.layers:
+        _writer(layer, cache.checks, cache.compile_writes)
+    register_packed_linears(step.model)
+    opts = {"emulate_precision_casts": True, "triton.cudagraphs": False} if backend == "inductor" else None
+    fn = functools.partial(decode_body, step, cache)
+    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=opts)
+
+
+def first_compiled_call(fn, ids: torch.Tensor, active: torch.Tensor, logits: torch.Tensor, b: int) -> float:
+    """The call of a compile_decode function that compiles bucket b -> its seconds. It must add exactly
+    one graph and no graph break; anything else (a break, dynamo's recompile limit hit, which would run
+    the body eagerly or fail) raises a LowbitError."""
+    import time
+
+    exc = torch._dynamo.exc
+    counters = torch._dynamo.utils.counters
+    graphs0 = int(counters["stats"].get("unique_graphs", 0))
+    breaks0 = sum(counters["graph_break"].values())
+    t = time.perf_counter()
+    try:
+        fn(ids, active, logits, b)
+    except (exc.TorchDynamoException, exc.FailOnRecompileLimitHit) as e:
+        raise LowbitError(f"compiling the decode step for bucket {b} failed ({type(e).__name__}: "
+                          f"{str(e).splitlines()[0][:160]}); no graph, no eager fallback") from e
+    s = time.perf_counter() - t
+    new = int(counters["stats"].get("unique_graphs", 0)) - graphs0
+    breaks = sum(counters["graph_break"].values()) - breaks0
+    if new != 1 or breaks:
+        raise LowbitError(f"compiling the decode step for bucket {b} gave {new} graph(s) and {breaks} graph "
+                          "break(s), expected 1 and 0 (the body would run partly eagerly); if dynamo's recompile "
+                          "limit was hit, call torch._dynamo.reset() or capture fewer buckets")
+    return s
+
+
 class DecodeGraphs:
     """One captured greedy decode step per batch bucket over a StaticKVCache (CUDA only).
 
     A replay of bucket b reads ids[:b] (the last token of each slot), writes every layer's K/V at
     positions lens[:b], computes the logits, puts argmax into ids[:b] and adds active[:b] to lens:
     the next replay continues without the host. logits[:b] holds the last step's logits.
+
+    compile=True: the captured body is decode_body through torch.compile (compile_decode: Inductor,
+    full graph, static shapes), compiled by the first warm-up call of each bucket, then captured as
+    the eager body is. A graph break, a bucket that did not compile (e.g. dynamo's recompile limit hit,
+    which would run the body eagerly) or a recompile at a later warm-up or at capture raises.
+    `compiled` says which body the graphs hold.
     """
 
-    def __init__(self, step: ModelStep, cache, buckets=DEFAULT_BUCKETS, *, warmup: int = 2):
+    def __init__(self, step: ModelStep, cache, buckets=DEFAULT_BUCKETS, *, warmup: int = 2, compile: bool = False,
+                 backend: str = "inductor"):
         if cache.device.type != "cuda":
             raise LowbitError("CUDA graph capture needs a CUDA cache; on CPU run the step eagerly (ModelStep)")
         if bool(cache.lens.any()):
@@ -100,11 +177,15 @@ class DecodeGraphs:
         if not buckets:
             raise LowbitError(f"no batch bucket fits the cache's {cache.slots} slots")
         self.step, self.cache, self.buckets = step, cache, buckets
+        self.compiled = bool(compile)
         dev = cache.device
         B = max(buckets)
         self.ids = torch.zeros(B, 1, dtype=torch.long, device=dev)
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
-        self.logits = None
+        V = getattr(step.lm_head, "out_features", None) or step.lm_head.weight.shape[0]
+        self.logits = torch.zeros(B, V, dtype=torch.float32, device=dev)
+        self._fn = compile_decode(step, cache, backend=backend) if compile else functools.partial(decode_body, step, cache)
+        self.compile_s: dict[int, float] = {}  # bucket -> seconds of its first (compiling) warm-up call
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
         lens0 = cache.lens.clone()
@@ -113,34 +194,38 @@ class DecodeGraphs:
             s.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(s), torch.no_grad():
                 for i in range(max(2, warmup)):
-                    # after a first call (lazy inits may synchronise once), any host sync in the step is
-                    # an error here, with its traceback, instead of an invalidated capture later
+                    # after a first call (lazy inits may synchronise once; a compiled body compiles), any host
+                    # sync in the step is an error here, with its traceback, instead of an invalidated capture
+                    # later, and so is a recompile of the compiled body
                     torch.cuda.set_sync_debug_mode("error" if i else "default")
                     try:
-                        self._body(b)
+                        if self.compiled and i == 0:
+                            self._first_compiled_call(b)
+                        else:
+                            with self._no_recompile():
+                                self._body(b)
                     finally:
                         torch.cuda.set_sync_debug_mode("default")
                     cache.lens.copy_(lens0)
             torch.cuda.current_stream().wait_stream(s)
             g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g, pool=self.pool), torch.no_grad():
+            with self._no_recompile(), torch.cuda.graph(g, pool=self.pool), torch.no_grad():
                 self._body(b)
             self.pool = g.pool()
             self.graphs[b] = g
             cache.lens.copy_(lens0)
         torch.cuda.synchronize()
 
-    def _body(self, b: int) -> None:
-        cache = self.cache
-        cache.begin_decode(b)
-        pos = cache.lens[:b].long().unsqueeze(1)
-        logits = self.step(self.ids[:b], pos, cache)
-        if self.logits is None or self.logits.shape[0] < logits.shape[0]:
-            self.logits = torch.empty(max(self.buckets), logits.shape[-1], device=logits.device, dtype=logits.dtype)
-        self.logits[:b].copy_(logits)
-        self.ids[:b, 0].copy_(torch.where(self.active[:b], logits.argmax(-1), self.ids[:b, 0]))
-        cache.advance(self.active[:b])
+    def _no_recompile(self):
+        import contextlib
 
+        return torch.compiler.set_stance("fail_on_recompile") if self.compiled else contextlib.nullcontext()
+
+    def _first_compiled_call(self, b: int) -> None:
+        self.compile_s[b] = first_compiled_call(self._fn, self.ids, self.active, self.logits, b)
+
+    def _body(self, b: int) -> None:
+        self._fn(self.ids, self.active, self.logits, b)
     def bucket_for(self, batch: int) -> int:
         for b in self.buckets:
             if b >= batch:

@@ -128,6 +128,10 @@ class QuantLinear(nn.Module):
             from lowbit.kernels import weight_gemm
 
             x2 = x.reshape(-1, self.in_features)
+            if torch.compiler.is_compiling():  # one opaque node (lowbit.runtime.ops): dynamo cannot trace ctypes
+                from lowbit.runtime.ops import traced_packed_linear
+
+                return traced_packed_linear(self, x2).reshape(*x.shape[:-1], self.out_features)
             y = (weight_gemm.linear_twin(x2, self.packed) if self.dispatch == "twin"
                  else self.dispatch.linear(x2, self.packed))
             return y.reshape(*x.shape[:-1], self.out_features)

@@ -1,0 +1,92 @@
+"""The runtime's kernels as torch custom ops: one opaque node each in a torch.compile'd decode step.
+
+    decode_attention_tiers(q, <packed middle>, mid_lens, <sink>, <recent>, k_bits, v_bits, sm_scale)
+        the fused decode kernel (lowbit.kernels.decode_attention) over sink / packed middle / recent
+    packed_linear(x, key)
+        a QuantLinear's CUDA weight kernels (lowbit.weights.qlinear), the module found by `key`
+        (register_packed_linears gives every packed QuantLinear of a model its key)
+
+Why ops: both Python wrappers pick a launch configuration on the host (device properties, the
+dispatch table by M) and launch Triton or ctypes CUDA kernels; dynamo would trace (and break on)
+that host logic. As custom ops they are single graph nodes, captured in a CUDA graph like any other
+kernel (neither makes a host sync). Used by GenerateCache under transformers' compile and by
+DecodeGraphs(compile=True).
+"""
+
+# no `from __future__ import annotations`: torch.library.custom_op reads the op's annotations as types
+from typing import Optional
+
+import torch
+
+from lowbit.errors import LowbitError
+
+
+# ------------------------------------------------------------------ the fused decode kernel
+@torch.library.custom_op("lowbit::decode_attention_tiers", mutates_args=())
+def decode_attention_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+                        v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, mid_lens: torch.Tensor,
+                        sink_k: Optional[torch.Tensor], sink_v: Optional[torch.Tensor],  # noqa: UP045
+                        sink_lens: Optional[torch.Tensor],  # noqa: UP045 (typing.Optional: older torch schemas)
+                        recent_k: torch.Tensor, recent_v: torch.Tensor, recent_lens: torch.Tensor,
+                        k_bits: int, v_bits: int, sm_scale: float) -> torch.Tensor:
+    """q [B, Hq, D] over sink / packed middle / recent -> [B, Hq, Dv] (lowbit.kernels.decode_attention).
+    An empty middle (k_codes with 0 rows) is no middle tier."""
+    from lowbit.kernels.decode_attention import decode_attention
+
+    has_mid = k_codes.shape[2] > 0
+    mid = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) if has_mid else (None,) * 6
+    dense = {"recent_k": recent_k, "recent_v": recent_v, "recent_lens": recent_lens}
+    if sink_k is not None:
+        dense.update(sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens)
+    return decode_attention(q, *mid, mid_lens=mid_lens if has_mid else None, k_bits=k_bits, v_bits=v_bits,
+                            sm_scale=sm_scale, **dense)
+
+
+@decode_attention_op.register_fake
+def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens, sink_k, sink_v, sink_lens,
+      recent_k, recent_v, recent_lens, k_bits, v_bits, sm_scale):
+    return q.new_empty(q.shape[0], q.shape[1], recent_v.shape[-1])
+
+
+# ------------------------------------------------------------------ packed weight linears
+# key -> QuantLinear. The op reads the module's packed tensors (fixed addresses, read-only) instead of
+# taking them as arguments: the dispatch picks its kernel from Python fields of PackedWeight.
+_PACKED: dict = {}
+
+
+def register_packed_linears(model) -> int:
+    """Give every QuantLinear of `model` that holds CUDA-packed weights a key for packed_linear (its
+    forward calls the op when traced by torch.compile); returns how many have one."""
+    from lowbit.weights.qlinear import QuantLinear
+
+    n = 0
+    for m in model.modules():
+        if isinstance(m, QuantLinear) and m.packed is not None:
+            if getattr(m, "_lowbit_op_key", None) is None:
+                m._lowbit_op_key = len(_PACKED)
+                _PACKED[m._lowbit_op_key] = m
+            n += 1
+    return n
+
+
+@torch.library.custom_op("lowbit::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, key: int) -> torch.Tensor:
+    """x [M, K] -> [M, N] through the registered QuantLinear's packed weight (its dispatch or the twin)."""
+    from lowbit.kernels import weight_gemm
+
+    m = _PACKED[key]
+    return weight_gemm.linear_twin(x, m.packed) if m.dispatch == "twin" else m.dispatch.linear(x, m.packed)
+
+
+@packed_linear_op.register_fake
+def _(x, key):
+    return x.new_empty(x.shape[0], _PACKED[key].out_features)
+
+
+def traced_packed_linear(module, x2: torch.Tensor) -> torch.Tensor:
+    """What QuantLinear.forward runs for packed weights inside a torch.compile trace: x2 [M, K] -> [M, N]."""
+    key = getattr(module, "_lowbit_op_key", None)
+    if key is None:
+        raise LowbitError("a packed QuantLinear was traced by torch.compile without a kernel op key; call "
+                          "lowbit.runtime.ops.register_packed_linears(model) before compiling")
+    return packed_linear_op(x2.contiguous(), key)  # the kernels take rows contiguous
