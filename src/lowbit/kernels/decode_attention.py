@@ -746,9 +746,10 @@ def _check_dense(k, v, lens, B, Hkv, D, DV, device, what):
     return k, v, _lens(lens, B, device, f"{what} lens")
 
 
-def _check_codes(codes, scale, zero, bits, B, Hkv, D, device, what):
-    if bits not in (2, 4, 8):
-        raise LowbitError(f"{what}: {bits}-bit codes are not supported by the kernel; use 2, 4 or 8")
+def check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what) -> int:
+    """The packed middle tier's layout, as both fused kernels read it: codes uint8 [B, Hkv, T, D*bits/8]
+    with each (sequence, head)'s rows back to back and 4-byte aligned, scale/zero float16 [B, Hkv, T, G]
+    sharing strides, all on q's device. Returns G (groups per head); each kernel checks its own tiling."""
     if codes.dtype != torch.uint8 or codes.dim() != 4:
         raise LowbitError(f"{what} codes must be uint8 [B, Hkv, T, D*bits/8], got {codes.dtype} {tuple(codes.shape)}")
     S = D * bits // 8
@@ -767,14 +768,22 @@ def _check_codes(codes, scale, zero, bits, B, Hkv, D, device, what):
     ng = scale.shape[3]
     if scale.stride() != zero.stride() or scale.stride(3) != 1 or (scale.shape[2] > 1 and scale.stride(2) != ng):
         raise LowbitError(f"{what} scale and zero must share strides with contiguous [T, D/group] rows per head")
+    for t in (codes, scale, zero):
+        if t.device != device:
+            raise LowbitError(f"{what} is on {t.device}, q on {device}: put the cache on one device")
+    return ng
+
+
+def _check_codes(codes, scale, zero, bits, B, Hkv, D, device, what):
+    if bits not in (2, 4, 8):
+        raise LowbitError(f"{what}: {bits}-bit codes are not supported by the kernel; use 2, 4 or 8")
+    ng = check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what)
+    S = D * bits // 8
     if ng not in (1, 2) or D % ng:
         raise LowbitError(f"{what}: {ng} groups per head; the kernel takes group = D or D/2 (D={D})")
     grp = D // ng
     if grp < 16 or grp & (grp - 1) or (S % grp and grp % S) or min(S, grp) < 16:
         raise LowbitError(f"{what}: group {grp} with D={D} at {bits} bits is not a supported tiling")
-    for t in (codes, scale, zero):
-        if t.device != device:
-            raise LowbitError(f"{what} is on {t.device}, q on {device}: put the cache on one device")
     return grp
 
 

@@ -433,33 +433,17 @@ def tiling_reason(bits: int, head_dim: int, group: int) -> str | None:
 
 
 def _codes(codes, scale, zero, bits, B, Hkv, D, device, what):
-    """Check one packed middle tensor; returns its group."""
-    if codes.dtype != torch.uint8 or codes.dim() != 4:
-        raise LowbitError(f"{what} codes must be uint8 [B, Hkv, T, D*bits/8], got {codes.dtype} {tuple(codes.shape)}")
-    S = D * bits // 8
-    if codes.shape[0] != B or codes.shape[1] != Hkv or codes.shape[3] != S:
-        raise LowbitError(f"{what} codes must be [B={B}, Hkv={Hkv}, T, {S}], got {tuple(codes.shape)}")
-    if codes.stride(3) != 1 or (codes.shape[2] > 1 and codes.stride(2) != S) or any(
-            s % 4 for s in codes.stride()[:2]) or codes.storage_offset() % 4 or S % 4:
-        raise LowbitError(f"{what} codes: each (sequence, KV head) must hold its T rows of {S} bytes back to back, "
-                          "4-byte aligned (slice a [B, Hkv, Tmax, S] buffer along T only)")
-    if codes.shape[2] * S >= 2**31:
-        raise LowbitError(f"{what} codes: {codes.shape[2]} slots x {S} bytes exceed the kernel's 32-bit offsets")
-    if scale.shape != zero.shape or scale.dim() != 4 or scale.shape[:3] != codes.shape[:3]:
-        raise LowbitError(f"{what} scale/zero must be [B, Hkv, T, D/group] like the codes, got {tuple(scale.shape)}")
-    if scale.dtype != torch.float16 or zero.dtype != torch.float16:
-        raise LowbitError(f"{what} scale/zero must be float16 (the cache layout), got {scale.dtype}/{zero.dtype}")
-    ng = scale.shape[3]
-    if scale.stride() != zero.stride() or scale.stride(3) != 1 or (scale.shape[2] > 1 and scale.stride(2) != ng):
-        raise LowbitError(f"{what} scale and zero must share strides with contiguous [T, D/group] rows per head")
+    """Check one packed middle tensor (the layout rule is decode_attention's); returns its group."""
+    from lowbit.kernels.decode_attention import check_packed_tier
+
+    ng = check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what)
+    if (D * bits // 8) % 4:  # this kernel reads the codes as int32 words
+        raise LowbitError(f"{what} codes: rows of {D * bits // 8} bytes; this kernel reads 4-byte words")
     if ng <= 0 or D % ng:
         raise LowbitError(f"{what}: {ng} groups do not divide head_dim {D}")
     r = tiling_reason(bits, D, D // ng)
     if r:
         raise LowbitError(f"{what}: {r}")
-    for t in (codes, scale, zero):
-        if t.device != device:
-            raise LowbitError(f"{what} is on {t.device}, q on {device}: put the cache on one device")
     return D // ng
 
 
