@@ -746,6 +746,26 @@ def _check_dense(k, v, lens, B, Hkv, D, DV, device, what):
     return k, v, _lens(lens, B, device, f"{what} lens")
 
 
+def tier_heads(Hq, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_bits, sink_k, sink_v, recent_k, recent_v):
+    """(has_mid, Hkv, DV) of the tiers passed to a fused decode kernel: the middle tier whole or not at all,
+    at least one tier, and Hq a multiple of Hkv (both kernels' wrappers ask this first)."""
+    has_mid = k_codes is not None
+    if has_mid:
+        if any(t is None for t in (k_scale, k_zero, v_codes, v_scale, v_zero)):
+            raise LowbitError("middle tier: pass k_codes, k_scale, k_zero, v_codes, v_scale, v_zero together")
+        Hkv = k_codes.shape[1]
+        DV = v_codes.shape[3] * 8 // v_bits
+    else:
+        ref = sink_k if sink_k is not None else recent_k
+        if ref is None:
+            raise LowbitError("no tier given: pass the middle tier and/or a dense tier")
+        Hkv = ref.shape[1]
+        DV = (sink_v if sink_v is not None else recent_v).shape[3]
+    if Hkv == 0 or Hq % Hkv:
+        raise LowbitError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    return has_mid, Hkv, DV
+
+
 def check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what) -> int:
     """The packed middle tier's layout, as both fused kernels read it: codes uint8 [B, Hkv, T, D*bits/8]
     with each (sequence, head)'s rows back to back and 4-byte aligned, scale/zero float16 [B, Hkv, T, G]
@@ -834,20 +854,8 @@ def decode_attention(
         raise LowbitError("q needs a contiguous last dim; call .contiguous()")
     B, Hq, D = q.shape
     dev = q.device
-    has_mid = k_codes is not None
-    if has_mid:
-        if any(t is None for t in (k_scale, k_zero, v_codes, v_scale, v_zero)):
-            raise LowbitError("middle tier: pass k_codes, k_scale, k_zero, v_codes, v_scale, v_zero together")
-        Hkv = k_codes.shape[1]
-        DV = v_codes.shape[3] * 8 // v_bits
-    else:
-        ref = sink_k if sink_k is not None else recent_k
-        if ref is None:
-            raise LowbitError("no tier given: pass the middle tier and/or a dense tier")
-        Hkv = ref.shape[1]
-        DV = (sink_v if sink_v is not None else recent_v).shape[3]
-    if Hkv == 0 or Hq % Hkv:
-        raise LowbitError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    has_mid, Hkv, DV = tier_heads(Hq, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_bits,
+                                  sink_k, sink_v, recent_k, recent_v)
     if D not in (64, 128, 256) or DV not in (64, 128, 256):
         # other head dims (K192/V128, 512, ...): the chunked geometry kernel, same tiers and arguments
         from lowbit.kernels.decode_geometry import GeoConfig, decode_attention_geo

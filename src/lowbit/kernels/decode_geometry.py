@@ -52,7 +52,17 @@ import triton.language as tl
 
 from lowbit.errors import LowbitError
 from lowbit.kernels.decode_attention import (
-    LOG2E, _halves, _lens, _pow2, _stage2, check_mode, cuda_index, device_info, pick_num_splits,
+    LOG2E,
+    _halves,
+    _lens,
+    _pow2,
+    _stage2,
+    check_mode,
+    check_packed_tier,
+    cuda_index,
+    device_info,
+    pick_num_splits,
+    tier_heads,
 )
 
 
@@ -434,8 +444,6 @@ def tiling_reason(bits: int, head_dim: int, group: int) -> str | None:
 
 def _codes(codes, scale, zero, bits, B, Hkv, D, device, what):
     """Check one packed middle tensor (the layout rule is decode_attention's); returns its group."""
-    from lowbit.kernels.decode_attention import check_packed_tier
-
     ng = check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what)
     if (D * bits // 8) % 4:  # this kernel reads the codes as int32 words
         raise LowbitError(f"{what} codes: rows of {D * bits // 8} bytes; this kernel reads 4-byte words")
@@ -625,20 +633,9 @@ def decode_attention_geo(
     """
     check_mode(q.device)
     _check_q(q)
-    B, Hq, DK = q.shape
-    has_mid = k_codes is not None
-    if has_mid:
-        if any(t is None for t in (k_scale, k_zero, v_codes, v_scale, v_zero)):
-            raise LowbitError("middle tier: pass k_codes, k_scale, k_zero, v_codes, v_scale, v_zero together")
-        Hkv, DV = k_codes.shape[1], v_codes.shape[3] * 8 // v_bits
-    else:
-        ref = sink_k if sink_k is not None else recent_k
-        if ref is None:
-            raise LowbitError("no tier given: pass the middle tier and/or a dense tier")
-        Hkv = ref.shape[1]
-        DV = (sink_v if sink_v is not None else recent_v).shape[3]
-    if Hkv == 0 or Hq % Hkv:
-        raise LowbitError(f"Hq={Hq} is not a multiple of Hkv={Hkv}")
+    _, Hq, DK = q.shape
+    has_mid, Hkv, DV = tier_heads(Hq, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_bits,
+                                  sink_k, sink_v, recent_k, recent_v)
     if DK % 16 or DK > 1024 or DV < 16 or DV & (DV - 1) or DV > 1024:
         raise LowbitError(f"head_dim K {DK} / V {DV}: the geometry kernel takes K a multiple of 16 and V a power "
                           "of two, both <= 1024")
