@@ -58,6 +58,9 @@ def add_arguments(parser) -> None:
                              "hf-generate-compile-lowbit-int2/-int4/-bf16: transformers' compiled generate over "
                              "lowbit's GenerateCache)")
     parser.add_argument("--steps", type=int, default=20, help="decode: timed steps per row (default 20)")
+    parser.add_argument("--no-fuse", action="store_true",
+                        help="decode: the lowbit runtime rows without fused q/k/v and gate/up GEMMs (what the runtime "
+                             "runs on CUDA by default; rows record fused_projections)")
     parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                         help="decode: also time the prefill of one prompt of this many tokens (default 0: no)")
     parser.add_argument("--batch", default="1,16,64", help="batch sizes (default 1,16,64)")
@@ -151,7 +154,7 @@ def run(args) -> int:
         path = resolve_out(args.out, "decode_e2e", torch.cuda.get_device_name(0))
         res = e2e.run(args.geometry or "llama3-8b", _ints(args.batch), _ints(args.length),
                       tuple(p.strip() for p in args.paths.split(",") if p.strip()), steps=args.steps,
-                      prefill_len=args.prefill)
+                      prefill_len=args.prefill, fuse=not args.no_fuse)
         write_new(path, res)
         print(f"wrote {path}")
         return 0

@@ -171,7 +171,7 @@ def _fill_static(cache, L: int, gen) -> None:
     cache.lens.fill_(L)
 
 
-def _row_lowbit(path, model, cfg, B, L, steps):
+def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True):
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.static_cache import StaticKVCache
@@ -185,8 +185,16 @@ def _row_lowbit(path, model, cfg, B, L, steps):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
     t = time.perf_counter()
-    graphs = DecodeGraphs(ModelStep(model), cache, buckets=(B,), compile=compiled)  # on the empty cache, then fill
-    capture_s = time.perf_counter() - t
+    step = ModelStep(model, fuse=fuse)  # in place for this row only: the hf rows run the model as it was built
+    try:
+        graphs = DecodeGraphs(step, cache, buckets=(B,), compile=compiled)  # on the empty cache, then fill
+        capture_s = time.perf_counter() - t
+        return _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s)
+    finally:
+        step.unfuse()
+
+
+def _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s) -> dict:
     _fill_static(cache, L, torch.Generator(device="cuda").manual_seed(1))
     graphs.active[:B] = True
 
@@ -199,8 +207,10 @@ def _row_lowbit(path, model, cfg, B, L, steps):
            "kv_bytes": cache.bytes_held(), "compiled_writes": cache.compile_writes,
            "capture_s": capture_s, "decode_backends": sorted(plan.backend_names("decode")),
            "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask",
-           "compiled": graphs.compiled}
-    if compiled:
+           "compiled": graphs.compiled,
+           "fused_projections": step.fused.groups if step.fused else 0,
+           "unfused": step.fused.skipped[:3] if step.fused else []}
+    if graphs.compiled:
         counters = torch._dynamo.utils.counters
         row["ran"] = {"compile": "torch.compile inductor fullgraph dynamic=False, no inductor cudagraphs, "
                                  "emulate_precision_casts; then one torch.cuda.CUDAGraph",
@@ -404,9 +414,10 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
 
 
 def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, prefill_len: int = 0,
-        prefill_chunk: int = 2048) -> dict:
+        prefill_chunk: int = 2048, fuse: bool = True) -> dict:
     """Every (path, B, L) row; rows that do not fit in the GPU memory left are recorded with fits false.
-    prefill_len > 0 also times one prompt of that many tokens (`prefill` list of the result)."""
+    prefill_len > 0 also times one prompt of that many tokens (`prefill` list of the result). fuse: the
+    lowbit runtime rows with q/k/v and gate/up as one GEMM each (lowbit.runtime.fuse), as the runtime runs."""
     import transformers
 
     for p in paths:
@@ -417,7 +428,7 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
     model, cfg = build_model(geometry, "cuda")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "geometry": geometry, "weights_bytes": weights, "steps": steps}
+           "geometry": geometry, "weights_bytes": weights, "steps": steps, "fuse_projections": fuse}
     try:
         import triton
 
@@ -433,11 +444,11 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
     for group in groups:
         if group and group[0] in WEIGHT_PATHS:
             env["weights"] = {"scheme": WEIGHT_PATHS[group[0]], **quantize_linears(model, WEIGHT_PATHS[group[0]], log)}
-        _rows_for(group, model, cfg, contexts, batches, steps, rows, log)
+        _rows_for(group, model, cfg, contexts, batches, steps, rows, log, fuse)
     return {"env": env, "rows": rows, "prefill": pre}
 
 
-def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log):
+def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True):
     for L in contexts:
         for B in batches:
             for path in paths:
@@ -453,8 +464,10 @@ def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log):
                 torch.cuda.empty_cache()
                 torch.cuda.reset_peak_memory_stats()
                 try:
-                    fn = _row_hf_generate if path in GEN_PATHS else _row_hf if path.startswith("hf-") else _row_lowbit
-                    r = fn(path, model, cfg, B, L, steps)
+                    if path in GEN_PATHS or path.startswith("hf-"):
+                        r = (_row_hf_generate if path in GEN_PATHS else _row_hf)(path, model, cfg, B, L, steps)
+                    else:
+                        r = _row_lowbit(path, model, cfg, B, L, steps, fuse=fuse)
                 except torch.cuda.OutOfMemoryError as e:
                     rows.append({**base, "fits": False, "kv_bytes": need, "ms_per_step": None, "tok_s": None,
                                  "gpu_ms_per_step": None, "peak_gb": None, "note": f"out of memory: {str(e)[:120]}"})

@@ -2,6 +2,7 @@
 
     step = ModelStep(model)                       # refuses a family it has no path for (names those it has)
     logits = step(input_ids, position_ids, cache)  # embeddings -> every decoder layer -> norm -> lm_head
+    step = ModelStep(model, fuse=True)            # q/k/v and gate/up as one GEMM each (runtime.fuse), in place
     graphs = DecodeGraphs(step, cache, buckets=(1, 2, 4, 8, 16))   # one CUDA graph per batch bucket
     graphs.replay(batch)                          # one greedy decode step for slots [0, bucket)
     graphs = DecodeGraphs(step, cache, compile=True)  # the same step torch.compile'd (Inductor), then captured
@@ -31,7 +32,7 @@ FAMILIES = {"llama": "shared", "mistral": "shared", "qwen2": "shared", "qwen3": 
 class ModelStep:
     """One forward of a transformers causal LM over the lowbit runtime cache (module docstring)."""
 
-    def __init__(self, model):
+    def __init__(self, model, *, fuse: bool = False):
         cfg = getattr(model, "config", None)
         mt = getattr(cfg, "model_type", None)
         if mt not in FAMILIES:
@@ -50,6 +51,18 @@ class ModelStep:
         rot = getattr(inner, "rotary_emb", None)
         self.typed_rotary = rot is not None and "layer_type" in inspect.signature(rot.forward).parameters
         self.softcap = getattr(self.config, "final_logit_softcapping", None)
+        # fuse=True: q/k/v and gate/up as one GEMM each (lowbit.runtime.fuse), in place until unfuse()
+        self.fused = None
+        if fuse:
+            from lowbit.runtime.fuse import fuse_projections
+
+            self.fused = fuse_projections(model)
+
+    def unfuse(self) -> None:
+        """Put the model's original projection modules back (after fuse=True)."""
+        if self.fused is not None:
+            self.fused.undo()
+            self.fused = None
 
     def _position_embeddings(self, h: torch.Tensor, position_ids: torch.Tensor) -> list:
         inner = self.inner

@@ -99,7 +99,7 @@ class BatchEngine(Worker):
 
     def __init__(self, runtime, metrics: Metrics | None = None, *, slots: int = DEFAULT_MAX_ACTIVE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait",
-                 batch_invariant: bool = False):
+                 batch_invariant: bool = False, compile: bool = False):
         from lowbit.kv.cache import model_device
         from lowbit.kv.plan import resolve
         from lowbit.runtime.static_cache import StaticKVCache
@@ -120,7 +120,12 @@ class BatchEngine(Worker):
         if mode == "graphs" and device.type != "cuda":
             raise LowbitError(f"CUDA graph capture needs the model on CUDA, it is on {device.type}; "
                               "use the eager decode path (--decode-path eager) or load the model on a GPU")
-        self.step = ModelStep(model)  # a family without a step path: the error names those that have one
+        if compile and mode != "graphs":
+            raise LowbitError("--compile compiles the captured decode step: it needs the graphs decode path on CUDA "
+                              f"(this engine runs {mode}); drop --compile or serve on a GPU")
+        # a family without a step path: the error names those that have one. On the captured path q/k/v and
+        # gate/up run as one GEMM each (lowbit.runtime.fuse): the engine owns the model for its lifetime
+        self.step = ModelStep(model, fuse=(mode == "graphs"))
         plan = resolve(runtime.scheme, runtime.geometry, device=device.type)
         self.model, self.tokenizer, self.device, self.plan = model, runtime.tokenizer, device, plan
         self.scheme, self.geometry = plan.scheme, runtime.geometry
@@ -137,9 +142,10 @@ class BatchEngine(Worker):
         self.eos = {int(t) for t in runtime.eos_token_ids}
         self.batch_invariant = bool(batch_invariant)
         buckets = (slots,) if self.batch_invariant else buckets_for(slots)  # invariant: one full-width graph
-        self.graphs = DecodeGraphs(self.step, self.cache, buckets) if mode == "graphs" else None
+        self.graphs = DecodeGraphs(self.step, self.cache, buckets, compile=compile) if mode == "graphs" else None
         self.path = f"batch-{mode}"
         self.info = {"engine": "batch", "path": mode, "slots": slots, "when_full": when_full,
+                     "compiled": bool(compile), "fused_projections": self.step.fused.groups if self.step.fused else 0,
                      "batch_invariant": self.batch_invariant,
                      "buckets": list(self.graphs.buckets) if self.graphs else None}
         if metrics is None:

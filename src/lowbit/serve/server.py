@@ -27,12 +27,14 @@ ENGINES = ("auto", "batch", "single")
 
 
 def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
-          engine: str = "auto", decode_path: str = "auto", when_full: str = "wait", batch_invariant: bool = False):
+          engine: str = "auto", decode_path: str = "auto", when_full: str = "wait", batch_invariant: bool = False,
+          compile: bool = False):
     """(engine, app) for a lowbit.serve.runtime.Runtime; the engine is not started yet.
 
     engine: "batch" (lowbit.serve.batch_engine: continuous batching over one static cache of
     `max_active` slots; decode_path "graphs" | "eager" | "auto", when_full "wait" | "reject",
-    batch_invariant: every step at full width, so tokens do not depend on the load),
+    batch_invariant: every step at full width, so tokens do not depend on the load; compile: the captured
+    step torch.compile'd first, DecodeGraphs(compile=True)),
     "single" (lowbit.serve.engine: one cache and one forward per request), or "auto": batch when the
     model is on CUDA, single on CPU (its per-request caches hold only what is used)."""
     if max_active < 1:
@@ -46,7 +48,9 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
 
         engine = "batch" if str(model_device(runtime.model)).startswith("cuda") else "single"
     if engine == "batch":
-        return _build_batch(runtime, max_active, prefill_chunk, decode_path, when_full, batch_invariant)
+        return _build_batch(runtime, max_active, prefill_chunk, decode_path, when_full, batch_invariant, compile)
+    if compile:
+        raise LowbitError("--compile needs the batching engine on CUDA; use --engine batch on a GPU")
     if batch_invariant:
         raise LowbitError("--batch-invariant needs the batching engine; use --engine batch")
     if decode_path == "graphs":
@@ -60,11 +64,12 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
     return engine, app
 
 
-def _build_batch(runtime, slots: int, prefill_chunk: int, decode_path: str, when_full: str, batch_invariant: bool):
+def _build_batch(runtime, slots: int, prefill_chunk: int, decode_path: str, when_full: str, batch_invariant: bool,
+                 compile: bool = False):
     from lowbit.serve.batch_engine import BatchEngine
 
     engine = BatchEngine(runtime, slots=slots, prefill_chunk=prefill_chunk, mode=decode_path, when_full=when_full,
-                         batch_invariant=batch_invariant)
+                         batch_invariant=batch_invariant, compile=compile)
     scheme = engine.metrics.scheme
     app = build_app(engine, ServedModel(id=runtime.name, scheme=scheme, max_context=runtime.max_context,
                                         weights=runtime.weights))
