@@ -180,3 +180,38 @@ def test_gemv_matches_twin(scheme, M, N, K, cfg):
     assert rel(wg.gemv(x, pw, cfg, torch.float32), wg.linear_twin(x, pw, torch.float32)) < 1e-5
     with pytest.raises(ValueError, match="M <="):
         wg.gemv(torch.randn(cfg.BM + 1, K).bfloat16(), pw, cfg)
+
+
+def _a8_rows(M, K, dtype, seed):
+    """x [M, K]: random rows of mixed magnitude, an all-zero row, a row of exact ties (x / s = k + 1/2)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, K, generator=g) * torch.rand(M, 1, generator=g).mul(6).exp2()
+    if M > 1:
+        x[1] = 0
+    if M > 2:
+        r = torch.randint(-128, 127, (K,), generator=g).float() + 0.5
+        r[0], r[1] = -127.5, 127.5
+        x[2] = r / 8  # amax 15.9375: s = 1/8 exactly
+    return x.to(dtype)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_a8_activation_codes_and_scales_are_the_one_quantizers(M, dtype):
+    """The A8 kernels' activation step (fused prologue and the separate row kernel) gives exactly the codes
+    and scales of lowbit.weights.act_quant (compressed-tensors' arithmetic: tests/weights/test_act_quant.py).
+    Read through an identity weight with scale 1: y = x_q * s_x holds in fp32 with no rounding at all."""
+    from lowbit.weights.act_quant import quantize_activations_per_token
+
+    K = 112  # a multiple of 16 that is not a power of two; N = K is not a multiple of BN
+    x = _a8_rows(M, K, dtype, seed=M)
+    q, s = quantize_activations_per_token(x)
+    qk, sk = wg.quantize_rows(x)
+    assert torch.equal(qk, q) and torch.equal(sk, s[:, 0])
+    for bits, group in ((8, K), (4, 16)):  # W8A8 per channel, W4A8 groups of 16
+        codes = torch.full((K, K), 1 << (bits - 1), dtype=torch.uint8) + torch.eye(K, dtype=torch.uint8)  # q = I
+        pw = wg.pack_weight(codes, torch.ones(K, K // group), None, bits=bits, group=group, a_bits=8)
+        for cfg in (GemmConfig(BM=16, BN=32, BK=16), GemmConfig(BM=16, BN=32, BK=16, fused_aq=False)):
+            y = wg.linear(x, pw, cfg, out_dtype=torch.float32)
+            assert torch.equal(y, q.float() * s), (bits, cfg.name)

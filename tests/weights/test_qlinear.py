@@ -29,7 +29,8 @@ def test_a8_forward_is_exact_integer_math(name, rows):
     m, q, b = _qlin(name)
     x = torch.randn(rows, 192) * 2
     xq, sx = quantize_activations_per_token(x)
-    assert xq.dtype == torch.int8 and int(xq.abs().max()) == 127
+    # every row reaches the range's end: +amax -> 127, -amax -> -128 (compressed-tensors' 127.5 scale)
+    assert xq.dtype == torch.int8 and set(xq.int().abs().amax(-1).tolist()) <= {127, 128}
     # reference: dequantized activations times dequantized weights, in float64
     ref = (xq.double() * sx.double()) @ q.dequantize().double().T + b.double()
     torch.testing.assert_close(m(x).double(), ref, atol=1e-4, rtol=1e-5)

@@ -19,9 +19,12 @@ Kernel math (why it is exact up to the accumulation order against the twin):
   scale once at the end. Nibbles become floats without an int->float convert: (v | 0x4B000000)
   read as fp32 is 2**23 + v.
 - A8: activations are quantized per token inside the kernel's prologue (FUSED_AQ: a first pass over
-  the row block's K finds amax; the main loop quantizes each tile as it loads it: s = amax / 127,
-  round-half-even(x / s), the twin's `quantize_activations_per_token`), then int8 x int8 -> int32 on
-  the tensor cores; per-channel scales (W8A8) in the epilogue, group scales (W4A8) per K-tile.
+  the row block's K finds amax; the main loop quantizes each tile as it loads it), then int8 x int8 ->
+  int32 on the tensor cores; per-channel scales (W8A8) in the epilogue, group scales (W4A8) per K-tile.
+  The quantization is the one quantizer's (lowbit.weights.act_quant, compressed-tensors' arithmetic),
+  bit for bit: s = amax / 127.5 and q = x / s are computed as torch computes them in x's dtype -- an
+  IEEE fp32 quotient (div_rn) rounded half-even to bf16/fp16 (`_round_act`) -- s = eps(x's dtype) for
+  an all-zero row, then clamp to [-128, 127] and round half to even.
 Split-K (SPLIT_K > 1) accumulates fp32 partials with atomics into a zeroed fp32 buffer.
 
 Shapes are any M >= 1, N >= 1; K must be a multiple of 16 and of the group (the scheme checks it).
@@ -33,6 +36,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowbit.weights.act_quant import A8_DIV, A8_QMAX, A8_QMIN, act_eps, quantize_activations_per_token
+
 try:
     import triton
     import triton.language as tl
@@ -41,6 +46,14 @@ except ImportError:  # a plan can be printed without Triton; the kernels need it
 
 MAGIC_F = 8388608.0  # 2**23: (v | 0x4B000000) as float32 == 2**23 + v for 0 <= v < 2**23
 RNE_F = 12582912.0  # 1.5 * 2**23: (v + RNE) - RNE rounds fp32 |v| < 2**22 half-to-even
+_ACT_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # the kernels' ADT constexpr
+
+
+def _adt(dtype: torch.dtype) -> int:
+    """The activation dtype as the kernels' ADT code (0 fp32, 1 bf16, 2 fp16)."""
+    if dtype not in _ACT_DTYPES:
+        raise ValueError(f"A8 kernels take fp32/bf16/fp16 activations, got {dtype}")
+    return _ACT_DTYPES[dtype]
 
 
 @dataclass
@@ -133,8 +146,6 @@ def dequantize(pw: PackedWeight) -> torch.Tensor:
 def linear_twin(x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """The torch twin: x [M, K] -> [M, N] in x's dtype, computed in fp32 from the dequantized weight
     (A8: from the per-token int8 activations, exactly as QuantLinear's CPU forward)."""
-    from lowbit.weights.qlinear import quantize_activations_per_token
-
     if pw.a_bits == 8:
         xq, sx = quantize_activations_per_token(x)
         xf = xq.float() * sx
@@ -187,6 +198,36 @@ class GemmConfig:
 if triton is not None:
     MAGIC = tl.constexpr(MAGIC_F)  # kernels read globals only as constexpr
     RNE = tl.constexpr(RNE_F)
+    A8_DIV_C = tl.constexpr(A8_DIV)
+    A8_LO = tl.constexpr(float(A8_QMIN))
+    A8_HI = tl.constexpr(float(A8_QMAX))
+
+    @triton.jit
+    def _round_act(v, ADT: tl.constexpr):
+        """fp32 v rounded half-even to the activations' dtype (ADT 0 fp32, 1 bf16, 2 fp16), returned in fp32:
+        what torch does to the fp32 result of a bf16/fp16 op. bf16 through the bits, because the CPU
+        interpreter's fp32 -> bf16 cast truncates."""
+        if ADT == 1:
+            b = v.to(tl.int32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+            return b.to(tl.float32, bitcast=True)
+        elif ADT == 2:
+            return v.to(tl.float16).to(tl.float32)
+        else:
+            return v
+
+    @triton.jit
+    def _act_scale(amax, ADT: tl.constexpr, A_EPS: tl.constexpr):
+        """Per-row scale from fp32 amax: amax / 127.5 in the activations' dtype, eps where that is 0."""
+        s = _round_act(tl.math.div_rn(amax, A8_DIV_C), ADT)
+        return tl.where(s == 0.0, A_EPS, s)
+
+    @triton.jit
+    def _act_codes(a, s, ADT: tl.constexpr):
+        """int8 codes of a tile a (any float) with scales s broadcast against it: rne(clamp(x / s))."""
+        v = _round_act(tl.math.div_rn(a.to(tl.float32), s), ADT)  # IEEE, as torch's x / s
+        v = tl.minimum(tl.maximum(v, A8_LO), A8_HI)
+        return ((v + RNE) - RNE).to(tl.int8)
 
     @triton.jit
     def _load_wtile(w_ptr, rn, kk, N, K, BITS: tl.constexpr, UNPACK: tl.constexpr, BN: tl.constexpr,
@@ -242,7 +283,7 @@ if triton is not None:
     def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_xm, stride_ym,
                    BITS: tl.constexpr, A8: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                    PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, UNPACK: tl.constexpr,
-                   FUSED_AQ: tl.constexpr, sx_ptr,
+                   FUSED_AQ: tl.constexpr, sx_ptr, ADT: tl.constexpr, A_EPS: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
                    GROUP_M: tl.constexpr, K_ITERS: tl.constexpr, DOT_F32: tl.constexpr):
         pid = tl.program_id(0)
@@ -273,7 +314,7 @@ if triton is not None:
                     rk = it * BK + tl.arange(0, BK)
                     a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0.0)
                     amax = tl.maximum(amax, tl.max(tl.abs(a.to(tl.float32)), axis=1))
-                sx = tl.where(amax > 0, tl.math.div_rn(amax, 127.0), 1.0)
+                sx = _act_scale(amax, ADT, A_EPS)
             else:
                 sx = tl.load(sx_ptr + rm, mask=rm < M, other=1.0)
             if PER_CHANNEL:
@@ -291,9 +332,7 @@ if triton is not None:
             if A8:
                 if FUSED_AQ:
                     a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0.0)
-                    v = tl.math.div_rn(a.to(tl.float32), sx[:, None])  # IEEE, as the twin's x / s
-                    v = (v + RNE) - RNE
-                    aq = tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8)
+                    aq = _act_codes(a, sx[:, None], ADT)
                 else:
                     aq = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0)
                 wq = (wi - half).to(tl.int8)
@@ -441,21 +480,20 @@ if triton is not None:
             tl.atomic_add(yp, acc, mask=ymask)
 
     @triton.jit
-    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, stride_xm, BK: tl.constexpr):
-        """One row per program: s = amax / 127 (1 for an all-zero row), q = rne(x / s)."""
+    def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, stride_xm, BK: tl.constexpr, ADT: tl.constexpr,
+                           A_EPS: tl.constexpr):
+        """One row per program: the one quantizer's s and q (module docstring)."""
         row = tl.program_id(0)
         amax = tl.zeros([BK], dtype=tl.float32)
         for it in range(tl.cdiv(K, BK)):
             rk = it * BK + tl.arange(0, BK)
             a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(a))
-        m = tl.max(amax, axis=0)
-        s = tl.where(m > 0, tl.math.div_rn(m, 127.0), 1.0)
+        s = _act_scale(tl.max(amax, axis=0), ADT, A_EPS)
         for it in range(tl.cdiv(K, BK)):
             rk = it * BK + tl.arange(0, BK)
-            a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
-            v = (tl.math.div_rn(a, s) + RNE) - RNE
-            tl.store(q_ptr + row * K + rk, tl.minimum(tl.maximum(v, -128.0), 127.0).to(tl.int8), mask=rk < K)
+            a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
+            tl.store(q_ptr + row * K + rk, _act_codes(a, s, ADT), mask=rk < K)
         tl.store(s_ptr + row, s)
 
     @triton.jit
@@ -505,7 +543,8 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     M, K = x.shape
     q = torch.empty(M, K, dtype=torch.int8, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
-    _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), BK=min(1024, triton.next_power_of_2(K)))
+    _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), BK=min(1024, triton.next_power_of_2(K)), ADT=_adt(x.dtype),
+                             A_EPS=act_eps(x.dtype))
     return q, s
 
 
@@ -534,6 +573,7 @@ def linear(x: torch.Tensor, pw: PackedWeight, config: GemmConfig | None = None,
         BITS=pw.bits, A8=pw.a_bits == 8, HAS_ZP=pw.zero is not None, HAS_BIAS=pw.bias is not None,
         PER_CHANNEL=pw.per_channel, GROUP=pw.group, UNPACK=_unpack_mode(cfg, pw, x, BK),
         FUSED_AQ=cfg.fused_aq, sx_ptr=sx if sx is not None else pw.scale,
+        ADT=_adt(x.dtype) if pw.a_bits == 8 else 0, A_EPS=act_eps(x.dtype) if pw.a_bits == 8 else 0.0,
         BM=cfg.BM, BN=cfg.BN, BK=BK, SPLIT_K=sk, GROUP_M=cfg.GROUP_M, K_ITERS=K // sk // BK, DOT_F32=x.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y.to(out_dtype) if sk > 1 else y

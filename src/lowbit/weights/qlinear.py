@@ -11,8 +11,9 @@ signed code compressed-tensors stores -- the same numbers grid.dequantize_on giv
 
 Forward:
     a_bits 16: y = x @ w^T (w dequantized in float32, cast to x's dtype).
-    a_bits 8:  activations quantized per token, symmetric int8, on the fly (dynamic):
-               s_x = amax|x| / 127, x_q = clamp(round(x / s_x), -128, 127); then an integer
+    a_bits 8:  activations quantized per token, symmetric int8, on the fly (dynamic), by the one
+               quantizer (weights/act_quant.py: compressed-tensors' arithmetic, s_x = amax|x| / 127.5,
+               x_q = round_half_even(clamp(x / s_x, -128, 127)) in x's dtype); then an integer
                matmul per weight group, y = s_x * sum_g scale_g * (x_q,g @ (q_g - zp_g)^T).
                torch._int_mm (int8 x int8 -> int32) runs it on CPU; where it raises we fall back
                to an int32 matmul (same integers, slower) and log why once.
@@ -31,6 +32,7 @@ import logging
 import torch
 from torch import nn
 
+from lowbit.weights.act_quant import quantize_activations_per_token  # noqa: F401 (re-exported)
 from lowbit.weights.grid import Grid
 from lowbit.weights.scheme import WeightScheme
 
@@ -50,14 +52,6 @@ def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if a.device.type != "cpu":  # GPUs have no int32 matmul; float64 holds these sums exactly (< 2**53)
         return (a.double() @ b.double()).to(torch.int32)
     return a.to(torch.int32) @ b.to(torch.int32)
-
-
-def quantize_activations_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] float -> (x_q int8 [M, K], s_x float32 [M, 1]); symmetric, dynamic per row."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    s = torch.where(amax > 0, amax / 127.0, torch.ones_like(amax))
-    return torch.round(xf / s).clamp_(-128, 127).to(torch.int8), s
 
 
 class QuantLinear(nn.Module):
