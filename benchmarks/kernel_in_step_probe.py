@@ -8,7 +8,9 @@ variant per line (CUDA events over graph replays of 32 calls, median of 5):
     contiguous       layer 0's tiers cloned to exactly C rows
     middle-only      layer 0 without the sink / recent tiers
     splits=N         layer 0 with num_splits forced
-Usage (CUDA): python3 benchmarks/kernel_in_step_probe.py --batch 16 --length 32768 --out probe.json
+--sweep: instead, layer 0 with the dense tiers over launch configs (num_warps, warp_tokens, dense_block,
+num_splits; "auto" = the kernel's own split pick), the ms of each and the best.
+Usage (CUDA): python3 benchmarks/kernel_in_step_probe.py --batch 16 --length 32768 [--sweep] --out probe.json
 """
 from __future__ import annotations
 
@@ -67,6 +69,7 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sweep", action="store_true")
     a = ap.parse_args()
     from transformers import LlamaConfig
 
@@ -95,6 +98,35 @@ def main():
     mid, kw = _args(l0, B, C, S, R, L)
     _, launch = decode_attention(q, *mid, k_bits=kb, v_bits=vb, return_launch=True, **kw)
     print(f"C={C} S={S} R={R} launch={launch}", flush=True)
+    if a.sweep:
+        _sweep(a, run, q, mid, kw, kb, vb, bytes_layer, B)
+        rows.sort(key=lambda r: r["ms_per_call"])
+        print("best:", rows[0], flush=True)
+    else:
+        _variants(run, q, mid, kw, kb, vb, bytes_layer, layers, l0, B, C, S, R, L)
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump({"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
+                       "B": B, "L": L, "kv": a.kv, "C": C, "S": S, "R": R, "launch": str(launch), "rows": rows}, f,
+                      indent=1)
+
+
+def _sweep(a, run, q, mid, kw, kb, vb, nbytes, B):
+    shapes = [(1, 64), (2, 32), (2, 64), (4, 32), (4, 16)] if B * 8 < 64 else [(1, 64), (2, 32), (4, 32)]
+    splits = [None, 48, 64, 96, 128] if B * 8 < 64 else [None, 3, 4, 5, 6, 8, 11, 12]
+    for nw, wt in shapes:
+        for db in (32, 128):
+            for n in splits:
+                c = KernelConfig(num_warps=nw, warp_tokens=wt, dense_block=db, num_splits=n)
+                name = f"w{nw} t{wt} d{db} s{n or 'auto'}"
+                try:
+                    run(name, lambda c=c: [decode_attention(q, *mid, k_bits=kb, v_bits=vb, config=c, **kw)
+                                           for _ in range(32)], 32, nbytes)
+                except Exception as e:  # noqa: BLE001 -- a config that does not compile: say so, go on
+                    print(f"{name}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
+
+
+def _variants(run, q, mid, kw, kb, vb, bytes_layer, layers, l0, B, C, S, R, L):
     run("step-layer0", lambda: [decode_attention(q, *mid, k_bits=kb, v_bits=vb, **kw) for _ in range(32)], 32,
         bytes_layer)
     per_layer = [_args(ly, B, C, S, R, L) for ly in layers]
@@ -110,11 +142,6 @@ def main():
         c = KernelConfig(num_splits=n)
         run(f"splits={n}", lambda c=c: [decode_attention(q, *mid, k_bits=kb, v_bits=vb, config=c, **kw)
                                         for _ in range(32)], 32, bytes_layer)
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump({"env": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__},
-                       "B": B, "L": L, "kv": a.kv, "C": C, "S": S, "R": R, "launch": str(launch), "rows": rows}, f,
-                      indent=1)
 
 
 if __name__ == "__main__":

@@ -202,5 +202,10 @@ def test_split_count_fills_whole_waves():
     # more pairs than slots: 3 splits = 1536 programs in 3.88 waves, not 1 split in 1.29 waves
     assert pick_num_splits(64, 8, 32768, 128, 132, 4, blocks_per_sm=3) == 3
     assert pick_num_splits(3, 1, 0, 128, 132, 4, blocks_per_sm=3) == 1
+    # the dense-tier program of each pair takes a slot too: B16 x 8 heads, 6 resident per SM (792 slots),
+    # 64-token blocks: 6 splits fill 768 slots alone, with the dense programs 896 > 792 (1.13 waves), so
+    # 11 splits (1,536 programs, 1.94 waves of half-length programs)
+    assert pick_num_splits(16, 8, 32512, 64, 132, 1, blocks_per_sm=6) == 6
+    assert pick_num_splits(16, 8, 32512, 64, 132, 1, blocks_per_sm=6, dense_programs=1) == 11
     # occupancy unknown (interpreter): the fixed programs-per-SM rule
     assert pick_num_splits(16, 8, 32768, 128, 132, 4) == 6

@@ -296,7 +296,11 @@ def test_compiled_generate_on_cuda_follows_the_eager_generate(kv):
             for name, x in a.mid[t].items():
                 # middle rows of positions whose whole history is the same tokens in both runs
                 m = min(int(a.tier_lens(cache.lens)[1].min()), 301 + n - 1 - a.S)
-                eq = (x[:, :, :m] == b.mid[t][name][:, :, :m]).float().mean()
+                y = b.mid[t][name][:, :, :m]
+                if name == "codes":
+                    eq = (x[:, :, :m] == y).float().mean()
+                else:  # scales / zeros of rows whose inputs differ by a bf16 ulp round to a neighbouring fp16
+                    eq = ((x[:, :, :m].float() - y.float()).abs() <= 1e-2 * y.float().abs() + 1e-3).float().mean()
                 assert float(eq) > 0.999, (t, name, float(eq))
     tol = 2e-2 if kv == "bf16" else 6e-2
     assert float((logits[:, :n] - ref_logits[:, :n]).abs().max() / ref_logits[:, :n].abs().max()) < tol

@@ -667,7 +667,7 @@ def device_info(index: int) -> DeviceInfo:
 
 
 def pick_num_splits(batch: int, kv_heads: int, max_tokens: int, block_t: int, sms: int = 132,
-                    num_warps: int = 4, blocks_per_sm: int | None = None) -> int:
+                    num_warps: int = 4, blocks_per_sm: int | None = None, dense_programs: int = 0) -> int:
     """Splits per (sequence, KV head), at most 256 and at least 4 blocks of tokens each.
 
     With `blocks_per_sm` (programs of this kernel resident per SM, from its registers and shared
@@ -675,7 +675,13 @@ def pick_num_splits(batch: int, kv_heads: int, max_tokens: int, block_t: int, sm
     resident slots in nearly whole waves -- measured on an H200 (run 5): B16 L32k int2 3 splits (384 programs in
     396 slots) 0.129 ms vs 4 splits (1.3 waves) 0.156 and 6 (1.94 waves) 0.136; B1 L128k 132 splits
     (1 wave) 0.042 ms vs 176 (1.3 waves) 0.058 and 264 (2 waves) 0.055. Without: a fixed number of
-    programs per SM by warps per program (run 2)."""
+    programs per SM by warps per program (run 2).
+
+    dense_programs: programs per pair beside the splits (the dense-tier program: 1 when the call has a
+    sink or recent tier). They take resident slots too: inside the runtime step (B16 L32k int2, sink 64 +
+    recent 256) 6 splits + the dense program (896 programs in 792 slots) ran 190 us against 122 us for
+    the same 6 splits without the dense tiers, the middle programs left for a second wave waiting on dense
+    programs slowed by the loaded memory system (benchmarks/kernel_in_step_probe.py, H200 2026-12-01)."""
     if max_tokens <= 0:
         return 1
     pairs = max(1, batch * kv_heads)
@@ -689,7 +695,7 @@ def pick_num_splits(batch: int, kv_heads: int, max_tokens: int, block_t: int, sm
     blocks = math.ceil(max_tokens / block_t)
     best, best_t = 1, float("inf")
     for s in range(1, most + 1):
-        t = math.ceil(s * pairs / cap) * (math.ceil(blocks / s) + 4)
+        t = math.ceil((s + dense_programs) * pairs / cap) * (math.ceil(blocks / s) + 4)
         if t < best_t:
             best, best_t = s, t
     return best

@@ -104,7 +104,16 @@ def _writer(layer, checks: bool, compiled: bool):
     if fn is None:
         import functools
 
-        fn = functools.partial(_write_rows, layer.kind, layer.S, layer.R, layer.C, layer.k_codec, layer.v_codec,
+        body = _write_rows
+        if compiled:
+            import types
+
+            # one code object per configuration: dynamo counts recompiles per code object, and every
+            # configuration (tier shapes, codecs, and the strides its K/V arrive in: fused projections hand
+            # over slices) through one shared code object hit its recompile limit of 8 in a long-lived process
+            code = _write_rows.__code__.replace(co_name=f"_write_rows_{len(_WRITERS)}")
+            body = types.FunctionType(code, _write_rows.__globals__, code.co_name, _write_rows.__defaults__)
+        fn = functools.partial(body, layer.kind, layer.S, layer.R, layer.C, layer.k_codec, layer.v_codec,
                                layer.dtype, checks)
         if compiled:
             # emulate_precision_casts: keep the fp16 rounding of scales and zeros the codec does (inductor
