@@ -8,11 +8,12 @@ the directory `lowbit quantize` reads is what a downloaded checkpoint would be. 
     decoder, every quantized tensor from the one quantizer (QuantLinear.from_codes -> export.ct_tensors);
   - the checkpoint reloads in plain transformers (compressed-tensors) with no load-report entry, and through
     lowbit's loader (QuantLinear modules); the dequantized weights are the same bit for bit;
-  - greedy generation with an image through lowbit's cache (KV8 + Hadamard) gives the same tokens on both.
-    W4A16: the two forwards are the same math, so the free-running greedy tokens are equal. W4A8: transformers
-    fake-quantizes activations with amax/127.5, lowbit (like vLLM) with amax/127, so a random model's near-ties
-    may flip; the tokens are compared teacher-forced on lowbit's greedy sequence at every step whose top-1 lead
-    exceeds twice the largest logit difference (as tests/weights/test_plain_load.py does).
+  - greedy generation with an image through lowbit's cache (KV8 + Hadamard) gives the same free-running
+    tokens on both, W4A16 and W4A8. For W4A8 the logits are equal bit for bit: lowbit's activation quantizer
+    is compressed-tensors' (amax / 127.5 in x's dtype, round half to even: weights/act_quant.py) and
+    QuantLinear's torch forward is the reload's fake-quantized linear. (With an int8 GEMM instead the codes
+    agree but the sums round differently; on this model that flipped step 2, lead 0.0009 vs a 0.011 logit
+    difference.)
 """
 
 from __future__ import annotations
@@ -211,16 +212,12 @@ def test_w4a8_greedy_with_an_image_through_kv8_equals_transformers_reload(w4a8):
     hf = _plain_load(w4a8)
     want, lo, cache = _generate(ours)
     assert cache.quantized_rows_total() > 0  # the KV8 tiers held quantized rows (the image's among them)
-    got, lh, _ = _generate(hf, force=want)  # transformers' reload, teacher-forced on lowbit's tokens
-    diff = float((lo - lh).abs().max())
-    assert 0 < diff < 0.05 * float(lo.abs().max())  # a8 rounding differs (127 vs 127.5): nonzero, small
+    got, lh, _ = _generate(hf)  # transformers' reload, free running
     top = lo.topk(2, dim=-1).values
-    decisive = (top[:, 0] - top[:, 1]) > 2 * diff
-    print(f"w4a8 vs transformers: max logit diff {diff:.4g}, decisive steps {int(decisive.sum())}/{NEW}, "
-          f"same argmax at {int((lo.argmax(-1) == lh.argmax(-1)).sum())}/{NEW} teacher-forced steps")
-    assert int(decisive.sum()) >= 8, "too few decisive steps: the comparison would prove nothing"
-    assert torch.equal(lo.argmax(-1)[decisive], lh.argmax(-1)[decisive])
-    assert lo.argmax(-1).tolist() == want
+    print(f"w4a8 vs transformers: max logit diff {float((lo - lh).abs().max()):.4g}, "
+          f"smallest top-1 lead {float((top[:, 0] - top[:, 1]).min()):.4g}")
+    assert got == want and len(set(want)) > 1  # free-running greedy, not a constant sequence
+    assert torch.equal(lo, lh)  # every step's logits, bit for bit
 
 
 def test_w4a16_free_greedy_with_an_image_through_kv8_is_equal(vl_dir, calib_file, tmp_path):

@@ -13,10 +13,14 @@ Forward:
     a_bits 16: y = x @ w^T (w dequantized in float32, cast to x's dtype).
     a_bits 8:  activations quantized per token, symmetric int8, on the fly (dynamic), by the one
                quantizer (weights/act_quant.py: compressed-tensors' arithmetic, s_x = amax|x| / 127.5,
-               x_q = round_half_even(clamp(x / s_x, -128, 127)) in x's dtype); then an integer
-               matmul per weight group, y = s_x * sum_g scale_g * (x_q,g @ (q_g - zp_g)^T).
-               torch._int_mm (int8 x int8 -> int32) runs it on CPU; where it raises we fall back
-               to an int32 matmul (same integers, slower) and log why once.
+               x_q = round_half_even(clamp(x / s_x, -128, 127)) in x's dtype); then
+               y = linear(x_q * s_x, w) in x's dtype, w dequantized. That is the reload's own arithmetic
+               (compressed-tensors fake-quantizes the input the same way, then runs the float linear),
+               so this forward is bit for bit what transformers computes from the exported checkpoint.
+               An integer GEMM cannot be: its sums round differently from the float matmul's, and a
+               1e-7 difference in one layer's output moves some next activation across a rounding
+               boundary (one int8 step), which a near-tie in the logits can turn into another token.
+               The GPU kernels (prepare_cuda) run the same codes through int8 x int8 -> int32.
 
 On CUDA, `prepare_cuda(model)` repacks every QuantLinear once into the weight kernels' layout
 (lowbit.kernels.weight_gemm.PackedWeight: int4 stays packed, 8 codes per int32), drops the unpacked
@@ -27,31 +31,12 @@ twin on the GPU instead: only when asked for by name.
 
 from __future__ import annotations
 
-import logging
-
 import torch
 from torch import nn
 
 from lowbit.weights.act_quant import quantize_activations_per_token  # noqa: F401 (re-exported)
 from lowbit.weights.grid import Grid
 from lowbit.weights.scheme import WeightScheme
-
-log = logging.getLogger("lowbit.weights.qlinear")
-_INT_MM_OK: dict[str, bool] = {}
-
-
-def int8_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a int8 [M, K] @ b int8 [K, N] -> int32 [M, N], exact."""
-    key = a.device.type
-    if _INT_MM_OK.get(key, True):
-        try:
-            return torch._int_mm(a, b)
-        except (RuntimeError, NotImplementedError) as e:
-            _INT_MM_OK[key] = False
-            log.warning("torch._int_mm unavailable on %s (%s); using int32 matmul", key, str(e).splitlines()[0])
-    if a.device.type != "cpu":  # GPUs have no int32 matmul; float64 holds these sums exactly (< 2**53)
-        return (a.double() @ b.double()).to(torch.int32)
-    return a.to(torch.int32) @ b.to(torch.int32)
 
 
 class QuantLinear(nn.Module):
@@ -129,24 +114,11 @@ class QuantLinear(nn.Module):
             y = (weight_gemm.linear_twin(x2, self.packed) if self.dispatch == "twin"
                  else self.dispatch.linear(x2, self.packed))
             return y.reshape(*x.shape[:-1], self.out_features)
-        if self.scheme.a_bits == 16:
-            w = self.dequantized_weight().to(x.dtype)
-            return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)  # [M, in]
-        xq, sx = quantize_activations_per_token(x2)  # int8 [M, in], [M, 1]
-        wi = self.int_weight()  # [out, in] int16 with values in the signed int8 range (symmetric weights)
-        G, g = self.in_features // self.group, self.group
-        y = torch.zeros(x2.shape[0], self.out_features, dtype=torch.float32, device=x.device)
-        scale = self.scale.float()  # [out, G]
-        for j in range(G):
-            sl = slice(j * g, (j + 1) * g)
-            acc = int8_matmul(xq[:, sl].contiguous(), wi[:, sl].to(torch.int8).t().contiguous())  # [M, out] int32
-            y += acc.float() * scale[:, j].unsqueeze(0)
-        y = y * sx
-        if self.bias is not None:
-            y = y + self.bias.float()
-        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+        if self.scheme.a_bits == 8:  # the reload's arithmetic (module docstring): codes * scale in x's dtype
+            xq, sx = quantize_activations_per_token(x.reshape(-1, self.in_features))  # int8 [M, in], f32 [M, 1]
+            x = (xq.to(x.dtype) * sx.to(x.dtype)).reshape(x.shape)
+        w = self.dequantized_weight().to(x.dtype)
+        return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
     def to_packed(self):
         """The weight as a PackedWeight (on this module's device)."""
