@@ -567,6 +567,12 @@ DEFAULTS = {
     # B16 L32k int2 0.123 vs 0.129 ms, int4 0.149 vs 0.159; int8 and head_dim 256 spill far more
     # with it (B64 gemma int4 2.0 vs 0.77 ms), so they keep "many".
     "many_lowbit": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": 168},
+    # 64..255 pairs (B8-B31 at 8 KV heads), head_dim <= 128, <= 4 bits, measured inside the runtime's cache
+    # with the sink 64 + recent 256 dense tiers (benchmarks/kernel_in_step_probe.py --sweep, H200
+    # 2026-12-01, B16 L32k int2): two-warp programs of 32 tokens per warp and the split count picked with
+    # the dense programs counted in the waves (11 splits) 0.137 ms vs 0.191 ms for "many_lowbit" (6 splits);
+    # B32+ not measured with it, so they keep "many_lowbit"
+    "mid_lowbit": {"num_warps": 2, "warp_tokens": 32, "num_stages": 3, "maxnreg": 168, "dense_in_waves": True},
     "many": {"num_warps": 4, "warp_tokens": 32, "num_stages": 4, "maxnreg": None},
     "few": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": None},
     "wide": {"num_warps": 1, "warp_tokens": 32, "num_stages": 3, "maxnreg": None},
@@ -594,6 +600,7 @@ class KernelConfig:
     v_center: bool = True
     pv_fresh: bool = False
     sz_direct: bool = False
+    dense_in_waves: bool | None = None  # count the dense-tier programs in the split pick (pick_num_splits)
 
     def resolve(self, batch: int, kv_heads: int, head_dim: int, bits: int = 8) -> KernelConfig:
         """Fill the None fields from DEFAULTS: "many" (sequence, KV head) pairs (>= 64, e.g. B16 with
@@ -601,13 +608,15 @@ class KernelConfig:
         (long contexts of few sequences: more, smaller programs), "wide" (few pairs, head_dim 256)."""
         regime = "many" if batch * kv_heads >= 64 else ("wide" if head_dim > 128 else "few")
         if regime == "many" and head_dim <= 128 and bits <= 4:
-            regime = "many_lowbit"
+            regime = "mid_lowbit" if batch * kv_heads < 256 else "many_lowbit"
         d = DEFAULTS[regime]
         return KernelConfig(warp_tokens=self.warp_tokens or d["warp_tokens"], num_splits=self.num_splits,
                             num_warps=self.num_warps or d["num_warps"], num_stages=self.num_stages or d["num_stages"],
                             dense_block=self.dense_block, maxnreg=self.maxnreg or d["maxnreg"], p_hilo=self.p_hilo,
                             v_center=self.v_center, pv_fresh=self.pv_fresh,
-                            sz_direct=self.sz_direct)
+                            sz_direct=self.sz_direct,
+                            dense_in_waves=(d.get("dense_in_waves", False) if self.dense_in_waves is None
+                                            else self.dense_in_waves))
 
     @property
     def block_t(self) -> int:
@@ -945,7 +954,8 @@ def decode_attention(
         if not nsm:
             info = None if interp else device_info(cuda_index(dev))
             per_sm = None if interp else info.blocks_per_sm(consts, lambda p, l: args(p, l, BT, 2, 3))
-            nsm = pick_num_splits(B, Hkv, T, BT, 8 if interp else info.sms, NW, blocks_per_sm=per_sm)
+            nsm = pick_num_splits(B, Hkv, T, BT, 8 if interp else info.sms, NW, blocks_per_sm=per_sm,
+                                  dense_programs=int(bool(cfg.dense_in_waves) and (has_sink or has_rec)))
         nsm = max(1, int(nsm))
         split_tokens = max(BT, math.ceil(max(T, 1) / nsm / BT) * BT)
         nsm = max(1, math.ceil(max(T, 1) / split_tokens))
