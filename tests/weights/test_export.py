@@ -91,8 +91,13 @@ def test_transformers_from_pretrained_loads_it(tmp_path, scheme):
     # asymmetric W4 (weight_zero_point) needs dequantize=True in transformers 5.24; it works for all
     hf = AutoModelForCausalLM.from_pretrained(out, quantization_config=CompressedTensorsConfig(dequantize=True))
     got = hf(ids).logits
-    # a8 too: lowbit's activation quantizer and forward are compressed-tensors' arithmetic (weights/act_quant.py)
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if s.a_bits == 16:
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    else:
+        # dequantize=True keeps the model dense: transformers then applies no activation quantization at all
+        # (its compressed-tensors quantizer skips apply_quantization_config), so this is a8 against a16. The
+        # plain load (test_plain_load) runs compressed-tensors' a8 and equals lowbit's bit for bit.
+        assert 0 < float((got - ref).abs().max()) < 0.05 * float(ref.abs().max())
 
 
 def test_existing_output_is_refused_and_failed_write_leaves_nothing(tmp_path):

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.weights.act_quant import quantize_activations_per_token  # noqa: F401 (re-exported)
+from lowbit.weights.act_quant import quantize_activations_per_token  # (also imported from here by callers)
 from lowbit.weights.grid import Grid
 from lowbit.weights.scheme import WeightScheme
 
