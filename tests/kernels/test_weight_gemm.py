@@ -195,23 +195,44 @@ def _a8_rows(M, K, dtype, seed):
     return x.to(dtype)
 
 
-@interp
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
-@pytest.mark.parametrize("M", [1, 3, 17])
-def test_a8_activation_codes_and_scales_are_the_one_quantizers(M, dtype):
-    """The A8 kernels' activation step (fused prologue and the separate row kernel) gives exactly the codes
-    and scales of lowbit.weights.act_quant (compressed-tensors' arithmetic: tests/weights/test_act_quant.py).
-    Read through an identity weight with scale 1: y = x_q * s_x holds in fp32 with no rounding at all."""
+def _check_a8_codes(M, K, dtype, device, cfgs):
+    """The A8 kernels' activation codes and scales == lowbit.weights.act_quant's, read through an identity
+    weight with scale 1 (y = x_q * s_x holds in fp32 with no rounding at all)."""
     from lowbit.weights.act_quant import quantize_activations_per_token
 
-    K = 112  # a multiple of 16 that is not a power of two; N = K is not a multiple of BN
-    x = _a8_rows(M, K, dtype, seed=M)
+    x = _a8_rows(M, K, dtype, seed=M).to(device)
     q, s = quantize_activations_per_token(x)
     qk, sk = wg.quantize_rows(x)
     assert torch.equal(qk, q) and torch.equal(sk, s[:, 0])
     for bits, group in ((8, K), (4, 16)):  # W8A8 per channel, W4A8 groups of 16
         codes = torch.full((K, K), 1 << (bits - 1), dtype=torch.uint8) + torch.eye(K, dtype=torch.uint8)  # q = I
-        pw = wg.pack_weight(codes, torch.ones(K, K // group), None, bits=bits, group=group, a_bits=8)
-        for cfg in (GemmConfig(BM=16, BN=32, BK=16), GemmConfig(BM=16, BN=32, BK=16, fused_aq=False)):
+        pw = wg.pack_weight(codes.to(device), torch.ones(K, K // group, device=device), None, bits=bits,
+                            group=group, a_bits=8)
+        for cfg in cfgs:
             y = wg.linear(x, pw, cfg, out_dtype=torch.float32)
             assert torch.equal(y, q.float() * s), (bits, cfg.name)
+
+
+@interp
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("M", [1, 3, 17])
+def test_a8_activation_codes_and_scales_are_the_one_quantizers(M, dtype):
+    """Fused prologue and separate row kernel both give exactly the one quantizer's codes and scales
+    (compressed-tensors' arithmetic: tests/weights/test_act_quant.py). K = 112 is a multiple of 16 but not a
+    power of two, and N = K is not a multiple of BN."""
+    _check_a8_codes(M, 112, dtype, "cpu", [GemmConfig(BM=16, BN=32, BK=16), GemmConfig(BM=16, BN=32, BK=16, fused_aq=False)])
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or wg.triton is None
+                    or __import__("os").environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA, TRITON_INTERPRET=0")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
+@pytest.mark.parametrize("M", [1, 17, 999])
+def test_gpu_a8_activation_codes_and_scales_are_the_one_quantizers(M, dtype):
+    """The same on the GPU, compiled: div_rn and the bf16/fp16 rounding against torch's CUDA arithmetic
+    (what compressed-tensors runs there), through the generic A8 cells' tilings."""
+    from lowbit.kernels.weight_dispatch import generic_cells
+
+    cfgs = {c.config for c in generic_cells() if c.kind in ("w8a8", "w4a8") and c.path == "triton"}
+    cfgs |= {GemmConfig(BM=16, BN=32, BK=16, fused_aq=False)}
+    _check_a8_codes(M, 1008, dtype, "cuda", sorted(cfgs, key=lambda c: c.name))
