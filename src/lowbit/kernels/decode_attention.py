@@ -567,11 +567,11 @@ DEFAULTS = {
     # B16 L32k int2 0.123 vs 0.129 ms, int4 0.149 vs 0.159; int8 and head_dim 256 spill far more
     # with it (B64 gemma int4 2.0 vs 0.77 ms), so they keep "many".
     "many_lowbit": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": 168},
-    # 64..255 pairs (B8-B31 at 8 KV heads), head_dim <= 128, <= 4 bits, measured inside the runtime's cache
+    # >= 64 pairs (B8+ at 8 KV heads), head_dim <= 128, <= 4 bits, measured inside the runtime's cache
     # with the sink 64 + recent 256 dense tiers (benchmarks/kernel_in_step_probe.py --sweep, H200
     # 2026-12-01, B16 L32k int2): two-warp programs of 32 tokens per warp and the split count picked with
     # the dense programs counted in the waves (11 splits) 0.137 ms vs 0.191 ms for "many_lowbit" (6 splits);
-    # B32+ not measured with it, so they keep "many_lowbit"
+    # B64: 11 splits 0.493 ms vs 0.786 ms (3 splits)
     "mid_lowbit": {"num_warps": 2, "warp_tokens": 32, "num_stages": 3, "maxnreg": 168, "dense_in_waves": True},
     "many": {"num_warps": 4, "warp_tokens": 32, "num_stages": 4, "maxnreg": None},
     "few": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": None},
@@ -608,7 +608,7 @@ class KernelConfig:
         (long contexts of few sequences: more, smaller programs), "wide" (few pairs, head_dim 256)."""
         regime = "many" if batch * kv_heads >= 64 else ("wide" if head_dim > 128 else "few")
         if regime == "many" and head_dim <= 128 and bits <= 4:
-            regime = "mid_lowbit" if batch * kv_heads < 256 else "many_lowbit"
+            regime = "mid_lowbit"
         d = DEFAULTS[regime]
         return KernelConfig(warp_tokens=self.warp_tokens or d["warp_tokens"], num_splits=self.num_splits,
                             num_warps=self.num_warps or d["num_warps"], num_stages=self.num_stages or d["num_stages"],
