@@ -236,3 +236,25 @@ def test_gpu_a8_activation_codes_and_scales_are_the_one_quantizers(M, dtype):
     cfgs = {c.config for c in generic_cells() if c.kind in ("w8a8", "w4a8") and c.path == "triton"}
     cfgs |= {GemmConfig(BM=16, BN=32, BK=16, fused_aq=False)}
     _check_a8_codes(M, 1008, dtype, "cuda", sorted(cfgs, key=lambda c: c.name))
+
+
+@interp
+def test_round_act_is_torchs_fp32_to_bf16_and_fp16_rounding():
+    """_round_act (the A8 step's fp32 -> activation-dtype rounding) == torch's cast, on random fp32 bit patterns
+    of every magnitude (subnormals, near-overflow) and on exact bf16 midpoints (ties go to even)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def k(x_ptr, y_ptr, n, ADT: tl.constexpr, BLOCK: tl.constexpr):
+        r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(y_ptr + r, wg._round_act(tl.load(x_ptr + r, mask=r < n), ADT), mask=r < n)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-2**31, 2**31 - 1, (1 << 15,), generator=g, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    mids = (torch.randn(1 << 12, generator=g).bfloat16().float().view(torch.int32) | 0x8000).view(torch.float32)
+    x = torch.cat([x[torch.isfinite(x)], mids, torch.tensor([65519.0, 65520.0, 3.3895e38, -3.3895e38])])
+    for adt, dtype in ((1, torch.bfloat16), (2, torch.float16)):
+        y = torch.empty_like(x)
+        k[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), ADT=adt, BLOCK=4096)
+        assert torch.equal(y, x.to(dtype).float()), dtype
