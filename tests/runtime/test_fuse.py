@@ -91,3 +91,44 @@ def test_fused_step_equals_the_unfused_step_traced_in_one_graph(family, sname):
             assert float((logits - ref).abs().max() / ref.abs().max()) < 1e-5, i
     assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
     assert torch.equal(buf, ids)
+
+
+def _quantize(m, scheme_name="w4a16-g64"):
+    """Every decoder nn.Linear -> an unpacked QuantLinear (RTN on the one grid), as bench.quantize_linears does."""
+    from lowbit.weights.grid import grid_for_clip, quantize_on
+    from lowbit.weights.qlinear import QuantLinear
+    from lowbit.weights.scheme import parse_weight_scheme
+
+    sch = parse_weight_scheme(scheme_name)
+    for n, lin in [(n, x) for n, x in m.model.layers.named_modules() if type(x) is nn.Linear]:
+        parent, _, child = n.rpartition(".")
+        owner = m.model.layers.get_submodule(parent)
+        w = lin.weight.detach()
+        grid = grid_for_clip(w, sch.w_bits, sch.group_for(w.shape[1]), sch.symmetric, 1.0, torch.float32)
+        setattr(owner, child, QuantLinear.from_codes(quantize_on(w, grid), grid, sch, bias=lin.bias))
+    return m
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_quantized_groups_fuse_into_one_quantlinear_with_the_same_logits(family):
+    from lowbit.weights.qlinear import QuantLinear
+
+    m = _quantize(_model(family))
+    ids = torch.randint(3, 99, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ref = m(ids).logits
+    attn = m.model.layers[0].self_attn
+    parts = [attn.q_proj, attn.k_proj, attn.v_proj]
+    h = fuse_projections(m)
+    assert h.groups == 2 * m.config.num_hidden_layers and not h.skipped
+    fused = m.model.layers[0].self_attn.q_proj.linear
+    assert type(fused) is QuantLinear and fused.out_features == sum(p.out_features for p in parts)
+    # the rows of the stacked codes / scales are the parts' rows, in order
+    assert torch.equal(fused.codes, torch.cat([p.codes for p in parts])) and torch.equal(
+        fused.scale, torch.cat([p.scale for p in parts]))
+    with torch.no_grad():
+        got = m(ids).logits
+    assert torch.allclose(got, ref, rtol=1e-5, atol=1e-5), float((got - ref).abs().max())
+    h.undo()  # quantized groups stay fused (their originals are not kept)
+    assert isinstance(m.model.layers[0].mlp.gate_proj, FusedHead) and h.groups == 2 * m.config.num_hidden_layers
+    assert fuse_projections(m).skipped[0].startswith("layer 0 self_attn: not plain nn.Linear")

@@ -53,9 +53,11 @@ SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2", 
 WEIGHT_PATHS = {"lowbit-w4a16-int2": "w4a16-g128", "lowbit-w4a16-int2-compiled": "w4a16-g128"}
 
 
-def quantize_linears(model, scheme_name: str, log=print) -> dict:
+def quantize_linears(model, scheme_name: str, log=print, *, fuse: bool = True) -> dict:
     """Replace every decoder nn.Linear (not lm_head) by a QuantLinear (RTN on the one weight grid) and
-    prepare it for the CUDA weight kernels; returns prepare_cuda's report."""
+    prepare it for the CUDA weight kernels; returns prepare_cuda's report (+ "fused_groups").
+    fuse: q/k/v and gate/up stacked into one QuantLinear each before packing (lowbit.runtime.fuse), so
+    each group is one W4/W8 GEMM; permanent for this model."""
     from torch import nn
 
     from lowbit.weights.grid import grid_for_clip, quantize_on
@@ -74,10 +76,17 @@ def quantize_linears(model, scheme_name: str, log=print) -> dict:
             q = QuantLinear.from_codes(quantize_on(w, grid), grid, sch, bias=lin.bias, scale_dtype=torch.bfloat16)
         setattr(owner, child, q)
         del lin, w
+    fused = 0
+    if fuse:
+        from lowbit.runtime.fuse import fuse_projections
+
+        fused = fuse_projections(model).groups
     torch.cuda.empty_cache()
     rep = prepare_cuda(model, log=log)
+    rep["fused_groups"] = fused
     log(f"weights {scheme_name}: {rep['modules']} linears, packed {rep['packed_bytes'] / 1e9:.2f} GB "
-        f"(bf16 {rep['bf16_bytes'] / 1e9:.2f} GB), dispatch {rep['dispatch']}")
+        f"(bf16 {rep['bf16_bytes'] / 1e9:.2f} GB), dispatch {rep['dispatch']}, "
+        f"{fused} fused q/k/v + gate/up groups")
     return rep
 
 
@@ -195,6 +204,8 @@ def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True):
 
 
 def _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s) -> dict:
+    from lowbit.runtime.fuse import FusedHead
+
     _fill_static(cache, L, torch.Generator(device="cuda").manual_seed(1))
     graphs.active[:B] = True
 
@@ -208,7 +219,7 @@ def _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s) -> dict:
            "capture_s": capture_s, "decode_backends": sorted(plan.backend_names("decode")),
            "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask",
            "compiled": graphs.compiled,
-           "fused_projections": step.fused.groups if step.fused else 0,
+           "fused_projections": sum(isinstance(m, FusedHead) for m in step.model.modules()),
            "unfused": step.fused.skipped[:3] if step.fused else []}
     if graphs.compiled:
         counters = torch._dynamo.utils.counters
@@ -443,7 +454,8 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
     groups = [[p for p in order if p not in WEIGHT_PATHS], [p for p in order if p in WEIGHT_PATHS]]
     for group in groups:
         if group and group[0] in WEIGHT_PATHS:
-            env["weights"] = {"scheme": WEIGHT_PATHS[group[0]], **quantize_linears(model, WEIGHT_PATHS[group[0]], log)}
+            env["weights"] = {"scheme": WEIGHT_PATHS[group[0]],
+                              **quantize_linears(model, WEIGHT_PATHS[group[0]], log, fuse=fuse)}
         _rows_for(group, model, cfg, contexts, batches, steps, rows, log, fuse)
     return {"env": env, "rows": rows, "prefill": pre}
 

@@ -13,8 +13,10 @@ How, keeping transformers' attention and MLP code: the first module of a group (
 replaced by a FusedHead that runs the one GEMM and keeps the other parts' slices for this call; the
 others (k_proj, v_proj, up_proj) by FusedTail modules that return their slice. That relies on the
 order transformers' Llama / Mistral / Qwen2 / Qwen3 / Gemma3 attention and MLP call them in (q, k, v;
-gate, up) on the same input; a tail called without its head's pending output raises. Only plain
-nn.Linear groups with one dtype/device and all-or-no biases are fused (packed W4/W8 linears are not).
+gate, up) on the same input; a tail called without its head's pending output raises. Fused: plain
+nn.Linear groups with one dtype/device and all-or-no biases, and QuantLinear groups of one scheme not
+yet packed for the GPU kernels (fuse before `prepare_cuda`: the packed fused layer is one wide W4/W8
+GEMM); packed or mixed groups are skipped and named.
 """
 from __future__ import annotations
 
@@ -37,17 +39,19 @@ class _Pending:
 
 
 class FusedHead(nn.Module):
-    """x [..., K] -> the first part [..., N0]; keeps parts 1.. of x @ W^T for the tails."""
+    """x [..., K] -> the first part [..., N0]; keeps parts 1.. of linear(x) for the tails.
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int], pending: _Pending):
+    linear: the group's one projection [K -> sum(sizes)] (an nn.Linear, or an unpacked QuantLinear), a
+    submodule, so a later pass that packs or quantizes linears (prepare_cuda, RTN) sees one wide layer."""
+
+    def __init__(self, linear: nn.Module, sizes: list[int], pending: _Pending):
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)  # [sum(sizes), K]
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.linear = linear
         self.sizes, self.pending = list(sizes), pending
-        self.in_features, self.out_features = weight.shape[1], sizes[0]
+        self.in_features, self.out_features = linear.in_features, sizes[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = nn.functional.linear(x, self.weight, self.bias)  # [..., sum(sizes)]
+        y = self.linear(x)  # [..., sum(sizes)]
         parts = y.split(self.sizes, dim=-1)
         self.pending.parts = parts
         return parts[0]
@@ -73,7 +77,8 @@ class FusedTail(nn.Module):
 
 @dataclass
 class FusedProjections:
-    """What fuse_projections did; undo() puts the original modules back."""
+    """What fuse_projections did; undo() puts the original nn.Linear modules back (QuantLinear groups stay
+    fused: their originals are not kept, so the unpacked codes can be freed when the fused one is packed)."""
 
     groups: int = 0
     skipped: list[str] = field(default_factory=list)
@@ -83,20 +88,67 @@ class FusedProjections:
         for owner, names, mods in reversed(self._undo):
             for n, m in zip(names, mods):
                 setattr(owner, n, m)
+        self.groups -= len(self._undo)
         self._undo.clear()
-        self.groups = 0
+
+
+def _kind(mods) -> str | None:
+    from lowbit.weights.qlinear import QuantLinear
+
+    if all(type(m) is nn.Linear for m in mods):
+        return "linear"
+    if all(type(m) is QuantLinear and m.packed is None for m in mods):
+        return "quant"
+    return None
 
 
 def _fusable(mods) -> str | None:
-    if not all(type(m) is nn.Linear for m in mods):
-        return "not plain nn.Linear (packed or wrapped weights)"
-    w0 = mods[0].weight
-    if any(m.in_features != mods[0].in_features or m.weight.dtype != w0.dtype or m.weight.device != w0.device
-           for m in mods):
-        return "different inputs, dtypes or devices"
+    kind = _kind(mods)
+    if kind is None:
+        return "not plain nn.Linear or unpacked QuantLinear (packed, wrapped or already fused)"
+    ref = mods[0].weight if kind == "linear" else mods[0].scale
+    if any(m.in_features != mods[0].in_features for m in mods):
+        return "different inputs"
+    if kind == "linear" and any(m.weight.dtype != ref.dtype or m.weight.device != ref.device for m in mods):
+        return "different dtypes or devices"
+    if kind == "quant" and any(m.scheme != mods[0].scheme or m.scale.dtype != ref.dtype or m.codes.device != ref.device
+                               for m in mods):
+        return "different weight schemes, scale dtypes or devices"
     if len({m.bias is None for m in mods}) > 1:
         return "some have a bias, some not"
     return None
+
+
+def _fused_linear(mods, sizes) -> nn.Module:
+    """One nn.Linear [K -> sum(sizes)]; the originals become views of its weight (undo needs no copy)."""
+    w0 = mods[0].weight
+    weight = torch.cat([m.weight for m in mods], 0)  # [sum(sizes), K]
+    lin = nn.Linear(w0.shape[1], weight.shape[0], bias=mods[0].bias is not None, device="meta")
+    lin.weight = nn.Parameter(weight, requires_grad=False)
+    for m, w in zip(mods, weight.split(sizes, 0)):
+        m.weight = nn.Parameter(w, requires_grad=False)
+    if mods[0].bias is not None:
+        bias = torch.cat([m.bias for m in mods], 0)
+        lin.bias = nn.Parameter(bias, requires_grad=False)
+        for m, b in zip(mods, bias.split(sizes, 0)):
+            m.bias = nn.Parameter(b, requires_grad=False)
+    return lin
+
+
+def _fused_quant(mods):
+    """One QuantLinear [K -> sum(sizes)] holding the parts' codes, scales and zero points stacked along out
+    (each row of a QuantLinear is quantized on its own, so stacking rows is exact)."""
+    from lowbit.weights.qlinear import QuantLinear
+
+    m0 = mods[0]
+    out = sum(m.out_features for m in mods)
+    q = QuantLinear(m0.in_features, out, m0.scheme, bias=m0.bias is not None, scale_dtype=m0.scale.dtype)
+    q.codes = torch.cat([m.codes for m in mods], 0)
+    q.scale = torch.cat([m.scale for m in mods], 0)
+    q.zero_point = torch.cat([m.zero_point for m in mods], 0)
+    if m0.bias is not None:
+        q.bias = torch.cat([m.bias for m in mods], 0)
+    return q
 
 
 @torch.no_grad()
@@ -119,18 +171,13 @@ def fuse_projections(model) -> FusedProjections:
                 handle.skipped.append(f"layer {i} {owner_name}: {why}")
                 continue
             sizes = [m.out_features for m in mods]
-            weight = torch.cat([m.weight for m in mods], 0)  # [sum(sizes), K]
-            bias = None if mods[0].bias is None else torch.cat([m.bias for m in mods], 0)
-            # the originals keep working (undo) as views of the fused weight: no second copy is held
-            for m, w in zip(mods, weight.split(sizes, 0)):
-                m.weight = nn.Parameter(w, requires_grad=False)
-            if bias is not None:
-                for m, b in zip(mods, bias.split(sizes, 0)):
-                    m.bias = nn.Parameter(b, requires_grad=False)
+            quant = _kind(mods) == "quant"
+            linear = _fused_quant(mods) if quant else _fused_linear(mods, sizes)
             pending = _Pending(len(mods))
-            setattr(owner, names[0], FusedHead(weight, bias, sizes, pending))
+            setattr(owner, names[0], FusedHead(linear, sizes, pending))
             for j, (n, m) in enumerate(zip(names[1:], mods[1:]), start=1):
                 setattr(owner, n, FusedTail(j, m.in_features, m.out_features, pending))
-            handle._undo.append((owner, names, mods))
+            if not quant:
+                handle._undo.append((owner, names, mods))
             handle.groups += 1
     return handle
