@@ -460,3 +460,14 @@ def test_batch_invariant_needs_the_batching_engine(rt):
 
     with pytest.raises(LowbitError, match="--batch-invariant needs the batching engine"):
         build(rt, engine="single", batch_invariant=True)
+
+
+def test_compile_needs_the_captured_path_on_cuda(rt):
+    from lowbit.serve.server import build
+
+    with pytest.raises(LowbitError, match="--compile needs the batching engine"):
+        build(rt, engine="single", compile=True)
+    with pytest.raises(LowbitError, match="--compile compiles the captured decode step: it needs the graphs"):
+        build(rt, engine="batch", decode_path="eager", compile=True)
+    engine, _ = build(rt, engine="batch", decode_path="eager")
+    assert engine.info["compiled"] is False and engine.info["fused_projections"] == 0  # eager on CPU: unfused
