@@ -142,3 +142,153 @@ def test_rows_rotated_by_write_are_reused_by_attend():
     paged.write(cache, fmt, k, v, torch.tensor([-1, 3]), r, r, positions=pos, row_seq_lens=pos + 1, arena=arena,
                 rotated=pad)
     assert pad == {}  # a padding row: nothing handed back (attend rotates its own)
+
+
+def _orthogonal(H, D, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.linalg.qr(torch.randn(H, D, D, generator=g))[0].contiguous()  # [H, D, D] per KV head
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_kernel_rotates_q_and_unrotates_out_like_the_glue(per_head):
+    """A decode-only batch runs q's rotation and the output's un-rotation inside the kernel; a mixed batch
+    (decodes + a prefill chunk) rotates in torch and hands the kernel rotated queries. Both equal the torch
+    twin, with one rotation for every head or one per KV head, and a request with no new token between."""
+    from lowbit.rotation.hadamard import hadamard
+
+    Hkv, G, D, bs = 3, 3, 64, 8
+    fmt, cache, table, arena, q, nk, nv, _, _ = _setup("int4", D, 32, Hkv, G, bs, [41, 5, 77, 23], 4, 9, None,
+                                                       False, torch.bfloat16, seed=11)
+    rk = _orthogonal(Hkv, D, 1) if per_head else hadamard(D)
+    rv = _orthogonal(Hkv, D, 2) if per_head else hadamard(D).flip(0).contiguous()
+    lens = torch.tensor([41, 5, 77, 23])
+    for qsl in ([0, 1, 2, 3, 4], [0, 1, 1, 2, 3]):  # all decode; request 1 with no new token
+        n = qsl[-1]
+        kw = dict(block_table=table, seq_lens=lens, query_start_loc=torch.tensor(qsl), scale=D ** -0.5, rot_k=rk,
+                  rot_v=rv, arena=arena, new_k=nk[:n], new_v=nv[:n], evict=False)
+        want = paged.attend(q[:n], cache, fmt, kernel="torch", **kw)
+        got = paged.attend(q[:n], cache, fmt, kernel="cpu-fused", memo={}, **kw)
+        torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
+    # mixed: 3 decodes and request 3's last 4 tokens as a chunk (its rows before are the history)
+    qsl = torch.tensor([0, 1, 2, 3, 7])
+    qm, km, vm = torch.randn(7, Hkv * G, D).bfloat16(), torch.randn(7, Hkv, D).bfloat16(), torch.randn(7, Hkv, D).bfloat16()
+    kw = dict(block_table=table, seq_lens=torch.tensor([41, 5, 77, 27]), query_start_loc=qsl, scale=D ** -0.5,
+              rot_k=rk, rot_v=rv, arena=arena, new_k=km, new_v=vm, evict=False)
+    torch.testing.assert_close(paged.attend(qm, cache, fmt, kernel="cpu-fused", memo={}, **kw),
+                               paged.attend(qm, cache, fmt, kernel="torch", **kw), rtol=2e-4, atol=2e-5)
+
+
+def test_dense_rows_op_equals_the_torch_lookup():
+    """mod.dense_rows (the decode step's arena rows in one op) == BlockPool.lookup + TierArena.missing."""
+    g = torch.Generator().manual_seed(3)
+    slot_map = torch.randint(-1, 9, (37,), generator=g)
+    blk = torch.randint(0, 45, (5, 13), generator=g)  # ids beyond the map: absent
+    off = torch.randint(0, 16, (5, 13), generator=g)
+    valid = torch.rand(5, 13, generator=g) < 0.7
+    rows, n_missing = MOD.dense_rows(slot_map, blk, off, valid, 16)
+    pool = paged.BlockPool(torch.float32)
+    pool.map = slot_map
+    slots = pool.lookup(blk)
+    assert torch.equal(rows, torch.where(valid & (slots >= 0), slots * 16 + off, -1))
+    assert n_missing == int((valid & (slots < 0)).sum()) > 0
+
+
+def test_write_with_the_steps_memo_equals_write_without():
+    """The write indices built once per step (write(memo=...)) give every layer the bytes and dense rows a
+    fresh build gives: two layers sharing one memo, a batch with a padding row and a prefill chunk whose rows
+    the arena keeps only in part (sink, recent), then a decode step."""
+    from lowbit.rotation.hadamard import hadamard
+
+    torch.manual_seed(4)
+    fmt = SlotFormat(parse_kv_scheme("int2", sink=3, recent=5, page=1), 64, 64, torch.bfloat16)
+    r = hadamard(64)
+    bs, H = 4, 3
+    table = torch.tensor([[5, 2, 7, 0, 1], [3, 6, 4, 8, 9]])
+    pos = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 0, 1, 2])
+    req = torch.tensor([0] * 11 + [1] * 3)
+    slots = table[req, pos // bs] * bs + pos % bs
+    slots[12] = -1  # a padding row
+    lens = torch.where(req == 0, 11, 3)
+    steps = [(slots, pos, lens), (torch.tensor([table[0, 11 // bs] * bs + 11 % bs]), torch.tensor([11]),
+                                  torch.tensor([12]))]
+    caches = [torch.zeros(10, H, bs, fmt.slot_bytes, dtype=torch.uint8) for _ in range(4)]
+    arenas = [paged.TierArena(3, 5, bs, torch.bfloat16) for _ in range(4)]
+    for sm, p, ln in steps:
+        memo: dict = {}
+        for layer in range(2):
+            k, v = torch.randn(len(sm), H, 64).bfloat16(), torch.randn(len(sm), H, 64).bfloat16()
+            got, want = {}, {}
+            a = paged.write(caches[layer], fmt, k, v, sm, r, r, positions=p, row_seq_lens=ln, arena=arenas[layer],
+                            rotated=got, memo=memo)
+            b = paged.write(caches[2 + layer], fmt, k, v, sm, r, r, positions=p, row_seq_lens=ln,
+                            arena=arenas[2 + layer], rotated=want)
+            assert a == b == int((sm >= 0).sum())
+            assert got.keys() == want.keys() and all(torch.equal(got[x], want[x]) for x in got if x != "n")
+        assert memo, "the write indices were not memoised"
+    for layer in range(2):
+        assert torch.equal(caches[layer], caches[2 + layer])
+        x, y = arenas[layer], arenas[2 + layer]
+        assert sorted(x.k) == sorted(y.k) == [2, 3, 5, 7]  # request 0: sink in 5, recent in 2, 7; request 1: 3
+        for blk in x.k:
+            assert torch.equal(x.k[blk], y.k[blk]) and torch.equal(x.v[blk], y.v[blk])
+
+
+@pytest.mark.parametrize("name,D,group,H,kw", [
+    ("int4", 64, 64, 3, {}),  # smollm2's default
+    ("int4", 96, 32, 5, {"clip": ".96,.92"}),  # clipped, three groups per head
+    ("int8", 128, 64, 1, {}),
+    ("int3", 64, 16, 2, {}),  # 3-bit codes in 4-bit containers
+    ("k4v2", 256, 128, 4, {"grid": "minmax", "clip": ".9"}),  # K and V with their own codecs
+    ("int4", 64, 32, 3, {"symmetric": True}),
+    ("int2", 64, 64, 2, {"grid": "minmax", "symmetric": True, "clip": ".94"}),
+])
+@pytest.mark.parametrize("T", [1, 3, 16])
+def test_fast_cell_encoder_writes_the_codecs_bytes(name, D, group, H, kw, T):
+    """SlotFormat.encode_rotated's fast path (csrc/cell_encode.cpp, a decode step's <= FAST_ROWS rows) gives
+    the bytes of TensorCodec.encode (fast=False) bit for bit: odd head counts and dims, clip ratios, symmetric
+    grids, 3-bit codes, K/V with different codecs, padded cells, bf16 / fp32 inputs with outliers and values
+    on fp16 rounding edges; the codec is not called. Rows it cannot mirror (a constant group, NaN) send the
+    write to the codec -- still the codec's bytes."""
+    from lowbit.quant import affine
+    from lowbit.vllm_plugin import slot as slot_mod
+
+    assert T <= slot_mod.FAST_ROWS
+    enc, why = cpu_kernel.load_encoder()
+    assert enc is not None, why
+    sch = parse_kv_scheme(name, sink=0, recent=0, page=1, group=group, rotation="none", **kw)
+    g = torch.Generator().manual_seed(T * 31 + D + H)
+    for dtype, pad in ((torch.float32, 0), (torch.bfloat16, 12)):
+        fmt = SlotFormat(sch, D, D, dtype)
+        if pad:
+            fmt = SlotFormat(sch, D, D, dtype, slot_bytes=fmt.slot_bytes + pad)
+        assert fmt._encoder() is not None
+        for trial in range(6):
+            kr = torch.randn(1, H, T, D, generator=g) * torch.exp(torch.randn(1, H, T, 1, generator=g) * 1.5)
+            vr = torch.randn(1, H, T, D, generator=g) * 0.01
+            kr[..., 5] += 40.0  # an outlier per row
+            if trial % 2:
+                kr, vr = kr.to(dtype).float(), vr.to(dtype)  # rows as the model dtype carries them
+            calls = []
+            real = affine.quantize
+
+            def spy(*a, **k):
+                calls.append(1)
+                return real(*a, **k)
+
+            affine.quantize = spy
+            try:
+                got = fmt.encode_rotated(kr, vr)
+            finally:
+                affine.quantize = real
+            want = fmt.encode_rotated(kr, vr, fast=False)
+            assert got.dtype == torch.uint8 and got.shape == want.shape == (T, H, fmt.slot_bytes)
+            assert torch.equal(got, want), (dtype, trial, (got != want).nonzero()[:5].tolist())
+            assert calls == [], "the fast path did not serve a decode-sized write"
+    # a constant group and a NaN row: the codec serves the write (its own bytes, whatever they are)
+    fmt = SlotFormat(sch, D, D, torch.float32)
+    kr, vr = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
+    kr[0, 0, 0, :group] = 0.25
+    assert torch.equal(fmt.encode_rotated(kr, vr), fmt.encode_rotated(kr, vr, fast=False))
+    vr[0, H - 1, T - 1, 1] = float("nan")
+    kr[0, 0, 0, :group] = torch.randn(group, generator=g)
+    assert torch.equal(fmt.encode_rotated(kr, vr), fmt.encode_rotated(kr, vr, fast=False))

@@ -42,12 +42,22 @@ def test_writes_go_through_the_one_quantizer(monkeypatch):
         return real(x, bits, group, **kw)
 
     monkeypatch.setattr(affine, "quantize", spy)
+    from lowbit.vllm_plugin.slot import FAST_ROWS
+
     fmt = SlotFormat(parse_kv_scheme("int2", sink=0, recent=0, page=1, grid="minmax"), 64, 64)
     cache = torch.zeros(4, 3, 16, fmt.slot_bytes, dtype=torch.uint8)
-    n = paged.write(cache, fmt, torch.randn(5, 3, 64), torch.randn(5, 3, 64), torch.tensor([0, 1, -1, 17, 33]))
+    slots = torch.tensor([0, 1, -1, 17, 33] + list(range(40, 40 + FAST_ROWS)))  # a prefill-sized write
+    n = paged.write(cache, fmt, torch.randn(len(slots), 3, 64), torch.randn(len(slots), 3, 64), slots)
     # K and V share the codec: one call over [1, 2H, T, D] (K's 3 heads then V's), every row through it
-    assert n == 4 and calls == [((1, 6, 4, 64), 2, 64)]
+    assert n == 4 + FAST_ROWS and calls == [((1, 6, 4 + FAST_ROWS, 64), 2, 64)]
     assert cache[0, :, 0].any() and cache[1, :, 1].any() and cache[2, :, 1].any() and not cache[0, :, 2].any()
+    # a decode-sized write: csrc/cell_encode.cpp, the codec's bytes bit for bit (test_vllm_fused.py), or the
+    # codec itself where that encoder is not built
+    calls.clear()
+    k, v = torch.randn(3, 3, 64), torch.randn(3, 3, 64)
+    assert paged.write(cache, fmt, k, v, torch.tensor([2, -1, 20])) == 2
+    want = fmt.encode_rotated(k[[0, 2]].transpose(0, 1)[None], v[[0, 2]].transpose(0, 1)[None], fast=False)
+    assert torch.equal(cache[0, :, 2], want[0]) and torch.equal(cache[1, :, 4], want[1])
 
 
 def _reference(q, k, v, fmt, rk, rv, scale, window=None):

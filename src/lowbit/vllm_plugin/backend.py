@@ -69,6 +69,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from lowbit.errors import LowbitError
 from lowbit.vllm_plugin import paged, sidecar
+from lowbit.vllm_plugin import slot as slot_mod
 from lowbit.vllm_plugin.slot import SlotFormat, layer_formats
 
 log = logging.getLogger("lowbit.vllm_plugin")
@@ -284,6 +285,11 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
             log.warning("lowbit plugin: %s", "decode attention: fused CPU kernel over the packed pages "
                         "(csrc/paged_decode.cpp); prefill chunks: vectorised torch" if mod is not None else
                         f"decode attention: vectorised torch ({why})")
+            enc = self.fmt._encoder()  # builds csrc/cell_encode.cpp now, not in the first decode step
+            log.warning("lowbit plugin: %s", f"writes of <= {slot_mod.FAST_ROWS} rows (decode steps): "
+                        "csrc/cell_encode.cpp, TensorCodec's bytes in one op; longer writes: TensorCodec.encode"
+                        if enc is not None else "every write: TensorCodec.encode (" +
+                        (cpu_kernel.load_encoder()[1] or "a grid the C++ encoder does not mirror") + ")")
         if sliding_window not in self.model.windows_logged:
             self.model.windows_logged.add(sliding_window)
             log.warning("lowbit plugin: %s", f"sliding-window layers (window {sliding_window}): the attention and "
@@ -337,7 +343,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         cache = self._bytes(kv_cache)
         if cache.shape[-1] != self.fmt.slot_bytes:
             raise LowbitError(f"internal: vLLM gave {cache.shape[-1]} B cells, the lowbit slot is {self.fmt.slot_bytes} B")
-        positions = row_lens = None
+        positions = row_lens = memo = None
         sch = self.model.scheme
         if sch.sink or sch.recent:
             from vllm.model_executor.layers.attention.attention import get_attention_context
@@ -350,9 +356,14 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
                 self.arena = paged.TierArena(sch.sink, sch.recent, cache.shape[2], self.dense_dtype,
                                              window=self.sliding_window, hold_prefix=self.prefix_caching,
                                              hold_cap=self._hold_cap(cache.shape[2]))
-            positions, row_lens = paged.token_positions(md.query_start_loc, md.seq_lens, key.shape[0])
+            memo = md.memo  # the step's metadata: positions and write indices built by the group's first layer
+            pk = ("positions", key.shape[0])
+            if pk not in memo:
+                memo[pk] = paged.token_positions(md.query_start_loc, md.seq_lens, key.shape[0])
+            positions, row_lens = memo[pk]
         self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv, positions=positions,
-                                           row_seq_lens=row_lens, arena=self.arena, rotated=self._rotated)
+                                           row_seq_lens=row_lens, arena=self.arena, rotated=self._rotated,
+                                           memo=memo)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -373,7 +384,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
                            arena=self.arena, new_k=nk, new_v=nv, kernel=self.kernel, memo=attn_metadata.memo,
                            evict=False,  # stale dense blocks: dropped once per step in the builder (retain)
                            new_kr=rot.get("k"), new_vr=rot.get("v"))
-        output[:n] = out.reshape(output[:n].shape).to(output.dtype)
+        output[:n].copy_(out.reshape(output[:n].shape))  # to the model dtype in the copy
         return output
 
 

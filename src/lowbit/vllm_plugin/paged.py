@@ -215,16 +215,18 @@ class TierArena:
             slots, k, v = slots[sel], k[sel], v[sel]
         self.put(slots // self.bs, slots % self.bs, k, v)
 
-    def put(self, blocks: torch.Tensor, offs: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store rows k [n, H, D_k], v [n, H, D_v] at (block, offset) [n] and mark them present."""
+    def put(self, blocks: torch.Tensor, offs: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+            block_set: set | None = None) -> None:
+        """Store rows k [n, H, D_k], v [n, H, D_v] at (block, offset) [n] and mark them present.
+        block_set: set(blocks.tolist()) when the caller has it (built once per step for all layers)."""
         H = k.shape[1]
-        new = [b for b in set(blocks.tolist()) if b not in self.k.slot]
+        new = [b for b in (set(blocks.tolist()) if block_set is None else block_set) if b not in self.k.slot]
         if new:
             self.k.ensure(new, H, self.bs, k.shape[2], k.device)
             self.v.ensure(new, H, self.bs, v.shape[2], v.device)
         s = self.k.map[blocks]
-        self.k.data[s, offs] = k.to(self.dtype)  # [n, H, D]
-        self.v.data[self.v.map[blocks], offs] = v.to(self.dtype)
+        self.k.data[s, offs] = k if k.dtype == self.dtype else k.to(self.dtype)  # [n, H, D]
+        self.v.data[self.v.map[blocks], offs] = v if v.dtype == self.dtype else v.to(self.dtype)
         if self.hold_prefix:  # only shared blocks (prefix caching) are ever read partly stored: see `missing`
             self.k.valid[s, offs] = True
 
@@ -354,44 +356,82 @@ def visible_from(q0: int, window: int | None) -> int:
     return max(0, q0 - (window - 1)) if window else 0
 
 
+def _write_index(slot_mapping: torch.Tensor, n: int, bs: int, positions, row_seq_lens, arena, memo) -> dict:
+    """What `write` indexes with, from the step's slot_mapping (and positions / lengths for the arena): the
+    same for every layer of a KV cache group in a step, so it is built once and kept in `memo` (the step's
+    metadata). keep: None (no padding row) or bool [n]; blk / off [m]: cache block and offset of each kept
+    row; a_*: the rows the arena keeps (a_sel None: all of them; a_blk None: none) and their block set."""
+    key = ("write", slot_mapping.data_ptr(), n, bs, arena.sink if arena is not None else -1,
+           arena.recent if arena is not None else -1, positions is not None)
+    if memo is not None and key in memo:
+        return memo[key]
+    slots = slot_mapping[:n].long()
+    keep = slots >= 0
+    if bool(keep.all()):
+        keep = None
+    else:
+        slots = slots[keep]
+    ix = {"keep": keep, "count": int(slots.numel()), "blk": slots // bs, "off": slots % bs, "a_blk": None}
+    if arena is not None and (arena.sink > 0 or arena.recent > 0) and positions is not None and ix["count"]:
+        if row_seq_lens is None:
+            raise ValueError("a tier arena needs the token positions and their requests' lengths")
+        pos = positions[:n].long() if keep is None else positions[:n].long()[keep]
+        lens = row_seq_lens[:n].long() if keep is None else row_seq_lens[:n].long()[keep]
+        sel = (pos < arena.sink) | ((pos >= lens - arena.recent) & (arena.recent > 0))
+        n_sel = int(sel.sum())
+        if n_sel:
+            whole = n_sel == sel.numel()  # every decode row is in its recent window: no boolean indexing
+            ix["a_sel"] = None if whole else sel
+            ix["a_blk"] = ix["blk"] if whole else ix["blk"][sel]
+            ix["a_off"] = ix["off"] if whole else ix["off"][sel]
+            ix["a_blocks"] = set(ix["a_blk"].tolist())
+    if memo is not None:
+        memo[key] = ix
+    return ix
+
+
 def write(cache_u8: torch.Tensor, fmt: SlotFormat, key: torch.Tensor, value: torch.Tensor,
           slot_mapping: torch.Tensor, rot_k=None, rot_v=None, *, positions: torch.Tensor | None = None,
           row_seq_lens: torch.Tensor | None = None, arena: TierArena | None = None,
-          rotated: dict | None = None) -> int:
+          rotated: dict | None = None, memo: dict | None = None) -> int:
     """Store key [T, H, D_k], value [T, H, D_v] at slot_mapping [T]; returns the tokens written.
 
     rotated: a dict that receives "k" / "v" [n, H, D] (the rows as rotated here, in the input dtype) when no
     row was padding, so `attend(new_kr=..., new_vr=...)` of the same step need not rotate them again.
+    memo: the step's dict shared by the layers of one KV cache group (the backend's metadata): the index
+    tensors built from slot_mapping / positions (_write_index) are built by the first layer only.
 
     With an arena, `positions` [T] (each token's index in its request) and `row_seq_lens` [T]
     (its request's length after this step) pick the rows also kept dense (TierArena). Every row
     is packed either way: the paged cache holds all tokens. Rows are rotated once, for both."""
     from lowbit.kv.rotations import rotate
 
+    if arena is not None and (arena.sink > 0 or arena.recent > 0) and (positions is None or row_seq_lens is None):
+        raise ValueError("a tier arena needs the token positions and their requests' lengths")
     n = min(key.shape[0], slot_mapping.shape[0])
-    slots = slot_mapping[:n].long()
-    keep = slots >= 0
-    all_kept = bool(keep.all())
-    key, value = (key[:n], value[:n]) if all_kept else (key[:n][keep], value[:n][keep])
-    if positions is not None:
-        positions = positions[:n] if all_kept else positions[:n][keep]
-        row_seq_lens = row_seq_lens[:n] if all_kept else row_seq_lens[:n][keep]
-    slots = slots if all_kept else slots[keep]
-    if slots.numel() == 0:
-        return 0
     bs = cache_u8.shape[2]
+    ix = _write_index(slot_mapping, n, bs, positions, row_seq_lens, arena, memo)
+    if ix["count"] == 0:
+        return 0
+    keep = ix["keep"]
+    key, value = (key[:n], value[:n]) if keep is None else (key[:n][keep], value[:n][keep])
     kr = rotate(key.transpose(0, 1).unsqueeze(0), rot_k)  # [1, H, T, D_k]
     vr = rotate(value.transpose(0, 1).unsqueeze(0), rot_v)
-    cache_u8[slots // bs, :, slots % bs, :] = fmt.encode_rotated(kr, vr)  # advanced indices first: [T, H, C]
+    cache_u8[ix["blk"], :, ix["off"], :] = fmt.encode_rotated(kr, vr)  # advanced indices first: [T, H, C]
+    kd = vd = None  # the rotated rows in the input dtype (what attend's own row and the arena hold)
     if rotated is not None:
         rotated.clear()
-        if all_kept:
-            rotated.update(k=kr[0].transpose(0, 1).to(key.dtype), v=vr[0].transpose(0, 1).to(value.dtype), n=n)
-    if arena is not None and (arena.sink > 0 or arena.recent > 0):
-        if positions is None or row_seq_lens is None:
-            raise ValueError("a tier arena needs the token positions and their requests' lengths")
-        arena.store(slots, positions.long(), row_seq_lens.long(), kr[0].transpose(0, 1), vr[0].transpose(0, 1))
-    return int(slots.numel())
+        if keep is None:
+            kd, vd = kr[0].transpose(0, 1).to(key.dtype), vr[0].transpose(0, 1).to(value.dtype)
+            rotated.update(k=kd, v=vd, n=n)
+    if arena is not None and ix["a_blk"] is not None:
+        if kd is None or kd.dtype != arena.dtype or vd.dtype != arena.dtype:  # else: the same rounding, done
+            kd, vd = kr[0].transpose(0, 1), vr[0].transpose(0, 1)
+        sel = ix["a_sel"]
+        if sel is not None:
+            kd, vd = kd[sel], vd[sel]
+        arena.put(ix["a_blk"], ix["a_off"], kd, vd, block_set=ix["a_blocks"])
+    return ix["count"]
 
 
 def _blocks(cache_u8, fmt: SlotFormat, table_row: torch.Tensor, seq_len: int, chunk_tokens: int,
@@ -653,33 +693,54 @@ def _decode_index(reqs, block_table: torch.Tensor, num_blocks: int, bs: int, win
 
 
 def _fused_decode(mod, reqs, qr, kr_new, vr_new, cache_u8, fmt, block_table, window, softcap, scale, arena,
-                  memo) -> torch.Tensor:
-    """Decode requests (one query each) through the fused kernel -> [R, Hkv, G, Dv] rotated."""
+                  memo, rot_k=None, rot_v=None) -> torch.Tensor:
+    """Decode requests (one query each) through the fused kernel -> [R, Hkv, G, Dv].
+
+    qr [T, Hkv, G, D]: the batch's queries, rotated by R_k -- or unrotated (any float dtype) with rot_k given,
+    which the kernel then applies per row; rot_v given: the kernel un-rotates the output (else it stays
+    rotated). Both are what attend's torch glue did around the kernel, in one op."""
     NB, H, bs, _ = cache_u8.shape
     sink = arena.sink if arena is not None else 0
     recent = arena.recent if arena is not None else 0
     own = kr_new is not None
     idx = _decode_index(reqs, block_table, NB, bs, window, sink, recent, own, memo)
-    q = qr.index_select(0, idx["q0s"]).contiguous()  # [R, Hkv, G, D]
+    in_order = idx.get("in_order")
+    if in_order is None:  # the batch is exactly these requests' queries, in order: no gather of q / own rows
+        in_order = idx["in_order"] = (qr.shape[0] == len(reqs)
+                                      and all(x[1] == i for i, x in enumerate(reqs)))
+    q = qr if in_order else qr.index_select(0, idx["q0s"])  # [R, Hkv, G, D]
     R, D, Dv = q.shape[0], q.shape[3], fmt.codecs["v"].head_dim
     empty = torch.zeros(0, dtype=torch.float32, device=q.device)
     pool_k = pool_v = empty
-    rows = torch.zeros(R, 0, dtype=torch.long, device=q.device)
+    rows = idx.get("no_rows")
+    if rows is None:
+        rows = idx["no_rows"] = torch.zeros(R, 0, dtype=torch.long, device=q.device)
     if "blk" in idx:
         jvalid = idx["jvalid"]
-        slots = arena.k.lookup(idx["blk"])
-        missing = arena.missing(slots, idx["off"], jvalid)
-        if bool(missing.any()):  # a prefix-cache hit's shared rows (or a bug: raises)
-            _fill_missing(arena, cache_u8, fmt, idx["blk"], idx["off"], idx["jpos"], missing, idx["first"])
+        if not arena.hold_prefix and arena.k.data is not None:  # block-level map: one op (TierArena.missing)
+            rows, n_missing = mod.dense_rows(arena.k.map, idx["blk"], idx["off"], jvalid, bs)
+        else:
+            n_missing = None
+        if n_missing is None or n_missing:
             slots = arena.k.lookup(idx["blk"])
+            missing = arena.missing(slots, idx["off"], jvalid)
+            if bool(missing.any()):  # a prefix-cache hit's shared rows (or a bug: raises)
+                _fill_missing(arena, cache_u8, fmt, idx["blk"], idx["off"], idx["jpos"], missing, idx["first"])
+                slots = arena.k.lookup(idx["blk"])
+            if arena.k.data is not None:
+                rows = torch.where(jvalid, slots * bs + idx["off"], -1).contiguous()
         if arena.k.data is not None:
-            rows = torch.where(jvalid, slots * bs + idx["off"], -1).contiguous()
             pool_k = arena.k.data.view(-1, H, D)
             pool_v = arena.v.data.view(-1, H, Dv)
-    own_k = kr_new.index_select(0, idx["q0s"]) if own else empty
-    own_v = vr_new.index_select(0, idx["q0s"]) if own else empty
+    if own:
+        own_k = kr_new if in_order else kr_new.index_select(0, idx["q0s"])
+        own_v = vr_new if in_order else vr_new.index_select(0, idx["q0s"])
+    else:
+        own_k = own_v = empty
+    rk = empty if rot_k is None else rot_k
+    rv = empty if rot_v is None else rot_v
     return mod.paged_decode(q, cache_u8, idx["ids"], idx["mid"], kernel_meta(fmt), pool_k, pool_v, rows, own_k,
-                            own_v, float(scale), float(softcap or 0.0))
+                            own_v, float(scale), float(softcap or 0.0), rk, rv)
 
 
 def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, block_table: torch.Tensor,
@@ -714,23 +775,21 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
     Dv = fmt.codecs["v"].head_dim
     if arena is not None and (arena.window or None) != (window or None):
         raise ValueError(f"the tier arena is for window {arena.window}, the attention for {window}")
-    out = torch.zeros(T, Hq, Dv, dtype=torch.float32, device=query.device)
-    qsl = query_start_loc.tolist()
-    lens = seq_lens.tolist()
-    reqs = [(r, qsl[r], qsl[r + 1] - qsl[r], n) for r, n in enumerate(lens) if qsl[r + 1] > qsl[r] and n > 0]
+    rk_ = ("reqs", query_start_loc.data_ptr(), seq_lens.data_ptr(), T)  # the same for every layer of a step
+    if memo is not None and rk_ in memo:
+        reqs, nq, decode_in_order = memo[rk_]
+    else:
+        qsl = query_start_loc.tolist()
+        lens = seq_lens.tolist()
+        reqs = [(r, qsl[r], qsl[r + 1] - qsl[r], n) for r, n in enumerate(lens) if qsl[r + 1] > qsl[r] and n > 0]
+        nq = qsl[len(lens)]
+        # a decode-only batch, request i's query at row i: the fused kernel reads q and writes out as they lie
+        decode_in_order = (bool(reqs) and T == nq == len(reqs)
+                           and all(x[2] == 1 and x[1] == i for i, x in enumerate(reqs)))
+        if memo is not None:
+            memo[rk_] = (reqs, nq, decode_in_order)
     if not reqs:
-        return out
-    nq = qsl[len(lens)]
-    # every query rotated by R_k once: [T, Hq, D] -> [1, Hkv, T*G, D] -> [T, Hkv, G, D]
-    qr = rotate(query[:nq].float().reshape(nq, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, nq * G, D), rot_k)
-    qr = qr.reshape(Hkv, nq, G, D).permute(1, 0, 2, 3)
-    kr_new = vr_new = None
-    if new_kr is not None and new_kr.shape[0] >= nq:  # rotated by `write` in this step (write(rotated=...))
-        kr_new, vr_new = new_kr[:nq], new_vr[:nq]
-    elif new_k is not None:
-        kr_new = rotate(new_k[:nq].transpose(0, 1).unsqueeze(0), rot_k).to(new_k.dtype)[0].transpose(0, 1)
-        vr_new = rotate(new_v[:nq].transpose(0, 1).unsqueeze(0), rot_v).to(new_v.dtype)[0].transpose(0, 1)
-    groups = [[x for x in reqs if x[2] == 1]] + [[x] for x in reqs if x[2] > 1]
+        return torch.zeros(T, Hq, Dv, dtype=torch.float32, device=query.device)
     mod = None
     if kernel == "cpu-fused":
         from lowbit.vllm_plugin import cpu_kernel
@@ -742,6 +801,33 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
             mod = None  # dense 16-bit tensors or a strided cache view: the torch path (same math)
     elif kernel != "torch":
         raise ValueError(f"kernel {kernel!r}: 'torch' or 'cpu-fused'")
+    if mod is not None and decode_in_order and all(r is None or r.dim() == 2 or r.shape[0] == Hkv
+                                                   for r in (rot_k, rot_v)):
+        # the decode step: q rotated, attended and the output un-rotated inside the kernel (one op)
+        if new_kr is not None and new_kr.shape[0] >= nq:  # rotated by `write` in this step
+            kr_new, vr_new = new_kr[:nq], new_vr[:nq]
+        elif new_k is not None:
+            kr_new = rotate(new_k[:nq].transpose(0, 1).unsqueeze(0), rot_k).to(new_k.dtype)[0].transpose(0, 1)
+            vr_new = rotate(new_v[:nq].transpose(0, 1).unsqueeze(0), rot_v).to(new_v.dtype)[0].transpose(0, 1)
+        else:
+            kr_new = vr_new = None
+        o = _fused_decode(mod, reqs, query[:nq].reshape(nq, Hkv, G, D), kr_new, vr_new, cache_u8, fmt, block_table,
+                          window, softcap, scale, arena, memo, rot_k=rot_k, rot_v=rot_v)  # [R, Hkv, G, Dv]
+        if arena is not None and evict:
+            for r, q0, lq, n in reqs:
+                arena.evict(block_table[r], n, visible_from(n - lq, window))
+        return o.view(nq, Hq, Dv)
+    out = torch.zeros(T, Hq, Dv, dtype=torch.float32, device=query.device)
+    # every query rotated by R_k once: [T, Hq, D] -> [1, Hkv, T*G, D] -> [T, Hkv, G, D]
+    qr = rotate(query[:nq].float().reshape(nq, Hkv, G, D).permute(1, 0, 2, 3).reshape(1, Hkv, nq * G, D), rot_k)
+    qr = qr.reshape(Hkv, nq, G, D).permute(1, 0, 2, 3)
+    kr_new = vr_new = None
+    if new_kr is not None and new_kr.shape[0] >= nq:  # rotated by `write` in this step (write(rotated=...))
+        kr_new, vr_new = new_kr[:nq], new_vr[:nq]
+    elif new_k is not None:
+        kr_new = rotate(new_k[:nq].transpose(0, 1).unsqueeze(0), rot_k).to(new_k.dtype)[0].transpose(0, 1)
+        vr_new = rotate(new_v[:nq].transpose(0, 1).unsqueeze(0), rot_v).to(new_v.dtype)[0].transpose(0, 1)
+    groups = [[x for x in reqs if x[2] == 1]] + [[x] for x in reqs if x[2] > 1]
     for grp in groups:
         if not grp:
             continue

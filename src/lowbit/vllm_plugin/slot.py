@@ -25,6 +25,10 @@ import torch
 from lowbit.errors import LowbitError
 
 SLOT_ALIGN = 4
+# A write of at most this many rows (a decode step: one per request) is encoded by csrc/cell_encode.cpp,
+# the codec's own arithmetic in one op (bit-identical bytes: tests/serve/test_vllm_fused.py); longer writes
+# (prefill chunks) run TensorCodec.encode itself.
+FAST_ROWS = 16
 
 
 def _dtype_bytes(dtype: torch.dtype) -> int:
@@ -159,17 +163,37 @@ class SlotFormat:
         vr = rotate(v.transpose(0, 1).unsqueeze(0), rot_v)
         return self.encode_rotated(kr, vr)
 
-    def encode_rotated(self, kr: torch.Tensor, vr: torch.Tensor) -> torch.Tensor:
+    def encode_rotated(self, kr: torch.Tensor, vr: torch.Tensor, fast: bool = True) -> torch.Tensor:
         """kr [1, H, T, D_k], vr [1, H, T, D_v], already rotated -> slots uint8 [T, H, slot_bytes]
         (TensorCodec.encode: quantize -> pack; the one quantizer).
+
+        fast (T <= FAST_ROWS, min/max grids): the same bytes from csrc/cell_encode.cpp in one op -- the
+        codec's float32 steps in order, no fast-math; a row it cannot mirror (non-finite, a constant group)
+        sends the whole write to the codec. fast=False: always the codec.
 
         When K and V share a codec (same TensorQuant and head_dim: int8 / int4 / int2 defaults) they are
         quantized in one call over [1, 2H, T, D] -- the same per-row arithmetic, half the op launches of
         a decode step. The finiteness checks (host syncs) are skipped as in lowbit's captured GPU step."""
         _, H, T, _ = kr.shape
+        if T <= FAST_ROWS and fast:
+            enc = self._encoder()
+            if enc is not None:
+                cells, ok = enc[0].encode_cells(kr, vr, enc[1], enc[2], self.slot_bytes)
+                if ok:  # else a non-finite value or a constant group: the codec below
+                    return cells
         ck, cv = self.codecs["k"], self.codecs["v"]
         if ck.tq == cv.tq and ck.head_dim == cv.head_dim:
             both = ck.encode(torch.cat([kr, vr], dim=1), self.dense_dtype, checks=False)
+            if self._shared_cells(both):
+                # one cell per (K or V head, token): codes | scale | zero, K's heads then V's: [2H, T, w];
+                # the slot is K's w bytes then V's -> one cat and one copy instead of a copy per field
+                w = self.content_bytes // 2
+                cells = torch.cat([both["codes"][0], both["scale"][0].view(torch.uint8),
+                                   both["zero"][0].view(torch.uint8)], dim=-1)
+                cells = cells.view(2, H, T, w).permute(2, 1, 0, 3).reshape(T, H, 2 * w)
+                if self.slot_bytes > self.content_bytes:
+                    cells = torch.nn.functional.pad(cells, (0, self.slot_bytes - self.content_bytes))
+                return cells
             enc = {"k": {n: t[:, :H] for n, t in both.items()}, "v": {n: t[:, H:] for n, t in both.items()}}
         else:
             enc = {"k": ck.encode(kr, self.dense_dtype, checks=False), "v": cv.encode(vr, self.dense_dtype, checks=False)}
@@ -182,6 +206,43 @@ class SlotFormat:
         if self.slot_bytes > self.content_bytes:
             parts.append(torch.zeros(H, T, self.slot_bytes - self.content_bytes, dtype=torch.uint8, device=kr.device))
         return torch.cat(parts, dim=-1).transpose(0, 1)  # [T, H, slot_bytes]
+
+    def _encoder(self):
+        """(module, meta int64 [16], mul float64 [4]) for csrc/cell_encode.cpp, or None: a 16-bit tensor, KIVI,
+        Lloyd-Max, the std grid, or no compiler. Resolved once per format."""
+        if getattr(self, "_enc", False) is not False:
+            return self._enc
+        self._enc = None
+        meta, mul = [], []
+        for which in ("k", "v"):
+            c = self.codecs[which]
+            tq = c.tq
+            if (not c.quantized or tq.axis != "token" or tq.lloyd_max or tq.grid != "minmax"
+                    or c.bits not in (2, 3, 4, 8) or c.cbits not in (2, 4, 8)
+                    or self.field(which, "scale").dtype != torch.float16):
+                return None
+            meta += [c.bits, c.cbits, c.group, c.head_dim, int(bool(tq.symmetric)), self.field(which, "codes").offset,
+                     self.field(which, "scale").offset, self.field(which, "zero").offset]
+            r = float(tq.clip)
+            mul += [r if tq.symmetric else 0.5 * r, 2.0 / ((1 << c.bits) - 1)]  # affine.quantize's scalars
+        from lowbit.vllm_plugin import cpu_kernel
+
+        mod, _ = cpu_kernel.load_encoder()
+        if mod is not None:
+            self._enc = (mod, torch.tensor(meta, dtype=torch.long), torch.tensor(mul, dtype=torch.float64))
+        return self._enc
+
+    def _shared_cells(self, both: dict) -> bool:
+        """K and V quantized by one codec call (`both`: codes uint8, scale / zero fp16 [1, 2H, T, .]) and the
+        slot is [k codes, k scale, k zero, v codes, v scale, v zero] in that order: encode_rotated may lay the
+        cells out with one cat (the same bytes as the per-field loop; tests/serve/test_vllm_paged.py)."""
+        if getattr(self, "_cell_order", None) is None:  # the slot's field order, checked once
+            names = [(f.tensor, f.name, f.dtype) for f in self.fields]
+            self._cell_order = names == [(t, n, torch.uint8 if n == "codes" else torch.float16) for t in ("k", "v")
+                                         for n in ("codes", "scale", "zero")]
+        return (self._cell_order and len(both) == 3 and both["codes"].dtype == torch.uint8
+                and both["scale"].dtype == both["zero"].dtype == torch.float16
+                and both["scale"].stride(-1) == 1 and both["zero"].stride(-1) == 1)
 
     def field(self, tensor: str, name: str) -> _Field:
         """The field `name` (codes | scale | zero | dense) of tensor "k" or "v"."""

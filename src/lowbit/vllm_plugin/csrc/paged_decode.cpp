@@ -59,13 +59,26 @@ void decode_one(int64_t r, int64_t h, const float* q /*[G,D]*/, int64_t G, int64
                 const uint8_t* cache, int64_t H, int64_t bs, int64_t C, const int64_t* ids, int64_t nb,
                 int64_t b0, int64_t lo, int64_t hi, const Field& fk, const Field& fv, const T* pk,
                 const T* pv, const int64_t* drows, int64_t nd, const float* ok, const float* ov, float scale,
-                float softcap, float* out /*[G,Dv]*/) {
+                float softcap, float* out /*[G,Dv]*/, const float* rk /*[D,D] or null*/,
+                const float* rv /*[Dv,Dv] or null*/) {
   const int64_t ngk = D / fk.group, ngv = Dv / fv.group;
+  std::vector<float> qrot;
+  if (rk != nullptr) {  // q @ R_k, the rotation the cache's rows carry (paged.attend's rotate, here per row)
+    qrot.assign(G * D, 0.f);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = q[g * D + d];
+        const float* __restrict rr = rk + d * D;
+        float* __restrict o = &qrot[g * D];
+        for (int64_t e = 0; e < D; ++e) o[e] += x * rr[e];
+      }
+    q = qrot.data();
+  }
   std::vector<float> qsum(G * ngk), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f);
   std::vector<float> acc(G * Dv, 0.f), kc(D), vc(Dv), s(G * TILE), sv(TILE * ngv), zv(TILE * ngv);
   std::vector<const uint8_t*> vcell(TILE);
   std::vector<const float*> vrow(TILE);
-  std::vector<float> vtmp(TILE * Dv), kbuf(D);
+  std::vector<float> vtmp(TILE * Dv), kbuf(D), ks(ngk), kz(ngk);
   for (int64_t g = 0; g < G; ++g)
     for (int64_t k = 0; k < ngk; ++k) {
       float a = 0.f;
@@ -123,11 +136,15 @@ void decode_one(int64_t r, int64_t h, const float* q /*[G,D]*/, int64_t G, int64
     for (int64_t t = t0; t < t1; ++t) {
       const uint8_t* cell = cache + ((ids[j] * H + h) * bs + t) * C;
       unpack<CBK>(cell + fk.codes, D, kc.data());
+      for (int64_t k = 0; k < ngk; ++k) {  // this token's K scale / zero, once for the G query heads
+        ks[k] = half_at(cell + fk.scale + 2 * k);
+        kz[k] = half_at(cell + fk.zero + 2 * k);
+      }
       for (int64_t g = 0; g < G; ++g) {
         float sc = 0.f;
         for (int64_t k = 0; k < ngk; ++k) {
           const float dk = dot(q + g * D + k * fk.group, kc.data() + k * fk.group, fk.group);
-          sc += dk * half_at(cell + fk.scale + 2 * k) + qsum[g * ngk + k] * half_at(cell + fk.zero + 2 * k);
+          sc += dk * ks[k] + qsum[g * ngk + k] * kz[k];
         }
         s[g * TILE + n] = finish_score(sc);
       }
@@ -166,20 +183,27 @@ void decode_one(int64_t r, int64_t h, const float* q /*[G,D]*/, int64_t G, int64
   flush();
   for (int64_t g = 0; g < G; ++g) {
     const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-    for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dv + d] * inv;
+    if (rv == nullptr) {
+      for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dv + d] * inv;
+    } else {  // o @ R_v^T: back from the rotated space (paged.attend's unrotate)
+      for (int64_t d = 0; d < Dv; ++d) acc[g * Dv + d] *= inv;
+      for (int64_t e = 0; e < Dv; ++e) out[g * Dv + e] = dot(&acc[g * Dv], rv + e * Dv, Dv);
+    }
   }
 }
 
 }  // namespace
 
-// q float [R,H,G,D]; cache uint8 [NB,H,bs,C]; mid_ids int64 [R,nb]; mid int64 [R,3] (b0, lo, hi);
+// q float (any float dtype) [R,H,G,D], unrotated when rot_k is given; cache uint8 [NB,H,bs,C]; mid_ids int64 [R,nb]; mid int64 [R,3] (b0, lo, hi);
 // meta int64 [12] (k: codes, scale, zero, cbits, group, dim; v: same); pool_k/pool_v [rows,H,D] (any
-// float dtype, may be empty); dense_rows int64 [R,nd]; own_k/own_v float [R,H,D] (empty: none).
+// float dtype, may be empty); dense_rows int64 [R,nd]; own_k/own_v float [R,H,D] (empty: none);
+// rot_k [D,D] / [H,D,D] (empty: q is already rotated); rot_v likewise (empty: the output stays rotated).
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor mid_ids, torch::Tensor mid,
                            torch::Tensor meta, torch::Tensor pool_k, torch::Tensor pool_v,
                            torch::Tensor dense_rows, torch::Tensor own_k, torch::Tensor own_v, double scale,
-                           double softcap) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 4 && q.is_contiguous(), "q: float32 [R,H,G,D]");
+                           double softcap, torch::Tensor rot_k, torch::Tensor rot_v) {
+  TORCH_CHECK(q.is_floating_point() && q.dim() == 4, "q: float [R,H,G,D]");
+  q = q.to(torch::kFloat32).contiguous();
   TORCH_CHECK(cache.dtype() == torch::kUInt8 && cache.dim() == 4 && cache.is_contiguous(), "cache: uint8 [NB,H,bs,C]");
   TORCH_CHECK(mid_ids.dtype() == torch::kInt64 && mid_ids.is_contiguous() && mid.is_contiguous(), "mid: int64");
   TORCH_CHECK(dense_rows.dtype() == torch::kInt64 && dense_rows.is_contiguous(), "dense_rows: int64 [R,nd]");
@@ -193,6 +217,17 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor m
   TORCH_CHECK(fk.dim == D, "K head_dim differs from q");
   const int64_t Dv = fv.dim;
   auto out = torch::zeros({R, H, G, Dv}, q.options());
+  // rotations: empty (none), [D,D] for every head, or [H,D,D] per KV head
+  auto rkc = rot_k.numel() ? rot_k.to(torch::kFloat32).contiguous() : rot_k;
+  auto rvc = rot_v.numel() ? rot_v.to(torch::kFloat32).contiguous() : rot_v;
+  TORCH_CHECK(!rot_k.numel() || (rkc.size(-1) == D && rkc.size(-2) == D && (rkc.dim() == 2 || (rkc.dim() == 3 && rkc.size(0) == H))),
+              "rot_k: [D,D] or [H,D,D]");
+  TORCH_CHECK(!rot_v.numel() || (rvc.size(-1) == fv.dim && rvc.size(-2) == fv.dim && (rvc.dim() == 2 || (rvc.dim() == 3 && rvc.size(0) == H))),
+              "rot_v: [Dv,Dv] or [H,Dv,Dv]");
+  const float* rkp = rot_k.numel() ? rkc.data_ptr<float>() : nullptr;
+  const float* rvp = rot_v.numel() ? rvc.data_ptr<float>() : nullptr;
+  const int64_t rks = (rot_k.numel() && rkc.dim() == 3) ? D * D : 0;
+  const int64_t rvs = (rot_v.numel() && rvc.dim() == 3) ? fv.dim * fv.dim : 0;
   const bool has_own = own_k.numel() > 0;
   auto okc = has_own ? own_k.to(torch::kFloat32).contiguous() : own_k;
   auto ovc = has_own ? own_v.to(torch::kFloat32).contiguous() : own_v;
@@ -217,7 +252,8 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor m
                                        mp[r * 3], mp[r * 3 + 1], mp[r * 3 + 2], fk, fv, pk, pv, dp + r * nd,
                                        pk ? nd : 0, okp ? okp + r * H * D : nullptr, ovp ? ovp + r * H * Dv : nullptr,
                                        static_cast<float>(scale), static_cast<float>(softcap),
-                                       op + (r * H + h) * G * Dv);
+                                       op + (r * H + h) * G * Dv, rkp ? rkp + h * rks : nullptr,
+                                       rvp ? rvp + h * rvs : nullptr);
         }
       });
     };
@@ -236,4 +272,39 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor m
   return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("paged_decode", &paged_decode, "lowbit fused paged decode (CPU)"); }
+// The arena pool rows of a step's dense tier positions: slot_map int64 [num block ids] (block id -> pool
+// slot, -1 absent), blk / off int64 [R,n] (block id and offset of each position), valid bool [R,n] ->
+// (rows int64 [R,n]: slot * bs + off, -1 where not valid; the number of valid positions whose block holds
+// no slot, i.e. paged.TierArena.missing without prefix caching). One op for what is ~12 in torch.
+std::tuple<torch::Tensor, int64_t> dense_rows(torch::Tensor slot_map, torch::Tensor blk, torch::Tensor off,
+                                              torch::Tensor valid, int64_t bs) {
+  TORCH_CHECK(slot_map.dtype() == torch::kInt64 && blk.dtype() == torch::kInt64 && off.dtype() == torch::kInt64 &&
+              valid.dtype() == torch::kBool, "dense_rows: int64 map / blk / off, bool valid");
+  auto mc = slot_map.contiguous(), bc = blk.contiguous(), oc = off.contiguous(), vc = valid.contiguous();
+  auto rows = torch::empty(blk.sizes(), blk.options());
+  const int64_t n = blk.numel(), nm = mc.numel();
+  const int64_t* mp = mc.data_ptr<int64_t>();
+  const int64_t* bp = bc.data_ptr<int64_t>();
+  const int64_t* opp = oc.data_ptr<int64_t>();
+  const bool* vp = vc.data_ptr<bool>();
+  int64_t* rp = rows.data_ptr<int64_t>();
+  int64_t missing = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t b = bp[i];
+    const int64_t s = (b >= 0 && b < nm) ? mp[b] : -1;
+    if (!vp[i]) {
+      rp[i] = -1;
+    } else if (s < 0) {
+      rp[i] = -1;
+      ++missing;
+    } else {
+      rp[i] = s * bs + opp[i];
+    }
+  }
+  return {rows, missing};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "lowbit fused paged decode (CPU)");
+  m.def("dense_rows", &dense_rows, "lowbit arena rows of dense tier positions (CPU)");
+}
