@@ -60,6 +60,7 @@ class Variant:
     clip: dict = field(default_factory=dict)
     center: dict = field(default_factory=dict)
     layer_scheme: dict = field(default_factory=dict)  # layer -> KVScheme overriding `scheme` (mixed bits per layer)
+    key_affine: dict = field(default_factory=dict)  # layer -> lowbit.kv.key_affine.KeyAffine (keys mapped before R_k)
 
     def scheme_for(self, layer: int):
         return self.layer_scheme.get(layer, self.scheme)
@@ -108,7 +109,10 @@ def dequantized_kv(k, v, variant: Variant, layer: int):
         v = v - mv.float()[None, :, None, :]
     kc = layer_codec(s.k, k.shape[-1], s.page, levels=lk, clip=ck)
     vc = layer_codec(s.v, v.shape[-1], s.page, levels=lv, clip=cv)
-    kh = unrotate(fake_quantize(kc, rotate(k, rk), sink=s.sink), rk)
+    from lowbit.kv.key_affine import map_keys, unmap_keys
+
+    ka = variant.key_affine.get(layer)  # exact for attention: q . k_hat differs from the cache's by q . shift only
+    kh = unmap_keys(unrotate(fake_quantize(kc, rotate(map_keys(k, ka), rk), sink=s.sink), rk), ka)
     vh = unrotate(fake_quantize(vc, rotate(v, rv), sink=s.sink), rv)
     if mk is not None:
         kh = kh + mk.float()[None, :, None, :]

@@ -25,6 +25,7 @@ from transformers.cache_utils import Cache
 
 from lowbit.errors import LowbitError
 from lowbit.kv import attention as attn
+from lowbit.kv.key_affine import map_queries
 from lowbit.kv.layer import QuantizedKVLayer
 from lowbit.kv.rotations import rotate, rotation_key, unrotate
 from lowbit.recipe import KVScheme
@@ -55,6 +56,15 @@ def _split_model(model_or_config):
             raise LowbitError(f"{type(model_or_config).__name__} has no config; pass a transformers model")
         return model_or_config, cfg
     return None, model_or_config
+
+
+def _check_key_affine(config) -> None:
+    """A key affine's shift is exact only when every logit of a query moves by the same amount: refuse
+    logit soft-capping (tanh is not shift-invariant)."""
+    for cfg in (config, getattr(config, "text_config", None)):
+        if cfg is not None and getattr(cfg, "attn_logit_softcapping", None):
+            raise LowbitError("the model soft-caps its attention logits, so a key affine's shift would change "
+                              "the softmax; use a rotation without a key affine for this model")
 
 
 class QuantizedKVCache(Cache):
@@ -99,6 +109,8 @@ class QuantizedKVCache(Cache):
                 "the scheme folds V's rotation into the weights but this model was not folded: call "
                 "lowbit.kv.rotations.fold_v_into_weights(model, scheme, geometry) first"
             )
+        if any(lp.k_affine is not None and bool((lp.k_affine.shift != 0).any()) for lp in plan.layers):
+            _check_key_affine(config)
         super().__init__(layers=[QuantizedKVLayer(lp, chunk_tokens=chunk_tokens) for lp in plan.layers])
         self.plan = plan
         self.scheme = scheme
@@ -149,7 +161,8 @@ class QuantizedKVCache(Cache):
         G = Hq // Hkv
         keep = attn.padding_keep(attention_mask, layer.n, query.device)
         # q [B,Hq,Lq,D] -> [B,Hkv,G*Lq,D]: query head j = h*G + g reads KV head h
-        qg = rotate(query.reshape(B, Hkv, G * Lq, D), layer.rot_k).reshape(B, Hkv, G, Lq, D)
+        qg = query.reshape(B, Hkv, G * Lq, D)
+        qg = rotate(map_queries(qg, layer.k_affine), layer.rot_k).reshape(B, Hkv, G, Lq, D)
         out = self._fused_decode(layer, qg, keep, scaling, softcap) if Lq == 1 else None
         if out is None:
             out = attn.stream_layer(layer, qg, keep, scaling, softcap)

@@ -42,6 +42,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from lowbit.errors import LowbitError
 from lowbit.kv.codec import TensorCodec
+from lowbit.kv.key_affine import map_keys
 from lowbit.kv.rotations import rotate
 
 _MIN_MID_ROWS = 256
@@ -95,6 +96,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         self.k_codec: TensorCodec = plan.k
         self.v_codec: TensorCodec = plan.v
         self.rot_k, self.rot_v = plan.rot_k, plan.rot_v
+        self.k_affine = getattr(plan, "k_affine", None)  # keys (k - shift) / scale before R_k (lowbit.kv.key_affine)
         self._channel_grouped = any(c.quantized and c.tq.axis == "channel" for c in (self.k_codec, self.v_codec))
         self.shared = bool(getattr(geometry, "shares_kv", False))
         if self.shared:
@@ -152,8 +154,8 @@ class QuantizedKVLayer(CacheLayerMixin):
 
     # ---------------------------------------------------------------- write
     def _ingest(self, key_states, value_states):
-        """Rotate incoming K/V once (every tier stores rotated K/V) and cast to the model dtype."""
-        k = rotate(key_states, self.rot_k).to(self.dtype)
+        """Map (key affine) and rotate incoming K/V once (every tier stores them so) and cast to the model dtype."""
+        k = rotate(map_keys(key_states, self.k_affine), self.rot_k).to(self.dtype)
         v = rotate(value_states, self.rot_v).to(self.dtype)
         if self.shared:
             k = k.index_select(-1, self.k_own)  # K's own part; the rest is rebuilt from V

@@ -52,6 +52,9 @@ class LayerPlan:
     rot_v: torch.Tensor | None
     rotation: str
     backends: dict = field(default_factory=dict)
+    # lowbit.kv.key_affine.KeyAffine or None: keys stored as ((k - shift) / scale) @ R_k, queries as
+    # (q * scale) @ R_k (exact for attention; every reader of the tiers applies it with the rotation)
+    k_affine: object = None
 
     @property
     def index(self) -> int:
@@ -147,6 +150,7 @@ class Rotations:
     label: tuple
     sha256: str | None
     per_head: bool = False
+    key_affine: tuple = ()  # per layer lowbit.kv.key_affine.KeyAffine or None (empty: none anywhere)
 
 
 def load_rotations(rotation, geometry) -> Rotations:
@@ -173,6 +177,10 @@ def load_rotations(rotation, geometry) -> Rotations:
                          tuple("hadamard" for _ in layers), None)
     if not isinstance(rotation, RotationRef):
         raise LowbitError(f"rotation {rotation!r} is not 'none', 'hadamard' or a RotationRef")
+    from lowbit.kv import key_affine
+
+    if key_affine.is_key_affine(rotation.path):
+        return _load_key_affine(rotation, geometry)
     from lowbit.artifacts import load_manifest
     from lowbit.rotation.rotation_set import FILE_NAME, RotationSet
 
@@ -189,6 +197,27 @@ def load_rotations(rotation, geometry) -> Rotations:
     label = f"{kind} {sha[:8]}"
     return Rotations(tuple((rs.k[g.index].float(), rs.v[g.index].float()) for g in layers),
                      tuple(label for _ in layers), sha, per_head=rs.per_head)
+
+
+def _load_key_affine(rotation: RotationRef, geometry) -> Rotations:
+    """A key-affine artifact (lowbit.kv.key_affine): its base rotation plus the per-layer key maps."""
+    from lowbit.kv import key_affine
+
+    base_name, maps, sha = key_affine.load(rotation.path, geometry)
+    if rotation.sha256 is not None and rotation.sha256 != sha:
+        raise LowbitError(
+            f"key affine {rotation.path} has sha256 {sha[:12]}... but the recipe pins {rotation.sha256[:12]}...: "
+            "it is another fit; point the recipe at the pinned one or re-pin it"
+        )
+    for g in geometry.layers:
+        if g.index in maps and (getattr(g, "storage", "mha") != "mha" or getattr(g, "shares_kv", False)):
+            raise LowbitError(f"layer {g.index} stores K and V once (MLA latent / K = V): a key affine does not "
+                              "apply to it; fit the key affine without that layer")
+    base = load_rotations(base_name, geometry)
+    label = tuple(f"{lab}+key-affine {sha[:8]}" if g.index in maps else lab
+                  for lab, g in zip(base.label, geometry.layers))
+    return Rotations(base.per_layer, label, sha, per_head=False,
+                     key_affine=tuple(maps.get(g.index) for g in geometry.layers))
 
 
 def _check_latent_rotation(rs, layers) -> None:
@@ -353,6 +382,8 @@ def resolve(scheme: KVScheme | str, geometry, *, device: str = "cpu", decode_bac
         v = _codec(ls.v, g.head_dim_v, ls.page, lv.get("v"), f"layer {g.index} V")
         if scheme.fold_v_rotation:
             rv = None  # V arrives rotated from the folded weights; the output needs no un-rotation
-        lp = LayerPlan(g, ls, k, v, rk, rv, rots.label[g.index] + (" (V folded)" if scheme.fold_v_rotation else ""))
+        ka = rots.key_affine[g.index] if rots.key_affine else None
+        lp = LayerPlan(g, ls, k, v, rk, rv, rots.label[g.index] + (" (V folded)" if scheme.fold_v_rotation else ""),
+                       k_affine=ka)
         layers.append(replace(lp, backends=_choose(lp, decode_backend, device)))
     return Plan(pinned, geometry, device, decode_backend, tuple(layers), rots.sha256, levels_sha)

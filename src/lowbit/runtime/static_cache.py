@@ -60,6 +60,8 @@ def static_reason(layer) -> str | None:
             return f"{which} is grouped per channel over pages (the static runtime writes one token at a time)"
     if layer.k.quantized != layer.v.quantized:
         return "only one of K and V is quantized (the static runtime stores both packed or both dense)"
+    if getattr(layer, "k_affine", None) is not None:
+        return "a key affine (lowbit.kv.key_affine; the static runtime maps keys and queries by R_k alone)"
     return None
 
 

@@ -1,0 +1,151 @@
+"""Key affine (lowbit.kv.key_affine) and per-layer bits on Qwen2's geometry (14 q / 2 kv heads, head_dim 64,
+k_proj bias), with a tiny random Qwen2 whose k_proj bias is made large like the real model's."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from lowbit.errors import LowbitError
+from lowbit.kv import QuantizedKVCache
+from lowbit.kv import key_affine as kam
+from lowbit.kv.plan import resolve
+from lowbit.models.geometry import ModelGeometry
+from lowbit.models.tiny import tiny_tokenizer_free_inputs
+from lowbit.recipe import RotationRef
+
+from .helpers import reference, rel_err, run_chunks, scheme
+
+
+def _qwen2(num_layers=2, bias=40.0, seed=0):
+    cfg = Qwen2Config(vocab_size=99, hidden_size=128, intermediate_size=96, num_hidden_layers=num_layers,
+                      num_attention_heads=14, num_key_value_heads=2, head_dim=64, max_position_embeddings=512,
+                      rope_theta=1e6, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        m = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").float().eval()
+        with torch.no_grad():
+            for layer in m.model.layers:
+                b = layer.self_attn.k_proj.bias.view(2, 64)
+                b.normal_(0, 0.05)
+                b[:, [28, 29, 30, 31, 60, 61, 62, 63]] += bias * torch.randn(2, 8)  # slow RoPE pairs: an offset
+                layer.self_attn.q_proj.weight.mul_(3.0)  # queries that read the offset channels
+    return m
+
+
+@pytest.fixture(scope="module")
+def qwen():
+    return _qwen2()
+
+
+def _affine_dir(tmp_path, model, name="ka", **kw):
+    g = ModelGeometry.from_config(model.config, name="tiny-qwen2")
+    windows = tiny_tokenizer_free_inputs(model.config, 2, 70, seed=11)  # calibration ids, not the test's
+    maps = kam.fit(model, windows, skip=4, **kw)
+    return kam.save(tmp_path / name, maps, model="tiny-qwen2"), g, maps
+
+
+def test_per_layer_bits_hold_what_the_uniform_recipe_of_their_bits_holds(qwen):
+    """The edge-int4 recipe on this geometry: fed identical K/V, each layer of a mixed recipe stores
+    bit for bit what the uniform recipe of its bits stores (codes, scale, zero; Hadamard rotation)."""
+    cfg = qwen.config
+    mixed = QuantizedKVCache(cfg, scheme("int2", layer_bits="0=int4"))
+    u2, u4 = QuantizedKVCache(cfg, scheme("int2")), QuantizedKVCache(cfg, scheme("int2", layer_bits="0,1=int4"))
+    g = torch.Generator().manual_seed(3)
+    for _ in range(3):  # chunks of 9: the middle fills page by page
+        k = torch.randn(1, 2, 9, 64, generator=g) * 3 + 20 * torch.randn(1, 2, 1, 64, generator=g)
+        v = torch.randn(1, 2, 9, 64, generator=g)
+        for c in (mixed, u2, u4):
+            for i in range(2):
+                c.layers[i].update(k, v)
+    assert mixed.layers[0].mid_len > 0
+    for i, want in ((0, u4), (1, u2)):
+        got, ref = mixed.layers[i], want.layers[i]
+        assert got.k_codec.bits == ref.k_codec.bits and got.k_codec.tq == ref.k_codec.tq
+        for t in ("k", "v"):
+            for f in ("codes", "scale", "zero"):
+                assert torch.equal(got._mid_fields(t, 0, got.mid_len)[f], ref._mid_fields(t, 0, ref.mid_len)[f])
+    assert mixed.layers[0].k_codec.bits == 4 and mixed.layers[1].k_codec.bits == 2
+
+
+def test_key_affine_is_exact_without_quantization(qwen, tmp_path):
+    d, g, maps = _affine_dir(tmp_path, qwen)
+    s = scheme("k16v16", rotation=RotationRef(str(d)))
+    ids = tiny_tokenizer_free_inputs(qwen.config, 2, 31, seed=5)
+    chunks = [17, 1, 13]
+    ref = reference(qwen, ids, None, chunks)
+    cache = QuantizedKVCache(qwen, s, geometry=g)
+    assert cache.layers[0].k_affine is not None and float(maps[0].shift.abs().max()) > 1.0
+    out = run_chunks(qwen, cache, ids, None, chunks)
+    assert rel_err(out, ref) < 1e-4  # the shift moves every logit of a query by q . shift: softmax unchanged
+
+
+def test_fitted_scale_is_equal_on_rope_pairs_and_pinned(qwen, tmp_path):
+    d, g, maps = _affine_dir(tmp_path, qwen)
+    for ka in maps.values():
+        assert torch.equal(ka.scale[:, :32], ka.scale[:, 32:])
+        assert ka.scale.log().mean(-1).abs().max() < 1e-5  # geometric mean 1 per KV head
+    plan = resolve(scheme("int2", rotation=RotationRef(str(d))), g)
+    assert plan.rotation_sha256 and plan.scheme.rotation.sha256 == plan.rotation_sha256
+    assert "key-affine" in plan.layer(0).rotation and plan.layer(0).rot_k is not None  # Hadamard base kept
+    assert torch.equal(plan.layer(1).k_affine.shift, maps[1].shift)
+    with pytest.raises(LowbitError, match="pins"):
+        resolve(scheme("int2", rotation=RotationRef(str(d), "0" * 64)), g)
+    with pytest.raises(LowbitError, match="fitted for model"):
+        resolve(scheme("int2", rotation=RotationRef(str(d))), ModelGeometry.from_config(qwen.config, name="other"))
+
+
+def test_key_affine_cuts_int2_loss_on_biased_keys(qwen, tmp_path):
+    d, g, _ = _affine_dir(tmp_path, qwen)
+    ids = tiny_tokenizer_free_inputs(qwen.config, 1, 60, seed=7)
+    chunks = [20, 20, 20]
+    ref = torch.log_softmax(reference(qwen, ids, None, chunks), -1)
+
+    def kl(s):
+        lp = torch.log_softmax(run_chunks(qwen, QuantizedKVCache(qwen, s, geometry=g), ids, None, chunks), -1)
+        return float((ref.exp() * (ref - lp)).sum(-1)[:, 20:].mean())
+
+    plain, fitted = kl(scheme("int2")), kl(scheme("int2", rotation=RotationRef(str(d))))
+    print(f"KL int2 {plain:.4f}, int2 + key affine {fitted:.4f}")
+    assert fitted < 0.5 * plain, (plain, fitted)
+
+
+def test_kernel_decode_reads_the_mapped_keys(qwen, tmp_path):
+    """The fused decode kernel (Triton interpreter on CPU) on a key-affine plan == the torch path."""
+    pytest.importorskip("triton")
+    d, g, _ = _affine_dir(tmp_path, qwen)
+    s = scheme("int2", rotation=RotationRef(str(d)), sink=2, recent=4, page=2)
+    ids = tiny_tokenizer_free_inputs(qwen.config, 1, 24, seed=8)
+    chunks = [20] + [1] * 4
+    a = run_chunks(qwen, QuantizedKVCache(qwen, s, geometry=g, decode_backend="torch"), ids, None, chunks)
+    cache = QuantizedKVCache(qwen, s, geometry=g, decode_backend="triton")
+    b = run_chunks(qwen, cache, ids, None, chunks)
+    assert cache.backend_calls["triton"] == 4 * 2
+    assert rel_err(b, a) < 5e-3
+
+
+def test_paths_that_cannot_map_refuse(qwen, tmp_path):
+    from lowbit.runtime.static_cache import static_reason
+
+    d, g, _ = _affine_dir(tmp_path, qwen)
+    plan = resolve(scheme("int2", rotation=RotationRef(str(d))), g)
+    assert "key affine" in static_reason(plan.layer(0))
+    capped = _qwen2(num_layers=2)
+    capped.config.attn_logit_softcapping = 30.0
+    with pytest.raises(LowbitError, match="soft-caps"):
+        QuantizedKVCache(capped, plan=plan)
+    with pytest.raises(LowbitError, match="alpha"):
+        kam.fit(qwen, tiny_tokenizer_free_inputs(qwen.config, 1, 70), alpha=2.0)
+
+
+def test_layer_error_harness_measures_the_mapped_keys(qwen, tmp_path):
+    """The layer-error harness (what tune measures) quantizes keys through the same map as the cache."""
+    from lowbit.eval.layer_error import Variant, measure_layers
+    from lowbit.rotation.hadamard import hadamard
+
+    _, g, maps = _affine_dir(tmp_path, qwen)
+    s = scheme("int2")
+    rot = {i: (hadamard(64), hadamard(64)) for i in range(2)}
+    ids = tiny_tokenizer_free_inputs(qwen.config, 1, 40, seed=9)
+    db = measure_layers(qwen, ids, [Variant("plain", s, rot), Variant("ka", s, rot, key_affine=maps)])
+    for i in range(2):
+        assert db["ka"][i] < db["plain"][i] - 3.0, db  # at least 3 dB less attention-output error per layer
