@@ -149,3 +149,13 @@ def test_layer_error_harness_measures_the_mapped_keys(qwen, tmp_path):
     db = measure_layers(qwen, ids, [Variant("plain", s, rot), Variant("ka", s, rot, key_affine=maps)])
     for i in range(2):
         assert db["ka"][i] < db["plain"][i] - 3.0, db  # at least 3 dB less attention-output error per layer
+
+
+def test_select_keeps_only_layers_the_map_helps(qwen):
+    g = ModelGeometry.from_config(qwen.config, name="tiny-qwen2")
+    windows = tiny_tokenizer_free_inputs(qwen.config, 1, 70, seed=11)
+    maps = kam.fit(qwen, windows, skip=4)
+    bad = kam.KeyAffine(torch.full_like(maps[1].scale, 1.0).index_fill_(-1, torch.tensor([0, 32]), 1e-3),
+                        torch.zeros_like(maps[1].shift))  # crushes one pair's scale: a map that hurts
+    kept, ev = kam.select(qwen, windows, {0: maps[0], 1: bad}, g, scheme=scheme("int2"))  # small tiers
+    assert set(kept) == {0} and ev[1][1] > ev[1][0] and ev[0][1] < ev[0][0]

@@ -155,6 +155,26 @@ def fit(model, windows: torch.Tensor, *, alpha: float = 0.5, skip: int = 64, cen
     return st.affine(alpha, center)
 
 
+@torch.no_grad()
+def select(model, windows: torch.Tensor, maps: dict[int, KeyAffine], geometry, *, scheme="int2",
+           base: str = "hadamard") -> tuple[dict[int, KeyAffine], dict]:
+    """Keep a layer's map only where it lowers that layer's attention-output error (the layer-error
+    harness, `scheme` through the cache's codec) on the same calibration windows; the others keep the
+    plain rotation. Returns (kept maps, {layer: (dB plain, dB mapped)})."""
+    from lowbit.eval.layer_error import Variant, measure_layers
+    from lowbit.kv.plan import load_rotations
+    from lowbit.recipe import parse_kv_scheme
+
+    sch = parse_kv_scheme(scheme) if isinstance(scheme, str) else scheme
+    rots = load_rotations(base, geometry).per_layer
+    rot = {g.index: rots[g.index] for g in geometry.layers}
+    db = measure_layers(model, windows, [Variant("plain", sch, rot), Variant("mapped", sch, rot, key_affine=maps)])
+    evidence = {i: (db["plain"].get(i), db["mapped"].get(i)) for i in sorted(maps)}
+    kept = {i: m for i, m in maps.items() if evidence[i][1] is not None and evidence[i][0] is not None
+            and evidence[i][1] < evidence[i][0]}
+    return kept, evidence
+
+
 # ------------------------------------------------------------------ files
 def save(out_dir, affine: dict[int, KeyAffine], *, model: str, base: str = "hadamard", inputs: dict | None = None) -> Path:
     """Write the per-layer maps as a new artifact (kind "kv-key-affine"); a scheme names it as its rotation."""
@@ -245,6 +265,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-center", action="store_true")
     ap.add_argument("--base", default="hadamard", choices=BASES)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-select", action="store_true", help="keep every layer's map (default: only where the "
+                    "calibration layer error of int2 drops)")
     a = ap.parse_args(argv)
     if Path(a.out).exists():
         raise LowbitError(f"--out {a.out} exists; give a new directory")
@@ -257,8 +279,16 @@ def main(argv=None) -> int:
     lm = lowbit.models.resolve(a.model, dtype=torch.float32)
     windows = token_windows(lm.tokenizer, load_text(a.calib), a.seq_len, a.windows)
     maps = fit(lm.model, windows, alpha=a.alpha, skip=a.skip, center=not a.no_center)
+    evidence = {}
+    if not a.no_select:
+        maps, evidence = select(lm.model, windows, maps, lm.geometry, base=a.base)
+        print("layer error of int2 on the calibration windows, dB plain -> mapped (kept where lower):")
+        print("  " + ", ".join(f"{i}: {p:.1f}->{m:.1f}{'*' if i in maps else ''}" for i, (p, m) in evidence.items()))
+        if not maps:
+            raise LowbitError(f"the key affine lowers no layer's calibration error on {lm.name}: nothing to write")
     inputs = {"weights_sha256": lm.weights_sha256, "calib": str(a.calib), "windows": a.windows, "seq_len": a.seq_len,
-              "alpha": a.alpha, "skip": a.skip, "center": not a.no_center}
+              "alpha": a.alpha, "skip": a.skip, "center": not a.no_center, "selected": not a.no_select,
+              "layer_db_plain_mapped": {str(i): [round(p, 2), round(m, 2)] for i, (p, m) in evidence.items()}}
     save(a.out, maps, model=lm.name, base=a.base, inputs=inputs)
     sha = load_manifest(a.out).file_map()[FILE_NAME].sha256
     print(f"fitted {len(maps)} layers of {lm.name} on {a.windows} x {a.seq_len} {a.calib} tokens in "
