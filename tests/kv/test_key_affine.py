@@ -129,6 +129,11 @@ def test_paths_that_cannot_map_refuse(qwen, tmp_path):
     d, g, _ = _affine_dir(tmp_path, qwen)
     plan = resolve(scheme("int2", rotation=RotationRef(str(d))), g)
     assert "key affine" in static_reason(plan.layer(0))
+    from lowbit.kv import backends
+
+    # the vLLM plugin applies plain rotations only: it refuses, rather than serving unmapped keys
+    assert "key-affine" in backends.get("vllm-slot").why_not(plan.layer(0), "paged", "cpu")
+    assert backends.get("vllm-slot").why_not(resolve(scheme("int2"), g).layer(0), "paged", "cpu") is None
     capped = _qwen2(num_layers=2)
     capped.config.attn_logit_softcapping = 30.0
     with pytest.raises(LowbitError, match="soft-caps"):
