@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One device call (issue 16, H200, ~7 min): the runtime (fused projections, the "mid_lowbit" kernel regime) at
+# One device call (issue 16, H200, ~7 min): the runtime (fused projections, the "many_lowbit" kernel regime with dense programs in the waves) at
 # B16 eager-captured and compiled-captured, B64 eager-captured, L 32k int2; then the runtime GPU tests.
 # Usage: scripts/gpu_runtime_b16_run.sh "$OUT"
 set -u

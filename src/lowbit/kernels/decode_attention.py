@@ -562,17 +562,13 @@ def _stage2(OP, LSE, OUT, sob, soh, NSPLIT, NCH: tl.constexpr, CH: tl.constexpr,
 # ----------------------------------------------------------------------------------------------
 # Launch defaults per regime, measured on an H200 (benchmarks/NOTES.md, results/*.json).
 DEFAULTS = {
-    # many pairs, head_dim <= 128, codes of <= 4 bits: one-warp programs (no CTA barriers) of 64 tokens
-    # per step, registers capped at 168 (3 warps per scheduler instead of 2; ~72 B of spills) -- run 6:
-    # B16 L32k int2 0.123 vs 0.129 ms, int4 0.149 vs 0.159; int8 and head_dim 256 spill far more
-    # with it (B64 gemma int4 2.0 vs 0.77 ms), so they keep "many".
-    "many_lowbit": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": 168},
-    # >= 64 pairs (B8+ at 8 KV heads), head_dim <= 128, <= 4 bits, measured inside the runtime's cache
-    # with the sink 64 + recent 256 dense tiers (benchmarks/kernel_in_step_probe.py --sweep, H200
-    # 2026-12-01, B16 L32k int2): two-warp programs of 32 tokens per warp and the split count picked with
-    # the dense programs counted in the waves (11 splits) 0.137 ms vs 0.191 ms for "many_lowbit" (6 splits);
-    # B64: 11 splits 0.493 ms vs 0.786 ms (3 splits)
-    "mid_lowbit": {"num_warps": 2, "warp_tokens": 32, "num_stages": 3, "maxnreg": 168, "dense_in_waves": True},
+    # many pairs (>= 64, B8+ at 8 KV heads), head_dim <= 128, codes of <= 4 bits: two-warp programs of 32
+    # tokens per warp, registers capped at 168, the split count picked with the dense-tier programs counted
+    # in the waves. Measured inside the runtime's cache with the sink 64 + recent 256 dense tiers
+    # (benchmarks/kernel_in_step_probe.py --sweep, H200 2026-12-01, L32k int2): B16 11 splits 0.137 ms vs
+    # 0.191 ms for the earlier one-warp x 64-token programs (run 6; 6 splits), B64 0.493 vs 0.786 ms. int8
+    # and head_dim 256 spill far more with the register cap (B64 gemma int4 2.0 vs 0.77 ms): they keep "many".
+    "many_lowbit": {"num_warps": 2, "warp_tokens": 32, "num_stages": 3, "maxnreg": 168, "dense_in_waves": True},
     "many": {"num_warps": 4, "warp_tokens": 32, "num_stages": 4, "maxnreg": None},
     "few": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": None},
     "wide": {"num_warps": 1, "warp_tokens": 32, "num_stages": 3, "maxnreg": None},
@@ -608,7 +604,7 @@ class KernelConfig:
         (long contexts of few sequences: more, smaller programs), "wide" (few pairs, head_dim 256)."""
         regime = "many" if batch * kv_heads >= 64 else ("wide" if head_dim > 128 else "few")
         if regime == "many" and head_dim <= 128 and bits <= 4:
-            regime = "mid_lowbit"
+            regime = "many_lowbit"
         d = DEFAULTS[regime]
         return KernelConfig(warp_tokens=self.warp_tokens or d["warp_tokens"], num_splits=self.num_splits,
                             num_warps=self.num_warps or d["num_warps"], num_stages=self.num_stages or d["num_stages"],
