@@ -122,3 +122,49 @@ def test_the_shipped_index_matches_its_files():
         p = lowbit.recipes.RECIPES_DIR / e["file"]
         assert hashlib.sha256(p.read_bytes()).hexdigest() == e["sha256"], name
         assert load_recipe(name).quantized
+
+
+def test_tune_measures_a_key_affine_candidate_with_its_maps_and_pins_it(tiny_dir, corpus, tmp_path, capsys):
+    """A key-affine artifact among --rotations: its K-only errors are measured on mapped keys (they differ
+    from plain Hadamard's), its V-only errors equal Hadamard's (V is not mapped), and a recipe that picks it
+    names it as {path relative to the recipe, sha256} so `lowbit eval --recipe` opens the same fit."""
+    import tomllib
+
+    from lowbit.artifacts import load_manifest
+    from lowbit.calib.corpora import load_text, token_windows
+    from lowbit.kv import key_affine as kam
+    from lowbit.models import resolve
+
+    lm = resolve(str(tiny_dir))
+    windows = token_windows(lm.tokenizer, load_text(str(corpus)), 77, 2)
+    maps = kam.fit(lm.model, windows, skip=8)
+    ka_dir = kam.save(tmp_path / "art" / "ka", maps, model=lm.geometry.name)
+    sha = load_manifest(ka_dir).file_map()[kam.FILE_NAME].sha256
+    out = tmp_path / "recipes" / "tiny@2.7.toml"
+    rc = main(["tune", "--model", str(tiny_dir), "--budget", "2.7", "--context", "4000", "--sink", "16",
+               "--recent", "32", "--seq-len", "99", "--windows", "1", "--data", str(corpus), "--grids", "std",
+               "--rotations", f"hadamard,{ka_dir}", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    doc = tomllib.loads(out.read_text())
+    db = doc["tune"]["layer_error_db"]
+    ka = str(ka_dir)
+    assert db[f"{ka}|K2|std"] != db["hadamard|K2|std"] and db[f"{ka}|K4|minmax"] != db["hadamard|K4|minmax"]
+    assert db[f"{ka}|V2|std"] == db["hadamard|V2|std"]
+    assert {c["rotation"] for c in doc["tune"]["candidates"]} == {"hadamard", ka}
+    # whichever won, the written rotation loads; a key-affine win is pinned and relative to the recipe
+    s = load_recipe(out)
+    if doc["tune"]["rotation"] == ka:
+        assert doc["kv"]["rotation"] == {"path": "../art/ka", "sha256": sha}
+        assert s.rotation.path == str(ka_dir.resolve()) and s.rotation.sha256 == sha
+    else:
+        assert s.rotation == "hadamard"
+    # the candidate table says what each rotation's calibration PPL was; a forced key-affine recipe runs in eval
+    forced = tmp_path / "recipes" / "forced.toml"
+    forced.write_text(f'[kv]\nscheme = "int2"\nsink = 16\nrecent = 32\nrotation = {{ path = "../art/ka", '
+                      f'sha256 = "{sha}" }}\n')
+    rc = main(["eval", "--model", str(tiny_dir), "--data", str(corpus), "--seq-len", "120", "--windows", "1",
+               "--chunk", "40", "--dtype", "fp32", "--recipe", str(forced), "--no-progress", "--no-full-window",
+               "--json", str(tmp_path / "e.json")])
+    assert rc == 0, capsys.readouterr().err
+    rows = {r["scheme"]: r for r in json.loads((tmp_path / "e.json").read_text())["results"]}
+    assert rows["forced"]["quantized_rows"] > 0

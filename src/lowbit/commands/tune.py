@@ -33,8 +33,8 @@ def add_arguments(p) -> None:
     p.add_argument("--windows", type=int, default=2, help="calibration windows (default 2)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration window (default 1024)")
     p.add_argument("--rotations", default="hadamard",
-                   help="comma list of scheme-wide rotation candidates: hadamard, none, RotationSet dirs "
-                        "(default hadamard)")
+                   help="comma list of scheme-wide rotation candidates: hadamard, none, RotationSet or "
+                        "key-affine (python -m lowbit.kv.key_affine) dirs (default hadamard)")
     p.add_argument("--grids", default="std,lloyd-max", help="2-bit grid candidates: std, lloyd-max (default both)")
     p.add_argument("--sink", type=int, default=None, help="sink tokens kept in the model dtype (default 64)")
     p.add_argument("--recent", type=int, default=None, help="recent tokens kept in the model dtype (default 256)")
@@ -130,7 +130,7 @@ def run(args) -> int:
         res = choose(lm, m, budget=budget, context=context, calib_info=info)
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_name(f".{out.name}.tmp")
-        tmp.write_text(recipe_toml(res, command=cmd), encoding="utf-8")
+        tmp.write_text(recipe_toml(res, command=cmd, out=out), encoding="utf-8")
         tmp.replace(out)
         b = res.best
         print(f"budget {budget:g}: {res.held.line()}")

@@ -64,6 +64,7 @@ class Candidate:
     scheme: object = None
     ppl: float | None = None
     base_ppl: float | None = None  # the all-2-bit base of the same rotation and grid
+    rotation_sha256: str | None = None  # a fitted rotation / key affine: the sha256 the recipe pins
 
 
 @dataclass
@@ -150,6 +151,15 @@ def allocate(err: dict, elems: dict, cost: dict, budget: float, layers: list[int
     return assign, pred, cur
 
 
+def _rotation_maps(rots, geometry) -> tuple[dict, dict]:
+    """(layer -> (R_k, R_v), layer -> KeyAffine) of a loaded lowbit.kv.plan.Rotations: a key-affine
+    rotation candidate (lowbit.kv.key_affine artifact) is measured with its key maps, as the cache holds it."""
+    rot = {g.index: rots.per_layer[g.index] for g in geometry.layers}
+    ka = {g.index: rots.key_affine[g.index] for g in geometry.layers
+          if rots.key_affine and rots.key_affine[g.index] is not None}
+    return rot, ka
+
+
 def _variants(geometry, rotations, grids, tiers):
     """Layer-error variants: per rotation, K-only and V-only at each bits (2-bit once per grid)."""
     from lowbit.eval.layer_error import Variant
@@ -158,8 +168,7 @@ def _variants(geometry, rotations, grids, tiers):
 
     out = []
     for r in rotations:
-        rots = load_rotations(r, geometry)
-        rot = {g.index: rots.per_layer[g.index] for g in geometry.layers}
+        rot, ka = _rotation_maps(load_rotations(r, geometry), geometry)
         for t, name in ((0, "k{b}v16"), (1, "k16v{b}")):
             for b in BITS:
                 for g in (grids if b == 2 else ("minmax",)):
@@ -167,7 +176,7 @@ def _variants(geometry, rotations, grids, tiers):
                     if b == 2 and g == "std":
                         s = replace(s, k=replace(s.k, grid="std") if t == 0 else s.k,
                                     v=replace(s.v, grid="std") if t == 1 else s.v)
-                    out.append((Variant(f"{_rot_label(r)}|{'KV'[t]}{b}|{g}", s, rot), _rot_label(r), t, b, g))
+                    out.append((Variant(f"{_rot_label(r)}|{'KV'[t]}{b}|{g}", s, rot, key_affine=ka), _rot_label(r), t, b, g))
     return out
 
 
@@ -208,13 +217,14 @@ def measure(lm, calib, *, rotations=DEFAULT_ROTATIONS, grids=GRIDS, sink=None, r
     return Measured(err, db, ref_ppl, tuple(rotations), tuple(grids), tiers, calib, time.perf_counter() - t0)
 
 
-def _ppl(lm, m: Measured, scheme, rot) -> float:
+def _ppl(lm, m: Measured, scheme, rot, ka=None) -> float:
     from lowbit.eval.layer_error import Variant, fake_quant_ppl
 
     key = repr(scheme)
     if key not in m.ppl_cache:
         layers = {g.index: scheme.for_layer(g.index) for g in lm.geometry.layers}
-        m.ppl_cache[key] = fake_quant_ppl(lm.model, m.calib, Variant("v", scheme, rot, layer_scheme=layers))[0]
+        v = Variant("v", scheme, rot, layer_scheme=layers, key_affine=ka or {})
+        m.ppl_cache[key] = fake_quant_ppl(lm.model, m.calib, v)[0]
     return m.ppl_cache[key]
 
 
@@ -235,7 +245,7 @@ def choose(lm, m: Measured, *, budget: float, context: int, calib_info: dict, lo
     for r in m.rotations:
         rl = _rot_label(r)
         rots = load_rotations(r, geometry)
-        rot = {g.index: rots.per_layer[g.index] for g in geometry.layers}
+        rot, ka = _rotation_maps(rots, geometry)
         for g in m.grids:
             base = base_scheme(r, g, **m.tiers)
             if held_bits(base, context, geometry=geometry).bits > budget + 1e-9:
@@ -252,8 +262,8 @@ def choose(lm, m: Measured, *, budget: float, context: int, calib_info: dict, lo
                 assign[worst] = (2, vb) if kb >= vb else (kb, 2)
                 scheme = with_layer_bits(base, assign)
                 held = held_bits(scheme, context, geometry=geometry).bits
-            c = Candidate(rl, g, assign, pred, held, scheme)
-            c.ppl, c.base_ppl = _ppl(lm, m, scheme, rot), _ppl(lm, m, base, rot)
+            c = Candidate(rl, g, assign, pred, held, scheme, rotation_sha256=rots.sha256)
+            c.ppl, c.base_ppl = _ppl(lm, m, scheme, rot, ka), _ppl(lm, m, base, rot, ka)
             log(f"  budget {budget:g}, rotation {rl}, 2-bit grid {g}: held {held:.3f} b/elt, calib PPL {c.ppl:.3f} "
                 f"({100 * (c.ppl / m.ref_ppl - 1):+.2f}%; all-2-bit {100 * (c.base_ppl / m.ref_ppl - 1):+.2f}%), "
                 f"{sum(1 for a in assign.values() if a != (2, 2))} layers above 2 bits")
@@ -289,8 +299,25 @@ def _toml_value(v) -> str:
     raise TypeError(f"cannot write {type(v).__name__} to TOML")
 
 
-def recipe_toml(res: TuneResult, *, command: str = "") -> str:
-    """The recipe: [kv] (what load_recipe reads), [tune] (budget, measured held bits, evidence)."""
+def _rotation_field(c: Candidate, out) -> str:
+    """The recipe's rotation: a name, or a fitted artifact (RotationSet / key affine) as {path, sha256},
+    the path relative to the recipe's directory (load_recipe resolves it from there) when `out` is given."""
+    import os
+    from pathlib import Path
+
+    if c.rotation in ("none", "hadamard"):
+        return _toml_value(c.rotation)
+    path = str(Path(c.rotation).resolve())
+    if out is not None:
+        path = os.path.relpath(path, Path(out).resolve().parent)
+    if c.rotation_sha256 is None:
+        return _toml_value(path)
+    return f"{{ path = {_toml_value(path)}, sha256 = {_toml_value(c.rotation_sha256)} }}"
+
+
+def recipe_toml(res: TuneResult, *, command: str = "", out=None) -> str:
+    """The recipe: [kv] (what load_recipe reads), [tune] (budget, measured held bits, evidence).
+    out: where the recipe will be written (a fitted rotation's path is written relative to it)."""
     from lowbit import __version__
 
     b = res.best
@@ -299,7 +326,7 @@ def recipe_toml(res: TuneResult, *, command: str = "") -> str:
     lines = [f"# lowbit tune: {res.model}, budget {res.budget:g} held b/elt at {res.context} tokens",
              f"#   {command}" if command else "#",
              f"#   lowbit eval --model {res.model} --kv int2,kivi2 --recipe THIS_FILE", "", "[kv]",
-             'scheme = "int2"', f"rotation = {_toml_value(b.rotation)}", f"sink = {s.sink}", f"recent = {s.recent}",
+             'scheme = "int2"', f"rotation = {_rotation_field(b, out)}", f"sink = {s.sink}", f"recent = {s.recent}",
              f"page = {s.page}"]
     if b.grid == "lloyd-max":
         lines.append("lloyd_max = true")
