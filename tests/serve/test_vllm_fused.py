@@ -60,7 +60,7 @@ def _setup(name, D, group, Hkv, G, bs, lens, sink, recent, window, rotation, dty
     ("int2", 256, 128, 1, 4, 16, [40, 230, 301], 5, 30, 48, False, None),  # gemma3-like: window, poison
     ("int4", 64, 64, 1, 9, 4, [1, 2, 3, 11, 23, 61, 97], 3, 5, 13, True, None),  # GQA 9, tiny blocks
 ])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_decode_equals_torch_twin(name, D, group, Hkv, G, bs, lens, sink, recent, window, rotation, softcap,
                                         dtype):
     fmt, cache, table, arena, q, nk, nv, rk, rv = _setup(name, D, group, Hkv, G, bs, lens, sink, recent, window,
@@ -76,6 +76,54 @@ def test_fused_decode_equals_torch_twin(name, D, group, Hkv, G, bs, lens, sink, 
     assert memo, "the step's index tensors were not memoised"
     again = paged.attend(q, cache, fmt, kernel="cpu-fused", memo=memo, **kw)  # a second layer, same step
     torch.testing.assert_close(again, want, rtol=2e-4, atol=2e-5)
+
+
+def _kernel_calls(fn):
+    """The arguments of every mod.paged_decode call fn() makes (the module swapped for a recording proxy)."""
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(MOD, name)
+
+        def paged_decode(self, *a):
+            calls.append(a)
+            return MOD.paged_decode(*a)
+
+    cpu_kernel._STATE["mod"] = Spy()
+    try:
+        fn()
+    finally:
+        cpu_kernel._STATE["mod"] = MOD
+    return calls
+
+
+@pytest.mark.skipif(not MOD.has_vector_path(), reason="this build has no AVX2 + FMA + F16C path")
+@pytest.mark.parametrize("name,D,group,Hkv,G,lens,sink,recent,softcap,dtype,vector", [
+    ("int4", 64, 64, 3, 3, [2050], 64, 256, None, torch.bfloat16, True),  # smollm2's step, several tiles
+    ("int2", 64, 32, 2, 5, [1, 33, 70], 3, 5, 20.0, torch.float16, True),  # G 5 = a 4-head and a 1-head pass
+    ("int8", 128, 64, 1, 9, [45, 97], 0, 0, None, torch.float32, True),  # no tiers, G 9 = 4 + 4 + 1
+    ("k4v2", 64, 64, 2, 2, [31, 64], 2, 7, None, torch.bfloat16, True),
+    ("int4", 48, 48, 2, 3, [29, 61], 4, 6, None, torch.bfloat16, True),  # 4-bit lanes of 24 dims
+    ("int4", 40, 40, 2, 3, [29, 61], 4, 6, None, torch.bfloat16, False),  # lanes of 20 dims: scalar
+    ("int2", 40, 40, 1, 2, [23], 2, 3, None, torch.float32, False),  # lanes of 10 dims: scalar
+])
+def test_vector_path_equals_the_scalar_loop(name, D, group, Hkv, G, lens, sink, recent, softcap, dtype, vector):
+    """paged_decode's AVX2 path (every cell dequantized once for the G heads, 8 dims at a time, polynomial exp)
+    against the scalar loop on the same arguments, and the layouts it leaves to the scalar loop."""
+    fmt, cache, table, arena, q, nk, nv, rk, rv = _setup(name, D, group, Hkv, G, 16, lens, sink, recent, None, False,
+                                                         dtype, seed=D + G)
+    assert MOD.vector_layout(paged.kernel_meta(fmt)) is vector
+    kw = dict(block_table=table, seq_lens=torch.tensor(lens), query_start_loc=torch.arange(len(lens) + 1),
+              scale=D ** -0.5, softcap=softcap, arena=arena, new_k=nk, new_v=nv, evict=False)
+    calls = _kernel_calls(lambda: paged.attend(q, cache, fmt, kernel="cpu-fused", memo={}, **kw))
+    assert len(calls) == 1
+    got, ref = MOD.paged_decode(*calls[0]), MOD.paged_decode_scalar(*calls[0])
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    if not vector:
+        assert torch.equal(got, ref)  # the same loop
+    torch.testing.assert_close(got.view(len(lens), Hkv * G, D),
+                               paged.attend(q, cache, fmt, kernel="torch", **kw), rtol=2e-4, atol=2e-5)
 
 
 def test_fused_decode_reads_dropped_dense_rows_from_their_codes():

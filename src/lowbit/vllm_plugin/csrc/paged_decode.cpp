@@ -22,6 +22,10 @@
 #include <type_traits>
 #include <vector>
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 struct Field {
@@ -192,16 +196,326 @@ void decode_one(int64_t r, int64_t h, const float* q /*[G,D]*/, int64_t G, int64
   }
 }
 
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+// ---- the vector path (AVX2 + FMA + F16C): the same sums, 8 dims at a time ----
+// Every packed cell is read and dequantized once for the G query heads of its KV head (up to 4 heads per
+// pass, their accumulators in registers); the codes -> float conversion happens inside the dot; the value
+// pass runs dims-outer over a tile of tokens so each head's accumulator chunk stays in a register; the
+// softmax's exp is an 8-wide polynomial (relative error ~1e-7, as std::exp within the test tolerance).
+#define LOWBIT_PAGED_VEC 1
+namespace vec {
+
+// the 4 horizontal sums of a, b, c, d
+inline __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  const __m256 ab = _mm256_hadd_ps(a, b), cd = _mm256_hadd_ps(c, d);
+  const __m256 x = _mm256_hadd_ps(ab, cd);  // a0123 b0123 c0123 d0123 | a4567 b4567 c4567 d4567
+  return _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+}
+
+// exp(x) for x <= 0 (softmax arguments): 2^n * p(r), r = x - n ln2 in [-ln2/2, ln2/2], degree-6 polynomial
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));  // below: ~1e-38, as good as 0 next to the tile max's 1
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t b;
+  std::memcpy(&b, p, 2);
+  return _cvtsh_ss(b);
+}
+
+// 8 consecutive dims of a row in any of the pool's float dtypes
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i x = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(x, 16));
+}
+inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// dims 8u..8u+7 of a strided row (byte j holds dims j + i*S): 8 bytes from `at` = codes + j, shifted by i*CB
+struct Chunk {
+  int64_t at;
+  __m128i shift;
+};
+template <int CB>
+inline __m256 codes8(const uint8_t* codes, const Chunk& c) {
+  __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + c.at)));
+  if (CB < 8) x = _mm256_and_si256(_mm256_srl_epi32(x, c.shift), _mm256_set1_epi32((1 << CB) - 1));
+  return _mm256_cvtepi32_ps(x);
+}
+
+template <int CB>
+std::vector<Chunk> chunks_of(int64_t dim) {
+  const int64_t S = dim / (8 / CB);
+  std::vector<Chunk> out(dim / 8);
+  for (int64_t u = 0; u < dim / 8; ++u) {
+    const int64_t d = 8 * u, i = d / S;
+    out[u] = Chunk{d - i * S, _mm_cvtsi32_si128(static_cast<int>(i * CB))};
+  }
+  return out;
+}
+
+// scores of one packed token for query heads g0..g0+NH-1: sum_k s_k (q_g . c_k) + z_k sum(q_g,k), into s[g*TILE]
+template <int CB, int NH>
+inline void score_packed(const uint8_t* codes, const Chunk* ch, const float* q, int64_t D, int64_t cpg, int64_t ngk,
+                         const float* ks, const float* kz, const float* qsum, float* s, int64_t tile) {
+  float tot[4] = {0.f, 0.f, 0.f, 0.f};
+  for (int64_t k = 0; k < ngk; ++k) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (int64_t u = k * cpg; u < (k + 1) * cpg; ++u) {
+      const __m256 c = codes8<CB>(codes, ch[u]);
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 8 * u), c, a0);
+      if (NH > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + 8 * u), c, a1);
+      if (NH > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + 8 * u), c, a2);
+      if (NH > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * D + 8 * u), c, a3);
+    }
+    alignas(16) float h[4];
+    _mm_store_ps(h, hsum4(a0, a1, a2, a3));
+    for (int g = 0; g < NH; ++g) tot[g] += h[g] * ks[k] + qsum[g * ngk + k] * kz[k];
+  }
+  for (int g = 0; g < NH; ++g) s[g * tile] = tot[g];
+}
+
+// scores of one dense row (any float dtype) for query heads g0..g0+NH-1
+template <typename U, int NH>
+inline void score_row(const U* k, const float* q, int64_t D, float* s, int64_t tile) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; d += 8) {
+    const __m256 c = load8(k + d);
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), c, a0);
+    if (NH > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + D + d), c, a1);
+    if (NH > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 2 * D + d), c, a2);
+    if (NH > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(q + 3 * D + d), c, a3);
+  }
+  alignas(16) float h[4];
+  _mm_store_ps(h, hsum4(a0, a1, a2, a3));
+  for (int g = 0; g < NH; ++g) s[g * tile] = h[g];
+}
+
+// acc[g, 8u..] += sum_t w[g, k(u), t] * x_t[8u..] over a tile's n tokens, for heads g0..g0+NH-1; `get(t, u)`
+// gives token t's 8 values of chunk u, w[(g * ngv + k) * tile + t] the weight (p, or p * scale for codes)
+template <int NH, typename Get>
+inline void accumulate(int n, int64_t nchunks, int64_t cpg, int64_t ngv, const float* w, int64_t tile, float* acc,
+                       int64_t Dv, Get get) {
+  for (int64_t u = 0; u < nchunks; ++u) {
+    const int64_t k = u / cpg;
+    float* a = acc + 8 * u;
+    __m256 a0 = _mm256_loadu_ps(a), a1 = a0, a2 = a0, a3 = a0;
+    if (NH > 1) a1 = _mm256_loadu_ps(a + Dv);
+    if (NH > 2) a2 = _mm256_loadu_ps(a + 2 * Dv);
+    if (NH > 3) a3 = _mm256_loadu_ps(a + 3 * Dv);
+    const float* w0 = w + k * tile;
+    const int64_t gs = ngv * tile;
+    for (int t = 0; t < n; ++t) {
+      const __m256 x = get(t, u);
+      a0 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + t), x, a0);
+      if (NH > 1) a1 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + gs + t), x, a1);
+      if (NH > 2) a2 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + 2 * gs + t), x, a2);
+      if (NH > 3) a3 = _mm256_fmadd_ps(_mm256_broadcast_ss(w0 + 3 * gs + t), x, a3);
+    }
+    _mm256_storeu_ps(a, a0);
+    if (NH > 1) _mm256_storeu_ps(a + Dv, a1);
+    if (NH > 2) _mm256_storeu_ps(a + 2 * Dv, a2);
+    if (NH > 3) _mm256_storeu_ps(a + 3 * Dv, a3);
+  }
+}
+
+// heads in passes of up to 4: f(g0, integral_constant<NH>)
+template <typename F>
+inline void by_heads(int64_t G, F f) {
+  for (int64_t g0 = 0; g0 < G; g0 += 4) {
+    switch (std::min<int64_t>(4, G - g0)) {
+      case 1: f(g0, std::integral_constant<int, 1>{}); break;
+      case 2: f(g0, std::integral_constant<int, 2>{}); break;
+      case 3: f(g0, std::integral_constant<int, 3>{}); break;
+      default: f(g0, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
+// true when this layout can take the vector path: every 8-dim chunk inside one group and one strided lane
+inline bool fits(int64_t D, int64_t Dv, const Field& fk, const Field& fv) {
+  auto ok = [](const Field& f, int64_t dim) {
+    const int64_t S = dim / (8 / f.cbits);
+    return dim % 8 == 0 && f.group % 8 == 0 && S % 8 == 0 && dim % f.group == 0;
+  };
+  return ok(fk, D) && ok(fv, Dv);
+}
+
+constexpr int VT = 32;  // tokens per tile
+
+template <typename T, int CBK, int CBV>
+void decode_one(int64_t h, const float* q /*[G,D]*/, int64_t G, int64_t D, int64_t Dv, const uint8_t* cache,
+                int64_t H, int64_t bs, int64_t C, const int64_t* ids, int64_t nb, int64_t b0, int64_t lo, int64_t hi,
+                const Field& fk, const Field& fv, const T* pk, const T* pv, const int64_t* drows, int64_t nd,
+                const float* ok, const float* ov, float scale, float softcap, float* out /*[G,Dv]*/,
+                const float* rk /*[D,D] or null*/, const float* rv /*[Dv,Dv] or null*/) {
+  const int64_t ngk = D / fk.group, ngv = Dv / fv.group, cpk = fk.group / 8, cpv = fv.group / 8;
+  std::vector<float> qrot;
+  if (rk != nullptr) {  // q @ R_k, the rotation the cache's rows carry
+    qrot.assign(G * D, 0.f);
+    for (int64_t g = 0; g < G; ++g)
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = q[g * D + d];
+        const float* __restrict rr = rk + d * D;
+        float* __restrict o = &qrot[g * D];
+        for (int64_t e = 0; e < D; ++e) o[e] += x * rr[e];
+      }
+    q = qrot.data();
+  }
+  const std::vector<Chunk> chk = chunks_of<CBK>(D), chv = chunks_of<CBV>(Dv);
+  std::vector<float> qsum(G * ngk), m(G, -std::numeric_limits<float>::infinity()), l(G, 0.f), acc(G * Dv, 0.f);
+  std::vector<float> s(G * VT, 0.f), w(G * ngv * VT, 0.f), zv(VT * ngv), sv(VT * ngv), ks(ngk), kz(ngk);
+  std::vector<const uint8_t*> vcell(VT);
+  std::vector<const T*> vrow(VT);
+  for (int64_t g = 0; g < G; ++g)
+    for (int64_t k = 0; k < ngk; ++k) {
+      float a = 0.f;
+      for (int64_t d = k * fk.group; d < (k + 1) * fk.group; ++d) a += q[g * D + d];
+      qsum[g * ngk + k] = a;
+    }
+  int n = 0;
+  // kind of the tile's tokens: 0 packed cells, 1 pool rows (T), 2 the own row (float)
+  auto flush = [&](int kind, const float* own_v) {
+    if (n == 0) return;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t g = 0; g < G; ++g) {
+      float* sg = &s[g * VT];
+      for (int t = 0; t < n; t += 8) _mm256_storeu_ps(sg + t, _mm256_mul_ps(_mm256_loadu_ps(sg + t), vscale));
+      if (softcap > 0.f)
+        for (int t = 0; t < n; ++t) sg[t] = softcap * std::tanh(sg[t] / softcap);
+      float mx = m[g];
+      for (int t = 0; t < n; ++t) mx = std::max(mx, sg[t]);
+      const float alpha = std::isinf(m[g]) ? 0.f : std::exp(m[g] - mx);
+      m[g] = mx;
+      const __m256 vmx = _mm256_set1_ps(mx);
+      __m256 sum = _mm256_setzero_ps();
+      for (int t = 0; t < n; t += 8) {
+        __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(sg + t), vmx));
+        if (n - t < 8) {  // the tile's tail: lanes past n weigh 0
+          const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+          p = _mm256_and_ps(p, _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(n - t), lane)));
+        }
+        _mm256_storeu_ps(sg + t, p);
+        sum = _mm256_add_ps(sum, p);
+      }
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(sum), _mm256_extractf128_ps(sum, 1));
+      const __m128 s2 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      l[g] = l[g] * alpha + _mm_cvtss_f32(_mm_add_ss(s2, _mm_shuffle_ps(s2, s2, 1)));
+      float* ag = &acc[g * Dv];
+      if (alpha != 1.f)
+        for (int64_t d = 0; d < Dv; ++d) ag[d] *= alpha;
+      if (kind == 0) {  // codes: weights p * scale per V group, and the zeros' share sum_t p z_t added once
+        for (int64_t k = 0; k < ngv; ++k) {
+          float zt = 0.f;
+          float* wk = &w[(g * ngv + k) * VT];
+          for (int t = 0; t < n; ++t) {
+            wk[t] = sg[t] * sv[t * ngv + k];
+            zt += sg[t] * zv[t * ngv + k];
+          }
+          for (int64_t d = k * fv.group; d < (k + 1) * fv.group; ++d) ag[d] += zt;
+        }
+      } else {
+        std::memcpy(&w[g * ngv * VT], sg, VT * sizeof(float));  // ngv is only read as a stride below
+      }
+    }
+    if (kind == 0) {
+      by_heads(G, [&](int64_t g0, auto nh) {
+        accumulate<decltype(nh)::value>(n, Dv / 8, cpv, ngv, &w[g0 * ngv * VT], VT, &acc[g0 * Dv], Dv,
+                                        [&](int t, int64_t u) { return codes8<CBV>(vcell[t] + fv.codes, chv[u]); });
+      });
+    } else if (kind == 1) {
+      by_heads(G, [&](int64_t g0, auto nh) {
+        accumulate<decltype(nh)::value>(n, Dv / 8, Dv / 8, ngv, &w[g0 * ngv * VT], VT, &acc[g0 * Dv], Dv,
+                                        [&](int t, int64_t u) { return load8(vrow[t] + 8 * u); });
+      });
+    } else {
+      by_heads(G, [&](int64_t g0, auto nh) {
+        accumulate<decltype(nh)::value>(n, Dv / 8, Dv / 8, ngv, &w[g0 * ngv * VT], VT, &acc[g0 * Dv], Dv,
+                                        [&](int, int64_t u) { return _mm256_loadu_ps(own_v + 8 * u); });
+      });
+    }
+    n = 0;
+  };
+  // 1. packed middle
+  for (int64_t j = 0; j < nb; ++j) {
+    const int64_t base = (b0 + j) * bs;
+    const int64_t t0 = std::max<int64_t>(0, lo - base), t1 = std::min<int64_t>(bs, hi - base);
+    for (int64_t t = t0; t < t1; ++t) {
+      const uint8_t* cell = cache + ((ids[j] * H + h) * bs + t) * C;
+      for (int64_t k = 0; k < ngk; ++k) {
+        ks[k] = half_at(cell + fk.scale + 2 * k);
+        kz[k] = half_at(cell + fk.zero + 2 * k);
+      }
+      by_heads(G, [&](int64_t g0, auto nh) {
+        score_packed<CBK, decltype(nh)::value>(cell + fk.codes, chk.data(), q + g0 * D, D, cpk, ngk, ks.data(),
+                                               kz.data(), &qsum[g0 * ngk], &s[g0 * VT + n], VT);
+      });
+      for (int64_t k = 0; k < ngv; ++k) {
+        sv[n * ngv + k] = half_at(cell + fv.scale + 2 * k);
+        zv[n * ngv + k] = half_at(cell + fv.zero + 2 * k);
+      }
+      vcell[n] = cell;
+      if (++n == VT) flush(0, nullptr);
+    }
+  }
+  flush(0, nullptr);
+  // 2. dense rows (pool)
+  for (int64_t i = 0; i < nd; ++i) {
+    const int64_t row = drows[i];
+    if (row < 0) continue;
+    const T* k = pk + (row * H + h) * D;
+    by_heads(G, [&](int64_t g0, auto nh) { score_row<T, decltype(nh)::value>(k, q + g0 * D, D, &s[g0 * VT + n], VT); });
+    vrow[n] = pv + (row * H + h) * Dv;
+    if (++n == VT) flush(1, nullptr);
+  }
+  flush(1, nullptr);
+  // 3. the own row
+  if (ok != nullptr) {
+    by_heads(G, [&](int64_t g0, auto nh) {
+      score_row<float, decltype(nh)::value>(ok + h * D, q + g0 * D, D, &s[g0 * VT], VT);
+    });
+    n = 1;
+    flush(2, ov + h * Dv);
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+    if (rv == nullptr) {
+      for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] = acc[g * Dv + d] * inv;
+    } else {  // o @ R_v^T: back from the rotated space
+      for (int64_t d = 0; d < Dv; ++d) acc[g * Dv + d] *= inv;
+      for (int64_t e = 0; e < Dv; ++e) out[g * Dv + e] = dot(&acc[g * Dv], rv + e * Dv, Dv);
+    }
+  }
+}
+
+}  // namespace vec
+#endif
+
 }  // namespace
 
 // q float (any float dtype) [R,H,G,D], unrotated when rot_k is given; cache uint8 [NB,H,bs,C]; mid_ids int64 [R,nb]; mid int64 [R,3] (b0, lo, hi);
 // meta int64 [12] (k: codes, scale, zero, cbits, group, dim; v: same); pool_k/pool_v [rows,H,D] (any
 // float dtype, may be empty); dense_rows int64 [R,nd]; own_k/own_v float [R,H,D] (empty: none);
 // rot_k [D,D] / [H,D,D] (empty: q is already rotated); rot_v likewise (empty: the output stays rotated).
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor mid_ids, torch::Tensor mid,
-                           torch::Tensor meta, torch::Tensor pool_k, torch::Tensor pool_v,
-                           torch::Tensor dense_rows, torch::Tensor own_k, torch::Tensor own_v, double scale,
-                           double softcap, torch::Tensor rot_k, torch::Tensor rot_v) {
+torch::Tensor paged_decode_impl(torch::Tensor q, torch::Tensor cache, torch::Tensor mid_ids, torch::Tensor mid,
+                                torch::Tensor meta, torch::Tensor pool_k, torch::Tensor pool_v,
+                                torch::Tensor dense_rows, torch::Tensor own_k, torch::Tensor own_v, double scale,
+                                double softcap, torch::Tensor rot_k, torch::Tensor rot_v, bool scalar) {
   TORCH_CHECK(q.is_floating_point() && q.dim() == 4, "q: float [R,H,G,D]");
   q = q.to(torch::kFloat32).contiguous();
   TORCH_CHECK(cache.dtype() == torch::kUInt8 && cache.dim() == 4 && cache.is_contiguous(), "cache: uint8 [NB,H,bs,C]");
@@ -245,6 +559,25 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor m
     const scalar_t* pv = pvc.numel() ? pvc.data_ptr<scalar_t>() : nullptr;
     auto one = [&](auto ck, auto cv) {
       constexpr int CK = decltype(ck)::value, CV = decltype(cv)::value;
+#ifdef LOWBIT_PAGED_VEC
+      if (!scalar && !std::is_same<scalar_t, double>::value && vec::fits(D, Dv, fk, fv)) {
+        using VT = std::conditional_t<std::is_same<scalar_t, double>::value, float, scalar_t>;  // double: never here
+        const VT* vpk = reinterpret_cast<const VT*>(pk);
+        const VT* vpv = reinterpret_cast<const VT*>(pv);
+        at::parallel_for(0, R * H, 1, [&](int64_t a, int64_t b) {
+          for (int64_t x = a; x < b; ++x) {
+            const int64_t r = x / H, h = x % H;
+            vec::decode_one<VT, CK, CV>(h, qp + (r * H + h) * G * D, G, D, Dv, cp, H, bs, C, idp + r * nb, nb,
+                                        mp[r * 3], mp[r * 3 + 1], mp[r * 3 + 2], fk, fv, vpk, vpv, dp + r * nd,
+                                        pk ? nd : 0, okp ? okp + r * H * D : nullptr,
+                                        ovp ? ovp + r * H * Dv : nullptr, static_cast<float>(scale),
+                                        static_cast<float>(softcap), op + (r * H + h) * G * Dv,
+                                        rkp ? rkp + h * rks : nullptr, rvp ? rvp + h * rvs : nullptr);
+          }
+        });
+        return;
+      }
+#endif
       at::parallel_for(0, R * H, 1, [&](int64_t a, int64_t b) {
         for (int64_t x = a; x < b; ++x) {
           const int64_t r = x / H, h = x % H;
@@ -304,7 +637,48 @@ std::tuple<torch::Tensor, int64_t> dense_rows(torch::Tensor slot_map, torch::Ten
   return {rows, missing};
 }
 
+torch::Tensor paged_decode(torch::Tensor q, torch::Tensor cache, torch::Tensor mid_ids, torch::Tensor mid,
+                           torch::Tensor meta, torch::Tensor pool_k, torch::Tensor pool_v,
+                           torch::Tensor dense_rows, torch::Tensor own_k, torch::Tensor own_v, double scale,
+                           double softcap, torch::Tensor rot_k, torch::Tensor rot_v) {
+  return paged_decode_impl(q, cache, mid_ids, mid, meta, pool_k, pool_v, dense_rows, own_k, own_v, scale, softcap,
+                           rot_k, rot_v, false);
+}
+
+// the same op on the scalar loop only (the reference the vector path is tested against; odd layouts run it)
+torch::Tensor paged_decode_scalar(torch::Tensor q, torch::Tensor cache, torch::Tensor mid_ids, torch::Tensor mid,
+                                  torch::Tensor meta, torch::Tensor pool_k, torch::Tensor pool_v,
+                                  torch::Tensor dense_rows, torch::Tensor own_k, torch::Tensor own_v, double scale,
+                                  double softcap, torch::Tensor rot_k, torch::Tensor rot_v) {
+  return paged_decode_impl(q, cache, mid_ids, mid, meta, pool_k, pool_v, dense_rows, own_k, own_v, scale, softcap,
+                           rot_k, rot_v, true);
+}
+
+// whether this build has the vector path (AVX2 + FMA + F16C at compile time)
+bool has_vector_path() {
+#ifdef LOWBIT_PAGED_VEC
+  return true;
+#else
+  return false;
+#endif
+}
+
+// whether paged_decode runs its vector path for this slot layout (meta as paged_decode's; this build's choice)
+bool vector_layout(torch::Tensor meta) {
+#ifdef LOWBIT_PAGED_VEC
+  auto mt = meta.to(torch::kInt64).contiguous();
+  const int64_t* mm = mt.data_ptr<int64_t>();
+  const Field fk{mm[0], mm[1], mm[2], mm[3], mm[4], mm[5]}, fv{mm[6], mm[7], mm[8], mm[9], mm[10], mm[11]};
+  return vec::fits(fk.dim, fv.dim, fk, fv);
+#else
+  return false;
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "lowbit fused paged decode (CPU)");
+  m.def("paged_decode_scalar", &paged_decode_scalar, "lowbit fused paged decode, scalar loop only (CPU)");
+  m.def("has_vector_path", &has_vector_path, "whether paged_decode has its AVX2 path");
+  m.def("vector_layout", &vector_layout, "whether paged_decode takes its vector path for this slot layout");
   m.def("dense_rows", &dense_rows, "lowbit arena rows of dense tier positions (CPU)");
 }
