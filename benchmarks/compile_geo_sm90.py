@@ -115,6 +115,8 @@ def main(argv=None):
                     regs, spill, shared = compile_launch(launch, a.out, tag)
                     print(f"{tag}: regs={regs} spill_stores={spill} shared={shared}B", flush=True)
                 except Exception as e:  # noqa: BLE001
+                    while (e.__cause__ or e.__context__) is not None:  # the innermost error says what broke
+                        e = e.__cause__ or e.__context__
                     print(f"{tag}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
 
 

@@ -61,62 +61,8 @@ from lowbit.kernels.decode_attention import (
     check_packed_tier,
     cuda_index,
     device_info,
-    pick_num_splits,
     tier_heads,
 )
-
-
-# ----------------------------------------------------------------------------------------------
-# Middle-tier helpers
-# ----------------------------------------------------------------------------------------------
-@triton.jit
-def _chunk_shift(S: tl.constexpr, W: tl.constexpr, NCP: tl.constexpr, BITS: tl.constexpr):
-    """Bit offset of each chunk's codes in its bytes [NCP]: BITS * (position (n*W) // S)."""
-    n = tl.arange(0, NCP)
-    return BITS * ((n * W) // S)
-
-
-@triton.jit
-def _chunk_dims(W: tl.constexpr, NCP: tl.constexpr):
-    """Dim of each column of _code_words [NCP, W]: chunk n starts at n*W; inside a 4-column group the
-    columns hold bytes (0, 2, 1, 3) of a word (bits 0 and 1 of the column index swapped)."""
-    c = tl.arange(0, W)
-    return tl.arange(0, NCP)[:, None] * W + ((c & ~3) + ((c & 1) << 1) + ((c >> 1) & 1))[None, :]
-
-
-@triton.jit
-def _code_words(base, tok, valid, S: tl.constexpr, W: tl.constexpr, NC: tl.constexpr, NCP: tl.constexpr,
-                BITS: tl.constexpr):
-    """Packed rows at `base` (int32 words, token stride S/4) -> codes fp16 [NCP, BT, W], column order
-    of _chunk_dims, value code * 2**(shift - 24) (shift: _chunk_shift).
-
-    One AND per two codes: a word ANDed with a mask that keeps one code in each 16-bit half IS two fp16
-    subnormals (bytes 0 and 2; the word shifted by 8 gives bytes 1 and 3), so no convert, subtract or
-    multiply per element; the powers of two are folded into q (scores) and into one factor per chunk
-    after the loop (values). Chunks >= NC (register padding) and invalid tokens load 0."""
-    WU: tl.constexpr = W // 4
-    n = tl.arange(0, NCP)
-    word = (((n * W) % S) // 4)[:, None, None] + tl.arange(0, WU)[None, None, :]
-    m = (n < NC)[:, None, None] & valid[None, :, None]
-    e = tl.load(base + tok[None, :, None] * (S // 4) + word, mask=m, other=0)  # int32 [NCP, BT, WU]
-    o = e >> 8
-    msk = ((((1 << BITS) - 1) << _chunk_shift(S, W, NCP, BITS)) * 0x10001)[:, None, None]
-    el, eh = _halves(e & msk)  # bytes 0, 2
-    ol, oh = _halves(o & msk)  # bytes 1, 3
-    x = tl.join(tl.join(el, ol), tl.join(eh, oh))  # [NCP, BT, WU, 2, 2] -> column 4u + (0, 2, 1, 3)
-    return tl.reshape(x, (NCP, x.shape[1], W))
-
-
-@triton.jit
-def _chunk_sz(SC, ZE, base, tok, valid, W: tl.constexpr, GRP: tl.constexpr, NG: tl.constexpr,
-              NC: tl.constexpr, NCP: tl.constexpr):
-    """fp16 scale/zero of each chunk's group -> fp32 [NCP, BT] (0 for padding chunks / invalid tokens)."""
-    n = tl.arange(0, NCP)
-    off = base + tok[None, :] * NG + ((n * W) // GRP)[:, None]
-    m = (n < NC)[:, None] & valid[None, :]
-    s = tl.load(SC + off, mask=m, other=0.0).to(tl.float32)
-    z = tl.load(ZE + off, mask=m, other=0.0).to(tl.float32)
-    return s, z
 
 
 @triton.jit
@@ -179,69 +125,202 @@ def _geo_dense_tier(Kp, Vp, Pp, skt, svt, spt, n, ITERS: tl.constexpr, q_t, qp_t
     return m_i, l_v, o_t
 
 
+
+# ----------------------------------------------------------------------------------------------
+# Middle-tier helpers: segments of one packed row (see the module docstring)
+# ----------------------------------------------------------------------------------------------
 @triton.jit
-def _geo_mid_block(t0, end, kw_base, vw_base, pe_base, spt, KS, KZ, ks_base, VS, VZ, vs_base,
-                   qc, qsum, qp_hi, qp_lo, qk_scale, m_i, l_i, o, lz,
-                   BT: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr, SK: tl.constexpr, SV: tl.constexpr,
-                   WK: tl.constexpr, NCK: tl.constexpr, NCKP: tl.constexpr, GK: tl.constexpr, NGK: tl.constexpr,
-                   WV: tl.constexpr, NCV: tl.constexpr, NCVP: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr,
-                   DR: tl.constexpr, SHARED: tl.constexpr, HAS_PE: tl.constexpr, DENSE_MID: tl.constexpr,
-                   INTERP: tl.constexpr):
-    """One block of BT middle tokens from t0: scores, online softmax, value accumulation.
-    qc [NCKP, WK, HP] fp16 (or model dtype for DENSE_MID), qsum [NCKP, HP]; o [NCVP, WV, HP], lz [NCVP, HP]."""
+def _seg_cols(U: tl.constexpr):
+    """Dim offset (inside its segment) of each column of _codes_k [.., 4U]: column 4u + j holds byte
+    (0, 2, 1, 3)[j] of word u (bits 0 and 1 of the column index swapped)."""
+    c = tl.arange(0, 4 * U)
+    return (c & ~3) + ((c & 1) << 1) + ((c >> 1) & 1)
+
+
+@triton.jit
+def _seg_rows(U: tl.constexpr):
+    """Dim offset (inside its segment) of each row of _codes_v [4U, ..]: row c*U + u is byte c of word u."""
+    r = tl.arange(0, 4 * U)
+    return 4 * (r % U) + r // U
+
+
+@triton.jit
+def _codes_k(w, SH: tl.constexpr, BITS: tl.constexpr):
+    """Words [BT, U] int32 (token-major) -> fp16 [BT, 4U]: the codes at bit offset SH of every byte,
+    value code * 2**(SH - 24), columns in _seg_cols order. One AND per two codes: a word ANDed with a
+    mask that keeps one code in each 16-bit half IS two fp16 subnormals (bytes 0 and 2; the word
+    shifted by 8 gives bytes 1 and 3): no convert, subtract or multiply per element."""
+    M: tl.constexpr = (((1 << BITS) - 1) << SH) * 0x10001
+    el, eh = _halves(w & M)  # bytes 0, 2
+    ol, oh = _halves((w >> 8) & M)  # bytes 1, 3
+    x = tl.join(tl.join(el, ol), tl.join(eh, oh))  # [BT, U, 2, 2] -> column 4u + 2*h + eo
+    return tl.reshape(x, (w.shape[0], w.shape[1] * 4))
+
+
+@triton.jit
+def _pair_byte(a, b, c, USE_PRMT: tl.constexpr):
+    """Byte c of a into bits 0-7 and byte c of b into bits 16-23 (bits 8-15, 24-31: don't care)."""
+    if USE_PRMT:
+        # prmt selector nibbles (result byte 3..0) = (4+c, 4+c, c, c): one instruction
+        r = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, 0x4400 + c * 0x1111],
+                                      dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        r = ((a >> (8 * c)) & 0xFF) | (((b >> (8 * c)) & 0xFF) << 16)
+    return r
+
+
+@triton.jit
+def _token_pairs(wt, USE_PRMT: tl.constexpr):
+    """Words token-minor [U, BT] -> int32 [4, U, BT/2]: element (c, u, k) holds byte c of word u of
+    token 2k in its low half and of token 2k+1 in its high half (the pairs the PV MMA's A operand
+    wants in one register). Built by broadcasting over c (one byte-permute per two words)."""
+    U: tl.constexpr = wt.shape[0]
+    BT: tl.constexpr = wt.shape[1]
+    a, b = tl.split(tl.reshape(wt, (U, BT // 2, 2)))  # even, odd tokens [U, BT/2]
+    shape: tl.constexpr = (4, U, BT // 2)
+    c = tl.broadcast_to(tl.arange(0, 4)[:, None, None], shape)
+    return _pair_byte(tl.broadcast_to(a[None, :, :], shape), tl.broadcast_to(b[None, :, :], shape), c, USE_PRMT)
+
+
+@triton.jit
+def _codes_v(x, SH: tl.constexpr, BITS: tl.constexpr):
+    """_token_pairs [4, U, BT/2] -> fp16 codes^T [4U, BT] at bit offset SH, value code * 2**(SH - 24);
+    rows in _seg_rows order, columns = tokens."""
+    M: tl.constexpr = (((1 << BITS) - 1) << SH) * 0x10001
+    lo, hi = _halves(x & M)
+    return tl.reshape(tl.join(lo, hi), (4 * x.shape[1], 2 * x.shape[2]))
+
+
+@triton.jit
+def _seg_dims(j: tl.constexpr, W: tl.constexpr, DENSE: tl.constexpr, ROWS: tl.constexpr):
+    """Dims of segment j's columns (K side, _codes_k order) or rows (V side, _codes_v order)."""
+    if DENSE:
+        d = tl.arange(0, W)
+    elif ROWS:
+        d = _seg_rows(W // 4)
+    else:
+        d = _seg_cols(W // 4)
+    return j * W + d
+
+
+@triton.jit
+def _q_seg(q_base, hvalid, j: tl.constexpr, W: tl.constexpr, NR: tl.constexpr, BITS: tl.constexpr,
+           DENSE: tl.constexpr, DT: tl.constexpr):
+    """q of K segment j -> ([W, HP] in DT, fp32 [W, HP]): columns in _codes_k order, times
+    2**-(bit offset of the segment's codes) (exact in fp16; the 2**24 goes on the scale)."""
+    d = _seg_dims(j, W, DENSE, False)
+    qf = tl.load(q_base[None, :] + d[:, None], mask=hvalid[None, :], other=0.0).to(tl.float32)
+    if DENSE:
+        qs = qf
+    else:
+        qs = qf * (1.0 / (1 << ((j // NR) * BITS)))
+    return qs.to(DT), qf
+
+
+@triton.jit
+def _geo_mid_tile(t0, end, kw_base, vw_base, pe_base, spt, KS, KZ, ks_base, VS, VZ, vs_base,
+                  q_base, qp_base, hvalid, qk, qsum, qp, qk_scale, m_i, l_v, o, lz,
+                  BT: tl.constexpr, HP: tl.constexpr, KBITS: tl.constexpr, VBITS: tl.constexpr,
+                  SK: tl.constexpr, SV: tl.constexpr, WK: tl.constexpr, NRK: tl.constexpr, GK: tl.constexpr,
+                  NGK: tl.constexpr, WV: tl.constexpr, NRV: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr,
+                  DV: tl.constexpr, DR: tl.constexpr, SHARED: tl.constexpr, HAS_PE: tl.constexpr,
+                  DENSE_MID: tl.constexpr, Q_LOOP: tl.constexpr, USE_PRMT: tl.constexpr, INTERP: tl.constexpr):
+    """One tile of BT middle tokens from t0: scores, online softmax, values. o: tuple of the V
+    segments' accumulators [WV, HP] fp32; lz: tuple per V group of deferred p * zero sums [BT, HP];
+    l_v [BT, HP] deferred softmax sums; qk / qp: tuples of q segments (or None-likes when Q_LOOP)."""
     tok = t0 + tl.arange(0, BT)
     valid = tok < end
+    SEG_K: tl.constexpr = GK // WK  # segments per K group
+    SEG_V: tl.constexpr = GV // WV
+    QT: tl.constexpr = q_base.dtype.element_ty if DENSE_MID else tl.float16
+    # ---------------- scores [BT, HP] ----------------
+    s = tl.zeros([BT, HP], tl.float32)
+    xs = ()
     if DENSE_MID:
-        # bf16 baseline: rows of D model-dtype values, chunked like the codes (one MMA per product)
-        n = tl.arange(0, NCKP)
-        d = n[:, None, None] * WK + tl.arange(0, WK)[None, None, :]
-        kc = tl.load(vw_base + tok[None, :, None] * (NCK * WK) + d,
-                     mask=(n < NCK)[:, None, None] & valid[None, :, None], other=0.0)
-        if INTERP:
-            a = tl.dot(kc.to(tl.float32), qc.to(tl.float32))
-        else:
-            a = tl.dot(kc, qc)
-        s = tl.sum(a, 0)
+        for j in tl.static_range(NGK * SEG_K):
+            x = tl.load(vw_base + tok[:, None] * DV + (j * WK + tl.arange(0, WK))[None, :], mask=valid[:, None],
+                        other=0.0)
+            xs = xs + (x,)
+            if Q_LOOP:
+                qj, _ = _q_seg(q_base, hvalid, j, WK, NRK, KBITS, True, QT)
+            else:
+                qj = qk[j]
+            if INTERP:  # the interpreter's tl.dot is wrong on bf16 operands
+                s += tl.dot(x.to(tl.float32), qj.to(tl.float32))
+            else:
+                s = tl.dot(x, qj, s)
     else:
-        kc = _code_words(kw_base, tok, valid, SK, WK, NCK, NCKP, KBITS)  # [NCKP, BT, WK]
-        a = tl.dot(kc, qc)  # [NCKP, BT, HP] = (q . codes) * 2**-24 (qc carries 2**-shift)
-        ks, kz = _chunk_sz(KS, KZ, ks_base, tok, valid, WK, GK, NGK, NCK, NCKP)
-        s = tl.sum((ks * 16777216.0)[:, :, None] * a + kz[:, :, None] * qsum[:, None, :], 0)  # [BT, HP]
+        ws = ()
+        for r in tl.static_range(NRK):  # the row's byte ranges, each shared by the 8/KBITS positions
+            ws = ws + (tl.load(kw_base + tok[:, None] * (SK // 4) + (r * (WK // 4) + tl.arange(0, WK // 4))[None, :],
+                               mask=valid[:, None], other=0),)
+        # (loop indices are used inline: a name assigned from them would stop being a constexpr)
+        for j in tl.static_range(NGK * SEG_K):  # segment j of group j // SEG_K
+            if j % SEG_K == 0:
+                a = tl.zeros([BT, HP], tl.float32)
+            x = _codes_k(ws[j % NRK], (j // NRK) * KBITS, KBITS)  # [BT, WK]
+            if Q_LOOP:
+                qj, _ = _q_seg(q_base, hvalid, j, WK, NRK, KBITS, False, QT)
+            else:
+                qj = qk[j]
+            a = tl.dot(x, qj, a)  # (q . codes) * 2**-24 over the group's segments
+            if j % SEG_K == SEG_K - 1:
+                ks = tl.load(KS + ks_base + tok * NGK + j // SEG_K, mask=valid, other=0.0).to(tl.float32)
+                kz = tl.load(KZ + ks_base + tok * NGK + j // SEG_K, mask=valid, other=0.0).to(tl.float32)
+                s += (ks * 16777216.0)[:, None] * a + kz[:, None] * qsum[j // SEG_K][None, :]
     if HAS_PE:
         pe = tl.load(pe_base + tok[:, None] * spt + tl.arange(0, DR)[None, :], mask=valid[:, None], other=0.0)
-        if INTERP:
-            s += tl.dot(pe.to(tl.float32), qp_hi)
+        if Q_LOOP:
+            qpj = tl.load(qp_base[None, :] + tl.arange(0, DR)[:, None], mask=hvalid[None, :], other=0.0)
         else:
-            s += tl.dot(pe, qp_lo, tl.dot(pe, qp_hi))
+            qpj = qp
+        if INTERP:
+            s += tl.dot(pe.to(tl.float32), qpj.to(tl.float32))
+        else:
+            s = tl.dot(pe, qpj, s)
+    # ---------------- online softmax (row sums deferred) ----------------
     s = tl.where(valid[:, None], s * qk_scale, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split may have no valid token yet
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[None, :])  # [BT, HP]
-    l_i = l_i * alpha + tl.sum(p, 0)
+    l_v = l_v * alpha[None, :] + p
+    # ---------------- values: O^T [dims, heads] += X^T [dims, tokens] @ (p * scale) [tokens, heads] ----------------
+    o_new = ()
+    lz_new = ()
     if DENSE_MID:
-        pv = p.to(kc.dtype)
         if INTERP:
-            o = o * alpha[None, None, :] + tl.dot(tl.permute(kc, (0, 2, 1)).to(tl.float32),
-                                                  tl.broadcast_to(p[None, :, :], (NCVP, BT, p.shape[1])))
+            pv = p
         else:
-            o = o * alpha[None, None, :] + tl.dot(tl.permute(kc, (0, 2, 1)),
-                                                  tl.broadcast_to(pv[None, :, :], (NCVP, BT, p.shape[1])))
+            pv = p.to(QT)
+        for j in tl.static_range(NGV * SEG_V):
+            xt = tl.trans(xs[j])  # [WV, BT]: the tile already loaded for the scores
+            if INTERP:
+                xt = xt.to(tl.float32)
+            o_new = o_new + (tl.dot(xt, pv, o[j] * alpha[None, :]),)
+        lz_new = lz
     else:
-        if SHARED:
-            vc = kc  # the latent's codes, already in registers: read once for both products
-            vs = ks
-            vz = kz
-        else:
-            vc = _code_words(vw_base, tok, valid, SV, WV, NCV, NCVP, VBITS)  # [NCVP, BT, WV]
-            vs, vz = _chunk_sz(VS, VZ, vs_base, tok, valid, WV, GV, NGV, NCV, NCVP)
-        ps = (p[None, :, :] * vs[:, :, None]).to(tl.float16)  # [NCVP, BT, HP]
-        # the block's product from zero, folded in by one FMA: the MMA accumulates only BT tokens of
-        # uncentred codes (`o * alpha + dot` would let Triton fold the running sum into the MMA's
-        # truncating accumulator; see decode_attention's PV_FRESH)
-        o = tl.fma(o, alpha[None, None, :], tl.dot(tl.permute(vc, (0, 2, 1)), ps))  # [NCVP, WV, HP]
-        lz = lz * alpha[None, :] + tl.sum(p[None, :, :] * vz[:, :, None], 1)
-    return m_new, l_i, o, lz
+        xp = ()
+        for r in tl.static_range(NRV):
+            wt = tl.load(vw_base + tok[None, :] * (SV // 4) + (r * (WV // 4) + tl.arange(0, WV // 4))[:, None],
+                         mask=valid[None, :], other=0)  # [WV/4, BT] token-minor
+            xp = xp + (_token_pairs(wt, USE_PRMT),)
+        for j in tl.static_range(NGV * SEG_V):  # segment j of group j // SEG_V
+            if j % SEG_V == 0:
+                if SHARED:
+                    # the latent's scale/zero: the same loads as the scores' (CSE'd by the compiler)
+                    vs = tl.load(KS + ks_base + tok * NGK + j // SEG_V, mask=valid, other=0.0).to(tl.float32)
+                    vz = tl.load(KZ + ks_base + tok * NGK + j // SEG_V, mask=valid, other=0.0).to(tl.float32)
+                else:
+                    vs = tl.load(VS + vs_base + tok * NGV + j // SEG_V, mask=valid, other=0.0).to(tl.float32)
+                    vz = tl.load(VZ + vs_base + tok * NGV + j // SEG_V, mask=valid, other=0.0).to(tl.float32)
+                ps = (p * vs[:, None]).to(tl.float16)
+                lz_new = lz_new + (lz[j // SEG_V] * alpha[None, :] + p * vz[:, None],)
+            vt = _codes_v(xp[j % NRV], (j // NRV) * VBITS, VBITS)  # [WV, BT]
+            # the tile's product from zero, folded in by one FMA: the MMA's truncating accumulator
+            # then sums only BT tokens (see decode_attention's PV_FRESH)
+            o_new = o_new + (tl.fma(o[j], alpha[None, :], tl.dot(vt, ps)),)
+    return m_new, l_v, o_new, lz_new
 
 
 @triton.jit(do_not_specialize=["split_tokens", "NSM", "NSPLIT"])
@@ -257,8 +336,8 @@ def _geo_stage1(
     G: tl.constexpr, BH: tl.constexpr, NHB: tl.constexpr, HP: tl.constexpr,
     DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
     KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
-    WK: tl.constexpr, NCK: tl.constexpr, NCKP: tl.constexpr, WV: tl.constexpr, NCV: tl.constexpr,
-    NCVP: tl.constexpr, SHARED: tl.constexpr, HAS_PE: tl.constexpr, DENSE_MID: tl.constexpr,
+    WK: tl.constexpr, WV: tl.constexpr, SHARED: tl.constexpr, HAS_PE: tl.constexpr, DENSE_MID: tl.constexpr,
+    Q_LOOP: tl.constexpr, USE_PRMT: tl.constexpr,
     BT: tl.constexpr, BTD: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REC: tl.constexpr, INTERP: tl.constexpr,
     MID_ITERS: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr,
 ):
@@ -274,76 +353,77 @@ def _geo_stage1(
     o_rows = (b.to(tl.int64) * (G * (tl.num_programs(0) // NHB)) + head) * NSPLIT + split  # [HP]
 
     if split < NSM:
-        SK: tl.constexpr = DK * KBITS // 8
-        SV: tl.constexpr = DV * VBITS // 8
+        SK: tl.constexpr = DK * KBITS // 8 if not DENSE_MID else DK
+        SV: tl.constexpr = DV * VBITS // 8 if not DENSE_MID else DV
+        NRK: tl.constexpr = SK // WK if not DENSE_MID else 1  # byte ranges of a row
+        NRV: tl.constexpr = SV // WV if not DENSE_MID else 1
         NGK: tl.constexpr = DK // GK
         NGV: tl.constexpr = DV // GV
+        SEG_K: tl.constexpr = GK // WK
+        QT: tl.constexpr = Q.dtype.element_ty if DENSE_MID else tl.float16
         L = tl.load(MID_LEN + b)
         start = split * split_tokens
         end = tl.minimum(start + split_tokens, L)
-        # q per K chunk [NCKP, WK, HP] (chunk n = dims n*WK + w), its sums for the zero term
-        nk = tl.arange(0, NCKP)
-        if DENSE_MID:
-            dq = nk[:, None] * WK + tl.arange(0, WK)[None, :]
+        # q segments (registers, unless Q_LOOP re-reads them from L1 every tile) and q's sum per K group
+        qk = ()
+        qsum = ()
+        for j in tl.static_range(NGK * SEG_K):
+            if j % SEG_K == 0:
+                acc = tl.zeros([HP], tl.float32)
+            qj, qf = _q_seg(q_base, hvalid, j, WK, NRK, KBITS, DENSE_MID, QT)
+            acc += tl.sum(qf, 0)
+            if not Q_LOOP:
+                qk = qk + (qj,)
+            if j % SEG_K == SEG_K - 1:
+                qsum = qsum + (acc,)
+        if HAS_PE and not Q_LOOP:
+            qp = tl.load(qp_base[None, :] + tl.arange(0, DR)[:, None], mask=hvalid[None, :], other=0.0)
         else:
-            dq = _chunk_dims(WK, NCKP)  # the column order of _code_words
-        qf = tl.load(q_base[None, None, :] + dq[:, :, None], mask=(nk < NCK)[:, None, None] & hvalid[None, None, :],
-                     other=0.0).to(tl.float32)
-        qsum = tl.sum(qf, 1)  # [NCKP, HP]
-        if DENSE_MID:
-            qc = qf.to(Q.dtype.element_ty)
-        else:
-            # times 2**-shift of the chunk's codes (exact in fp16); the 2**24 goes on the scale
-            qc = (qf * tl.exp2(-_chunk_shift(SK, WK, NCKP, KBITS).to(tl.float32))[:, None, None]).to(tl.float16)
-        if HAS_PE:
-            qpf = tl.load(qp_base[None, :] + tl.arange(0, DR)[:, None], mask=hvalid[None, :], other=0.0).to(tl.float32)
-            if INTERP:
-                qp_hi = qpf
-                qp_lo = qpf
-            else:
-                qp_hi = qpf.to(MP.dtype.element_ty)
-                qp_lo = (qpf - qp_hi.to(tl.float32)).to(MP.dtype.element_ty)
-        else:
-            qp_hi = tl.zeros([DR, HP], tl.float32)
-            qp_lo = qp_hi
+            qp = tl.zeros([DR, HP], tl.float32)
         m_i = tl.full([HP], float("-inf"), tl.float32)
-        l_i = tl.zeros([HP], tl.float32)
-        o = tl.zeros([NCVP, WV, HP], tl.float32)
-        lz = tl.zeros([NCVP, HP], tl.float32)
+        l_v = tl.zeros([BT, HP], tl.float32)
+        o = ()
+        for j in tl.static_range(DV // WV):
+            o = o + (tl.zeros([WV, HP], tl.float32),)
+        lz = ()
+        for g in tl.static_range(NGV):
+            lz = lz + (tl.zeros([BT, HP], tl.float32),)
         kw_base = KW + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
         vw_base = VW + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
         ks_base = b.to(tl.int64) * sksb + kvh.to(tl.int64) * sksh
         vs_base = b.to(tl.int64) * svsb + kvh.to(tl.int64) * svsh
         pe_base = MP + b.to(tl.int64) * smpb + kvh.to(tl.int64) * smph
         if INTERP:
-            for it in range(MID_ITERS):
+            for it in range(MID_ITERS):  # the interpreter takes no run-time range bound (see decode_attention)
                 t0 = start + it * BT
                 if t0 < end:
-                    m_i, l_i, o, lz = _geo_mid_block(
+                    m_i, l_v, o, lz = _geo_mid_tile(
                         t0, end, kw_base, vw_base, pe_base, smpt, KS, KZ, ks_base, VS, VZ, vs_base,
-                        qc, qsum, qp_hi, qp_lo, qk_scale, m_i, l_i, o, lz,
-                        BT, KBITS, VBITS, SK, SV, WK, NCK, NCKP, GK, NGK, WV, NCV, NCVP, GV, NGV,
-                        DR, SHARED, HAS_PE, DENSE_MID, INTERP)
+                        q_base, qp_base, hvalid, qk, qsum, qp, qk_scale, m_i, l_v, o, lz,
+                        BT, HP, KBITS, VBITS, SK, SV, WK, NRK, GK, NGK, WV, NRV, GV, NGV, DV, DR,
+                        SHARED, HAS_PE, DENSE_MID, Q_LOOP, USE_PRMT, INTERP)
         else:
             for t0 in range(start, end, BT):
-                m_i, l_i, o, lz = _geo_mid_block(
+                m_i, l_v, o, lz = _geo_mid_tile(
                     t0, end, kw_base, vw_base, pe_base, smpt, KS, KZ, ks_base, VS, VZ, vs_base,
-                    qc, qsum, qp_hi, qp_lo, qk_scale, m_i, l_i, o, lz,
-                    BT, KBITS, VBITS, SK, SV, WK, NCK, NCKP, GK, NGK, WV, NCV, NCVP, GV, NGV,
-                    DR, SHARED, HAS_PE, DENSE_MID, INTERP)
+                    q_base, qp_base, hvalid, qk, qsum, qp, qk_scale, m_i, l_v, o, lz,
+                    BT, HP, KBITS, VBITS, SK, SV, WK, NRK, GK, NGK, WV, NRV, GV, NGV, DV, DR,
+                    SHARED, HAS_PE, DENSE_MID, Q_LOOP, USE_PRMT, INTERP)
+        l_i = tl.sum(l_v, 0)
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(LSE + o_rows, lse, mask=hvalid)
-        nv = tl.arange(0, NCVP)
-        if DENSE_MID:
-            dv = nv[:, None] * WV + tl.arange(0, WV)[None, :]  # [NCVP, WV] dim of each accumulator row
-            res = (o + lz[:, None, :]) * inv_l[None, None, :]
-        else:
-            dv = _chunk_dims(WV, NCVP)
-            f = tl.exp2((24 - _chunk_shift(SV, WV, NCVP, VBITS)).to(tl.float32))[:, None, None]
-            res = (o * f + lz[:, None, :]) * inv_l[None, None, :]
-        tl.store(OP + o_rows[None, None, :] * DV + dv[:, :, None], res,
-                 mask=(nv < NCV)[:, None, None] & hvalid[None, None, :])
+        SEG_V: tl.constexpr = GV // WV
+        for j in tl.static_range(NGV * SEG_V):
+            if DENSE_MID:
+                res = o[j] * inv_l[None, :]
+            else:
+                if j % SEG_V == 0:
+                    z = tl.sum(lz[j // SEG_V], 0) * inv_l
+                # 2**(24 - bit offset) undoes the subnormal scale of the segment's codes
+                res = o[j] * (inv_l * (1 << (24 - (j // NRV) * VBITS)))[None, :] + z[None, :]
+            dv = _seg_dims(j, WV, DENSE_MID, True)
+            tl.store(OP + o_rows[None, :] * DV + dv[:, None], res, mask=hvalid[None, :])
     else:
         # ---------------- dense tiers (sink, recent) in the last split ----------------
         DT: tl.constexpr = SK_V.dtype.element_ty
@@ -383,6 +463,8 @@ def _geo_stage1(
         tl.store(OP + o_rows[None, :] * DV + dvd[:, None], o_t * inv_l[None, :], mask=hvalid[None, :])
 
 
+
+
 # ----------------------------------------------------------------------------------------------
 # Python wrappers
 # ----------------------------------------------------------------------------------------------
@@ -390,32 +472,35 @@ def _geo_stage1(
 class GeoConfig:
     """Launch choices of the geometry kernel; None = chosen from the shape (`resolve`).
 
-    block_t: middle tokens per loop step; heads: query heads per program (of one KV head);
-    num_splits: middle splits per (sequence, KV head); dense_block: tokens per step on the dense
-    tiers; num_warps / num_stages: Triton's."""
+    block_t: middle tokens per tile; heads: query heads per program (of one KV head); num_splits:
+    middle splits per (sequence, KV head); q_loop: re-read q's segments from L1 every tile instead of
+    holding them in registers (wide keys x many heads: 576 x 16 fp16 is 144 registers a thread);
+    waves: programs per SM the split pick aims at; dense_block: tokens per step on the dense tiers;
+    num_warps / num_stages: Triton's."""
 
     block_t: int | None = None
     heads: int | None = None
     num_splits: int | None = None
     num_warps: int | None = None
-    num_stages: int = 2
+    num_stages: int | None = None
     dense_block: int | None = None
+    q_loop: bool | None = None
+    waves: int | None = None
 
-    def resolve(self, G: int, DV: int) -> GeoConfig:
-        """heads: all G up to 16 per program (more heads per program = fewer dequantizations of a tile,
-        but an accumulator of DV x heads fp32 registers); 8 warps when that accumulator is large.
-        Chosen from sm_90 compiles (benchmarks/compile_geo_sm90.py: registers, spills), not yet from
-        timings: latent 512 x 16 heads, 16 tokens, 8 warps: 224 registers, no spills (32 tokens: 255
-        + spills; 32 or 64 heads: thousands of bytes of spills); K192/V128 1 head, 32 tokens, 4 warps:
-        128 registers (64 tokens: 253)."""
+    def resolve(self, G: int, DV: int, DK: int | None = None, shared: bool = False) -> GeoConfig:
+        """Fill the None fields from the shape (G query heads per KV head, value width DV, key width DK).
+        heads: all G up to 16 per program; q_loop when q's segments (DK x heads fp16) would hold more
+        than 32 registers a thread; tiles of 64 tokens (32 for 512-wide values with 16+ heads)."""
+        DK = DK or DV
         heads = self.heads or min(_pow2(G), 16)
-        acc = DV * max(8, heads)
-        warps = self.num_warps or (8 if acc >= 8192 else 4)
-        bt = self.block_t or (16 if DV >= 512 else 32)
-        # dense tiers of 512-wide rows: 16 tokens a step (32: Gemma-4 full spills, 76 KB of shared memory)
+        hp = max(8, _pow2(heads))
+        warps = self.num_warps or 4
+        q_loop = self.q_loop if self.q_loop is not None else (DK + (64 if shared else 0)) * hp * 2 / 32 > 128
+        bt = self.block_t or 64
         dbt = self.dense_block or (16 if DV >= 512 else 32)
         return GeoConfig(block_t=bt, heads=heads, num_splits=self.num_splits, num_warps=warps,
-                         num_stages=self.num_stages, dense_block=dbt)
+                         num_stages=self.num_stages or 2, dense_block=dbt, q_loop=bool(q_loop),
+                         waves=self.waves or 4)
 
 
 @dataclass(frozen=True)
@@ -465,12 +550,32 @@ def _dense(t, B, Hkv, D, device, what):
     return t
 
 
+def seg_width(S: int, group: int) -> int:
+    """Dims per segment of a packed row: gcd(row bytes S, group), at most 128 (a segment lies in one
+    byte range of the row and in one scale group; its codes are one [BT, W] MMA operand)."""
+    return min(math.gcd(S, group), 128)
+
+
+def pick_splits(B: int, programs: int, T: int, BT: int, sms: int, waves: int, part_bytes: int,
+                mid_bytes: int) -> int:
+    """Middle splits per (sequence, KV head): enough programs for `waves` per SM (flash-decoding),
+    at least 2 tiles of BT tokens a split, and -- past one wave -- the partial outputs the splits
+    write (part_bytes each, read again by stage 2) under half the middle's own bytes."""
+    if T <= 0:
+        return 1
+    most = max(1, math.ceil(T / (2 * BT)))
+    want = max(1, math.ceil(waves * sms / max(1, programs)))
+    one_wave = max(1, math.ceil(sms / max(1, programs)))
+    by_bytes = max(one_wave, int(0.5 * mid_bytes / max(1, part_bytes)))
+    return int(max(1, min(want, most, by_bytes)))
+
+
 def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, recent, *, shared, dense_mid,
          DK, DV, DR, Hkv, config, out, return_launch):
     """Common launch: kmid/vmid (codes, scale, zero) or None; sink/recent (k, v, pe, lens) or None."""
     B, Hq, _ = q.shape
     dev = q.device
-    cfg = (config or GeoConfig()).resolve(Hq // Hkv, DV)
+    cfg = (config or GeoConfig()).resolve(Hq // Hkv, DV, DK + DR, shared)
     BT, BTD = int(cfg.block_t), int(cfg.dense_block)
     for name, v in (("block_t", BT), ("dense_block", BTD)):
         if v < 16 or v & (v - 1):
@@ -486,30 +591,27 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
         vc, vs, vz = vmid
         T = vc.shape[2]
         if dense_mid:
-            GV = DV
-            NCV = NCK = 1 if DV <= 128 else DV // 128
-            WV = WK = DV // NCV
-            GK, kc, ks, kz, vs, vz = GV, vc, f16, f16, f16, f16
+            GK = GV = DV
+            WK = WV = min(DV, 128)
+            kc, ks, kz, vs, vz = vc, f16, f16, f16, f16
         else:
             GV = _codes(vc, vs, vz, v_bits, B, Hkv, DV, dev, "V middle" if not shared else "middle")
-            WV = chunk_width(DV * v_bits // 8, GV)
-            NCV = DV // WV
+            WV = seg_width(DV * v_bits // 8, GV)
             if shared:
-                kc, ks, kz, GK, WK, NCK = vc, vs, vz, GV, WV, NCV
+                kc, ks, kz, GK, WK = vc, vs, vz, GV, WV
             else:
                 kc, ks, kz = kmid
                 GK = _codes(kc, ks, kz, k_bits, B, Hkv, DK, dev, "K middle")
                 if kc.shape[2] != T:
                     raise LowbitError("K and V middle tiers must have the same number of slots T")
-                WK = chunk_width(DK * k_bits // 8, GK)
-                NCK = DK // WK
+                WK = seg_width(DK * k_bits // 8, GK)
         mid_lens = _lens(T if mid_lens is None else mid_lens, B, dev, "mid_lens")
         if mid_pe is not None:
             _dense(mid_pe, B, Hkv, DR, dev, "middle pe")
             if mid_pe.shape[2] != T:
                 raise LowbitError("the middle pe must have the middle's T slots")
     else:
-        T, GK, GV, WK, WV, NCK, NCV = 0, DK, DV, 16, 16, 1, 1
+        T, GK, GV, WK, WV = 0, 16, 16, 16, 16
         kc = vc = torch.zeros(1, dtype=torch.int32, device=dev)
         ks = kz = vs = vz = f16
         mid_lens = torch.zeros(B, dtype=torch.int32, device=dev)
@@ -555,18 +657,13 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
         nsm = cfg.num_splits
         if not nsm:
             sms = 8 if interp else device_info(cuda_index(dev)).sms
-            nsm = pick_num_splits(B, Hkv * NHB, T, BT, sms, int(cfg.num_warps))
-            # Each split writes and stage 2 reads Hq x Dv fp32 per sequence: with 128 heads x 512 dims
-            # (MLA) that is 0.5 MB a split, more than a B1 32k latent's codes at 17 splits. Past one
-            # wave of programs, keep that traffic under a quarter of the middle's bytes.
             if dense_mid:
                 row = Hkv * (DV + DR) * q.element_size()
             else:
                 row = Hkv * (DV * v_bits // 8 + 4 * (DV // GV) + 2 * DR)
                 if not shared:
                     row += Hkv * (DK * k_bits // 8 + 4 * (DK // GK))
-            by_bytes = int(0.25 * row * T / (Hq * DV * 8))
-            nsm = min(nsm, max(by_bytes, -(-sms // max(1, B * Hkv * NHB)), 1))
+            nsm = pick_splits(B, B * Hkv * NHB, T, BT, sms, int(cfg.waves), Hq * DV * 8, row * T)
         nsm = max(1, int(nsm))
         split_tokens = max(BT, math.ceil(max(T, 1) / nsm / BT) * BT)
         nsm = max(1, math.ceil(max(T, 1) / split_tokens))
@@ -594,8 +691,8 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
         rk, rv, rp, *st3(rk), *st3(rv), *st3(rp), rl,
         part, lse, float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit,
         G=G, BH=BH, NHB=NHB, HP=HP, DK=DK, DKP=_pow2(DK), DV=DV, DR=max(DR, 16),
-        KBITS=k_bits, VBITS=v_bits, GK=GK, GV=GV, WK=WK, NCK=NCK, NCKP=_pow2(NCK), WV=WV, NCV=NCV,
-        NCVP=_pow2(NCV), SHARED=shared, HAS_PE=bool(DR), DENSE_MID=dense_mid,
+        KBITS=k_bits, VBITS=v_bits, GK=GK, GV=GV, WK=WK, WV=WV, SHARED=shared, HAS_PE=bool(DR),
+        DENSE_MID=dense_mid, Q_LOOP=bool(cfg.q_loop), USE_PRMT=not interp,
         BT=BT, BTD=BTD, HAS_SINK=has_sink, HAS_REC=has_rec, INTERP=interp,
         MID_ITERS=(split_tokens // BT) if interp else 0,
         SINK_ITERS=triton.cdiv(sk.shape[2], BTD) if interp else 0,

@@ -36,14 +36,69 @@ GEOMETRIES = {
 
 
 def candidates(geo: dict, packed: bool = True):
-    """Launch configs tried per row (GeoConfig); the first is the kernel's own default."""
+    """Launch configs tried per row of `run` (GeoConfig); the first is the kernel's own default
+    (GeoConfig.resolve), the others the runners-up of the H200 sweep (`sweep`)."""
     from lowbit.kernels.decode_geometry import GeoConfig
 
-    # from sm_90 compiles (benchmarks/compile_geo_sm90.py): configs that do not spill, or barely
     if geo["kind"] == "mha":
-        return [GeoConfig(), GeoConfig(block_t=64, num_warps=8)]
-    more = [GeoConfig(heads=8, num_warps=4, block_t=16)] if geo["Hq"] <= 16 else []  # 167 registers: 3 programs/SM
-    return [GeoConfig(), GeoConfig(heads=16, num_warps=8, block_t=32), *more]
+        return [GeoConfig(), GeoConfig(block_t=128, num_warps=4), GeoConfig(block_t=64, num_warps=2)]
+    return [GeoConfig(), GeoConfig(block_t=32, num_warps=4), GeoConfig(block_t=64, num_warps=8)]
+
+
+def sweep_candidates(geo: dict):
+    """The wider grid `sweep` times (tile tokens x warps x heads per program x q in registers/L1 x waves)."""
+    from lowbit.kernels.decode_geometry import GeoConfig
+
+    if geo["kind"] == "mha":
+        out = [GeoConfig(block_t=bt, num_warps=w) for bt in (32, 64, 128) for w in (1, 2, 4)]
+        return out + [GeoConfig(block_t=64, num_warps=4, waves=8), GeoConfig(block_t=64, num_warps=4, waves=2)]
+    heads = (16, 32) if geo["Hq"] > 16 else (16,)
+    out = [GeoConfig(block_t=bt, num_warps=w, heads=h) for h in heads for bt in (32, 64) for w in (4, 8)]
+    out += [GeoConfig(block_t=64, num_warps=4, q_loop=False), GeoConfig(block_t=64, num_warps=4, waves=8),
+            GeoConfig(block_t=64, num_warps=4, num_stages=3)]
+    return out
+
+
+def sweep(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=(2,), mem_cap_gb: float = 40.0,
+          log=print, dev: str = "cuda", timer=graph_time_ms, configs=None) -> dict:
+    """Time every sweep_candidates config (or `configs`) of the packed kernel, and for the DeepSeek
+    latent of the bf16 dense-middle path, per geometry x batch x length. Returns {"env", "rows"}: one
+    row per (geometry, B, L, bits) with {config repr: ms or None} and the best."""
+    rows = []
+    for name in geometries:
+        geo = GEOMETRIES[name]
+        cfgs = configs or sweep_candidates(geo)
+        for B in batches:
+            for L in lengths:
+                variants = list(bits) + ([16] if name.startswith("deepseek") else [])
+                for b in variants:
+                    pb = dense_bytes(geo, B, L) if b == 16 else kernel_bytes(geo, B, L, b)
+                    nb = n_buffers(pb, mem_cap_gb * 1e9)
+                    if geo["kind"] == "latent":
+                        make = (lambda c, b=b, nb=nb: latent_fns(geo, B, L, b, nb, c, dense_mid=b == 16, dev=dev))
+                    else:
+                        make = (lambda c, b=b, nb=nb: mha_fns(geo, B, L, b, nb, c, dev=dev))
+                    t, cfg, launch, cand = _best(make, cfgs, log, timer)
+                    row = {"geometry": name, "B": B, "L": L, "bits": b, "bytes": pb, "best_ms": t,
+                           "best_tbs": pb / t / 1e9, "best_config": repr(cfg),
+                           "best_num_splits": launch.num_splits if launch else None, "candidates_ms": cand,
+                           "default_ms": cand.get(repr(GeoConfig_default())),
+                           "default_resolved": repr(GeoConfig_default().resolve(
+                               geo["Hq"] // geo["Hkv"], geo["Dv"], geo["Dk"] + geo["DR"], geo["kind"] == "latent"))}
+                    rows.append(row)
+                    log(f"SWEEP {name:<22} B{B:<3} L{L} {'bf16' if b == 16 else f'int{b}'}: best {t:.4f} ms "
+                        f"({row['best_tbs']:.2f} TB/s) {cfg} splits {row['best_num_splits']}; default "
+                        f"{row['default_ms']}")
+                    log("SWEEPROW " + json.dumps(row))
+                    if dev == "cuda":
+                        torch.cuda.empty_cache()
+    return {"env": env_info(), "rows": rows}
+
+
+def GeoConfig_default():
+    from lowbit.kernels.decode_geometry import GeoConfig
+
+    return GeoConfig()
 
 
 def kernel_bytes(geo, B, L, bits) -> int:
@@ -273,3 +328,26 @@ def format_row(r: dict, bits=(2, 4)) -> str:
         if f"{tag}_ms" in r:
             s += f" | {tag} {r[f'{tag}_ms']:.3f} ms x{r[f'{tag}_ratio']:.2f} {r[f'{tag}_tbs']:.2f} TB/s"
     return s
+
+
+def main(argv=None) -> int:
+    """python -m lowbit.kernels.geo_bench --sweep OUT.json [--geometry a,b] [--batch 1,16] [--length 32768]"""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m lowbit.kernels.geo_bench")
+    ap.add_argument("--sweep", required=True, help="JSON file to write the sweep to")
+    ap.add_argument("--geometry", default=",".join(GEOMETRIES))
+    ap.add_argument("--batch", default="1,16")
+    ap.add_argument("--length", default="32768")
+    ap.add_argument("--bits", default="2")
+    a = ap.parse_args(argv)
+    ints = lambda x: tuple(int(v) for v in x.split(","))  # noqa: E731
+    res = sweep(ints(a.batch), ints(a.length), tuple(a.geometry.split(",")), ints(a.bits))
+    with open(a.sweep, "w") as f:
+        json.dump(res, f, indent=1)
+    print(f"wrote {a.sweep}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
