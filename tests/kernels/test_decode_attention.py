@@ -197,8 +197,9 @@ def test_split_count_fills_whole_waves():
     # B1 x 8 heads, 8 one-warp programs per SM: one wave (128 splits of 16 blocks; 132 would also
     # need 16 blocks each), not two waves of half-length programs
     assert pick_num_splits(1, 8, 131072, 64, 132, 1, blocks_per_sm=8) == 128
-    # few tokens: every split keeps >= 4 blocks, so fewer splits than slots allow
-    assert pick_num_splits(1, 8, 1000, 64, 132, 1, blocks_per_sm=8) == 4
+    # few tokens: every split keeps >= 8 blocks, so fewer splits than slots allow
+    assert pick_num_splits(1, 8, 1000, 64, 132, 1, blocks_per_sm=8) == 2
+    assert pick_num_splits(1, 8, 32768, 64, 132, 1, blocks_per_sm=8) == 64
     # more pairs than slots: 3 splits = 1536 programs in 3.88 waves, not 1 split in 1.29 waves
     assert pick_num_splits(64, 8, 32768, 128, 132, 4, blocks_per_sm=3) == 3
     assert pick_num_splits(3, 1, 0, 128, 132, 4, blocks_per_sm=3) == 1

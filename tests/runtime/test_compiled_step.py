@@ -66,7 +66,10 @@ def test_compiled_body_equals_the_eager_step(family, sname):
         for t in ("k", "v"):
             for name in a.mid[t]:
                 assert torch.equal(a.mid[t][name][:3], b.mid[t][name][:3]), (t, name)
-        assert torch.equal(a.ring_k[:3], b.ring_k[:3]) and torch.equal(a.sink_v[:3], b.sink_v[:3])
+        # dense rows to fp32 rounding: a traced step rotates a decode token as a product-sum (static_cache._rot),
+        # the eager step by a GEMM (another summation order)
+        for x, y in ((a.ring_k, b.ring_k), (a.ring_v, b.ring_v), (a.sink_k, b.sink_k), (a.sink_v, b.sink_v)):
+            assert torch.allclose(x[:3], y[:3], rtol=1e-5, atol=1e-5), float((x[:3] - y[:3]).abs().max())
         quantized += int(a.tier_lens(ref_c.lens)[1].sum()) if a.kind == "tiers" else 0
     assert (quantized > 0) == (sname != "bf16")
     assert cmp_c.checks is False and cmp_c.compile_writes is False

@@ -61,6 +61,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-fuse", action="store_true",
                         help="decode: the lowbit runtime rows without fused q/k/v and gate/up GEMMs (what the runtime "
                              "runs on CUDA by default; rows record fused_projections)")
+    parser.add_argument("--no-fold", action="store_true",
+                        help="decode: the lowbit runtime rows with V's rotation applied by the cache instead of folded "
+                             "into v_proj / o_proj (what the runtime runs on CUDA by default; rows record "
+                             "folded_value_rotation)")
     parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                         help="decode: also time the prefill of one prompt of this many tokens (default 0: no)")
     parser.add_argument("--batch", default="1,16,64", help="batch sizes (default 1,16,64)")
@@ -154,7 +158,7 @@ def run(args) -> int:
         path = resolve_out(args.out, "decode_e2e", torch.cuda.get_device_name(0))
         res = e2e.run(args.geometry or "llama3-8b", _ints(args.batch), _ints(args.length),
                       tuple(p.strip() for p in args.paths.split(",") if p.strip()), steps=args.steps,
-                      prefill_len=args.prefill, fuse=not args.no_fuse)
+                      prefill_len=args.prefill, fuse=not args.no_fuse, fold=not args.no_fold)
         write_new(path, res)
         print(f"wrote {path}")
         return 0

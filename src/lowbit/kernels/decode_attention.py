@@ -570,7 +570,10 @@ DEFAULTS = {
     # and head_dim 256 spill far more with the register cap (B64 gemma int4 2.0 vs 0.77 ms): they keep "many".
     "many_lowbit": {"num_warps": 2, "warp_tokens": 32, "num_stages": 3, "maxnreg": 168, "dense_in_waves": True},
     "many": {"num_warps": 4, "warp_tokens": 32, "num_stages": 4, "maxnreg": None},
-    "few": {"num_warps": 1, "warp_tokens": 64, "num_stages": 3, "maxnreg": None},
+    # few pairs (B1-B4 at 8 KV heads): two-warp programs of 32 tokens per warp. Inside the runtime's cache
+    # (sink 64 + recent 256, int2, H200, kernel_in_step_probe.py --sweep, 2026-12-01) at B1: L4k 10.6 vs
+    # 13.7 us for one warp x 64 tokens, L32k 17.0 vs 17.1, L128k 42.0 vs 48.5 (the split pick's own counts)
+    "few": {"num_warps": 2, "warp_tokens": 32, "num_stages": 3, "maxnreg": None},
     "wide": {"num_warps": 1, "warp_tokens": 32, "num_stages": 3, "maxnreg": None},
 }
 
@@ -673,7 +676,12 @@ def device_info(index: int) -> DeviceInfo:
 
 def pick_num_splits(batch: int, kv_heads: int, max_tokens: int, block_t: int, sms: int = 132,
                     num_warps: int = 4, blocks_per_sm: int | None = None, dense_programs: int = 0) -> int:
-    """Splits per (sequence, KV head), at most 256 and at least 4 blocks of tokens each.
+    """Splits per (sequence, KV head), at most 256 and at least 8 blocks of tokens each.
+
+    At least 8 blocks: inside the runtime step at B1 L32k int2 (sink 64 + recent 256; H200,
+    benchmarks/kernel_in_step_probe.py --sweep, 2026-12-01) 64 splits of 8 blocks ran 17.1 us against
+    20.0 us for the 128 splits of 4 blocks the waves rule picks (both fit one wave: more, shorter programs
+    only add merge work and program starts).
 
     With `blocks_per_sm` (programs of this kernel resident per SM, from its registers and shared
     memory): the split count that minimises waves x program length, so the programs fill the
@@ -690,7 +698,7 @@ def pick_num_splits(batch: int, kv_heads: int, max_tokens: int, block_t: int, sm
     if max_tokens <= 0:
         return 1
     pairs = max(1, batch * kv_heads)
-    most = int(max(1, min(256, math.ceil(max_tokens / (4 * block_t)))))
+    most = int(max(1, min(256, math.ceil(max_tokens / (8 * block_t)))))
     if not blocks_per_sm:
         want = max(1, math.ceil(_PROGRAMS_PER_SM.get(num_warps, 4) * sms / pairs))
         return int(min(want, most))

@@ -180,9 +180,10 @@ def _fill_static(cache, L: int, gen) -> None:
     cache.lens.fill_(L)
 
 
-def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True):
+def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True):
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.fold import fold_value_rotation
     from lowbit.runtime.static_cache import StaticKVCache
     from lowbit.runtime.step import DecodeGraphs, ModelStep
 
@@ -195,11 +196,19 @@ def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True):
         torch._dynamo.utils.counters.clear()
     t = time.perf_counter()
     step = ModelStep(model, fuse=fuse)  # in place for this row only: the hf rows run the model as it was built
+    folded = None
     try:
+        # V's rotation into v_proj / o_proj (lowbit.runtime.fold), undone after the row as the fusion is
+        folded = fold_value_rotation(model, cache) if fold else None
         graphs = DecodeGraphs(step, cache, buckets=(B,), compile=compiled)  # on the empty cache, then fill
         capture_s = time.perf_counter() - t
-        return _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s)
+        row = _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s)
+        row["folded_value_rotation"] = len(folded.layers) if folded else 0
+        row["fold_skipped"] = folded.skipped[:3] if folded else []
+        return row
     finally:
+        if folded is not None:
+            folded.undo()
         step.unfuse()
 
 
@@ -425,10 +434,11 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
 
 
 def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, prefill_len: int = 0,
-        prefill_chunk: int = 2048, fuse: bool = True) -> dict:
+        prefill_chunk: int = 2048, fuse: bool = True, fold: bool = True) -> dict:
     """Every (path, B, L) row; rows that do not fit in the GPU memory left are recorded with fits false.
     prefill_len > 0 also times one prompt of that many tokens (`prefill` list of the result). fuse: the
-    lowbit runtime rows with q/k/v and gate/up as one GEMM each (lowbit.runtime.fuse), as the runtime runs."""
+    lowbit runtime rows with q/k/v and gate/up as one GEMM each (lowbit.runtime.fuse), as the runtime runs;
+    fold: with V's rotation folded into v_proj / o_proj (lowbit.runtime.fold), likewise."""
     import transformers
 
     for p in paths:
@@ -439,7 +449,8 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
     model, cfg = build_model(geometry, "cuda")
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "geometry": geometry, "weights_bytes": weights, "steps": steps, "fuse_projections": fuse}
+           "geometry": geometry, "weights_bytes": weights, "steps": steps, "fuse_projections": fuse,
+           "fold_value_rotation": fold}
     try:
         import triton
 
@@ -456,11 +467,11 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
         if group and group[0] in WEIGHT_PATHS:
             env["weights"] = {"scheme": WEIGHT_PATHS[group[0]],
                               **quantize_linears(model, WEIGHT_PATHS[group[0]], log, fuse=fuse)}
-        _rows_for(group, model, cfg, contexts, batches, steps, rows, log, fuse)
+        _rows_for(group, model, cfg, contexts, batches, steps, rows, log, fuse, fold)
     return {"env": env, "rows": rows, "prefill": pre}
 
 
-def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True):
+def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True, fold=True):
     for L in contexts:
         for B in batches:
             for path in paths:
@@ -479,7 +490,7 @@ def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True)
                     if path in GEN_PATHS or path.startswith("hf-"):
                         r = (_row_hf_generate if path in GEN_PATHS else _row_hf)(path, model, cfg, B, L, steps)
                     else:
-                        r = _row_lowbit(path, model, cfg, B, L, steps, fuse=fuse)
+                        r = _row_lowbit(path, model, cfg, B, L, steps, fuse=fuse, fold=fold)
                 except torch.cuda.OutOfMemoryError as e:
                     rows.append({**base, "fits": False, "kv_bytes": need, "ms_per_step": None, "tok_s": None,
                                  "gpu_ms_per_step": None, "peak_gb": None, "note": f"out of memory: {str(e)[:120]}"})
@@ -488,7 +499,7 @@ def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True)
                 r = {**base, "fits": True, "tok_s": B * 1e3 / r["ms_per_step"],
                      "peak_gb": torch.cuda.max_memory_allocated() / 1e9, **r}
                 rows.append(r)
-                for k, ms, c in r.get("top_kernels", [])[:6]:
+                for k, ms, c in r.get("top_kernels", [])[:12]:
                     log(f"    {ms:7.3f} ms  x{c:<6g} {k}")
                 log(f"{path} B{B} L{L}: {r['ms_per_step']:.2f} ms/step ({r['tok_s']:.0f} tok/s), GPU busy "
                     f"{r['gpu_ms_per_step'] or float('nan'):.2f} ms, KV {r['kv_bytes'] / 1e9:.2f} GB")

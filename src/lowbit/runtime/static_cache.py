@@ -33,6 +33,7 @@ from lowbit.errors import LowbitError
 from lowbit.kv import attention as attn
 
 _ROW_ALIGN = 64  # rows per (slot, head) rounded up so every head starts 64 rows (>= 128 B) aligned
+_ROT_SUM_ROWS = 16  # rows per head up to which a traced rotation is a fused product-sum, not a GEMM (_rot)
 
 
 def _rows(n: int) -> int:
@@ -46,6 +47,12 @@ def _rot(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
     if r is None:
         return x
     x = x.to(r.dtype)
+    if torch.compiler.is_compiling() and x.shape[-2] <= _ROT_SUM_ROWS:
+        # a decode step's few rows per head: a broadcast product summed over D, which Inductor generates
+        # as one reduction kernel with its producer (RoPE) inlined, where a GEMM would be a kernel of its
+        # own; float32 products and sums, as the GEMM accumulates
+        rr = r if r.dim() == 2 else r[None, :, None]  # [D, D] or [1, H, 1, D, D]
+        return (x.float().unsqueeze(-1) * rr.float()).sum(-2).to(r.dtype)
     return torch.matmul(x, r) if r.dim() == 2 else torch.matmul(x, r.unsqueeze(0))
 
 

@@ -102,6 +102,7 @@ class BatchEngine(Worker):
                  batch_invariant: bool = False, compile: bool = False):
         from lowbit.kv.cache import model_device
         from lowbit.kv.plan import resolve
+        from lowbit.runtime.fold import fold_value_rotation
         from lowbit.runtime.static_cache import StaticKVCache
         from lowbit.runtime.step import DecodeGraphs, ModelStep
 
@@ -137,6 +138,9 @@ class BatchEngine(Worker):
                 raise
             raise LowbitError(f"the static KV cache for {slots} slots of {self.max_context} tokens does not fit in "
                               f"{device.type} memory; lower --max-active or --max-context") from None
+        # on the captured path V's rotation is folded into v_proj / o_proj (lowbit.runtime.fold): two GEMMs fewer
+        # per layer and step; for the engine's lifetime, as the fusion
+        self.folded = fold_value_rotation(model, self.cache, undoable=False) if mode == "graphs" else None
         self.cache_class = type(self.cache).__name__
         self.slots, self.prefill_chunk, self.mode, self.when_full = slots, prefill_chunk, mode, when_full
         self.eos = {int(t) for t in runtime.eos_token_ids}
@@ -146,6 +150,7 @@ class BatchEngine(Worker):
         self.path = f"batch-{mode}"
         self.info = {"engine": "batch", "path": mode, "slots": slots, "when_full": when_full,
                      "compiled": bool(compile), "fused_projections": self.step.fused.groups if self.step.fused else 0,
+                     "folded_value_rotation": len(self.folded.layers) if self.folded else 0,
                      "batch_invariant": self.batch_invariant,
                      "buckets": list(self.graphs.buckets) if self.graphs else None}
         if metrics is None:

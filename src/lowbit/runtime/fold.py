@@ -1,0 +1,128 @@
+"""The V rotation of the runtime cache folded into the weights that make and read V.
+
+    handle = fold_value_rotation(model, cache)   # in place: v_proj rows, o_proj columns; the cache's rot_v dropped
+    ...                                          # two small GEMMs fewer per layer in every step
+    handle.undo()                                # original weights and rotations back (undoable=True)
+
+Why: the runtime cache stores V rotated (v @ R, R orthogonal: [D, D], or per KV head [H, D, D]) and
+un-rotates the attention output (out @ R^T) before o_proj. At decode both are GEMMs of a few rows
+(B x H and B x Hq rows of D), each one more kernel and launch gap in the captured step. V has no RoPE
+and no norm between v_proj and the cache, and the output goes straight into o_proj, so both maps fold
+into the weights, as QuaRot folds its rotations:
+    v_proj rows of KV head h      W_h [D, K]        -> R_h^T W_h      (bias b_h -> b_h R_h)
+    o_proj columns of q head j    W_o[:, j] [N, D]  -> W_o[:, j] R_h  (h = j // G, the head it reads)
+The cache then stores what v_proj gives (the rotated V, through the same quantizer) and returns the
+output in the rotated basis, which the folded o_proj reads: the same attention in exact arithmetic, one
+rounding of the folded weights to the model dtype apart. K's rotation is not folded: keys are rotated
+after RoPE, which does not commute with it.
+
+Folded: layers whose v_proj and o_proj are plain nn.Linear (or v_proj a part of a fused q/k/v GEMM,
+lowbit.runtime.fuse) and whose attention has no v_norm; others keep the cache's rotation and are named
+in `skipped`. Quantized linears are skipped: fold before quantizing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from lowbit.errors import LowbitError
+
+
+@dataclass
+class FoldedValueRotation:
+    """What fold_value_rotation did: `layers` folded, `skipped` ("layer i: why")."""
+
+    layers: list[int] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+    _undo: list = field(default_factory=list, repr=False)  # (cache layer, rot_v, [(param, original on CPU)])
+
+    def undo(self) -> None:
+        """Put the original weights (exact copies) and the cache layers' rotations back."""
+        if self.layers and not self._undo:
+            raise LowbitError("this fold was made with undoable=False: its original weights were not kept")
+        with torch.no_grad():
+            for layer, rot_v, saved in reversed(self._undo):
+                for p, orig in saved:
+                    p.copy_(orig.to(p.device))
+                layer.rot_v = rot_v
+        self._undo.clear()
+        self.layers.clear()
+
+
+def _value_weight(attn):
+    """(weight [Hkv*D, K], bias [Hkv*D] or None) of attn's v projection as views that write through, or a
+    reason string."""
+    from lowbit.runtime.fuse import FusedHead, FusedTail
+
+    v = getattr(attn, "v_proj", None)
+    if type(v) is nn.Linear:
+        return v.weight, v.bias
+    if isinstance(v, FusedTail):
+        head = getattr(attn, "q_proj", None)
+        if isinstance(head, FusedHead) and type(head.linear) is nn.Linear:
+            a = sum(head.sizes[:v.index])
+            n = head.sizes[v.index]
+            b = head.linear.bias
+            return head.linear.weight[a:a + n], (None if b is None else b[a:a + n])
+    return f"v_proj is {type(v).__name__}, not a plain or fused nn.Linear (fold before quantizing)"
+
+
+def _fold_layer(attn, layer, rot: torch.Tensor, G: int):
+    """Fold rot (layer's V rotation, [D, D] or [H, D, D]) into attn's v_proj / o_proj in place; returns the
+    touched parameters with their original values, or a reason."""
+    if getattr(attn, "v_norm", None) is not None:
+        return "a norm on V between v_proj and the cache"
+    got = _value_weight(attn)
+    if isinstance(got, str):
+        return got
+    wv, bv = got
+    o = getattr(attn, "o_proj", None)
+    if type(o) is not nn.Linear:
+        return f"o_proj is {type(o).__name__}, not a plain nn.Linear (fold before quantizing)"
+    H, D = layer.H, rot.shape[-1]
+    if wv.shape[0] != H * D or o.weight.shape[1] != H * G * D:
+        return f"projection shapes {tuple(wv.shape)} / {tuple(o.weight.shape)} do not match {H} KV heads x {D}"
+    r = rot.to(wv.device, torch.float32)
+    r = r.expand(H, D, D) if r.dim() == 2 else r  # [H, D, D]
+    saved = [(wv, wv.detach().cpu().clone()), (o.weight, o.weight.detach().cpu().clone())]
+    with torch.no_grad():
+        w = wv.float().reshape(H, D, -1)  # [H, D, K]
+        wv.copy_(torch.matmul(r.transpose(1, 2), w).reshape(H * D, -1))
+        if bv is not None:
+            saved.append((bv, bv.detach().cpu().clone()))
+            bv.copy_(torch.matmul(bv.float().reshape(H, 1, D), r).reshape(H * D))
+        wo = o.weight.float().reshape(-1, H, G, D)  # [N, H, G, D]: q head j = h * G + g reads KV head h
+        o.weight.copy_(torch.einsum("nhgd,hde->nhge", wo, r).reshape(o.weight.shape))
+    return saved
+
+
+def fold_value_rotation(model, cache, *, undoable: bool = True) -> FoldedValueRotation:
+    """Fold every runtime-cache layer's V rotation into `model`'s weights in place (module docstring).
+
+    model: the transformers causal LM the cache serves; cache: lowbit.runtime.static_cache.StaticKVCache.
+    undoable: keep exact copies of the touched weights on the CPU for undo() (a serving engine that owns
+    the model passes False)."""
+    inner = getattr(model, "model", model)
+    inner = getattr(inner, "language_model", inner)
+    layers = getattr(inner, "layers", None)
+    if layers is None or len(layers) != len(cache.layers):
+        raise LowbitError(f"{type(model).__name__}: expected .model.layers with the cache's {len(cache.layers)} layers")
+    cfg = getattr(inner, "config", None) or model.config
+    handle = FoldedValueRotation()
+    for i, (dec, layer) in enumerate(zip(layers, cache.layers)):
+        if layer.rot_v is None:
+            continue
+        attn = getattr(dec, "self_attn", None)
+        G = int(cfg.num_attention_heads) // layer.H
+        # the rotation as the cache holds it (in the model dtype): the fold is the product the cache computes
+        got = "no self_attn module" if attn is None else _fold_layer(attn, layer, layer.rot_v, G)
+        if isinstance(got, str):
+            handle.skipped.append(f"layer {i}: {got}")
+            continue
+        if undoable:
+            handle._undo.append((layer, layer.rot_v, got))
+        layer.rot_v = None
+        handle.layers.append(i)
+    return handle
