@@ -212,13 +212,14 @@ def _make_geo_case(B, Hq, Hkv, D, Dv, T, kbits, vbits, *, group, sink=0, recent=
 def audit(device: str | None = None, cases=None, config=None, kernels=("decode_attention", "decode_geometry")) -> list[AuditRow]:
     """Run the sweep on `device` ('cuda' or 'cpu'; default: cuda if available) with the kernel's
     default launch config (or `config`). kernels: which sweeps ("decode_attention": the 64/128/256
-    kernel; "decode_geometry": the geometry kernel's latent and K/V cases)."""
+    kernel; "decode_geometry": the geometry kernel's latent and K/V cases; "vllm_cpu": the vLLM plugin's
+    C++ CPU kernels, lowbit.vllm_plugin.kernel_audit)."""
     from lowbit.kernels.decode_attention import KernelConfig, decode_attention
     from lowbit.kernels.reference import decode_attention_ref
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     if "decode_attention" not in kernels:
-        return audit_geometry(device) if "decode_geometry" in kernels else []
+        return (audit_geometry(device) if "decode_geometry" in kernels else []) + _plugin_rows(kernels)
     if config is not None:
         cfg = config
     else:
@@ -241,7 +242,16 @@ def audit(device: str | None = None, cases=None, config=None, kernels=("decode_a
         del inp, out, ref
     if "decode_geometry" in kernels and cases is None:
         rows += audit_geometry(device)
-    return rows
+    return rows + _plugin_rows(kernels)
+
+
+def _plugin_rows(kernels) -> list[AuditRow]:
+    """"vllm_cpu": the vLLM plugin's C++ CPU kernels (paged_decode, encode_cells) against their twins."""
+    if "vllm_cpu" not in kernels:
+        return []
+    from lowbit.vllm_plugin.kernel_audit import audit_plugin
+
+    return audit_plugin()
 
 
 def format_table(rows: list[AuditRow]) -> str:
