@@ -16,17 +16,17 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 GEOS=deepseek-v3-latent,deepseek-v3-latent-tp8,kimi-k192v128,gemma4-full512
 
 # 1. GPU tests (compiles every default variant once; the Triton cache then serves stage 3)
-timeout -s INT ${TEST_S:-150} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_decode_geometry.py \
+timeout -s INT ${TEST_S:-240} python3 -m pytest -q -p no:cacheprovider -m gpu tests/kernels/test_decode_geometry.py \
     tests/kernels/test_decode_geometry_odd.py > "$OUT/gpu_tests.log" 2>&1; echo "gpu tests rc $?"
 tail -n 12 "$OUT/gpu_tests.log"
 
 # 2. config sweep (rows also stream to the log as SWEEPROW lines, so a cut-short run keeps what it timed)
-timeout -s INT ${SWEEP_S:-210} python3 -m lowbit.kernels.geo_bench --sweep "$OUT/geo_sweep_NVIDIA_H200.json" \
+timeout -s INT ${SWEEP_S:-200} python3 -m lowbit.kernels.geo_bench --sweep "$OUT/geo_sweep_NVIDIA_H200.json" \
     --geometry ${SWEEP_GEOS:-$GEOS} --batch 1,16 --length 32768 --bits 2 > "$OUT/sweep.log" 2>&1; echo "sweep rc $?"
 grep -E "^SWEEP |failed" "$OUT/sweep.log" | tail -n 30
 
 # 3. the committed benchmark with the new defaults
-timeout -s INT ${BENCH_S:-120} python3 -m lowbit bench decode-attention --geometry $GEOS --batch 1,16 --length 32k \
+timeout -s INT ${BENCH_S:-100} python3 -m lowbit bench decode-attention --geometry $GEOS --batch 1,16 --length 32k \
     --bits ${BENCH_BITS:-2} --out "$OUT/decode_attention_geometry_NVIDIA_H200.json" > "$OUT/bench.log" 2>&1
 echo "bench rc $?"
 grep -vE "^\s*$|^ROW " "$OUT/bench.log" | tail -n 20

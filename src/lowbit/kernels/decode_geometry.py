@@ -20,18 +20,23 @@ Tiers (B sequences, Hkv KV heads, q head h reads KV head h // G):
   sink / recent  dense, model dtype: K [B, Hkv, N, Dk] (separate) or pe [B, Hkv, N, DR] (shared),
           V [B, Hkv, N, Dv]; valid slots [0, *_lens[b]).
 
-How a middle block of BT tokens is read. A row of D codes is cut into NC chunks of W = gcd(S, group)
-dims: chunk n is the dims [n*W, (n+1)*W), i.e. bytes (n*W) % S .. + W of the row at bit offset
-bits * ((n*W) // S), and lies inside one scale group. Any head dim whose packed row S and group are
-multiples of 16 works (192 at 2 bits: S = 48, group 64 -> 12 chunks of 16), in the stored layout as
-is: only the register tile pads NC to a power of two (masked chunks), never the storage. Codes become
-fp16 with one OR (0x6400 | code is the fp16 of 1024 + code), and the scale/zero are factored out of
-the dots, per chunk:  q . x_t = sum_n s_tn (q_n . c_tn) + z_tn sum(q_n)   (c = code - 2**(bits-1),
-centred so the fp32 sums do not cancel against the zero term). Scores are a batched MMA over chunks
-([NC, BT, W] x [NC, W, heads]); values likewise ([NC, W, BT] x [NC, BT, heads] of p * scale). In the
-shared layout the SAME code registers feed both products: the latent is read once per tile.
-Heads: a program takes BH query heads of one KV head (all G when G <= 64: MLA's 128 heads share every
-tile in a few programs), the tokens are the MMA's M dimension.
+How a middle tile of BT tokens is read (2-D tiles, one MMA per segment; no batched dots). A packed
+row of S = D*bits/8 bytes holds, at bit offset i*bits of byte j, dim j + i*S (the `strided` layout):
+position i is the contiguous dims [i*S, (i+1)*S). A row is cut into segments of W = gcd(S, group)
+dims (at most 128): segment j is bytes (j*W) % S .. + W at position (j*W) // S, inside one scale
+group. Latent / 512 at 2 bits, group 128: 4 segments of 128 (one per position, one load of the row's
+128 bytes); K192 at 2 bits, group 64: 12 of 16; V128: 4 of 32.
+  scores  s [BT, heads] = sum_g scale_tg * sum_{j in g} codes_j [BT, W] @ q_j [W, heads] + zero_tg * sum(q_g)
+          (+ pe [BT, DR] @ q_pe): tokens are the MMA's M, heads its N (padded to 8). Codes become fp16
+          with one AND per two codes (a masked word IS two fp16 subnormals, code * 2**(shift-24)); the
+          powers of two go into q (exact) and into the scale.
+  values  O_j^T [W, heads] += codes_j^T [W, BT] @ (p * scale_g) [BT, heads]: the codes re-read
+          token-minor and paired by one byte-permute per two words (the PV MMA wants two tokens per
+          register), a fresh product per tile folded in by one FMA. The zero terms and the softmax sum
+          are one small MMA of zeros^T (+ a row of ones) [16, BT] with p split hi + lo (`zero_mma`).
+  q       in registers, or re-read from L1 each tile when DK x heads would not fit (`q_loop`).
+Heads: a program takes BH query heads of one KV head (up to 16 by default: MLA's 128 heads are 8
+programs per tile, neighbours in launch order, the tile read from L2 by all but the first).
 
 Splits (flash-decoding): grid (Hkv * head blocks, middle splits + 1 dense split, B); the head blocks
 of one tile are neighbours in launch order (they read it from L2); stage 2 merges the splits by
@@ -224,7 +229,8 @@ def _geo_mid_tile(t0, end, kw_base, vw_base, pe_base, spt, KS, KZ, ks_base, VS, 
                   SK: tl.constexpr, SV: tl.constexpr, WK: tl.constexpr, NRK: tl.constexpr, GK: tl.constexpr,
                   NGK: tl.constexpr, WV: tl.constexpr, NRV: tl.constexpr, GV: tl.constexpr, NGV: tl.constexpr,
                   DV: tl.constexpr, DR: tl.constexpr, SHARED: tl.constexpr, HAS_PE: tl.constexpr,
-                  DENSE_MID: tl.constexpr, Q_LOOP: tl.constexpr, USE_PRMT: tl.constexpr, INTERP: tl.constexpr):
+                  DENSE_MID: tl.constexpr, Q_LOOP: tl.constexpr, USE_PRMT: tl.constexpr, INTERP: tl.constexpr,
+                  ZMMA: tl.constexpr):
     """One tile of BT middle tokens from t0: scores, online softmax, values. o: tuple of the V
     segments' accumulators [WV, HP] fp32; lz: tuple per V group of deferred p * zero sums [BT, HP];
     l_v [BT, HP] deferred softmax sums; qk / qp: tuples of q segments (or None-likes when Q_LOOP)."""
@@ -284,7 +290,27 @@ def _geo_mid_tile(t0, end, kw_base, vw_base, pe_base, spt, KS, KZ, ks_base, VS, 
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a split may have no valid token yet
     alpha = tl.exp2(m_i - m_use)
     p = tl.exp2(s - m_use[None, :])  # [BT, HP]
-    l_v = l_v * alpha[None, :] + p
+    if ZMMA:
+        # l_v is [16, HP]: row g < NGV the sum of p * zero of V group g, row NGV (0 dense) the sum of p,
+        # as one small MMA of the zeros^T (+ a row of ones) with p split hi + lo (~fp32): no [BT, HP]
+        # deferred sums to hold and rescale per group
+        zr = tl.arange(0, 16)
+        NZ: tl.constexpr = 0 if DENSE_MID else NGV
+        if DENSE_MID:
+            zt = tl.where((zr == NZ)[:, None] & valid[None, :], 1.0, 0.0).to(tl.float16)
+        else:
+            if SHARED:
+                zt = tl.load(KZ + ks_base + tok[None, :] * NGK + zr[:, None], mask=(zr < NGV)[:, None] & valid[None, :],
+                             other=0.0)
+            else:
+                zt = tl.load(VZ + vs_base + tok[None, :] * NGV + zr[:, None], mask=(zr < NGV)[:, None] & valid[None, :],
+                             other=0.0)
+            zt = tl.where((zr == NZ)[:, None] & valid[None, :], 1.0, zt.to(tl.float32)).to(tl.float16)  # [16, BT]
+        p_hi = p.to(tl.float16)
+        p_lo = (p - p_hi.to(tl.float32)).to(tl.float16)
+        l_v = tl.fma(l_v, alpha[None, :], tl.dot(zt, p_lo, tl.dot(zt, p_hi)))
+    else:
+        l_v = l_v * alpha[None, :] + p
     # ---------------- values: O^T [dims, heads] += X^T [dims, tokens] @ (p * scale) [tokens, heads] ----------------
     o_new = ()
     lz_new = ()
@@ -314,8 +340,11 @@ def _geo_mid_tile(t0, end, kw_base, vw_base, pe_base, spt, KS, KZ, ks_base, VS, 
                 else:
                     vs = tl.load(VS + vs_base + tok * NGV + j // SEG_V, mask=valid, other=0.0).to(tl.float32)
                     vz = tl.load(VZ + vs_base + tok * NGV + j // SEG_V, mask=valid, other=0.0).to(tl.float32)
+                if ZMMA:
+                    lz_new = lz
                 ps = (p * vs[:, None]).to(tl.float16)
-                lz_new = lz_new + (lz[j // SEG_V] * alpha[None, :] + p * vz[:, None],)
+                if not ZMMA:
+                    lz_new = lz_new + (lz[j // SEG_V] * alpha[None, :] + p * vz[:, None],)
             vt = _codes_v(xp[j % NRV], (j // NRV) * VBITS, VBITS)  # [WV, BT]
             # the tile's product from zero, folded in by one FMA: the MMA's truncating accumulator
             # then sums only BT tokens (see decode_attention's PV_FRESH)
@@ -337,7 +366,7 @@ def _geo_stage1(
     DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
     KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
     WK: tl.constexpr, WV: tl.constexpr, SHARED: tl.constexpr, HAS_PE: tl.constexpr, DENSE_MID: tl.constexpr,
-    Q_LOOP: tl.constexpr, USE_PRMT: tl.constexpr,
+    Q_LOOP: tl.constexpr, USE_PRMT: tl.constexpr, ZMMA: tl.constexpr,
     BT: tl.constexpr, BTD: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REC: tl.constexpr, INTERP: tl.constexpr,
     MID_ITERS: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr,
 ):
@@ -381,13 +410,17 @@ def _geo_stage1(
         else:
             qp = tl.zeros([DR, HP], tl.float32)
         m_i = tl.full([HP], float("-inf"), tl.float32)
-        l_v = tl.zeros([BT, HP], tl.float32)
+        if ZMMA:
+            l_v = tl.zeros([16, HP], tl.float32)
+        else:
+            l_v = tl.zeros([BT, HP], tl.float32)
         o = ()
         for j in tl.static_range(DV // WV):
             o = o + (tl.zeros([WV, HP], tl.float32),)
         lz = ()
-        for g in tl.static_range(NGV):
-            lz = lz + (tl.zeros([BT, HP], tl.float32),)
+        if not ZMMA:
+            for g in tl.static_range(NGV):
+                lz = lz + (tl.zeros([BT, HP], tl.float32),)
         kw_base = KW + b.to(tl.int64) * skb + kvh.to(tl.int64) * skh
         vw_base = VW + b.to(tl.int64) * svb + kvh.to(tl.int64) * svh
         ks_base = b.to(tl.int64) * sksb + kvh.to(tl.int64) * sksh
@@ -401,15 +434,19 @@ def _geo_stage1(
                         t0, end, kw_base, vw_base, pe_base, smpt, KS, KZ, ks_base, VS, VZ, vs_base,
                         q_base, qp_base, hvalid, qk, qsum, qp, qk_scale, m_i, l_v, o, lz,
                         BT, HP, KBITS, VBITS, SK, SV, WK, NRK, GK, NGK, WV, NRV, GV, NGV, DV, DR,
-                        SHARED, HAS_PE, DENSE_MID, Q_LOOP, USE_PRMT, INTERP)
+                        SHARED, HAS_PE, DENSE_MID, Q_LOOP, USE_PRMT, INTERP, ZMMA)
         else:
             for t0 in range(start, end, BT):
                 m_i, l_v, o, lz = _geo_mid_tile(
                     t0, end, kw_base, vw_base, pe_base, smpt, KS, KZ, ks_base, VS, VZ, vs_base,
                     q_base, qp_base, hvalid, qk, qsum, qp, qk_scale, m_i, l_v, o, lz,
                     BT, HP, KBITS, VBITS, SK, SV, WK, NRK, GK, NGK, WV, NRV, GV, NGV, DV, DR,
-                    SHARED, HAS_PE, DENSE_MID, Q_LOOP, USE_PRMT, INTERP)
-        l_i = tl.sum(l_v, 0)
+                    SHARED, HAS_PE, DENSE_MID, Q_LOOP, USE_PRMT, INTERP, ZMMA)
+        zr = tl.arange(0, 16)
+        if ZMMA:
+            l_i = tl.sum(tl.where((zr == (0 if DENSE_MID else NGV))[:, None], l_v, 0.0), 0)
+        else:
+            l_i = tl.sum(l_v, 0)
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(LSE + o_rows, lse, mask=hvalid)
@@ -419,7 +456,10 @@ def _geo_stage1(
                 res = o[j] * inv_l[None, :]
             else:
                 if j % SEG_V == 0:
-                    z = tl.sum(lz[j // SEG_V], 0) * inv_l
+                    if ZMMA:
+                        z = tl.sum(tl.where((zr == j // SEG_V)[:, None], l_v, 0.0), 0) * inv_l
+                    else:
+                        z = tl.sum(lz[j // SEG_V], 0) * inv_l
                 # 2**(24 - bit offset) undoes the subnormal scale of the segment's codes
                 res = o[j] * (inv_l * (1 << (24 - (j // NRV) * VBITS)))[None, :] + z[None, :]
             dv = _seg_dims(j, WV, DENSE_MID, True)
@@ -486,21 +526,28 @@ class GeoConfig:
     dense_block: int | None = None
     q_loop: bool | None = None
     waves: int | None = None
+    zero_mma: bool | None = None
 
     def resolve(self, G: int, DV: int, DK: int | None = None, shared: bool = False) -> GeoConfig:
-        """Fill the None fields from the shape (G query heads per KV head, value width DV, key width DK).
-        heads: all G up to 16 per program; q_loop when q's segments (DK x heads fp16) would hold more
-        than 32 registers a thread; tiles of 64 tokens (32 for 512-wide values with 16+ heads)."""
+        """Fill the None fields from the shape (G query heads per KV head, value width DV, key width DK
+        incl. a dense key part). From the H200 sweep (python -m lowbit.kernels.geo_bench --sweep, L32k):
+        narrow values (K192/V128, G = 1): 128-token tiles, one warp (B16 1.66 ms vs 1.89 for 64 x 1
+        and 2.85 for 64 x 4); the MLA latent with > 16 heads: 32 heads a program, 32-token tiles
+        (B16 int2 1.18 ms vs 1.61 for 16 heads x 64); otherwise (16 heads x 512, Gemma-4 K = V) 16
+        heads, 64 tokens, 4 warps. q_loop when q's segments (DK x heads fp16) would hold more than 32
+        registers a thread; zero_mma on (neutral to +10%)."""
         DK = DK or DV
-        heads = self.heads or min(_pow2(G), 16)
+        wide = shared and G > 16
+        heads = self.heads or min(_pow2(G), 32 if wide else 16)
         hp = max(8, _pow2(heads))
-        warps = self.num_warps or 4
-        q_loop = self.q_loop if self.q_loop is not None else (DK + (64 if shared else 0)) * hp * 2 / 32 > 128
-        bt = self.block_t or 64
+        narrow = DV <= 128 and hp <= 8
+        warps = self.num_warps or (1 if narrow else 4)
+        q_loop = self.q_loop if self.q_loop is not None else DK * hp * 2 / 32 > 128
+        bt = self.block_t or (128 if narrow else 32 if wide else 64)
         dbt = self.dense_block or (16 if DV >= 512 else 32)
         return GeoConfig(block_t=bt, heads=heads, num_splits=self.num_splits, num_warps=warps,
                          num_stages=self.num_stages or 2, dense_block=dbt, q_loop=bool(q_loop),
-                         waves=self.waves or 4)
+                         waves=self.waves or 4, zero_mma=True if self.zero_mma is None else bool(self.zero_mma))
 
 
 @dataclass(frozen=True)
@@ -692,7 +739,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
         part, lse, float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit,
         G=G, BH=BH, NHB=NHB, HP=HP, DK=DK, DKP=_pow2(DK), DV=DV, DR=max(DR, 16),
         KBITS=k_bits, VBITS=v_bits, GK=GK, GV=GV, WK=WK, WV=WV, SHARED=shared, HAS_PE=bool(DR),
-        DENSE_MID=dense_mid, Q_LOOP=bool(cfg.q_loop), USE_PRMT=not interp,
+        DENSE_MID=dense_mid, Q_LOOP=bool(cfg.q_loop), USE_PRMT=not interp, ZMMA=bool(cfg.zero_mma),
         BT=BT, BTD=BTD, HAS_SINK=has_sink, HAS_REC=has_rec, INTERP=interp,
         MID_ITERS=(split_tokens // BT) if interp else 0,
         SINK_ITERS=triton.cdiv(sk.shape[2], BTD) if interp else 0,

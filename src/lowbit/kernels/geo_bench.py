@@ -41,8 +41,10 @@ def candidates(geo: dict, packed: bool = True):
     from lowbit.kernels.decode_geometry import GeoConfig
 
     if geo["kind"] == "mha":
-        return [GeoConfig(), GeoConfig(block_t=128, num_warps=4), GeoConfig(block_t=64, num_warps=2)]
-    return [GeoConfig(), GeoConfig(block_t=32, num_warps=4), GeoConfig(block_t=64, num_warps=8)]
+        return [GeoConfig(), GeoConfig(block_t=64, num_warps=1), GeoConfig(block_t=64, num_warps=2)]
+    if geo["Hq"] > 16:  # 64 tokens x 32 heads: the best bf16 dense-middle config of the sweep
+        return [GeoConfig(), GeoConfig(block_t=64, heads=32), GeoConfig(block_t=64, heads=16)]
+    return [GeoConfig(), GeoConfig(block_t=64, zero_mma=False), GeoConfig(block_t=64, q_loop=False)]
 
 
 def sweep_candidates(geo: dict):
@@ -51,11 +53,12 @@ def sweep_candidates(geo: dict):
 
     if geo["kind"] == "mha":
         out = [GeoConfig(block_t=bt, num_warps=w) for bt in (32, 64, 128) for w in (1, 2, 4)]
-        return out + [GeoConfig(block_t=64, num_warps=4, waves=8), GeoConfig(block_t=64, num_warps=4, waves=2)]
+        return out + [GeoConfig(block_t=64, num_warps=4, waves=8), GeoConfig(block_t=64, num_warps=1, zero_mma=False),
+                      GeoConfig(block_t=64, num_warps=4, zero_mma=False)]
     heads = (16, 32) if geo["Hq"] > 16 else (16,)
     out = [GeoConfig(block_t=bt, num_warps=w, heads=h) for h in heads for bt in (32, 64) for w in (4, 8)]
     out += [GeoConfig(block_t=64, num_warps=4, q_loop=False), GeoConfig(block_t=64, num_warps=4, waves=8),
-            GeoConfig(block_t=64, num_warps=4, num_stages=3)]
+            GeoConfig(block_t=64, num_warps=4, zero_mma=False), GeoConfig(block_t=64, num_warps=4, heads=16, waves=2)]
     return out
 
 
