@@ -135,8 +135,7 @@ def test_fused_projections_captured_step_follows_the_unfused_eager_step(kv, fold
     """ModelStep(fuse=True) (what the serving engine and `bench decode` run on CUDA): one GEMM for q/k/v and one
     for gate/up, captured, against the plain eager step of a second model with the same weights. cuBLAS picks
     other kernels for the wider GEMMs, so logits are compared to fp tolerance and tokens up to a near tie.
-    fold: V's rotation folded into v_proj / o_proj as well (lowbit.runtime.fold; also the runtime's default), at
-    int4: the folded bf16 weights round V differently, which flips int2 codes enough to move logits ~4% (H200)."""
+    fold: V's rotation folded into v_proj / o_proj as well (lowbit.runtime.fold; also the runtime's default)."""
     if kv != "bf16" and not _kernels_compiled():
         pytest.skip("the fused kernel was imported under the Triton interpreter")
     from lowbit.kv.plan import resolve
@@ -168,9 +167,11 @@ def test_fused_projections_captured_step_follows_the_unfused_eager_step(kv, fold
     for _ in range(24):
         lg = eager_decode(plain, ref_c, ids, active)
         graphs.replay(2)
-        assert ((lg - graphs.logits[:2]).abs().max() / lg.abs().max()).item() < 3e-2
+        # folded: the bf16 weights round V differently (3.5% at a compared step on the H200; on CPU the
+        # folded and unfolded bf16 steps are equally far from the fp32 step: tests/runtime/test_fold.py)
+        assert ((lg - graphs.logits[:2]).abs().max() / lg.abs().max()).item() < (6e-2 if fold else 3e-2)
         ids = lg.argmax(-1, keepdim=True)
         if not torch.equal(ids, graphs.ids[:2]):
             break
         same += 1
-    assert same >= 12, same
+    assert same >= (8 if fold else 12), same
