@@ -60,6 +60,7 @@ from lowbit.kernels.decode_attention import (
     LOG2E,
     _halves,
     _lens,
+    _pair_byte,
     _pow2,
     _stage2,
     check_mode,
@@ -160,18 +161,6 @@ def _codes_k(w, SH: tl.constexpr, BITS: tl.constexpr):
     ol, oh = _halves((w >> 8) & M)  # bytes 1, 3
     x = tl.join(tl.join(el, ol), tl.join(eh, oh))  # [BT, U, 2, 2] -> column 4u + 2*h + eo
     return tl.reshape(x, (w.shape[0], w.shape[1] * 4))
-
-
-@triton.jit
-def _pair_byte(a, b, c, USE_PRMT: tl.constexpr):
-    """Byte c of a into bits 0-7 and byte c of b into bits 16-23 (bits 8-15, 24-31: don't care)."""
-    if USE_PRMT:
-        # prmt selector nibbles (result byte 3..0) = (4+c, 4+c, c, c): one instruction
-        r = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [a, b, 0x4400 + c * 0x1111],
-                                      dtype=tl.int32, is_pure=True, pack=1)
-    else:
-        r = ((a >> (8 * c)) & 0xFF) | (((b >> (8 * c)) & 0xFF) << 16)
-    return r
 
 
 @triton.jit
