@@ -289,6 +289,10 @@ def test_write_with_the_steps_memo_equals_write_without():
     ("k4v2", 256, 128, 4, {"grid": "minmax", "clip": ".9"}),  # K and V with their own codecs
     ("int4", 64, 32, 3, {"symmetric": True}),
     ("int2", 64, 64, 2, {"grid": "minmax", "symmetric": True, "clip": ".94"}),
+    ("int2", 64, 64, 3, {}),  # the int2 default: the std grid, K and V in one codec
+    ("int3", 48, 16, 2, {"grid": "std"}),  # std grid, 3-bit codes, three groups per head
+    ("k4v2", 128, 64, 2, {}),  # K min/max, V std (the k4v2 default)
+    ("k2v4", 64, 32, 3, {}),  # K std, V min/max
 ])
 @pytest.mark.parametrize("T", [1, 3, 16])
 def test_fast_cell_encoder_writes_the_codecs_bytes(name, D, group, H, kw, T):
@@ -317,26 +321,40 @@ def test_fast_cell_encoder_writes_the_codecs_bytes(name, D, group, H, kw, T):
             if trial % 2:
                 kr, vr = kr.to(dtype).float(), vr.to(dtype)  # rows as the model dtype carries them
             calls = []
-            real = affine.quantize
+            real, real_std = affine.quantize, affine.quantize_std
 
             def spy(*a, **k):
                 calls.append(1)
                 return real(*a, **k)
 
-            affine.quantize = spy
+            def spy_std(*a, **k):
+                calls.append(2)
+                return real_std(*a, **k)
+
+            affine.quantize, affine.quantize_std = spy, spy_std
             try:
                 got = fmt.encode_rotated(kr, vr)
             finally:
-                affine.quantize = real
+                affine.quantize, affine.quantize_std = real, real_std
             want = fmt.encode_rotated(kr, vr, fast=False)
             assert got.dtype == torch.uint8 and got.shape == want.shape == (T, H, fmt.slot_bytes)
             assert torch.equal(got, want), (dtype, trial, (got != want).nonzero()[:5].tolist())
+            # written straight into a cache of random bytes at scattered (block, offset): those cells, nothing else
+            cache = torch.randint(0, 256, (5, H, 7, fmt.slot_bytes), dtype=torch.uint8, generator=g)
+            flat = torch.randperm(35, generator=g)[:T]
+            want_cache = cache.clone()
+            want_cache[flat // 7, :, flat % 7, :] = want
+            fmt.write_rotated(cache, flat // 7, flat % 7, kr, vr)
+            assert torch.equal(cache, want_cache), (dtype, trial)
             assert calls == [], "the fast path did not serve a decode-sized write"
     # a constant group and a NaN row: the codec serves the write (its own bytes, whatever they are)
     fmt = SlotFormat(sch, D, D, torch.float32)
     kr, vr = torch.randn(1, H, T, D, generator=g), torch.randn(1, H, T, D, generator=g)
     kr[0, 0, 0, :group] = 0.25
     assert torch.equal(fmt.encode_rotated(kr, vr), fmt.encode_rotated(kr, vr, fast=False))
+    cache = torch.randint(0, 256, (3, H, T, fmt.slot_bytes), dtype=torch.uint8, generator=g)
+    fmt.write_rotated(cache, torch.ones(T, dtype=torch.long), torch.arange(T), kr, vr)  # declined: the codec writes
+    assert torch.equal(cache[1].transpose(0, 1), fmt.encode_rotated(kr, vr, fast=False))
     vr[0, H - 1, T - 1, 1] = float("nan")
     kr[0, 0, 0, :group] = torch.randn(group, generator=g)
     assert torch.equal(fmt.encode_rotated(kr, vr), fmt.encode_rotated(kr, vr, fast=False))

@@ -4,10 +4,10 @@
   (paged.attend kernel="torch"): odd head dims, GQA 1/3/5/9, 2/4/8 bits and k4v2, two groups per head,
   sink/recent tiers, a sliding window, softcap, fp32/bf16/fp16 pools, rotations inside the kernel, and a
   layout only the scalar loop takes. Row: relative L2 / max relative error, pass at rel L2 <= TOL.
-- `encode_cells` (csrc/cell_encode.cpp, the decode step's rows -> packed cells) against TensorCodec.encode
-  (SlotFormat.encode_rotated(fast=False)): it must give the codec's bytes bit for bit. Row: rel_l2 = the
-  share of differing bytes, max_rel = the largest byte difference / 255; pass only when both are 0 and the
-  encoder served the write itself.
+- `encode_cells` (csrc/cell_encode.cpp, the decode step's rows -> packed cells; min/max and std grids) against
+  TensorCodec.encode (SlotFormat.encode_rotated(fast=False)): it must give the codec's bytes bit for bit.
+  Row: rel_l2 = the share of differing bytes, max_rel = the largest byte difference / 255; pass only when
+  both are 0 and the encoder served the write itself.
 
 Small shapes (the whole audit takes seconds once the extensions are built; the first build takes minutes).
 """
@@ -71,6 +71,8 @@ ENCODE_CASES = [
     ("int3", 64, 16, 2, {}, 7),
     ("k4v2", 256, 128, 3, {"grid": "minmax", "clip": ".9"}, 2),
     ("int2", 64, 64, 2, {"grid": "minmax", "symmetric": True, "clip": ".94"}, 5),
+    ("int2", 64, 64, 3, {}, 4),  # the int2 default: std grid
+    ("k4v2", 128, 64, 2, {}, 3),  # K min/max, V std
 ]
 
 
@@ -120,7 +122,9 @@ def audit_plugin() -> list:
         vr = (torch.randn(1, H, T, D, generator=g) * 0.01).bfloat16()
         f = fmt._encoder()
         served = False
-        if f is not None:
+        if f is not None and f[3]:  # a std-grid tensor: torch's group stats go in
+            cells, served = f[0].encode_cells_std(kr, vr, *fmt._std_stats(kr, vr, f[3]), f[1], f[2], fmt.slot_bytes)
+        elif f is not None:
             cells, served = f[0].encode_cells(kr, vr, f[1], f[2], fmt.slot_bytes)
         want = fmt.encode_rotated(kr, vr, fast=False)
         if served:

@@ -417,7 +417,7 @@ def write(cache_u8: torch.Tensor, fmt: SlotFormat, key: torch.Tensor, value: tor
     key, value = (key[:n], value[:n]) if keep is None else (key[:n][keep], value[:n][keep])
     kr = rotate(key.transpose(0, 1).unsqueeze(0), rot_k)  # [1, H, T, D_k]
     vr = rotate(value.transpose(0, 1).unsqueeze(0), rot_v)
-    cache_u8[ix["blk"], :, ix["off"], :] = fmt.encode_rotated(kr, vr)  # advanced indices first: [T, H, C]
+    fmt.write_rotated(cache_u8, ix["blk"], ix["off"], kr, vr)  # cache[blk, :, off, :] = the cells
     kd = vd = None  # the rotated rows in the input dtype (what attend's own row and the arena hold)
     if rotated is not None:
         rotated.clear()

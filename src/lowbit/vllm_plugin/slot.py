@@ -171,7 +171,7 @@ class SlotFormat:
         """kr [1, H, T, D_k], vr [1, H, T, D_v], already rotated -> slots uint8 [T, H, slot_bytes]
         (TensorCodec.encode: quantize -> pack; the one quantizer).
 
-        fast (T <= FAST_ROWS, min/max grids): the same bytes from csrc/cell_encode.cpp in one op -- the
+        fast (T <= FAST_ROWS, min/max and std grids): the same bytes from csrc/cell_encode.cpp in one op -- the
         codec's float32 steps in order, no fast-math; a row it cannot mirror (non-finite, a constant group)
         sends the whole write to the codec. fast=False: always the codec.
 
@@ -181,7 +181,12 @@ class SlotFormat:
         _, H, T, _ = kr.shape
         if T <= FAST_ROWS and fast:
             enc = self._encoder()
-            if enc is not None:
+            if enc is not None and enc[3]:  # the std grid: torch's group stats, then the C++ encoder
+                cells, ok = enc[0].encode_cells_std(kr, vr, *self._std_stats(kr, vr, enc[3]), enc[1], enc[2],
+                                                    self.slot_bytes)
+                if ok:
+                    return cells
+            elif enc is not None:
                 cells, ok = enc[0].encode_cells(kr, vr, enc[1], enc[2], self.slot_bytes)
                 if ok:  # else a non-finite value or a constant group: the codec below
                     return cells
@@ -211,9 +216,25 @@ class SlotFormat:
             parts.append(torch.zeros(H, T, self.slot_bytes - self.content_bytes, dtype=torch.uint8, device=kr.device))
         return torch.cat(parts, dim=-1).transpose(0, 1)  # [T, H, slot_bytes]
 
+    def write_rotated(self, cache_u8: torch.Tensor, blk: torch.Tensor, off: torch.Tensor, kr: torch.Tensor,
+                      vr: torch.Tensor) -> None:
+        """cache_u8[blk[t], :, off[t], :] = encode_rotated(kr, vr)[t] (kr [1, H, T, D_k], vr [1, H, T, D_v];
+        cache uint8 [NB, H, bs, slot_bytes]). A decode-sized write on the C++ encoder writes the cells into the
+        cache itself (no cells tensor, no index_put); else, or when it declines, the codec's cells are stored."""
+        T = kr.shape[2]
+        if T <= FAST_ROWS and cache_u8.is_contiguous() and cache_u8.device.type == "cpu":
+            enc = self._encoder()
+            if enc is not None:
+                ks, vs = self._std_stats(kr, vr, enc[3]) if enc[3] else (self._no_stats, self._no_stats)
+                if enc[0].write_cells(kr, vr, ks, vs, enc[1], enc[2], cache_u8, blk, off):
+                    return
+        cache_u8[blk, :, off, :] = self.encode_rotated(kr, vr, fast=False)  # advanced indices first: [T, H, C]
+
+    _no_stats = torch.zeros(0, dtype=torch.float32)
+
     def _encoder(self):
-        """(module, meta int64 [16], mul float64 [4]) for csrc/cell_encode.cpp, or None: a 16-bit tensor, KIVI,
-        Lloyd-Max, the std grid, or no compiler. Resolved once per format."""
+        """(module, meta int64 [16], mul float64 [4], the std-grid tensors ("k", "v" or neither)) for
+        csrc/cell_encode.cpp, or None: a 16-bit tensor, KIVI, Lloyd-Max, or no compiler. Resolved once per format."""
         if getattr(self, "_enc", False) is not False:
             return self._enc
         self._enc = None
@@ -221,20 +242,41 @@ class SlotFormat:
         for which in ("k", "v"):
             c = self.codecs[which]
             tq = c.tq
-            if (not c.quantized or tq.axis != "token" or tq.lloyd_max or tq.grid != "minmax"
-                    or c.bits not in (2, 3, 4, 8) or c.cbits not in (2, 4, 8)
-                    or self.field(which, "scale").dtype != torch.float16):
+            std = tq.grid == "std"
+            if (not c.quantized or tq.axis != "token" or tq.lloyd_max or tq.grid not in ("minmax", "std")
+                    or c.bits not in ((2, 3, 4) if std else (2, 3, 4, 8)) or c.cbits not in (2, 4, 8)
+                    or (std and c.unit_step is None) or self.field(which, "scale").dtype != torch.float16):
                 return None
-            meta += [c.bits, c.cbits, c.group, c.head_dim, int(bool(tq.symmetric)), self.field(which, "codes").offset,
-                     self.field(which, "scale").offset, self.field(which, "zero").offset]
+            meta += [c.bits, c.cbits, c.group, c.head_dim, 2 if std else int(bool(tq.symmetric)),
+                     self.field(which, "codes").offset, self.field(which, "scale").offset,
+                     self.field(which, "zero").offset]
             r = float(tq.clip)
-            mul += [r if tq.symmetric else 0.5 * r, 2.0 / ((1 << c.bits) - 1)]  # affine.quantize's scalars
+            # affine.quantize's scalars; the std grid: affine.quantize_std's unit step
+            mul += [1.0, float(c.unit_step)] if std else [r if tq.symmetric else 0.5 * r, 2.0 / ((1 << c.bits) - 1)]
         from lowbit.vllm_plugin import cpu_kernel
 
         mod, _ = cpu_kernel.load_encoder()
         if mod is not None:
-            self._enc = (mod, torch.tensor(meta, dtype=torch.long), torch.tensor(mul, dtype=torch.float64))
+            self._enc = (mod, torch.tensor(meta, dtype=torch.long), torch.tensor(mul, dtype=torch.float64),
+                         tuple(w for w, m in zip("kv", meta[4::8]) if m == 2))
         return self._enc
+
+    def _std_stats(self, kr: torch.Tensor, vr: torch.Tensor, which: tuple) -> tuple[torch.Tensor, torch.Tensor]:
+        """The std grid's (mean, population std) per group, float32 [2, 1, H, T, groups] for K and V (empty for a
+        min/max tensor): the very reductions affine.quantize_std runs, on the tensor TensorCodec.encode would get
+        (K and V concatenated when they share a codec), so the C++ encoder's bytes stay the codec's."""
+        ck, cv = self.codecs["k"], self.codecs["v"]
+        H = kr.shape[1]
+        none = torch.zeros(0, dtype=torch.float32, device=kr.device)
+
+        def stats(x, c):
+            xg = x.float().reshape(*x.shape[:-1], c.head_dim // c.group, c.group)
+            return torch.stack([xg.mean(dim=-1), xg.std(dim=-1, correction=0)])  # [2, 1, H', T, G]
+
+        if ck.tq == cv.tq and ck.head_dim == cv.head_dim:  # encode_rotated's one codec call over [1, 2H, T, D]
+            st = stats(torch.cat([kr, vr], dim=1), ck)
+            return st[:, :, :H].contiguous(), st[:, :, H:].contiguous()
+        return (stats(kr, ck) if "k" in which else none), (stats(vr, cv) if "v" in which else none)
 
     def _shared_cells(self, both: dict) -> bool:
         """K and V quantized by one codec call (`both`: codes uint8, scale / zero fp16 [1, 2H, T, .]) and the

@@ -290,6 +290,62 @@ inline void score_packed(const uint8_t* codes, const Chunk* ch, const float* q, 
   for (int g = 0; g < NH; ++g) s[g * tile] = tot[g];
 }
 
+// one group per head (group == D): the P lanes of a byte are unpacked from one load -- dims j..j+7 of every
+// lane i (i * S + j) from bytes j..j+7, lane i's codes the bits [i*CB, (i+1)*CB) -- and go to one accumulator
+template <int CB, int NH>
+inline void score_packed1(const uint8_t* codes, const float* q, int64_t D, float ks, float kz, const float* qsum,
+                          float* s, int64_t tile) {
+  constexpr int P = 8 / CB;
+  const int64_t S = D / P;
+  const __m256i mask = _mm256_set1_epi32((1 << CB) - 1);
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t j = 0; j < S; j += 8) {
+    const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + j)));
+#pragma GCC unroll 4
+    for (int i = 0; i < P; ++i) {
+      __m256i xi = i == 0 ? x : _mm256_srli_epi32(x, i * CB);
+      if (i < P - 1) xi = _mm256_and_si256(xi, mask);
+      const __m256 c = _mm256_cvtepi32_ps(xi);
+      const float* qd = q + i * S + j;
+      a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qd), c, a0);
+      if (NH > 1) a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qd + D), c, a1);
+      if (NH > 2) a2 = _mm256_fmadd_ps(_mm256_loadu_ps(qd + 2 * D), c, a2);
+      if (NH > 3) a3 = _mm256_fmadd_ps(_mm256_loadu_ps(qd + 3 * D), c, a3);
+    }
+  }
+  alignas(16) float h[4];
+  _mm_store_ps(h, hsum4(a0, a1, a2, a3));
+  for (int g = 0; g < NH; ++g) s[g * tile] = h[g] * ks + qsum[g] * kz;
+}
+
+// acc[g, :] += sum_t w[g, t] * codes_t (one group per head) over a tile's n cells, lanes unpacked from one load
+template <int CB, int NH>
+inline void accumulate_codes1(int n, const uint8_t* const* cells, int64_t off, int64_t Dv, const float* w,
+                              int64_t tile, float* acc) {
+  constexpr int P = 8 / CB;
+  const int64_t S = Dv / P;
+  const __m256i mask = _mm256_set1_epi32((1 << CB) - 1);
+  for (int64_t j = 0; j < S; j += 8) {
+    __m256 a[NH][P];
+    for (int g = 0; g < NH; ++g)
+      for (int i = 0; i < P; ++i) a[g][i] = _mm256_loadu_ps(acc + g * Dv + i * S + j);
+    for (int t = 0; t < n; ++t) {
+      const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(cells[t] + off + j)));
+      __m256 wt[NH];
+      for (int g = 0; g < NH; ++g) wt[g] = _mm256_broadcast_ss(w + g * tile + t);
+#pragma GCC unroll 4
+      for (int i = 0; i < P; ++i) {
+        __m256i xi = i == 0 ? x : _mm256_srli_epi32(x, i * CB);
+        if (i < P - 1) xi = _mm256_and_si256(xi, mask);
+        const __m256 c = _mm256_cvtepi32_ps(xi);
+        for (int g = 0; g < NH; ++g) a[g][i] = _mm256_fmadd_ps(wt[g], c, a[g][i]);
+      }
+    }
+    for (int g = 0; g < NH; ++g)
+      for (int i = 0; i < P; ++i) _mm256_storeu_ps(acc + g * Dv + i * S + j, a[g][i]);
+  }
+}
+
 // scores of one dense row (any float dtype) for query heads g0..g0+NH-1
 template <typename U, int NH>
 inline void score_row(const U* k, const float* q, int64_t D, float* s, int64_t tile) {
@@ -434,10 +490,16 @@ void decode_one(int64_t h, const float* q /*[G,D]*/, int64_t G, int64_t D, int64
       }
     }
     if (kind == 0) {
-      by_heads(G, [&](int64_t g0, auto nh) {
-        accumulate<decltype(nh)::value>(n, Dv / 8, cpv, ngv, &w[g0 * ngv * VT], VT, &acc[g0 * Dv], Dv,
-                                        [&](int t, int64_t u) { return codes8<CBV>(vcell[t] + fv.codes, chv[u]); });
-      });
+      if (ngv == 1) {
+        by_heads(G, [&](int64_t g0, auto nh) {
+          accumulate_codes1<CBV, decltype(nh)::value>(n, vcell.data(), fv.codes, Dv, &w[g0 * VT], VT, &acc[g0 * Dv]);
+        });
+      } else {
+        by_heads(G, [&](int64_t g0, auto nh) {
+          accumulate<decltype(nh)::value>(n, Dv / 8, cpv, ngv, &w[g0 * ngv * VT], VT, &acc[g0 * Dv], Dv,
+                                          [&](int t, int64_t u) { return codes8<CBV>(vcell[t] + fv.codes, chv[u]); });
+        });
+      }
     } else if (kind == 1) {
       by_heads(G, [&](int64_t g0, auto nh) {
         accumulate<decltype(nh)::value>(n, Dv / 8, Dv / 8, ngv, &w[g0 * ngv * VT], VT, &acc[g0 * Dv], Dv,
@@ -461,10 +523,17 @@ void decode_one(int64_t h, const float* q /*[G,D]*/, int64_t G, int64_t D, int64
         ks[k] = half_at(cell + fk.scale + 2 * k);
         kz[k] = half_at(cell + fk.zero + 2 * k);
       }
-      by_heads(G, [&](int64_t g0, auto nh) {
-        score_packed<CBK, decltype(nh)::value>(cell + fk.codes, chk.data(), q + g0 * D, D, cpk, ngk, ks.data(),
-                                               kz.data(), &qsum[g0 * ngk], &s[g0 * VT + n], VT);
-      });
+      if (ngk == 1) {
+        by_heads(G, [&](int64_t g0, auto nh) {
+          score_packed1<CBK, decltype(nh)::value>(cell + fk.codes, q + g0 * D, D, ks[0], kz[0], &qsum[g0],
+                                                  &s[g0 * VT + n], VT);
+        });
+      } else {
+        by_heads(G, [&](int64_t g0, auto nh) {
+          score_packed<CBK, decltype(nh)::value>(cell + fk.codes, chk.data(), q + g0 * D, D, cpk, ngk, ks.data(),
+                                                 kz.data(), &qsum[g0 * ngk], &s[g0 * VT + n], VT);
+        });
+      }
       for (int64_t k = 0; k < ngv; ++k) {
         sv[n * ngv + k] = half_at(cell + fv.scale + 2 * k);
         zv[n * ngv + k] = half_at(cell + fv.zero + 2 * k);
