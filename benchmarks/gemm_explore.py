@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda]
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-cp]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
 the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
@@ -173,6 +173,25 @@ def explore_cuda(rows, log):
     log(cuda_ratio_table(rows))
 
 
+def cuda_cp_configs():
+    """The shared-memory weight ring (cp.async, `stages` chunks) beside the register-ring cells the table runs."""
+    reg = [CudaConfig(2, 8, 0), CudaConfig(1, 8, 0), CudaConfig(2, 8, 4), CudaConfig(1, 4, 0)]
+    cp = [CudaConfig(rt, w, 0, wv, st) for rt, w, wv, st in (
+        (2, 4, 2, 4), (2, 4, 2, 6), (2, 4, 2, 8), (1, 4, 2, 6), (1, 4, 2, 8), (1, 8, 2, 6), (2, 8, 2, 4),
+        (2, 4, 4, 6), (1, 4, 4, 8), (2, 4, 1, 8), (1, 8, 1, 8))]
+    return reg + cp
+
+
+def explore_cuda_cp(rows, log):
+    """W4A16 g128 (M 1, 4, 16) and W8A16 (M 1) on the 8B shapes: register ring vs shared-memory ring."""
+    t0 = time.time()
+    for scheme, ms in (("w4a16-g128", (1, 4, 16)), ("w8a16", (1,))):
+        for shape, K, N in CUDA_SHAPES:
+            for M in ms:
+                rows.append(explore_cell(scheme, shape, K, N, M, cuda_cp_configs(), "cuda-cp", log, t0))
+    log(cuda_ratio_table(rows))
+
+
 def cuda_ratio_table(rows) -> str:
     """One line per (scheme, shape): speed-up over bf16 of the best CUDA config and of the Triton cell, per M."""
     out, by = [], {}
@@ -256,11 +275,13 @@ if __name__ == "__main__":
     try:
         if "--cuda" in sys.argv:
             explore_cuda(res["explore"], print)
+        if "--cuda-cp" in sys.argv:
+            explore_cuda_cp(res["explore"], print)
         if "--final" in sys.argv:
             explore_final(res["explore"], print)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda")
+        only = ("--gemv", "--final", "--cuda", "--cuda-cp")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):
