@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-cp]
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-quick]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
 the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
@@ -173,22 +173,22 @@ def explore_cuda(rows, log):
     log(cuda_ratio_table(rows))
 
 
-def cuda_cp_configs():
-    """The shared-memory weight ring (cp.async, `stages` chunks) beside the register-ring cells the table runs."""
-    reg = [CudaConfig(2, 8, 0), CudaConfig(1, 8, 0), CudaConfig(2, 8, 4), CudaConfig(1, 4, 0)]
-    cp = [CudaConfig(rt, w, 0, wv, st) for rt, w, wv, st in (
-        (2, 4, 2, 4), (2, 4, 2, 6), (2, 4, 2, 8), (1, 4, 2, 6), (1, 4, 2, 8), (1, 8, 2, 6), (2, 8, 2, 4),
-        (2, 4, 4, 6), (1, 4, 4, 8), (2, 4, 1, 8), (1, 8, 1, 8))]
-    return reg + cp
+def explore_cuda_quick(rows, log):
+    """--cuda at the table's representative M (1, 4, 16) for w4a16-g128 and w8a16: the launch geometries
+    re-timed after a change of the split-K rule, beside the tabled Triton cell."""
+    from lowbit.kernels.weight_dispatch import Dispatch
 
-
-def explore_cuda_cp(rows, log):
-    """W4A16 g128 (M 1, 4, 16) and W8A16 (M 1) on the 8B shapes: register ring vs shared-memory ring."""
+    table = Dispatch.for_device("cuda")
     t0 = time.time()
-    for scheme, ms in (("w4a16-g128", (1, 4, 16)), ("w8a16", (1,))):
+    for scheme in ("w4a16-g128", "w8a16"):
+        kind = "w4a16" if scheme.startswith("w4") else "w8a16"
         for shape, K, N in CUDA_SHAPES:
-            for M in ms:
-                rows.append(explore_cell(scheme, shape, K, N, M, cuda_cp_configs(), "cuda-cp", log, t0))
+            for M in (1, 4, 16):
+                cfgs = cuda_configs()
+                cur = table.choose(kind, M)
+                if cur.config is not None and cur.path != "cuda":
+                    cfgs.append(cur.config)
+                rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "cuda", log, t0))
     log(cuda_ratio_table(rows))
 
 
@@ -275,13 +275,13 @@ if __name__ == "__main__":
     try:
         if "--cuda" in sys.argv:
             explore_cuda(res["explore"], print)
-        if "--cuda-cp" in sys.argv:
-            explore_cuda_cp(res["explore"], print)
+        if "--cuda-quick" in sys.argv:
+            explore_cuda_quick(res["explore"], print)
         if "--final" in sys.argv:
             explore_final(res["explore"], print)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-cp")
+        only = ("--gemv", "--final", "--cuda", "--cuda-quick")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

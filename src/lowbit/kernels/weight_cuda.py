@@ -13,9 +13,7 @@ Build cache: ~/.cache/lowbit/cuda (or the temp dir when home is not writable), o
 (source, `nvcc --version`, arch, flags); a build writes a temporary name and renames it, so processes
 building at once never read a half-written library.
 
-Launch geometry (CudaConfig): a block of `warps` warps, each warp RT tiles of 16 weight rows; `stages` > 0
-keeps the weights in flight in a shared-memory ring of that many K chunks filled by cp.async (RT 1 or 2)
-instead of registers, so the depth in flight costs no registers; K split
+Launch geometry (CudaConfig): a block of `warps` warps, each warp RT tiles of 16 weight rows; K split
 across SPLITK blocks (0: enough blocks for `waves` (2) x the SMs, and at least what shared memory needs:
 a block stages its K range of x, 16 * MT bytes per k, MT = 1 for M <= 8, 2 for M <= 16). A K chunk is
 4 lanes x LW words, LW in {4, 2, 1} the largest with chunk | group and chunk | K, so every chunk has one
@@ -59,21 +57,19 @@ class CudaConfig:
     warps: int = 4
     SPLITK: int = 0
     waves: int = 2
-    stages: int = 0  # 0: weights in flight in a register ring; 2..8: a shared-memory ring of that many chunks
 
     @classmethod
     def from_name(cls, name: str) -> CudaConfig:
         import re
 
-        m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)(?:-wv(\d+))?(?:-cp(\d+))?", name)
+        m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)(?:-wv(\d+))?", name)
         if m is None:
             raise ValueError(f"not a CudaConfig name: {name!r}")
-        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2), int(m[5] or 0))
+        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2))
 
     @property
     def name(self) -> str:
-        return (f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}" + ("" if self.waves == 2 else f"-wv{self.waves}")
-                + (f"-cp{self.stages}" if self.stages else ""))
+        return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}" + ("" if self.waves == 2 else f"-wv{self.waves}")
 
 
 def find_nvcc() -> str:
@@ -160,10 +156,10 @@ def build(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I,
+    lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I,
                                       ctypes.c_ulonglong]
     lib.lowbit_wq_small_m.restype = I
-    lib.lowbit_wq_small_m_smem.argtypes = [I, I, I, I, I, I, I]
+    lib.lowbit_wq_small_m_smem.argtypes = [I, I, I, I]
     lib.lowbit_wq_small_m_smem.restype = I
     lib.lowbit_cuda_error_string.argtypes = [I]
     lib.lowbit_cuda_error_string.restype = ctypes.c_char_p
@@ -234,17 +230,16 @@ def plan(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
     ck = 4 * lw * (8 if pw.bits == 4 else 4)
     nch = pw.K // ck
     mt = 1 if M <= 8 else 2
-    per_chunk = lw * (2 if pw.bits == 4 else 1) * mt * 32 * 8  # smem bytes of x per chunk
-    ring = cfg.stages * cfg.warps * cfg.RT * 2 * 32 * lw * 4  # the weight ring (stages > 0)
-    if ring + per_chunk > SMEM_CAP:
-        raise ValueError(f"{cfg.name}: its weight ring ({ring} B) leaves no shared memory for x under {SMEM_CAP} B")
+    per_chunk = lw * (2 if pw.bits == 4 else 1) * mt * 32 * 8  # smem bytes per chunk
     row_blocks = math.ceil(pw.N / (16 * cfg.RT * cfg.warps))
-    sk_min = math.ceil(nch * per_chunk / (SMEM_CAP - ring))
-    sk = cfg.SPLITK or math.ceil(cfg.waves * sms / row_blocks)
+    sk_min = math.ceil(nch * per_chunk / SMEM_CAP)
+    # auto: as many splits as keep the grid within `waves` blocks per SM (floor: a partial second wave of a few
+    # blocks costs nearly a whole block time; ncu measured it on 280 blocks for 264 slots)
+    sk = cfg.SPLITK or cfg.waves * sms // row_blocks
     sk = max(1, min(nch, max(sk, sk_min), 64))
     cps = math.ceil(nch / sk)
     sk = math.ceil(nch / cps)  # no empty split
-    return Plan(lw, cps, sk, row_blocks, cps * per_chunk + ring)
+    return Plan(lw, cps, sk, row_blocks, cps * per_chunk)
 
 
 def _counter_buffer(device, stream: int, n: int) -> torch.Tensor:
@@ -286,7 +281,7 @@ def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: tor
         None if pw.zero is None else pw.zero.data_ptr(), None if pw.bias is None else pw.bias.data_ptr(),
         _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0), _KIND[out_dtype],
         None if ws is None else ws.data_ptr(), None if cnt is None else cnt.data_ptr(),
-        M, pw.N, K, pw.group, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.splitk, cfg.stages, stream)
+        M, pw.N, K, pw.group, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.splitk, stream)
     if rc != 0:
         msg = lib.lowbit_cuda_error_string(rc).decode()
         raise LowbitError(f"CUDA weight kernel {cfg.name} failed at M={M} N={pw.N} K={K}: {msg}")

@@ -48,7 +48,6 @@ struct Params {
   int M, N, K, group;
   int chunks_per_split;    // K chunks per blockIdx.y
   int splitk;              // gridDim.y
-  int stages;              // CP kernels: K chunks of weights in the shared-memory ring (2..8)
   int scale_kind, bias_kind, out_kind;
 };
 
@@ -89,36 +88,6 @@ __device__ __forceinline__ void ldg_words(const uint32_t* p, uint32_t* w) {
   }
 }
 
-// LW consecutive words global -> shared without passing through registers (sm_80+ cp.async; the 16-byte
-// form bypasses L1).
-template <int LW>
-__device__ __forceinline__ void cp_words(uint32_t* dst, const uint32_t* src) {
-  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  if constexpr (LW == 4) {
-    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;" ::"r"(d), "l"(src));
-  } else if constexpr (LW == 2) {
-    asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 8;" ::"r"(d), "l"(src));
-  } else {
-    asm volatile("cp.async.ca.shared.global.L2::256B [%0], [%1], 4;" ::"r"(d), "l"(src));
-  }
-}
-
-__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::); }
-
-// Wait until at most n of this thread's committed groups are pending (n is an immediate in the ISA).
-__device__ __forceinline__ void cp_wait(int n) {
-  switch (n) {
-    case 0: asm volatile("cp.async.wait_group 0;" ::: "memory"); break;
-    case 1: asm volatile("cp.async.wait_group 1;" ::: "memory"); break;
-    case 2: asm volatile("cp.async.wait_group 2;" ::: "memory"); break;
-    case 3: asm volatile("cp.async.wait_group 3;" ::: "memory"); break;
-    case 4: asm volatile("cp.async.wait_group 4;" ::: "memory"); break;
-    case 5: asm volatile("cp.async.wait_group 5;" ::: "memory"); break;
-    case 6: asm volatile("cp.async.wait_group 6;" ::: "memory"); break;
-    default: asm volatile("cp.async.wait_group 7;" ::: "memory"); break;
-  }
-}
-
 // Nibbles at bits 0-3 and 16-19 of w -> bf16x2 (128 + c_lo, 128 + c_hi): (w & 0x000F000F) | 0x43004300.
 __device__ __forceinline__ uint32_t nib_pair(uint32_t w) {
   uint32_t r;
@@ -147,10 +116,7 @@ __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b
 
 // BITS: 4 or 8. MT: activation tiles of 8 rows (1: M <= 8, 2: M <= 16). LW: words per lane per row and
 // chunk (a chunk is 4 lanes x LW words of K). RT: 16-row weight tiles per warp (they share the B loads).
-// CP: the weights in flight live in a per-warp shared-memory ring of p.stages chunks filled by cp.async
-// (each lane copies and later reads back only its own words, so no barrier is needed), so the depth in
-// flight no longer costs registers; otherwise in a register ring of NB chunks.
-template <int BITS, int MT, int LW, int RT, bool CP>
+template <int BITS, int MT, int LW, int RT>
 __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
   constexpr int KPW = BITS == 4 ? 8 : 4;  // k per word
   constexpr int SPW = BITS == 4 ? 2 : 1;  // mma k16-steps per word
@@ -158,7 +124,7 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
   constexpr int S = LW * SPW;             // mma steps per chunk
   constexpr int WPC = CK / KPW;           // words per row per chunk (= 4 * LW)
   // B fragments: [chunk][step][MT][lane] x (b0, b1); a warp reads 256 contiguous bytes per step and tile.
-  extern __shared__ __align__(16) uint2 xs[];
+  extern __shared__ uint2 xs[];
   __shared__ int last_block;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nwarps = blockDim.x >> 5;
@@ -183,50 +149,28 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
     }
   }
 
-  // Scales and zero-points: a register ring of NB chunks (NB - 1 in flight). Weights: the same ring
-  // (!CP) or a shared-memory ring of p.stages chunks (CP), p.stages - 1 in flight.
+  // A ring of NB chunks in registers (indices are compile-time after unrolling): NB - 1 chunks of words,
+  // scales and zero-points in flight while one is computed.
   constexpr int WORDS = RT * 2 * LW;
-  constexpr int NB = CP ? 4 : (WORDS <= 8 ? 4 : (WORDS <= 16 ? 3 : 2));
-  uint32_t bw[CP ? 1 : NB][RT][2][LW];
+  constexpr int NB = WORDS <= 8 ? 4 : (WORDS <= 16 ? 3 : 2);
+  uint32_t bw[NB][RT][2][LW];
   uint32_t bs[NB][RT][2];
   int bz[NB][RT][2];
-  const int x_units = p.chunks_per_split * S * MT * 32;  // uint2 units of the x fragments
-  // this lane's words of slot 0 in the ring: [stage][warp][rt][h][lane][LW]
-  uint32_t* wring = reinterpret_cast<uint32_t*>(xs + x_units) + ((warp * RT * 2) * 32 + lane) * LW;
-  const int slot_words = nwarps * RT * 2 * 32 * LW;
-  auto issue_w = [&](int b, int c) {  // chunk c's weights: into register buffer b, or slot c % stages
-#pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (CP) cp_words<LW>(wring + (c % p.stages) * slot_words + (rt * 2 + h) * 32 * LW,
-                                       rowp[rt][h] + c * WPC);
-        else ldg_words<LW>(rowp[rt][h] + c * WPC, bw[b][rt][h]);
-      }
-  };
-  auto issue_s = [&](int b, int c) {  // chunk c's scales (and zero-points) into register buffer b
+  auto issue = [&](int b, int c) {  // chunk c (of this split) into buffer b
     const int grp = (c_begin + c) * CK / p.group;
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
+        ldg_words<LW>(rowp[rt][h] + c * WPC, bw[b][rt][h]);
         const long long gi = (long long)grp * p.N + min(rown[rt][h], p.N - 1);
         bs[b][rt][h] = ld_raw(p.scale, p.scale_kind, gi);
         bz[b][rt][h] = p.zero ? (int)__ldg(p.zero + gi) : 0;
       }
   };
-  if constexpr (CP) {
-    for (int c = 0; c < p.stages - 1; ++c) {  // one group per chunk (empty past the end): uniform counting
-      if (c < nch) issue_w(0, c);
-      cp_commit();
-    }
-  }
 #pragma unroll
   for (int b = 0; b < NB - 1; ++b)
-    if (b < nch) {
-      if constexpr (!CP) issue_w(b, b);
-      issue_s(b, b);
-    }  // in flight while x is staged
+    if (b < nch) issue(b, b);  // in flight while x is staged
 
   // stage x[:, this split's K] in the fragment order (rows m >= M are zeros)
   {
@@ -264,7 +208,7 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[rt][t][i] = 0.f;
 
-  auto compute = [&](int b, int c, const uint32_t (&cw)[RT][2][LW]) {
+  auto compute = [&](int b, int c) {
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) {
       float sc[2];
@@ -283,7 +227,7 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
         for (int i = 0; i < 4; ++i) part[t][i] = 0.f;
 #pragma unroll
       for (int j = 0; j < LW; ++j) {
-        const uint32_t wa = cw[rt][0][j], wb = cw[rt][1][j];  // rows gid, gid + 8
+        const uint32_t wa = bw[b][rt][0][j], wb = bw[b][rt][1][j];  // rows gid, gid + 8
         if constexpr (BITS == 4) {
 #pragma unroll
           for (int hs = 0; hs < 2; ++hs) {
@@ -331,41 +275,11 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
     for (int b = 0; b < NB; ++b) {
       const int c = c0 + b;
       if (c < nch) {
-        if (c + NB - 1 < nch) {
-          if constexpr (!CP) issue_w((b + NB - 1) % NB, c + NB - 1);
-          issue_s((b + NB - 1) % NB, c + NB - 1);
-        }
-        if constexpr (CP) {
-          // chunk c + stages - 1 goes into the slot chunk c - 1 left (this lane read it last step); then
-          // wait for chunk c: stages - 1 groups may stay in flight
-          if (c + p.stages - 1 < nch) issue_w(0, c + p.stages - 1);
-          cp_commit();
-          cp_wait(p.stages - 1);
-          uint32_t cw[RT][2][LW];
-          const uint32_t* src = wring + (c % p.stages) * slot_words;
-#pragma unroll
-          for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const uint32_t* q = src + (rt * 2 + h) * 32 * LW;
-              if constexpr (LW == 4) {
-                const uint4 v = *reinterpret_cast<const uint4*>(q);
-                cw[rt][h][0] = v.x; cw[rt][h][1] = v.y; cw[rt][h][2] = v.z; cw[rt][h][3] = v.w;
-              } else if constexpr (LW == 2) {
-                const uint2 v = *reinterpret_cast<const uint2*>(q);
-                cw[rt][h][0] = v.x; cw[rt][h][1] = v.y;
-              } else {
-                cw[rt][h][0] = *q;
-              }
-            }
-          compute(b, c, cw);
-        } else {
-          compute(b, c, bw[b]);
-        }
+        if (c + NB - 1 < nch) issue((b + NB - 1) % NB, c + NB - 1);
+        compute(b, c);
       }
     }
   }
-  if constexpr (CP) cp_wait(0);  // no copy may land in shared memory after the block exits
 
   // C fragment: acc[rt][t][i] is (weight row gid + 8 * (i >= 2), activation row 8t + 2 tig + (i & 1))
   if (p.splitk == 1) {
@@ -409,9 +323,9 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
   if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;  // ready for the next launch on this stream
 }
 
-template <int BITS, int MT, int LW, int RT, bool CP>
+template <int BITS, int MT, int LW, int RT>
 int launch(const Params& p, int warps, int smem, cudaStream_t stream) {
-  auto kern = wq_small_m<BITS, MT, LW, RT, CP>;
+  auto kern = wq_small_m<BITS, MT, LW, RT>;
   static int smem_set[64] = {0};  // per device: the dynamic shared memory limit raised so far
   int dev = 0;
   cudaGetDevice(&dev);
@@ -426,17 +340,17 @@ int launch(const Params& p, int warps, int smem, cudaStream_t stream) {
   return (int)cudaGetLastError();
 }
 
-template <int BITS, int MT, bool CP>
+template <int BITS, int MT>
 int by_lw_rt(const Params& p, int lw, int rt, int warps, int smem, cudaStream_t s) {
 #ifdef LOWBIT_COMPILE_CHECK  // the CPU test's quick compile: every code path, fewer template instances
-#define LOWBIT_RT(LW_)                                                    \
-  if (rt == 1) return launch<BITS, MT, LW_, 1, CP>(p, warps, smem, s);   \
+#define LOWBIT_RT(LW_)                                                 \
+  if (rt == 1) return launch<BITS, MT, LW_, 1>(p, warps, smem, s);    \
   return -2;
 #else
-#define LOWBIT_RT(LW_)                                                    \
-  if (rt == 1) return launch<BITS, MT, LW_, 1, CP>(p, warps, smem, s);   \
-  if (rt == 2) return launch<BITS, MT, LW_, 2, CP>(p, warps, smem, s);   \
-  if constexpr (!CP) { if (rt == 4) return launch<BITS, MT, LW_, 4, CP>(p, warps, smem, s); } \
+#define LOWBIT_RT(LW_)                                                 \
+  if (rt == 1) return launch<BITS, MT, LW_, 1>(p, warps, smem, s);    \
+  if (rt == 2) return launch<BITS, MT, LW_, 2>(p, warps, smem, s);    \
+  if (rt == 4) return launch<BITS, MT, LW_, 4>(p, warps, smem, s);    \
   return -2;
 #endif
   if (lw == 4) { LOWBIT_RT(4) }
@@ -446,37 +360,24 @@ int by_lw_rt(const Params& p, int lw, int rt, int warps, int smem, cudaStream_t 
   return -3;
 }
 
-template <int BITS>
-int by_m(const Params& p, int M, int lw, int rt, int warps, int smem, cudaStream_t s) {
-#ifdef LOWBIT_COMPILE_CHECK
-  if (M > 8) return -1;
-  return p.stages ? by_lw_rt<BITS, 1, true>(p, lw, rt, warps, smem, s) : by_lw_rt<BITS, 1, false>(p, lw, rt, warps, smem, s);
-#else
-  if (p.stages) return M <= 8 ? by_lw_rt<BITS, 1, true>(p, lw, rt, warps, smem, s) : by_lw_rt<BITS, 2, true>(p, lw, rt, warps, smem, s);
-  return M <= 8 ? by_lw_rt<BITS, 1, false>(p, lw, rt, warps, smem, s) : by_lw_rt<BITS, 2, false>(p, lw, rt, warps, smem, s);
-#endif
-}
-
 }  // namespace
 
 extern "C" {
 
-// Bytes of dynamic shared memory one block needs (the caller checks it against the device): the x
-// fragments of its K range, plus the weight ring when stages > 0.
-int lowbit_wq_small_m_smem(int bits, int M, int lw, int chunks_per_split, int rt, int warps, int stages) {
+// Bytes of dynamic shared memory one block needs (the caller checks it against the device).
+int lowbit_wq_small_m_smem(int bits, int M, int lw, int chunks_per_split) {
   const int mt = M <= 8 ? 1 : 2, s = lw * (bits == 4 ? 2 : 1);
-  return chunks_per_split * s * mt * 32 * 8 + stages * warps * rt * 2 * 32 * lw * 4;
+  return chunks_per_split * s * mt * 32 * 8;
 }
 
-// y = x @ W^T for 1 <= M <= 16. Returns 0, a cudaError_t, or -1..-5 for arguments the library has no
-// instance for (bits, M, lw, rt, warps, stages). Sizes are checked by the Python wrapper (weight_cuda.py).
+// y = x @ W^T for 1 <= M <= 16. Returns 0, a cudaError_t, or -1..-4 for arguments the library has no
+// instance for (bits, M, lw, rt, warps). Sizes are checked by the Python wrapper (weight_cuda.py).
 int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
                       const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
                       float* ws, unsigned* counters, int M, int N, int K, int group, int bits, int lw, int rt,
-                      int warps, int chunks_per_split, int splitk, int stages, unsigned long long stream) {
+                      int warps, int chunks_per_split, int splitk, unsigned long long stream) {
   if (M < 1 || M > 16) return -1;
   if (warps != 2 && warps != 4 && warps != 8) return -4;
-  if (stages != 0 && (stages < 2 || stages > 8 || rt > 2)) return -5;
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(x);
   p.ldx = ldx;
@@ -494,14 +395,18 @@ int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* 
   p.group = group;
   p.chunks_per_split = chunks_per_split;
   p.splitk = splitk;
-  p.stages = stages;
   p.scale_kind = scale_kind;
   p.bias_kind = bias_kind;
   p.out_kind = out_kind;
-  const int smem = lowbit_wq_small_m_smem(bits, M, lw, chunks_per_split, rt, warps, stages);
+  const int smem = lowbit_wq_small_m_smem(bits, M, lw, chunks_per_split);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  if (bits == 4) return by_m<4>(p, M, lw, rt, warps, smem, s);
-  if (bits == 8) return by_m<8>(p, M, lw, rt, warps, smem, s);
+#ifdef LOWBIT_COMPILE_CHECK
+  if (bits == 4) return M <= 8 ? by_lw_rt<4, 1>(p, lw, rt, warps, smem, s) : -1;
+  if (bits == 8) return M <= 8 ? by_lw_rt<8, 1>(p, lw, rt, warps, smem, s) : -1;
+#else
+  if (bits == 4) return M <= 8 ? by_lw_rt<4, 1>(p, lw, rt, warps, smem, s) : by_lw_rt<4, 2>(p, lw, rt, warps, smem, s);
+  if (bits == 8) return M <= 8 ? by_lw_rt<8, 1>(p, lw, rt, warps, smem, s) : by_lw_rt<8, 2>(p, lw, rt, warps, smem, s);
+#endif
   return -1;
 }
 
@@ -510,7 +415,6 @@ const char* lowbit_cuda_error_string(int code) {
   if (code == -2) return "no instance for this rows-per-warp (1, 2 or 4)";
   if (code == -3) return "no instance for this words-per-lane (1, 2 or 4)";
   if (code == -4) return "no instance for this warps-per-block (2, 4 or 8)";
-  if (code == -5) return "no instance for these stages (0, or 2..8 with rows-per-warp 1 or 2)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
