@@ -128,7 +128,7 @@ def test_paths_that_cannot_map_refuse(qwen, tmp_path):
 
     d, g, _ = _affine_dir(tmp_path, qwen)
     plan = resolve(scheme("int2", rotation=RotationRef(str(d))), g)
-    assert "key affine" in static_reason(plan.layer(0))
+    assert static_reason(plan.layer(0)) is None  # the static runtime maps keys and queries (next test)
     from lowbit.kv import backends
 
     # the vLLM plugin applies plain rotations only: it refuses, rather than serving unmapped keys
@@ -138,8 +138,42 @@ def test_paths_that_cannot_map_refuse(qwen, tmp_path):
     capped.config.attn_logit_softcapping = 30.0
     with pytest.raises(LowbitError, match="soft-caps"):
         QuantizedKVCache(capped, plan=plan)
+    from lowbit.runtime.static_cache import StaticKVCache
+
+    with pytest.raises(LowbitError, match="soft-caps"):
+        StaticKVCache(capped, plan, slots=1, max_context=32)
     with pytest.raises(LowbitError, match="alpha"):
         kam.fit(qwen, tiny_tokenizer_free_inputs(qwen.config, 1, 70), alpha=2.0)
+
+
+def test_static_runtime_maps_keys_and_queries_as_the_eager_cache(qwen, tmp_path):
+    """The static runtime with a key-affine int2 recipe (chunked prefill, then batched decode steps of two
+    slots) gives the eager QuantizedKVCache's logits (the same codes: page 1); without the map it does not."""
+    from lowbit.runtime.static_cache import StaticKVCache
+    from lowbit.runtime.step import ModelStep, eager_decode, prefill
+
+    d, g, _ = _affine_dir(tmp_path, qwen)
+    plans = {ka: resolve(scheme("int2", sink=4, recent=8, page=1, **({"rotation": RotationRef(str(d))} if ka else {})), g)
+             for ka in (True, False)}
+    ids = tiny_tokenizer_free_inputs(qwen.config, 2, 40, seed=7)
+    P, steps = 30, 10
+
+    def static(plan):
+        st = StaticKVCache(qwen, plan, slots=2, max_context=64)
+        step = ModelStep(qwen)
+        outs = [[prefill(step, st, b, ids[b, :P], chunk=13)] for b in range(2)]
+        for t in range(steps):
+            lg = eager_decode(step, st, ids[:, P + t:P + t + 1], torch.ones(2, dtype=torch.bool))
+            for b in range(2):
+                outs[b].append(lg[b])
+        assert st.layers[0].k_affine is not None or plan is plans[False]
+        return torch.stack([torch.stack(o) for o in outs])
+
+    ref = torch.stack([run_chunks(qwen, QuantizedKVCache.from_plan(qwen, plans[True]), ids[b:b + 1], None,
+                                  [13, 13, 4] + [1] * steps)[0, P - 1:] for b in range(2)])
+    got = static(plans[True])
+    assert rel_err(got, ref) < 1e-4
+    assert rel_err(static(plans[False]), ref) > 10 * rel_err(got, ref) + 1e-3  # the map matters on these keys
 
 
 def test_layer_error_harness_measures_the_mapped_keys(qwen, tmp_path):

@@ -31,6 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lowbit.errors import LowbitError
 from lowbit.kv import attention as attn
+from lowbit.kv.key_affine import KeyAffine, map_keys, map_queries
 
 _ROW_ALIGN = 64  # rows per (slot, head) rounded up so every head starts 64 rows (>= 128 B) aligned
 _ROT_SUM_ROWS = 16  # rows per head up to which a traced rotation is a fused product-sum, not a GEMM (_rot)
@@ -67,9 +68,25 @@ def static_reason(layer) -> str | None:
             return f"{which} is grouped per channel over pages (the static runtime writes one token at a time)"
     if layer.k.quantized != layer.v.quantized:
         return "only one of K and V is quantized (the static runtime stores both packed or both dense)"
-    if getattr(layer, "k_affine", None) is not None:
-        return "a key affine (lowbit.kv.key_affine; the static runtime maps keys and queries by R_k alone)"
     return None
+
+
+def _keys_in(layer, k: torch.Tensor) -> torch.Tensor:
+    """Post-RoPE keys [B, H, c, D] as the layer stores them: the key affine (if any: (k - shift) / scale, in
+    float32 as the eager cache maps them), then R_k; in the cache dtype."""
+    if layer.k_affine is None:
+        return _rot(k, layer.rot_k).to(layer.dtype)
+    mk = map_keys(k, layer.k_affine)  # float32
+    return _rot(mk, None if layer.rot_k is None else layer.rot_k.float()).to(layer.dtype)
+
+
+def _queries_in(layer, q: torch.Tensor) -> torch.Tensor:
+    """Queries [B, H, N, D] (a KV head's query heads stacked as rows) mapped to match the stored keys:
+    q * scale (the key map's inverse transpose), then R_k; in q's dtype."""
+    if layer.k_affine is None:
+        return _rot(q, layer.rot_k)
+    mq = map_queries(q, layer.k_affine)  # float32
+    return _rot(mq, None if layer.rot_k is None else layer.rot_k.float()).to(q.dtype)
 
 
 def _write_rows(kind, S, R, C, k_codec, v_codec, dtype, checks,
@@ -184,6 +201,8 @@ class StaticLayer(CacheLayerMixin):
                     self.mid[t][name] = torch.zeros(B, H, _rows(self.C), width, device=device, dtype=dt)
         self.rot_k = None if plan.rot_k is None else plan.rot_k.to(device, dtype)
         self.rot_v = None if plan.rot_v is None else plan.rot_v.to(device, dtype)
+        ka = getattr(plan, "k_affine", None)  # lowbit.kv.key_affine: keys mapped at ingest, queries at read
+        self.k_affine = None if ka is None else KeyAffine(ka.scale.to(device), ka.shift.to(device))
         self.is_initialized = True
         self.keys = self.values = None
 
@@ -333,7 +352,7 @@ class StaticKVCache(Cache):
     """
 
     def __init__(self, model_or_config, plan, *, slots: int, max_context: int, device=None, dtype=None):
-        from lowbit.kv.cache import _split_model, model_device
+        from lowbit.kv.cache import _check_key_affine, _split_model, model_device
 
         model, _ = _split_model(model_or_config)
         if slots < 1 or max_context < 1:
@@ -350,6 +369,9 @@ class StaticKVCache(Cache):
                               f"resolve it with device={device.type!r}")
         if dtype is None:
             dtype = next(model.parameters()).dtype if model is not None else torch.float32
+        if model is not None and any(lp.k_affine is not None and bool((lp.k_affine.shift != 0).any())
+                                     for lp in plan.layers):
+            _check_key_affine(model.config)  # a shift is exact only without logit soft-capping
         super().__init__(layers=[StaticLayer(lp, slots, max_context, device, dtype) for lp in plan.layers])
         self.plan, self.scheme, self.geometry = plan, plan.scheme, plan.geometry
         self.slots, self.max_context, self.device, self.dtype = slots, max_context, device, dtype
@@ -399,7 +421,7 @@ class StaticKVCache(Cache):
         if self._mode is None:
             raise LowbitError("StaticKVCache: call begin_decode / begin_prefill before the forward")
         layer: StaticLayer = self.layers[layer_idx]
-        k = _rot(key_states, layer.rot_k).to(self.dtype)  # [B, H, c, D]
+        k = _keys_in(layer, key_states)  # [B, H, c, D]
         v = _rot(value_states, layer.rot_v).to(self.dtype)
         if self._mode[0] == "decode":
             batch = self._mode[1]
@@ -443,7 +465,7 @@ class StaticKVCache(Cache):
         layer: StaticLayer = self.layers[layer_idx]
         B, Hq, Lq, D = query.shape
         G = Hq // layer.H
-        qg = _rot(query.reshape(B, layer.H, G * Lq, D), layer.rot_k)  # [B, H, G*Lq, D]
+        qg = _queries_in(layer, query.reshape(B, layer.H, G * Lq, D))  # [B, H, G*Lq, D]
         if self._mode[0] == "decode":
             out = self._decode_attention(layer, qg, scaling, softcap)  # [B, H, G, Dv]
         else:
