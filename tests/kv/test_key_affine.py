@@ -123,7 +123,7 @@ def test_kernel_decode_reads_the_mapped_keys(qwen, tmp_path):
     assert rel_err(b, a) < 5e-3
 
 
-def test_paths_that_cannot_map_refuse(qwen, tmp_path):
+def test_every_path_maps_and_soft_capping_refuses(qwen, tmp_path):
     from lowbit.runtime.static_cache import static_reason
 
     d, g, _ = _affine_dir(tmp_path, qwen)
@@ -131,9 +131,8 @@ def test_paths_that_cannot_map_refuse(qwen, tmp_path):
     assert static_reason(plan.layer(0)) is None  # the static runtime maps keys and queries (next test)
     from lowbit.kv import backends
 
-    # the vLLM plugin applies plain rotations only: it refuses, rather than serving unmapped keys
-    assert "key-affine" in backends.get("vllm-slot").why_not(plan.layer(0), "paged", "cpu")
-    assert backends.get("vllm-slot").why_not(resolve(scheme("int2"), g).layer(0), "paged", "cpu") is None
+    # the vLLM plugin maps them too (tests/serve/test_vllm_paged.py::test_plugin_serves_a_key_affine_recipe...)
+    assert backends.get("vllm-slot").why_not(plan.layer(0), "paged", "cpu") is None
     capped = _qwen2(num_layers=2)
     capped.config.attn_logit_softcapping = 30.0
     with pytest.raises(LowbitError, match="soft-caps"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from lowbit.cli import main
 from lowbit.errors import LowbitError
@@ -182,3 +183,26 @@ def test_default_int2_export_keeps_the_std_grid_and_serves_layer_bits_padded(tin
     assert fmts[0].content_bytes == 40 and fmts[1].content_bytes == 136
     kd0, _ = fmts[0].decode(fmts[0].encode(k, k).transpose(0, 1))  # a padded int2 cell still decodes exactly
     assert torch.equal(kd0, kd)
+
+
+def test_export_ships_a_key_affine_and_the_plugin_plan_maps_it(tiny_dir, tmp_path):
+    """A key-affine directory (what `lowbit tune` picks on biased-key models) exports like a RotationSet: copied,
+    pinned, and the plan the plugin resolves from the sidecar carries each layer's map (paged.write/attend)."""
+    from lowbit.kv import key_affine as kam
+    from lowbit.kv.plan import resolve
+    from lowbit.models.geometry import ModelGeometry
+    from lowbit.models.tiny import tiny_tokenizer_free_inputs
+    from lowbit.vllm_plugin import sidecar
+    from tests.serve.conftest import tiny_runtime
+
+    m = tiny_runtime("bf16").model
+    maps = kam.fit(m, tiny_tokenizer_free_inputs(m.config, 2, 70, seed=11), skip=4)
+    ka = kam.save(tmp_path / "ka", maps, model=tiny_dir.name)
+    out = tmp_path / "exp"
+    assert main(["export", "--for", "vllm", "--model", str(tiny_dir), "--kv", "int2", "--rotation", str(ka),
+                 "--out", str(out)]) == 0
+    side = sidecar.read(out)
+    assert side["kv_scheme"]["rotation"]["path"] == "rotations"
+    plan = resolve(sidecar.scheme_of(side, out), ModelGeometry.from_config(m.config, name=tiny_dir.name), device="cpu")
+    for i, lp in enumerate(plan.layers):
+        assert lp.k_affine is not None and torch.equal(lp.k_affine.scale, maps[i].scale)

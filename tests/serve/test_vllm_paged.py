@@ -149,6 +149,7 @@ class PagedEmulation:
         plan = resolve(scheme, geometry)
         self.fmts = layer_formats(plan, torch.float32)  # each layer's own bits, one (padded) cell size
         self.rots = [(lp.rot_k, lp.rot_v) for lp in plan.layers]
+        self.affines = [lp.k_affine for lp in plan.layers]  # as the backend takes them (LowbitModel.key_affines)
         self.caches = [torch.zeros(num_blocks, g.num_kv_heads, block_size, f.slot_bytes, dtype=torch.uint8)
                        for f in self.fmts]
         self.kernel = "cpu-fused" if cpu_kernel.load()[0] is not None else "torch"  # what the backend runs
@@ -170,11 +171,12 @@ class PagedEmulation:
         positions, row_lens = paged.token_positions(qsl, seq_lens, L)
         assert torch.equal(positions, pos)
         paged.write(self.caches[i], self.fmts[i], key[0].transpose(0, 1), value[0].transpose(0, 1), slots, rk, rv,
-                    positions=positions, row_seq_lens=row_lens, arena=self.arenas[i])
+                    positions=positions, row_seq_lens=row_lens, arena=self.arenas[i], k_affine=self.affines[i])
         out = paged.attend(query[0].transpose(0, 1), self.caches[i], self.fmts[i], block_table=self.table,
                            seq_lens=seq_lens, query_start_loc=qsl, scale=scaling, rot_k=rk, rot_v=rv,
                            window=kw.get("sliding_window"), arena=self.arenas[i], chunk_tokens=32,
-                           new_k=key[0].transpose(0, 1), new_v=value[0].transpose(0, 1), kernel=self.kernel)
+                           new_k=key[0].transpose(0, 1), new_v=value[0].transpose(0, 1), kernel=self.kernel,
+                           k_affine=self.affines[i])
         return out[None].to(query.dtype), None
 
     @torch.no_grad()
@@ -282,3 +284,38 @@ def test_a_kv_budget_below_one_requests_tiers_is_one_line():
     with pytest.raises(LowbitError, match=f"cannot hold one request's sink \\+ recent .*at least {need} bytes") as e:
         check_budget(need - 1, scheme, geometry, fmts)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sink,recent", [(0, 0), (5, 21)])
+def test_plugin_serves_a_key_affine_recipe_as_lowbit_does(tmp_path, sink, recent):
+    """A key-affine int2 recipe (lowbit tune's kind): the plugin's write + attend, with the layer's map, give
+    lowbit's own cache's logits and greedy tokens (keys stored mapped in every tier, queries scaled; the
+    fused C++ decode takes the scaled queries); the same cells read without the query map do not."""
+    from lowbit.kv import key_affine as kam
+    from lowbit.models.tiny import tiny_tokenizer_free_inputs
+    from lowbit.recipe import RotationRef
+    from lowbit.serve.kvcache import CacheFactory
+    from tests.serve.conftest import tiny_runtime
+
+    rt0 = tiny_runtime("bf16")
+    maps = kam.fit(rt0.model, tiny_tokenizer_free_inputs(rt0.model.config, 2, 70, seed=11), skip=4)
+    d = kam.save(tmp_path / "ka", maps, model="tiny")
+    assert any(float((m.scale - 1).abs().max()) > 0.05 for m in maps.values())  # a map that changes the stored keys
+    rt = tiny_runtime("int2", sink=sink, recent=recent, page=1, rotation=RotationRef(str(d)))
+    emu = PagedEmulation(rt.model, rt.scheme, rt.geometry)
+    assert all(a is not None for a in emu.affines)
+    cache = CacheFactory(rt.model, rt.scheme, rt.geometry).new()
+    ids = rt.tokenizer.encode("Keys mapped before the rotation; queries scaled to match.")
+    with torch.no_grad():
+        want = rt.model(input_ids=torch.tensor([ids]), cache=cache, use_cache=True).logits[0, -1]
+        got = emu.logits(ids)
+        for _ in range(10):
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
+            t = int(torch.argmax(want))
+            assert int(torch.argmax(got)) == t
+            want = rt.model(input_ids=torch.tensor([[t]]), cache=cache, use_cache=True).logits[0, -1]
+            got = emu.logits([t])
+        # the stored cells are mapped: reading them with plain queries (no map) moves the logits
+        emu.affines = [None] * len(emu.affines)
+        off = emu.logits([t])
+    assert float((off - want).abs().max()) > 1e-2

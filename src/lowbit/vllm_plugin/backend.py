@@ -85,6 +85,7 @@ class LowbitModel:
     geometry: object
     formats: dict  # (head_dim_k, head_dim_v) -> SlotFormat (the cell vLLM sizes: the widest layer's)
     rotations: list  # [(R_k, R_v)] per layer
+    key_affines: list = field(default_factory=list)  # lowbit.kv.key_affine.KeyAffine or None per layer
     layer_formats: list = field(default_factory=list)  # SlotFormat per layer (own bits, padded cell)
     windows_logged: set = field(default_factory=set)  # sliding windows whose layers were described in the log
     kernel_logged: bool = False
@@ -120,6 +121,11 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
     for lp, f in zip(plan.layers, per_layer):
         formats.setdefault((lp.geometry.head_dim_k, lp.geometry.head_dim_v), f)
     rots = [(lp.rot_k, lp.rot_v) for lp in plan.layers]
+    affines = [getattr(lp, "k_affine", None) for lp in plan.layers]
+    if any(a is not None for a in affines):
+        from lowbit.kv.cache import _check_key_affine
+
+        _check_key_affine(AutoConfig.from_pretrained(p))  # a shift is exact only without logit soft-capping
     for d, f in formats.items():
         log.warning("lowbit plugin: %s KV %s | head_dim %s: %s", p.name, scheme.describe(), d, f.describe())
     if scheme.layer_bits:
@@ -136,7 +142,7 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
                     "%.2f MiB per request, outside --kv-cache-memory-bytes", scheme.sink, scheme.recent,
                     (scheme.sink + scheme.recent) * per_tok / 2**20)
     return LowbitModel(path=str(p), scheme=scheme, geometry=geometry, formats=formats, rotations=rots,
-                       layer_formats=per_layer)
+                       key_affines=affines, layer_formats=per_layer)
 
 
 class ResolvedModels:
@@ -257,6 +263,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
         self.head_size_v = kwargs.get("head_size_v", head_size)
         self.fmt = self.model.fmt(head_size, self.head_size_v)
         self._rot: dict[int, tuple] = {}
+        self.k_affine = None  # the layer's key affine (lowbit.kv.key_affine), set with its rotations
         self.tokens_written = 0
         cfg = get_current_vllm_config()
         self.dense_dtype = cfg.model_config.dtype
@@ -308,6 +315,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
                 raise LowbitError(f"layer {i}: vLLM has {self.num_kv_heads} KV heads x {self.head_size} but the "
                                   f"sidecar says {g.num_kv_heads} x {g.head_dim_k}; export again for this model")
             self._rot[i] = (rk, rv)
+            self.k_affine = self.model.key_affines[i] if self.model.key_affines else None  # keys / queries mapped
             fmt = self.model.layer_formats[i]  # this layer's own bits (per-layer bits), same cell size
             if fmt.slot_bytes != self.fmt.slot_bytes:
                 raise LowbitError(f"internal: layer {i}'s cell is {fmt.slot_bytes} B, the group's {self.fmt.slot_bytes} B")
@@ -363,7 +371,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
             positions, row_lens = memo[pk]
         self.tokens_written += paged.write(cache, self.fmt, key, value, slot_mapping, rk, rv, positions=positions,
                                            row_seq_lens=row_lens, arena=self.arena, rotated=self._rotated,
-                                           memo=memo)
+                                           memo=memo, k_affine=self.k_affine)
 
     def forward(self, layer, query, key, value, kv_cache, attn_metadata, output, output_scale=None,
                 output_block_scale=None):
@@ -383,7 +391,7 @@ class LowbitAttentionImpl(AttentionImpl[LowbitMetadata]):
                            scale=self.scale, rot_k=rk, rot_v=rv, window=self.sliding_window, softcap=self.softcap,
                            arena=self.arena, new_k=nk, new_v=nv, kernel=self.kernel, memo=attn_metadata.memo,
                            evict=False,  # stale dense blocks: dropped once per step in the builder (retain)
-                           new_kr=rot.get("k"), new_vr=rot.get("v"))
+                           new_kr=rot.get("k"), new_vr=rot.get("v"), k_affine=self.k_affine)
         output[:n].copy_(out.reshape(output[:n].shape))  # to the model dtype in the copy
         return output
 

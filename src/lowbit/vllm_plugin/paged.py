@@ -390,11 +390,32 @@ def _write_index(slot_mapping: torch.Tensor, n: int, bs: int, positions, row_seq
     return ix
 
 
+def map_token_keys(key: torch.Tensor, ka) -> torch.Tensor:
+    """key [T, H, D] -> (key - shift) / scale (lowbit.kv.key_affine, float32 math) in key's dtype; ka None: key."""
+    if ka is None:
+        return key
+    return ((key.float() - ka.shift.to(key.device)) / ka.scale.to(key.device)).to(key.dtype)
+
+
+def map_token_queries(query: torch.Tensor, ka) -> torch.Tensor:
+    """query [T, Hq, D] (the G query heads of KV head h at h*G..h*G+G-1) -> query * scale of its KV head
+    (the key map's inverse transpose: q' . k' = q . k - q . shift), in query's dtype; ka None: query."""
+    if ka is None:
+        return query
+    T, Hq, D = query.shape
+    H = ka.scale.shape[0]
+    s = ka.scale.to(query.device)[None, :, None, :]  # [1, H, 1, D]
+    return (query.float().reshape(T, H, Hq // H, D) * s).reshape(T, Hq, D).to(query.dtype)
+
+
 def write(cache_u8: torch.Tensor, fmt: SlotFormat, key: torch.Tensor, value: torch.Tensor,
           slot_mapping: torch.Tensor, rot_k=None, rot_v=None, *, positions: torch.Tensor | None = None,
           row_seq_lens: torch.Tensor | None = None, arena: TierArena | None = None,
-          rotated: dict | None = None, memo: dict | None = None) -> int:
+          rotated: dict | None = None, memo: dict | None = None, k_affine=None) -> int:
     """Store key [T, H, D_k], value [T, H, D_v] at slot_mapping [T]; returns the tokens written.
+
+    k_affine: the layer's lowbit.kv.key_affine.KeyAffine (or None): keys are stored as ((k - shift) / scale)
+    R_k, every tier, as lowbit's caches store them; `attend` then needs the same k_affine for the queries.
 
     rotated: a dict that receives "k" / "v" [n, H, D] (the rows as rotated here, in the input dtype) when no
     row was padding, so `attend(new_kr=..., new_vr=...)` of the same step need not rotate them again.
@@ -415,6 +436,7 @@ def write(cache_u8: torch.Tensor, fmt: SlotFormat, key: torch.Tensor, value: tor
         return 0
     keep = ix["keep"]
     key, value = (key[:n], value[:n]) if keep is None else (key[:n][keep], value[:n][keep])
+    key = map_token_keys(key, k_affine)
     kr = rotate(key.transpose(0, 1).unsqueeze(0), rot_k)  # [1, H, T, D_k]
     vr = rotate(value.transpose(0, 1).unsqueeze(0), rot_v)
     fmt.write_rotated(cache_u8, ix["blk"], ix["off"], kr, vr)  # cache[blk, :, off, :] = the cells
@@ -749,8 +771,11 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
            chunk_tokens: int = DEFAULT_CHUNK_TOKENS, arena: TierArena | None = None,
            new_k: torch.Tensor | None = None, new_v: torch.Tensor | None = None, kernel: str = "torch",
            memo: dict | None = None, evict: bool = True, new_kr: torch.Tensor | None = None,
-           new_vr: torch.Tensor | None = None) -> torch.Tensor:
+           new_vr: torch.Tensor | None = None, k_affine=None) -> torch.Tensor:
     """query [T, Hq, D] (the batch's new tokens, request after request) -> output [T, Hq, D_v] float32.
+
+    k_affine: the KeyAffine the keys were written with (write(k_affine=...)): queries become q * scale and
+    new_k is mapped like the stored keys (new_kr from write already is).
 
     seq_lens [R]: tokens each request holds after this step (its new ones included);
     query_start_loc [R + 1]: where each request's queries start in `query`;
@@ -773,6 +798,9 @@ def attend(query: torch.Tensor, cache_u8: torch.Tensor, fmt: SlotFormat, *, bloc
     Hkv = cache_u8.shape[1]
     G = Hq // Hkv
     Dv = fmt.codecs["v"].head_dim
+    if k_affine is not None:
+        query = map_token_queries(query, k_affine)
+        new_k = None if new_k is None else map_token_keys(new_k, k_affine)
     if arena is not None and (arena.window or None) != (window or None):
         raise ValueError(f"the tier arena is for window {arena.window}, the attention for {window}")
     rk_ = ("reqs", query_start_loc.data_ptr(), seq_lens.data_ptr(), T)  # the same for every layer of a step

@@ -69,10 +69,6 @@ def codecs_reason(k_codec, v_codec) -> str | None:
 def _supports(layer, step: str, device: str) -> str | None:
     if device != "cpu":
         return f"device {device} (the vLLM plugin runs on vLLM's CPU platform only)"
-    if getattr(layer, "k_affine", None) is not None:
-        # the plugin applies the plain rotations only: serving it would store unmapped keys, i.e. another recipe
-        return ("a key-affine rotation (lowbit.kv.key_affine) is not supported by the vLLM plugin; export a recipe "
-                "with a plain rotation (hadamard or a fitted RotationSet)")
     return scheme_reason(layer.scheme) or codecs_reason(layer.k, layer.v)
 
 
