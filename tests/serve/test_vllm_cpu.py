@@ -108,3 +108,29 @@ def test_vllm_plugin_on_sliding_window_layers_matches_lowbit(tmp_path):
     # fp32 'auto': (256 + 256) * 4 = 2048 B per token per KV head; int4 g128 slots: 2 * (128 + 8) = 272 B
     ratio = got["kv_cache_tokens"] / auto["kv_cache_tokens"]
     assert 2048 / 272 * 0.9 < ratio < 2048 / 272 * 1.1, (got["kv_cache_tokens"], auto["kv_cache_tokens"])
+
+
+def test_vllm_plugin_serves_a_key_affine_recipe_as_lowbit(tmp_path):
+    """An int2 recipe with a key affine (lowbit tune's pick on biased-key models) through real vLLM: the same
+    greedy tokens as lowbit's runtime on the exported directory (keys mapped at write, queries at read)."""
+    from lowbit.cli import main
+    from lowbit.kv import key_affine as kam
+    from lowbit.models.tiny import tiny_tokenizer_free_inputs
+    from lowbit.serve.runtime import load_runtime
+
+    rt = tiny_runtime("bf16")
+    plain = tmp_path / "tiny"
+    rt.model.save_pretrained(plain)
+    rt.tokenizer.save_pretrained(plain)
+    maps = kam.fit(rt.model, tiny_tokenizer_free_inputs(rt.model.config, 2, 70, seed=11), skip=4)
+    ka = kam.save(tmp_path / "ka", maps, model="tiny")
+    exp = tmp_path / "tiny-int2-ka"
+    assert main(["export", "--for", "vllm", "--model", str(plain), "--kv", "int2", "--rotation", str(ka),
+                 "--sink", "16", "--recent", "32", "--out", str(exp)]) == 0
+    prompt = "The quick brown fox jumps over the lazy dog; " * 2 + "and then"
+    lrt = load_runtime(str(exp))
+    assert lrt.scheme.rotation.path.endswith("rotations")
+    want_ids, _ = reference_greedy(lrt, lrt.tokenizer.encode(prompt), 10)
+    got = _serve(exp, tmp_path / "int2ka.json", prompt, 8775)
+    assert got["lowbit_plugin_log"], "vLLM did not run the lowbit plugin"
+    assert got["token_ids"][: len(want_ids)] == want_ids
