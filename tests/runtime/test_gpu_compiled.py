@@ -13,7 +13,23 @@ pytestmark = [pytest.mark.gpu, cuda]
 _LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
-def _follow(model, cfg, kv, steps=40):
+def _with_key_affine(plan):
+    """Every layer of `plan` with a synthetic key affine (pair-equal scales, a shift): what lowbit tune's
+    key-affine recipes give the runtime, without fitting one."""
+    from dataclasses import replace
+
+    from lowbit.kv.key_affine import KeyAffine
+
+    g = torch.Generator().manual_seed(5)
+    layers = []
+    for lp in plan.layers:
+        H, D = lp.geometry.num_kv_heads, lp.geometry.head_dim_k
+        half = torch.exp(0.3 * torch.randn(H, D // 2, generator=g))
+        layers.append(replace(lp, k_affine=KeyAffine(torch.cat([half, half], -1), 0.5 * torch.randn(H, D, generator=g))))
+    return replace(plan, layers=tuple(layers))
+
+
+def _follow(model, cfg, kv, steps=40, key_affine=False):
     """Eager reference cache and compiled captured cache over 3 ragged prompts + 1 inactive slot, teacher
     forced by the reference's tokens -> (ref cache, captured cache, graphs, max relative logit error)."""
     from lowbit.kv.plan import resolve
@@ -22,6 +38,8 @@ def _follow(model, cfg, kv, steps=40):
     from lowbit.runtime.step import DecodeGraphs, ModelStep, eager_decode, prefill
 
     plan = resolve(kv, ModelGeometry.from_config(cfg, name="tiny"), device="cuda")
+    if key_affine:
+        plan = _with_key_affine(plan)
     step = ModelStep(model)
     g = torch.Generator(device="cuda").manual_seed(0)
     prompts = [torch.randint(0, cfg.vocab_size, (n,), device="cuda", generator=g) for n in (700, 333, 999)]
@@ -59,6 +77,17 @@ def test_compiled_captured_step_follows_the_eager_step(kv):
             for name in a.mid[t]:
                 x, y = a.mid[t][name][:3, :, :a.C], b.mid[t][name][:3, :, :a.C]
                 assert float((x == y).float().mean()) > 0.995, (t, name)
+
+
+def test_compiled_captured_step_with_a_key_affine():
+    """A key-affine int2 plan: keys mapped at ingest and queries at read inside the compiled, captured step
+    follow the eager step (the CPU test checks the eager step against QuantizedKVCache)."""
+    if not _kernels_compiled():
+        pytest.skip("the fused kernel was imported under the Triton interpreter")
+    model, cfg = _model()
+    ref_c, cap_c, _, err = _follow(model, cfg, "int2", steps=12, key_affine=True)
+    assert err < 2e-2, err
+    assert cap_c.use_kernel and all(layer.k_affine is not None for layer in cap_c.layers)
 
 
 def test_compiled_captured_step_with_w4a16_linears():
