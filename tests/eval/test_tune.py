@@ -4,6 +4,7 @@ loss drops most per held bit; bad input refused before model work; the written r
 
 import hashlib
 import json
+from pathlib import Path
 
 import pytest
 
@@ -117,11 +118,19 @@ def test_shipped_recipes_by_name_are_pinned(tmp_path, monkeypatch):
 
 
 def test_the_shipped_index_matches_its_files():
+    from lowbit.recipe import RotationRef
+
     idx = lowbit.recipes.index()
     for name, e in idx.items():
         p = lowbit.recipes.RECIPES_DIR / e["file"]
         assert hashlib.sha256(p.read_bytes()).hexdigest() == e["sha256"], name
-        assert load_recipe(name).quantized
+        s = load_recipe(name)
+        assert s.quantized
+        if isinstance(s.rotation, RotationRef):  # a shipped key affine: inside the package, pinned
+            f = Path(s.rotation.path) / "key_affine.safetensors"
+            assert f.is_file() and lowbit.recipes.RECIPES_DIR in f.parents, name
+            assert hashlib.sha256(f.read_bytes()).hexdigest() == s.rotation.sha256, name
+    assert "qwen2.5-coder-1.5b@2.5" in idx
 
 
 def test_tune_measures_a_key_affine_candidate_with_its_maps_and_pins_it(tiny_dir, corpus, tmp_path, capsys):

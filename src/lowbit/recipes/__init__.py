@@ -6,7 +6,9 @@
 
 Each recipe is a `lowbit tune` output (its [tune] table holds the budget, the held bits measured at
 its context and the evidence), pinned by the sha256 in index.json: a file that differs from its pin
-is refused by name. The recipes use rotation "hadamard" (no rotation-set files to ship).
+is refused by name. Most use rotation "hadamard"; a recipe that names a key affine (lowbit.kv.key_affine:
+qwen2.5-coder-1.5b@2.5) ships it under keyaffine/<model>/, named relative to the recipe and pinned by the
+sha256 of its key_affine.safetensors (checked when the recipe is resolved).
 """
 
 from __future__ import annotations
