@@ -8,7 +8,7 @@ same (scheme, shape, M, candidate) replaces an earlier one (kernels change betwe
 and M bucket the table takes the candidate with the best geometric-mean speed-up over bf16 across
 the shapes timed at the bucket's representative M, among candidates whose rel L2 against the twin
 passed (< 1e-3) and that were timed on every shape. W4A8 has no exploration: it takes W8A8's cells.
-Where the CUDA small-M kernel (path "cuda", M <= 16) wins a bucket, the best other candidate follows it
+Where the CUDA small-M kernel (path "cuda", M <= 64) wins a bucket, the best other candidate follows it
 as a second cell for the same M: the dispatch falls through to it for a weight or input the CUDA kernel
 does not take (or a machine without nvcc).
 """
@@ -21,7 +21,7 @@ import sys
 
 BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 16, 16), (17, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
 SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
-CUDA_M_MAX = 16  # lowbit.kernels.weight_cuda.M_MAX
+CUDA_M_MAX = 64  # lowbit.kernels.weight_cuda.M_MAX
 KIND = {"w4a16-g128": "w4a16", "w8a16": "w8a16", "w8a8": "w8a8"}
 
 

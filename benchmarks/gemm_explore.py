@@ -174,8 +174,9 @@ def explore_cuda(rows, log):
 
 
 def explore_cuda_quick(rows, log):
-    """--cuda at the table's representative M (1, 4, 16) for w4a16-g128 and w8a16: the launch geometries
-    re-timed after a change of the split-K rule, beside the tabled Triton cell."""
+    """--cuda at the table's representative M (1, 4, 16, 64; and 32) for w4a16-g128 and w8a16: the launch
+    geometries re-timed after a kernel change, beside the tabled Triton cell (and dequantize + cuBLAS above
+    M = 16, where the kernel's 4 / 8 activation tiles compete with it)."""
     from lowbit.kernels.weight_dispatch import Dispatch
 
     table = Dispatch.for_device("cuda")
@@ -183,12 +184,12 @@ def explore_cuda_quick(rows, log):
     for scheme in ("w4a16-g128", "w8a16"):
         kind = "w4a16" if scheme.startswith("w4") else "w8a16"
         for shape, K, N in CUDA_SHAPES:
-            for M in (1, 4, 16):
-                cfgs = cuda_configs()
+            for M in (1, 4, 16, 32, 64):
+                cfgs = [c for c in cuda_configs() if M <= 16 or c.RT <= 2]  # RT 4: M <= 16 only
                 cur = table.choose(kind, M)
                 if cur.config is not None and cur.path != "cuda":
                     cfgs.append(cur.config)
-                rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "cuda", log, t0))
+                rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "cuda", log, t0, dequant=M > 16))
     log(cuda_ratio_table(rows))
 
 

@@ -2,7 +2,7 @@
 
 CPU: the .cu compiles with nvcc (a few template instances, when nvcc is here), a missing nvcc is a
 one-line error, the launch plan and the conditions under which the dispatch passes the kernel over.
-GPU (marked): every scheme it takes vs `linear_twin` at M 1/3/4/16 on odd N, the launch geometries and
+GPU (marked): every scheme it takes vs `linear_twin` at M 1/3/4/16/17/33/64 on odd N, the launch geometries and
 split-K agree, split-K is deterministic across calls, a CUDA graph replays it, the audit covers its cells.
 """
 
@@ -37,11 +37,20 @@ def test_cu_compiles_with_nvcc(tmp_path):
     # host-only entry points (no device needed): shared memory per block, and argument checks before any launch
     assert lib.lowbit_wq_small_m_smem(4, 1, 4, 3) == 3 * 8 * 1 * 32 * 8
     assert lib.lowbit_wq_small_m_smem(8, 9, 2, 5) == 5 * 2 * 2 * 32 * 8
+    assert [lib.lowbit_wq_small_m_smem(4, m, 4, 1) for m in (8, 16, 17, 32, 33, 64)] == [
+        256 * 8 * mt for mt in (1, 2, 4, 4, 8, 8)]
+    assert [wc.activation_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
     # x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters,
-    # M=0 (refused), N, K, group, bits, lw, rt, warps, chunks_per_split, splitk, stream
+    # M=0 (refused), N, K, group, bits, lw, rt, warps, chunks_per_split, xs_chunks, splitk, stream
     rc = lib.lowbit_wq_small_m(None, 0, None, None, 0, None, None, 0, None, 0, 0, None, None,
-                               0, 1, 128, 128, 4, 4, 2, 4, 1, 1, 0)
-    assert rc == -1 and b"1 <= M <= 16" in lib.lowbit_cuda_error_string(rc)
+                               0, 1, 128, 128, 4, 4, 2, 4, 1, 1, 1, 0)
+    assert rc == -1 and b"1 <= M <= 64" in lib.lowbit_cuda_error_string(rc)
+    rc = lib.lowbit_wq_small_m(None, 0, None, None, 0, None, None, 0, None, 0, 0, None, None,
+                               65, 1, 128, 128, 4, 4, 2, 4, 1, 1, 1, 0)
+    assert rc == -1
+    rc = lib.lowbit_wq_small_m(None, 0, None, None, 0, None, None, 0, None, 0, 0, None, None,
+                               1, 1, 128, 128, 4, 4, 2, 4, 1, 0, 1, 0)
+    assert rc == -5 and b"xs_chunks" in lib.lowbit_cuda_error_string(rc)
     assert isinstance(lib, ctypes.CDLL)
 
 
@@ -67,16 +76,19 @@ def test_words_per_lane_and_plan():
     assert wc.plan(pw, 1, CudaConfig(RT=1, warps=8), sms=132).splitk == 2  # 112 row blocks of 128 rows: 264 // 112
     assert (p1.splitk - 1) * p1.chunks_per_split < 32  # no empty split
     down = random_weight("w8a16", 4096, 14336, "cpu")
-    for M in (1, 16):  # x's K range must fit the shared-memory cap
+    for M in (1, 16, 17, 64):  # x is staged in windows that fit the shared-memory cap; no split forced by it
         p = wc.plan(down, M, CudaConfig(RT=1, warps=4, SPLITK=1), sms=132)
-        assert p.smem <= wc.SMEM_CAP and p.splitk * p.chunks_per_split * 64 >= 14336
+        assert p.splitk == 1 and p.chunks_per_split * 64 == 14336
+        assert p.smem <= wc.SMEM_CAP and p.smem == p.xs_chunks * 4 * wc.activation_tiles(M) * 256
+        assert p.xs_chunks == wc.SMEM_CAP // (1024 * wc.activation_tiles(M)) < 224  # 1 KB per chunk and tile
 
 
 def test_why_not_and_dispatch_falls_through():
     pw = random_weight("w4a16-g64-asym", 33, 256, "cpu")
     assert wc.why_not(pw, torch.bfloat16, 16) is None
     assert "bf16" in wc.why_not(pw, torch.float16, 1)
-    assert "M=17" in wc.why_not(pw, torch.bfloat16, 17)
+    assert wc.why_not(pw, torch.bfloat16, 64) is None
+    assert "M=65" in wc.why_not(pw, torch.bfloat16, 65)
     assert "A16" in wc.why_not(random_weight("w8a8", 33, 128, "cpu"))
     assert "multiple" in wc.why_not(wg.pack_weight(torch.zeros(5, 40, dtype=torch.uint8), torch.ones(5, 1), None,
                                                    bits=4, group=40, a_bits=16))
@@ -125,7 +137,7 @@ def test_gpu_cuda_matches_twin(scheme, N, K):
     pw = random_weight(scheme, N, K, "cuda", seed=N)
     if N == 1001:
         pw.bias = torch.randn(N, device="cuda").bfloat16()
-    for M in (1, 3, 4, 16):
+    for M in (1, 3, 4, 16, 17, 33, 64):  # 1, 2, 4, 8 activation tiles; K 14336 at M > 16: several x windows
         x = torch.randn(M, K, device="cuda").bfloat16()
         ref = wg.linear_twin(x, pw, torch.float32)
         y = wc.linear(x, pw, CudaConfig(), torch.float32)
@@ -151,6 +163,13 @@ def test_gpu_cuda_geometries_and_split_k_agree(scheme):
         assert torch.equal(y1, y2), cfg  # split-K sums in a fixed order; the counters reset for the next call
     x9 = torch.randn(9, K, device="cuda").bfloat16()  # 9..16: two activation tiles
     assert rel(wc.linear(x9, pw, CudaConfig(2, 4, 3), torch.float32), wg.linear_twin(x9, pw, torch.float32)) < 1e-4
+    for M in (31, 57):  # four and eight tiles, one split and split-K; K 1536 = 12 chunks = 2 windows at MT 8 (w8)
+        xm = torch.randn(M, K, device="cuda").bfloat16()
+        refm = wg.linear_twin(xm, pw, torch.float32)
+        for cfg in (CudaConfig(1, 4, 1), CudaConfig(2, 8, 5)):
+            assert rel(wc.linear(xm, pw, cfg, torch.float32), refm) < 1e-4, (M, cfg)
+    with pytest.raises(LowbitError, match="rows-per-warp"):
+        wc.linear(torch.randn(17, K, device="cuda").bfloat16(), pw, CudaConfig(4, 4, 1))
 
 
 @gpu
@@ -180,14 +199,14 @@ def test_gpu_audit_covers_cuda_cells():
     from lowbit.kernels.weight_audit import audit_weights
     from lowbit.kernels.weight_dispatch import last_resort
 
-    cells = [Cell(k, 1, 16, "cuda", CudaConfig()) for k in ("w4a16", "w8a16")] + last_resort()
+    cells = [Cell(k, 1, 64, "cuda", CudaConfig(RT=1)) for k in ("w4a16", "w8a16")] + last_resort()
     rows, _ = audit_weights("cuda", schemes=("w4a16-g128", "w4a16-g64-asym", "w8a16"),
-                            shapes=[("odd", 1024, 1001), ("smollm2 up", 576, 1536)], ms=(1, 7, 16, 17),
+                            shapes=[("odd", 1024, 1001), ("smollm2 up", 576, 1536)], ms=(1, 7, 16, 17, 64, 65),
                             dispatch=Dispatch(cells, "test"))
-    small = [r for r in rows if r.M <= 16]
+    small = [r for r in rows if r.M <= 64]
     assert small and all(r.kernel.startswith("cuda:") for r in small)
     assert all(r.ok for r in rows), [r for r in rows if not r.ok]
-    assert all(r.kernel == "dequant-cublas" for r in rows if r.M == 17)
+    assert all(r.kernel == "dequant-cublas" for r in rows if r.M == 65)
 
 
 def _emulate_warp(x, pw, lw, n0=0):
@@ -273,5 +292,5 @@ def test_linear_refuses_cpu_tensors_before_any_launch():
     pw = random_weight("w4a16-g128", 33, 256, "cpu")
     with pytest.raises(ValueError, match="CUDA device"):
         wc.linear(torch.randn(2, 256).bfloat16(), pw)
-    with pytest.raises(ValueError, match="M=17"):
-        wc.linear(torch.randn(17, 256).bfloat16(), pw)
+    with pytest.raises(ValueError, match="M=65"):
+        wc.linear(torch.randn(65, 256).bfloat16(), pw)

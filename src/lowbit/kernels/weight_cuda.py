@@ -1,4 +1,4 @@
-"""CUDA C++ weight-only GEMM for small M (decode, 1 <= M <= 16): built once with nvcc, called via ctypes.
+"""CUDA C++ weight-only GEMM for small M (decode, 1 <= M <= 64): built once with nvcc, called via ctypes.
 
     y = linear(x, pw, CudaConfig(RT=2, warps=4))    x [M, K] bf16 -> y [M, N] (bf16 / fp16 / fp32 out)
     why_not(pw, x)                                  None if the kernel takes this (weight, input), else the reason
@@ -13,9 +13,10 @@ Build cache: ~/.cache/lowbit/cuda (or the temp dir when home is not writable), o
 (source, `nvcc --version`, arch, flags); a build writes a temporary name and renames it, so processes
 building at once never read a half-written library.
 
-Launch geometry (CudaConfig): a block of `warps` warps, each warp RT tiles of 16 weight rows; K split
-across SPLITK blocks (0: enough blocks for `waves` (2) x the SMs, and at least what shared memory needs:
-a block stages its K range of x, 16 * MT bytes per k, MT = 1 for M <= 8, 2 for M <= 16). A K chunk is
+Launch geometry (CudaConfig): a block of `warps` warps, each warp RT tiles of 16 weight rows (RT 4 only for
+M <= 16); K split across SPLITK blocks (0: as many as keep the grid within `waves` (2) x the SMs). A block
+stages x in windows of its K range, 16 * MT bytes per k (MT = 1, 2, 4, 8 for M <= 8, 16, 32, 64), as many
+chunks per window as SMEM_CAP holds (the whole range when it fits). A K chunk is
 4 lanes x LW words, LW in {4, 2, 1} the largest with chunk | group and chunk | K, so every chunk has one
 scale (4-bit: chunk 32 * LW, so g128 / g64 / g32 get LW 4 / 2 / 1; 8-bit: chunk 16 * LW).
 """
@@ -41,7 +42,7 @@ SOURCE = Path(__file__).with_name("cuda") / "weight_small_m.cu"
 NVCC: str | None = None  # None: `nvcc` on PATH, else /usr/local/cuda/bin/nvcc (tests point it elsewhere)
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 SMEM_CAP = 96 * 1024  # dynamic shared memory per block we allow (two blocks per SM on an H100/H200)
-M_MAX = 16
+M_MAX = 64
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
@@ -156,7 +157,7 @@ def build(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I,
+    lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I,
                                       ctypes.c_ulonglong]
     lib.lowbit_wq_small_m.restype = I
     lib.lowbit_wq_small_m_smem.argtypes = [I, I, I, I]
@@ -219,9 +220,15 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None) -> str | None:
 class Plan:
     lw: int
     chunks_per_split: int
+    xs_chunks: int  # chunks of x per shared-memory window
     splitk: int
     row_blocks: int
     smem: int
+
+
+def activation_tiles(M: int) -> int:
+    """MT: 8-row activation tiles per mma A fragment (the .cu's mt_for)."""
+    return 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else 8
 
 
 def plan(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
@@ -229,17 +236,16 @@ def plan(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
     lw = words_per_lane(pw.bits, pw.K, pw.group)
     ck = 4 * lw * (8 if pw.bits == 4 else 4)
     nch = pw.K // ck
-    mt = 1 if M <= 8 else 2
-    per_chunk = lw * (2 if pw.bits == 4 else 1) * mt * 32 * 8  # smem bytes per chunk
+    per_chunk = lw * (2 if pw.bits == 4 else 1) * activation_tiles(M) * 32 * 8  # smem bytes per chunk
     row_blocks = math.ceil(pw.N / (16 * cfg.RT * cfg.warps))
-    sk_min = math.ceil(nch * per_chunk / SMEM_CAP)
     # auto: as many splits as keep the grid within `waves` blocks per SM (floor: a partial second wave of a few
     # blocks costs nearly a whole block time; ncu measured it on 280 blocks for 264 slots)
     sk = cfg.SPLITK or cfg.waves * sms // row_blocks
-    sk = max(1, min(nch, max(sk, sk_min), 64))
+    sk = max(1, min(nch, sk, 64))
     cps = math.ceil(nch / sk)
     sk = math.ceil(nch / cps)  # no empty split
-    return Plan(lw, cps, sk, row_blocks, cps * per_chunk)
+    xs = min(cps, SMEM_CAP // per_chunk)
+    return Plan(lw, cps, xs, sk, row_blocks, xs * per_chunk)
 
 
 def _counter_buffer(device, stream: int, n: int) -> torch.Tensor:
@@ -254,7 +260,7 @@ def _counter_buffer(device, stream: int, n: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] bf16 (1 <= M <= 16) -> y [M, N] in out_dtype (default x's) on the current stream."""
+    """x [M, K] bf16 (1 <= M <= 64) -> y [M, N] in out_dtype (default x's) on the current stream."""
     cfg = config or CudaConfig()
     M, K = x.shape
     if K != pw.K:
@@ -281,7 +287,8 @@ def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: tor
         None if pw.zero is None else pw.zero.data_ptr(), None if pw.bias is None else pw.bias.data_ptr(),
         _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0), _KIND[out_dtype],
         None if ws is None else ws.data_ptr(), None if cnt is None else cnt.data_ptr(),
-        M, pw.N, K, pw.group, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.splitk, stream)
+        M, pw.N, K, pw.group, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.xs_chunks, pl.splitk,
+        stream)
     if rc != 0:
         msg = lib.lowbit_cuda_error_string(rc).decode()
         raise LowbitError(f"CUDA weight kernel {cfg.name} failed at M={M} N={pw.N} K={K}: {msg}")

@@ -9,7 +9,7 @@ A cell is (kind, M range, capability) -> path + launch config. Paths:
     triton          lowbit.kernels.weight_gemm.linear with the cell's GemmConfig
     dequant-cublas  dequantize the weight (Triton) then cuBLAS (A16 only; wins where the GEMM is
                     compute-bound, since the fused kernel's dequantization then costs tensor-core time)
-    cuda            lowbit.kernels.weight_cuda.linear with the cell's CudaConfig (A16 bf16, M <= 16: the
+    cuda            lowbit.kernels.weight_cuda.linear with the cell's CudaConfig (A16 bf16, M <= 64: the
                     CUDA C++ tensor-core kernel built with nvcc); a weight or input it does not take (or no
                     nvcc on the machine) falls through to the next cell that covers M
 The cells for a capability with a table in weight_tables/ (sm90.json: the H200) are the winners of the

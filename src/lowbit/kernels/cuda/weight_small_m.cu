@@ -1,4 +1,4 @@
-// lowbit: weight-only GEMM for small M (LLM decode, M = 1..16) on tensor cores.
+// lowbit: weight-only GEMM for small M (LLM decode, M = 1..64) on tensor cores.
 //
 //   y[M, N] = x[M, K] @ W^T,  W[n, k] = (q[n, k] - zero[g, n]) * scale[g, n],  g = k / group
 //
@@ -11,8 +11,9 @@
 //   scale [G, N] (bf16 / fp16 / fp32), zero int8 [G, N] or null, bias [N] or null.
 //
 // Why it can run near the copy rate: the weight is the mma's A operand (16 weight rows x 16 k), the
-// activations the B operand (16 k x 8 activation rows; two mmas for M > 8), so an mma does 256 weights
-// for one warp instruction and M costs nothing up to 16. The K order inside an mma is free as long as
+// activations the B operand (16 k x 8 activation rows; MT = 1, 2, 4, 8 mmas per A fragment for M up to
+// 8, 16, 32, 64), so an mma does 256 weights for one warp instruction and each dequantized A fragment
+// serves every activation row. The K order inside an mma is free as long as
 // A and B agree, so each lane feeds the mma from the words it loaded itself (16-byte loads of its
 // weight row, a warp reading 8 rows x 64 contiguous bytes per instruction) and the activations are
 // permuted once into shared memory in the matching order. 4-bit: one lop3 puts two nibbles
@@ -21,7 +22,10 @@
 // instructions per 8 weights. 8-bit: byte_perm into the fp32 2**23 magic, subtract, pack to bf16x2.
 // Each K chunk lies inside one group (chunk = 4 lanes x LW words, LW chosen on the host so that the
 // chunk divides the group), so its fp32 partial is exact integer-weight sums and the group scale
-// multiplies the partial once per chunk. Split-K across blocks writes fp32 partials to a workspace;
+// multiplies the partial once per chunk. x is staged into shared memory in windows of `xs_chunks` chunks
+// (the whole split's K range when it fits): at M = 64 a 4096-wide row range is 512 KB of fragments, and
+// splitting K only to fit it would cost more fp32 partial traffic than the weight itself. The weight ring
+// stays in flight across a window's two barriers (it lives in registers). Split-K across blocks writes fp32 partials to a workspace;
 // the last block of a row block (a counter, reset by that block) sums them in a fixed order (the
 // result does not depend on which block finishes last) and writes y: no memset, no extra launch.
 
@@ -47,6 +51,7 @@ struct Params {
   unsigned* counters;      // one per row block, zero between launches (splitk > 1)
   int M, N, K, group;
   int chunks_per_split;    // K chunks per blockIdx.y
+  int xs_chunks;           // K chunks of x staged in shared memory at a time
   int splitk;              // gridDim.y
   int scale_kind, bias_kind, out_kind;
 };
@@ -114,7 +119,7 @@ __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// BITS: 4 or 8. MT: activation tiles of 8 rows (1: M <= 8, 2: M <= 16). LW: words per lane per row and
+// BITS: 4 or 8. MT: activation tiles of 8 rows (1, 2, 4, 8: M <= 8, 16, 32, 64). LW: words per lane per row and
 // chunk (a chunk is 4 lanes x LW words of K). RT: 16-row weight tiles per warp (they share the B loads).
 template <int BITS, int MT, int LW, int RT>
 __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
@@ -123,7 +128,7 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
   constexpr int CK = 4 * LW * KPW;        // k per chunk
   constexpr int S = LW * SPW;             // mma steps per chunk
   constexpr int WPC = CK / KPW;           // words per row per chunk (= 4 * LW)
-  // B fragments: [chunk][step][MT][lane] x (b0, b1); a warp reads 256 contiguous bytes per step and tile.
+  // B fragments: [window chunk][step][MT][lane] x (b0, b1); a warp reads 256 contiguous bytes per step and tile.
   extern __shared__ uint2 xs[];
   __shared__ int last_block;
 
@@ -172,10 +177,10 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
   for (int b = 0; b < NB - 1; ++b)
     if (b < nch) issue(b, b);  // in flight while x is staged
 
-  // stage x[:, this split's K] in the fragment order (rows m >= M are zeros)
-  {
-    const int k_begin = c_begin * CK;
-    const int pieces = nch * CK / 8;  // 16-byte pieces per activation row
+  // stage x[:, chunks cw .. cw + xs_chunks of this split] in the fragment order (rows m >= M are zeros)
+  auto stage = [&](int cw) {
+    const int k_begin = (c_begin + cw) * CK;
+    const int pieces = min(p.xs_chunks, nch - cw) * CK / 8;  // 16-byte pieces per activation row
     for (int u = threadIdx.x; u < 8 * MT * pieces; u += blockDim.x) {
       const int m = u / pieces, piece = u - m * pieces;
       uint4 v = make_uint4(0u, 0u, 0u, 0u);
@@ -197,8 +202,7 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
         xs[((c * S + s1) * MT + t) * 32 + g * 4 + tg1] = make_uint2(v.z, v.w);
       }
     }
-  }
-  __syncthreads();
+  };
 
   float acc[RT][MT][4];
 #pragma unroll
@@ -208,7 +212,7 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[rt][t][i] = 0.f;
 
-  auto compute = [&](int b, int c) {
+  auto compute = [&](int b, int c) {  // c: the chunk's index in the staged window
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt) {
       float sc[2];
@@ -274,9 +278,15 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       const int c = c0 + b;
-      if (c < nch) {
+      if (c < nch) {  // block-uniform, so the barriers below are reached by every thread
         if (c + NB - 1 < nch) issue((b + NB - 1) % NB, c + NB - 1);
-        compute(b, c);
+        const int cw = c % p.xs_chunks;
+        if (cw == 0) {
+          if (c > 0) __syncthreads();  // every warp is done with the previous window
+          stage(c);
+          __syncthreads();
+        }
+        compute(b, cw);
       }
     }
   }
@@ -340,6 +350,7 @@ int launch(const Params& p, int warps, int smem, cudaStream_t stream) {
   return (int)cudaGetLastError();
 }
 
+// RT 4 only for MT <= 2: with 4 or 8 activation tiles its accumulators would not fit the registers.
 template <int BITS, int MT>
 int by_lw_rt(const Params& p, int lw, int rt, int warps, int smem, cudaStream_t s) {
 #ifdef LOWBIT_COMPILE_CHECK  // the CPU test's quick compile: every code path, fewer template instances
@@ -347,10 +358,10 @@ int by_lw_rt(const Params& p, int lw, int rt, int warps, int smem, cudaStream_t 
   if (rt == 1) return launch<BITS, MT, LW_, 1>(p, warps, smem, s);    \
   return -2;
 #else
-#define LOWBIT_RT(LW_)                                                 \
-  if (rt == 1) return launch<BITS, MT, LW_, 1>(p, warps, smem, s);    \
-  if (rt == 2) return launch<BITS, MT, LW_, 2>(p, warps, smem, s);    \
-  if (rt == 4) return launch<BITS, MT, LW_, 4>(p, warps, smem, s);    \
+#define LOWBIT_RT(LW_)                                                            \
+  if (rt == 1) return launch<BITS, MT, LW_, 1>(p, warps, smem, s);               \
+  if (rt == 2) return launch<BITS, MT, LW_, 2>(p, warps, smem, s);               \
+  if constexpr (MT <= 2) { if (rt == 4) return launch<BITS, MT, LW_, 4>(p, warps, smem, s); } \
   return -2;
 #endif
   if (lw == 4) { LOWBIT_RT(4) }
@@ -364,19 +375,23 @@ int by_lw_rt(const Params& p, int lw, int rt, int warps, int smem, cudaStream_t 
 
 extern "C" {
 
-// Bytes of dynamic shared memory one block needs (the caller checks it against the device).
-int lowbit_wq_small_m_smem(int bits, int M, int lw, int chunks_per_split) {
-  const int mt = M <= 8 ? 1 : 2, s = lw * (bits == 4 ? 2 : 1);
-  return chunks_per_split * s * mt * 32 * 8;
+static int mt_for(int M) { return M <= 8 ? 1 : (M <= 16 ? 2 : (M <= 32 ? 4 : 8)); }
+
+// Bytes of dynamic shared memory one block needs for a window of xs_chunks chunks (the caller checks it
+// against the device).
+int lowbit_wq_small_m_smem(int bits, int M, int lw, int xs_chunks) {
+  const int s = lw * (bits == 4 ? 2 : 1);
+  return xs_chunks * s * mt_for(M) * 32 * 8;
 }
 
-// y = x @ W^T for 1 <= M <= 16. Returns 0, a cudaError_t, or -1..-4 for arguments the library has no
+// y = x @ W^T for 1 <= M <= 64. Returns 0, a cudaError_t, or -1..-4 for arguments the library has no
 // instance for (bits, M, lw, rt, warps). Sizes are checked by the Python wrapper (weight_cuda.py).
 int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
                       const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
                       float* ws, unsigned* counters, int M, int N, int K, int group, int bits, int lw, int rt,
-                      int warps, int chunks_per_split, int splitk, unsigned long long stream) {
-  if (M < 1 || M > 16) return -1;
+                      int warps, int chunks_per_split, int xs_chunks, int splitk, unsigned long long stream) {
+  if (M < 1 || M > 64) return -1;
+  if (xs_chunks < 1) return -5;
   if (warps != 2 && warps != 4 && warps != 8) return -4;
   Params p;
   p.x = reinterpret_cast<const __nv_bfloat16*>(x);
@@ -394,27 +409,36 @@ int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* 
   p.K = K;
   p.group = group;
   p.chunks_per_split = chunks_per_split;
+  p.xs_chunks = xs_chunks;
   p.splitk = splitk;
   p.scale_kind = scale_kind;
   p.bias_kind = bias_kind;
   p.out_kind = out_kind;
-  const int smem = lowbit_wq_small_m_smem(bits, M, lw, chunks_per_split);
+  const int smem = lowbit_wq_small_m_smem(bits, M, lw, xs_chunks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-#ifdef LOWBIT_COMPILE_CHECK
-  if (bits == 4) return M <= 8 ? by_lw_rt<4, 1>(p, lw, rt, warps, smem, s) : -1;
-  if (bits == 8) return M <= 8 ? by_lw_rt<8, 1>(p, lw, rt, warps, smem, s) : -1;
+  const int mt = mt_for(M);
+#ifdef LOWBIT_COMPILE_CHECK  // MT 1 and 8 (every branch of the MT-dependent code)
+  if (bits == 4) return mt == 1 ? by_lw_rt<4, 1>(p, lw, rt, warps, smem, s) : by_lw_rt<4, 8>(p, lw, rt, warps, smem, s);
+  if (bits == 8) return mt == 1 ? by_lw_rt<8, 1>(p, lw, rt, warps, smem, s) : by_lw_rt<8, 8>(p, lw, rt, warps, smem, s);
 #else
-  if (bits == 4) return M <= 8 ? by_lw_rt<4, 1>(p, lw, rt, warps, smem, s) : by_lw_rt<4, 2>(p, lw, rt, warps, smem, s);
-  if (bits == 8) return M <= 8 ? by_lw_rt<8, 1>(p, lw, rt, warps, smem, s) : by_lw_rt<8, 2>(p, lw, rt, warps, smem, s);
+#define LOWBIT_MT(B_)                                                  \
+  if (mt == 1) return by_lw_rt<B_, 1>(p, lw, rt, warps, smem, s);     \
+  if (mt == 2) return by_lw_rt<B_, 2>(p, lw, rt, warps, smem, s);     \
+  if (mt == 4) return by_lw_rt<B_, 4>(p, lw, rt, warps, smem, s);     \
+  return by_lw_rt<B_, 8>(p, lw, rt, warps, smem, s);
+  if (bits == 4) { LOWBIT_MT(4) }
+  if (bits == 8) { LOWBIT_MT(8) }
+#undef LOWBIT_MT
 #endif
   return -1;
 }
 
 const char* lowbit_cuda_error_string(int code) {
-  if (code == -1) return "no instance for these bits / M (4 or 8 bits, 1 <= M <= 16)";
-  if (code == -2) return "no instance for this rows-per-warp (1, 2 or 4)";
+  if (code == -1) return "no instance for these bits / M (4 or 8 bits, 1 <= M <= 64)";
+  if (code == -2) return "no instance for this rows-per-warp (1, 2 or 4; 1 or 2 for M > 16)";
   if (code == -3) return "no instance for this words-per-lane (1, 2 or 4)";
   if (code == -4) return "no instance for this warps-per-block (2, 4 or 8)";
+  if (code == -5) return "xs_chunks must be >= 1";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
