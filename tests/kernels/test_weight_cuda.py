@@ -76,7 +76,11 @@ def test_words_per_lane_and_plan():
     assert wc.plan(pw, 1, CudaConfig(RT=1, warps=8), sms=132).splitk == 2  # 112 row blocks of 128 rows: 264 // 112
     assert (p1.splitk - 1) * p1.chunks_per_split < 32  # no empty split
     down = random_weight("w8a16", 4096, 14336, "cpu")
-    for M in (1, 16, 17, 64):  # x is staged in windows that fit the shared-memory cap; no split forced by it
+    for M in (1, 16):  # up to M 16 the split makes x's K range one window within the shared-memory cap
+        p = wc.plan(down, M, CudaConfig(RT=1, warps=4, SPLITK=1), sms=132)
+        assert p.smem <= wc.SMEM_CAP and p.splitk * p.chunks_per_split * 64 >= 14336
+        assert p.splitk > 1 and p.xs_chunks == p.chunks_per_split
+    for M in (17, 64):  # above 16: windows; no split forced by shared memory
         p = wc.plan(down, M, CudaConfig(RT=1, warps=4, SPLITK=1), sms=132)
         assert p.splitk == 1 and p.chunks_per_split * 64 == 14336
         assert p.smem <= wc.SMEM_CAP and p.smem == p.xs_chunks * 4 * wc.activation_tiles(M) * 256

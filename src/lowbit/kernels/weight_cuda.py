@@ -15,8 +15,8 @@ building at once never read a half-written library.
 
 Launch geometry (CudaConfig): a block of `warps` warps, each warp RT tiles of 16 weight rows (RT 4 only for
 M <= 16); K split across SPLITK blocks (0: as many as keep the grid within `waves` (2) x the SMs). A block
-stages x in windows of its K range, 16 * MT bytes per k (MT = 1, 2, 4, 8 for M <= 8, 16, 32, 64), as many
-chunks per window as SMEM_CAP holds (the whole range when it fits). A K chunk is
+stages x, 16 * MT bytes per k (MT = 1, 2, 4, 8 for M <= 8, 16, 32, 64), in windows of its K range of as many
+chunks as SMEM_CAP holds; up to M 16 the split is raised until the whole range is one window. A K chunk is
 4 lanes x LW words, LW in {4, 2, 1} the largest with chunk | group and chunk | K, so every chunk has one
 scale (4-bit: chunk 32 * LW, so g128 / g64 / g32 get LW 4 / 2 / 1; 8-bit: chunk 16 * LW).
 """
@@ -241,7 +241,10 @@ def plan(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
     # auto: as many splits as keep the grid within `waves` blocks per SM (floor: a partial second wave of a few
     # blocks costs nearly a whole block time; ncu measured it on 280 blocks for 264 slots)
     sk = cfg.SPLITK or cfg.waves * sms // row_blocks
-    sk = max(1, min(nch, sk, 64))
+    # up to M 16 the split also makes the whole K range of x fit (one window): the plans the H200 table's
+    # cells were measured with; above 16 the fragments are 4-8x larger and x is staged in windows instead
+    sk_min = math.ceil(nch * per_chunk / SMEM_CAP) if M <= 16 else 1
+    sk = max(1, min(nch, max(sk, sk_min), 64))
     cps = math.ceil(nch / sk)
     sk = math.ceil(nch / cps)  # no empty split
     xs = min(cps, SMEM_CAP // per_chunk)
