@@ -180,7 +180,7 @@ def test_layer_error_harness_measures_the_mapped_keys(qwen, tmp_path):
     from lowbit.eval.layer_error import Variant, measure_layers
     from lowbit.rotation.hadamard import hadamard
 
-    _, g, maps = _affine_dir(tmp_path, qwen)
+    _, _g, maps = _affine_dir(tmp_path, qwen)
     s = scheme("int2")
     rot = {i: (hadamard(64), hadamard(64)) for i in range(2)}
     ids = tiny_tokenizer_free_inputs(qwen.config, 1, 40, seed=9)
@@ -197,3 +197,61 @@ def test_select_keeps_only_layers_the_map_helps(qwen):
                         torch.zeros_like(maps[1].shift))  # crushes one pair's scale: a map that hurts
     kept, ev = kam.select(qwen, windows, {0: maps[0], 1: bad}, g, scheme=scheme("int2"))  # small tiers
     assert set(kept) == {0} and ev[1][1] > ev[1][0] and ev[0][1] < ev[0][0]
+
+
+def _fitted_dir(tmp_path, model, name="kaf"):
+    g = ModelGeometry.from_config(model.config, name="tiny-qwen2")
+    windows = tiny_tokenizer_free_inputs(model.config, 2, 70, seed=11)
+    maps = kam.fit(model, windows, skip=4)
+    rots = kam.fit_base(model, windows, maps, g, skip=4)
+    return kam.save(tmp_path / name, maps, model="tiny-qwen2", base="fitted", rotations=rots), g, maps, rots, windows
+
+
+def test_fitted_base_is_the_mapped_keys_eigenbasis_and_exact(qwen, tmp_path):
+    """base "fitted": R = E H per layer, E the eigenvectors of the mapped keys' (and the values') second moment
+    summed over KV heads; the plan takes the stored matrices, pinned by the file's sha256; with 16-bit tiers the
+    cache gives DynamicCache's logits (the map and an orthogonal R are exact for attention)."""
+    from lowbit.rotation.hadamard import hadamard
+
+    d, g, maps, rots, windows = _fitted_dir(tmp_path, qwen)
+    st = kam.MappedMoments(maps, skip=4)
+    from lowbit.calib.capture import capture_attention
+
+    with torch.no_grad(), capture_attention(qwen, st):
+        for w in windows:
+            qwen(w[None], use_cache=False, logits_to_keep=1)
+    H = hadamard(64, dtype=torch.float64)
+    for i, (rk, rv) in rots.items():
+        for r, m in ((rk, st.kk[i] / st.n[i]), (rv, st.vv[i] / st.n[i])):
+            E = r.double() @ H.T  # undo the Hadamard mix: the eigenvectors, descending
+            lam = torch.linalg.eigvalsh(m).flip(0)
+            assert torch.allclose(m @ E, E * lam, atol=1e-4 * float(lam[0])), i
+        assert not torch.allclose(rk, hadamard(64), atol=1e-3)  # not the plain Hadamard
+    plan = resolve(scheme("int2", rotation=RotationRef(str(d))), g)
+    assert plan.layer(0).rotation.startswith("fitted ") and "key-affine" in plan.layer(0).rotation
+    assert torch.equal(plan.layer(1).rot_k, rots[1][0]) and torch.equal(plan.layer(1).rot_v, rots[1][1])
+    s = scheme("k16v16", rotation=RotationRef(str(d)))
+    ids = tiny_tokenizer_free_inputs(qwen.config, 2, 31, seed=5)
+    chunks = [17, 1, 13]
+    out = run_chunks(qwen, QuantizedKVCache(qwen, s, geometry=g), ids, None, chunks)
+    assert rel_err(out, reference(qwen, ids, None, chunks)) < 1e-4
+
+
+def test_fitted_base_bad_files_are_refused_by_name(qwen, tmp_path):
+    _d, g, maps, rots, _ = _fitted_dir(tmp_path, qwen)
+    with pytest.raises(LowbitError, match="stores its rotations"):
+        kam.save(tmp_path / "x1", maps, model="tiny-qwen2", base="fitted")
+    with pytest.raises(LowbitError, match="stores its rotations"):
+        kam.save(tmp_path / "x2", maps, model="tiny-qwen2", rotations=rots)
+    partial = kam.save(tmp_path / "x3", maps, model="tiny-qwen2", base="fitted", rotations={0: rots[0]})
+    with pytest.raises(LowbitError, match=r"no rotation for layers \[1\]"):
+        resolve(scheme("int2", rotation=RotationRef(str(partial))), g)
+    skew = {i: (r[0] * 1.1, r[1]) for i, r in rots.items()}
+    bad = kam.save(tmp_path / "x4", maps, model="tiny-qwen2", base="fitted", rotations=skew)
+    with pytest.raises(LowbitError) as e:
+        resolve(scheme("int2", rotation=RotationRef(str(bad))), g)
+    assert "orthogonal" in str(e.value) and "refit" in str(e.value) and "\n" not in str(e.value)
+    wide = {i: (torch.eye(128), r[1]) for i, r in rots.items()}
+    other = kam.save(tmp_path / "x5", maps, model="tiny-qwen2", base="fitted", rotations=wide)
+    with pytest.raises(LowbitError, match=r"\[64, 64\]: fitted for another model"):
+        resolve(scheme("int2", rotation=RotationRef(str(other))), g)

@@ -26,9 +26,17 @@ normalised to geometric mean 1. shift is the calibration mean of the post-RoPE k
 constant: exact whatever it is; it removes the offset of the slowly-turning pairs, which is where the
 bias sits). Statistics skip the first `skip` tokens of each window (the sink tier, stored exact).
 
+Base rotation R_k / R_v: "hadamard", "none", or "fitted": per layer, the covariance eigenvectors x Hadamard
+(lowbit.rotation.fit.rotation_from_cov) of the *mapped* keys' and of the values' second moments on the same
+calibration windows, summed over the layer's KV heads (one [D, D] per layer, so V's rotation still folds into
+the weights). Fitting K's rotation after the map matters: the map removes the offset and equalises the pairs,
+which changes the key's principal directions. (qwen2.5-coder-0.5b int2, stdlib 2 x 1024 fake-quant PPL: +0.89%
+with Hadamard, +0.13% fitted; benchmarks/results/quality/COMMANDS.md.)
+
 On disk (lowbit.artifacts, class "generic", kind "kv-key-affine"):
-    key_affine.safetensors    layers.{i}.scale, layers.{i}.shift  float32 [H_kv, D]
-                              metadata: model, base ("hadamard" | "none": the rotation R_k / R_v)
+    key_affine.safetensors    layers.{i}.scale, layers.{i}.shift  float32 [H_kv, D]  (mapped layers)
+                              layers.{i}.rot_k [D_k, D_k], layers.{i}.rot_v [D_v, D_v]  (base "fitted": every layer)
+                              metadata: model, base ("hadamard" | "none" | "fitted")
 A KVScheme names it as its rotation (rotation = {path, sha256}); lowbit.kv.plan.load_rotations opens it
 (the base rotation plus this map), so a recipe pins both by one sha256.
 """
@@ -46,7 +54,7 @@ from lowbit.errors import LowbitError
 KIND = "kv-key-affine"
 FILE_NAME = "key_affine.safetensors"
 FORMAT = "lowbit-kv-key-affine"
-BASES = ("hadamard", "none")
+BASES = ("hadamard", "none", "fitted")
 
 
 @dataclass(frozen=True)
@@ -109,7 +117,7 @@ class KeyStats:
         i = int(module.layer_idx)
         B, Hkv, T, D = key.shape
         if T <= self.skip:
-            return None
+            return
         k = key[:, :, self.skip :].double()  # [B, Hkv, T', D]
         G = query.shape[1] // Hkv
         q = query[:, :, self.skip :].double().reshape(B, Hkv, G, T - self.skip, -1)
@@ -120,7 +128,7 @@ class KeyStats:
             d = getattr(self, name)
             d[i] = d[i] + t if i in d else t
         self.n[i] = self.n.get(i, 0) + B * (T - self.skip)
-        return None
+        return
 
     def affine(self, alpha: float = 0.5, center: bool = True) -> dict[int, KeyAffine]:
         """{layer: KeyAffine} from the sums (see the module docstring)."""
@@ -175,9 +183,68 @@ def select(model, windows: torch.Tensor, maps: dict[int, KeyAffine], geometry, *
     return kept, evidence
 
 
+class MappedMoments:
+    """Per-layer second moments, summed over KV heads, of the mapped post-RoPE keys and of the values over
+    tokens >= skip of each window: what a "fitted" base rotation is the eigenvectors of."""
+
+    def __init__(self, maps: dict[int, KeyAffine], skip: int = 64):
+        self.maps, self.skip = maps, int(skip)
+        self.kk: dict[int, torch.Tensor] = {}
+        self.vv: dict[int, torch.Tensor] = {}
+        self.n: dict[int, int] = {}
+
+    def __call__(self, module, query, key, value, attention_mask, scaling, softcap=None):
+        i = int(module.layer_idx)
+        if key.shape[2] <= self.skip:
+            return
+        k = map_keys(key[:, :, self.skip :], self.maps.get(i)).double()  # [B, Hkv, T', D_k]
+        v = value[:, :, self.skip :].double()  # [B, Hkv, T', D_v]
+        kk, vv = torch.einsum("bhtd,bhte->de", k, k), torch.einsum("bhtd,bhte->de", v, v)
+        self.kk[i] = self.kk[i] + kk if i in self.kk else kk
+        self.vv[i] = self.vv[i] + vv if i in self.vv else vv
+        self.n[i] = self.n.get(i, 0) + k.shape[0] * k.shape[1] * k.shape[2]
+        return
+
+    def rotations(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """{layer: (R_k [D_k, D_k], R_v [D_v, D_v])} float32, orthogonal (checked)."""
+        from lowbit.rotation.fit import check_orthogonal, rotation_from_cov
+
+        out = {}
+        for i, n in sorted(self.n.items()):
+            rk = rotation_from_cov(self.kk[i] / n).float().contiguous()
+            rv = rotation_from_cov(self.vv[i] / n).float().contiguous()
+            check_orthogonal(rk, f"layer {i} K")
+            check_orthogonal(rv, f"layer {i} V")
+            out[i] = (rk, rv)
+        return out
+
+
+@torch.no_grad()
+def fit_base(model, windows: torch.Tensor, maps: dict[int, KeyAffine], geometry, *, skip: int = 64
+             ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """The "fitted" base rotation of every layer on calibration windows [N, L], keys mapped by `maps` first."""
+    from lowbit.calib.capture import capture_attention
+
+    for g in geometry.layers:
+        if getattr(g, "storage", "mha") != "mha" or getattr(g, "shares_kv", False):
+            raise LowbitError(f"layer {g.index} stores K and V once (MLA latent / K = V): a fitted key-affine base "
+                              "covers plain K/V layers only; use --base hadamard, or lowbit fit-rotations")
+    st = MappedMoments(maps, skip)
+    with capture_attention(model, st):
+        for w in windows:
+            model(w[None], use_cache=False, logits_to_keep=1)
+    missing = sorted({g.index for g in geometry.layers} - set(st.n))
+    if missing:
+        raise LowbitError(f"layers {missing} reported no keys longer than skip={skip} during the base fit; "
+                          "use longer calibration windows")
+    return st.rotations()
+
+
 # ------------------------------------------------------------------ files
-def save(out_dir, affine: dict[int, KeyAffine], *, model: str, base: str = "hadamard", inputs: dict | None = None) -> Path:
-    """Write the per-layer maps as a new artifact (kind "kv-key-affine"); a scheme names it as its rotation."""
+def save(out_dir, affine: dict[int, KeyAffine], *, model: str, base: str = "hadamard", inputs: dict | None = None,
+         rotations: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = None) -> Path:
+    """Write the per-layer maps as a new artifact (kind "kv-key-affine"); a scheme names it as its rotation.
+    rotations: {layer: (R_k, R_v)} for every layer, exactly when base is "fitted" (fit_base)."""
     from safetensors.torch import save_file
 
     from lowbit.artifacts import ArtifactWriter
@@ -186,10 +253,15 @@ def save(out_dir, affine: dict[int, KeyAffine], *, model: str, base: str = "hada
         raise LowbitError(f"key affine base rotation {base!r} unknown; use one of {BASES}")
     if not affine:
         raise LowbitError("no layer maps to save")
+    if (base == "fitted") != (rotations is not None):
+        raise LowbitError("a key affine with base 'fitted' stores its rotations (fit_base), and only it does")
     tensors = {}
     for i, ka in sorted(affine.items()):
         tensors[f"layers.{int(i)}.scale"] = ka.scale.float().contiguous()
         tensors[f"layers.{int(i)}.shift"] = ka.shift.float().contiguous()
+    for i, (rk, rv) in sorted((rotations or {}).items()):
+        tensors[f"layers.{int(i)}.rot_k"] = rk.float().contiguous()
+        tensors[f"layers.{int(i)}.rot_v"] = rv.float().contiguous()
     meta = {"model": model, "base": base, "format": FORMAT, "layers": json.dumps(sorted(int(i) for i in affine))}
     with ArtifactWriter(out_dir, kind=KIND, artifact_class="generic", inputs={"model": model, **(inputs or {})},
                         recipe={"format": FORMAT, "format_version": 1, "base": base}) as w:
@@ -208,8 +280,9 @@ def is_key_affine(path) -> bool:
     return load_manifest(p).kind == KIND
 
 
-def load(path, geometry) -> tuple[str, dict[int, KeyAffine], str]:
-    """(base rotation, {layer: KeyAffine}, sha256 of the file), checked against its manifest and `geometry`."""
+def load(path, geometry) -> tuple[str, dict[int, KeyAffine], str, dict | None]:
+    """(base rotation, {layer: KeyAffine}, sha256 of the file, {layer: (R_k, R_v)} for base "fitted" else None),
+    checked against its manifest and `geometry`."""
     from safetensors import safe_open
 
     from lowbit.artifacts import load_manifest, require_intact
@@ -231,18 +304,44 @@ def load(path, geometry) -> tuple[str, dict[int, KeyAffine], str]:
         raise LowbitError(f"key affine {root}: base rotation {base!r} unknown (this lowbit reads {BASES})")
     if model and geometry.name and model != geometry.name:
         raise LowbitError(f"key affine {root} was fitted for model {model!r}, not {geometry.name!r}; fit it for this model")
-    maps = {}
+    maps, rots = {}, {}
     by_index = {g.index: g for g in geometry.layers}
     for i, d in sorted(out.items()):
         g = by_index.get(i)
         if g is None:
             raise LowbitError(f"key affine {root} names layer {i} but the model has layers 0..{geometry.num_layers - 1}")
-        want = [g.num_kv_heads, g.head_dim_k]
-        if list(d["scale"].shape) != want:
-            raise LowbitError(f"key affine {root} layer {i} is {list(d['scale'].shape)} but the model's keys are "
-                              f"{want} (KV heads, head_dim): fitted for another model")
-        maps[i] = KeyAffine(d["scale"], d["shift"])
-    return base, maps, sha
+        if "scale" in d:
+            want = [g.num_kv_heads, g.head_dim_k]
+            if list(d["scale"].shape) != want:
+                raise LowbitError(f"key affine {root} layer {i} is {list(d['scale'].shape)} but the model's keys are "
+                                  f"{want} (KV heads, head_dim): fitted for another model")
+            maps[i] = KeyAffine(d["scale"], d["shift"])
+        if "rot_k" in d:
+            rots[i] = _checked_rotation(root, g, d)
+    if base == "fitted":
+        missing = sorted(set(by_index) - set(rots))
+        if missing:
+            raise LowbitError(f"key affine {root} has base 'fitted' but no rotation for layers {missing}: refit it "
+                              "with --base fitted")
+    elif rots:
+        raise LowbitError(f"key affine {root} stores rotations but its base is {base!r}: a damaged or hand-made file; refit it")
+    return base, maps, sha, (rots if base == "fitted" else None)
+
+
+def _checked_rotation(root, g, d) -> tuple[torch.Tensor, torch.Tensor]:
+    from lowbit.rotation.fit import check_orthogonal
+
+    rk, rv = d.get("rot_k"), d.get("rot_v")
+    for name, r, dim in (("K", rk, g.head_dim_k), ("V", rv, g.head_dim_v)):
+        if r is None or list(r.shape) != [dim, dim]:
+            raise LowbitError(f"key affine {root} layer {g.index}: {name} rotation is "
+                              f"{None if r is None else list(r.shape)}, the model needs [{dim}, {dim}]: fitted for "
+                              "another model")
+        try:
+            check_orthogonal(r, f"key affine {root} layer {g.index} {name}")
+        except LowbitError as e:
+            raise LowbitError(f"{e}; refit it") from None
+    return rk, rv
 
 
 # ------------------------------------------------------------------ command
@@ -263,7 +362,8 @@ def main(argv=None) -> int:
     ap.add_argument("--alpha", type=float, default=0.5)
     ap.add_argument("--skip", type=int, default=64)
     ap.add_argument("--no-center", action="store_true")
-    ap.add_argument("--base", default="hadamard", choices=BASES)
+    ap.add_argument("--base", default="hadamard", choices=BASES, help="rotation after the map: hadamard (default), "
+                    "none, or fitted (eigenvectors of the mapped keys' / the values' second moments x Hadamard)")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--no-select", action="store_true", help="keep every layer's map (default: only where the "
                     "calibration layer error of int2 drops)")
@@ -280,16 +380,17 @@ def main(argv=None) -> int:
     windows = token_windows(lm.tokenizer, load_text(a.calib), a.seq_len, a.windows)
     maps = fit(lm.model, windows, alpha=a.alpha, skip=a.skip, center=not a.no_center)
     evidence = {}
-    if not a.no_select:
-        maps, evidence = select(lm.model, windows, maps, lm.geometry, base=a.base)
+    if not a.no_select:  # measured on Hadamard when the base is fitted (its rotations depend on the kept maps)
+        maps, evidence = select(lm.model, windows, maps, lm.geometry, base="hadamard" if a.base == "fitted" else a.base)
         print("layer error of int2 on the calibration windows, dB plain -> mapped (kept where lower):")
         print("  " + ", ".join(f"{i}: {p:.1f}->{m:.1f}{'*' if i in maps else ''}" for i, (p, m) in evidence.items()))
         if not maps:
             raise LowbitError(f"the key affine lowers no layer's calibration error on {lm.name}: nothing to write")
+    rots = fit_base(lm.model, windows, maps, lm.geometry, skip=a.skip) if a.base == "fitted" else None
     inputs = {"weights_sha256": lm.weights_sha256, "calib": str(a.calib), "windows": a.windows, "seq_len": a.seq_len,
               "alpha": a.alpha, "skip": a.skip, "center": not a.no_center, "selected": not a.no_select,
               "layer_db_plain_mapped": {str(i): [round(p, 2), round(m, 2)] for i, (p, m) in evidence.items()}}
-    save(a.out, maps, model=lm.name, base=a.base, inputs=inputs)
+    save(a.out, maps, model=lm.name, base=a.base, inputs=inputs, rotations=rots)
     sha = load_manifest(a.out).file_map()[FILE_NAME].sha256
     print(f"fitted {len(maps)} layers of {lm.name} on {a.windows} x {a.seq_len} {a.calib} tokens in "
           f"{time.perf_counter() - t0:.0f} s -> {a.out}")

@@ -203,7 +203,7 @@ def _load_key_affine(rotation: RotationRef, geometry) -> Rotations:
     """A key-affine artifact (lowbit.kv.key_affine): its base rotation plus the per-layer key maps."""
     from lowbit.kv import key_affine
 
-    base_name, maps, sha = key_affine.load(rotation.path, geometry)
+    base_name, maps, sha, fitted = key_affine.load(rotation.path, geometry)
     if rotation.sha256 is not None and rotation.sha256 != sha:
         raise LowbitError(
             f"key affine {rotation.path} has sha256 {sha[:12]}... but the recipe pins {rotation.sha256[:12]}...: "
@@ -213,10 +213,15 @@ def _load_key_affine(rotation: RotationRef, geometry) -> Rotations:
         if g.index in maps and (getattr(g, "storage", "mha") != "mha" or getattr(g, "shares_kv", False)):
             raise LowbitError(f"layer {g.index} stores K and V once (MLA latent / K = V): a key affine does not "
                               "apply to it; fit the key affine without that layer")
-    base = load_rotations(base_name, geometry)
+    if base_name == "fitted":  # the artifact's own per-layer rotations, pinned by the same sha256
+        per_layer = tuple(fitted[g.index] for g in geometry.layers)
+        base_label = tuple(f"fitted {sha[:8]}" for _ in geometry.layers)
+    else:
+        base = load_rotations(base_name, geometry)
+        per_layer, base_label = base.per_layer, base.label
     label = tuple(f"{lab}+key-affine {sha[:8]}" if g.index in maps else lab
-                  for lab, g in zip(base.label, geometry.layers))
-    return Rotations(base.per_layer, label, sha, per_head=False,
+                  for lab, g in zip(base_label, geometry.layers))
+    return Rotations(per_layer, label, sha, per_head=False,
                      key_affine=tuple(maps.get(g.index) for g in geometry.layers))
 
 
