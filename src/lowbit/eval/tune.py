@@ -12,9 +12,9 @@
    errors add, to first order, since each perturbs the output independently).
 2. Cost: held bits (lowbit.kv.held at `context`): each layer's middle elements at the context weigh
    what they hold, so a full-attention layer of gemma3 at 32k costs ~30x a sliding one.
-3. Allocation, per (rotation, 2-bit grid) base: start every tensor at 2 bits (the smallest recipe: a
-   budget below its held bits is refused); upgrade the (layer, tensor, bits) with the largest loss
-   drop per added held bit that still fits the budget; repeat until nothing fits.
+3. Allocation, per (rotation, 2-bit grid) base: every tensor starts at 2 bits (the smallest recipe: a
+   budget below its held bits is refused); the bits per tensor that minimise the loss model within the
+   budget, exactly (a multiple-choice knapsack over held bits in steps of 1e-4 b/elt: `allocate`).
 4. Check: every base's allocation (and the all-2-bit base) is run through the full-window fake-quant
    perplexity on the calibration windows (lowbit.eval.layer_error.fake_quant_ppl: errors compound as
    in serving) and the lowest PPL wins -- this is where a rotation or grid "pays" or not.
@@ -114,9 +114,14 @@ def _cost_table(base, geometry, context: int):
     return elems, cost
 
 
-def allocate(err: dict, elems: dict, cost: dict, budget: float, layers: list[int]) -> tuple[dict, float, float]:
-    """Greedy multiple-choice allocation. err[(layer, t, bits)]: loss of tensor t (0=K, 1=V) of a layer at
-    bits; elems[layer] = (K, V) middle elements; cost[(layer, bits)] = (K, V) bits per element.
+def allocate(err: dict, elems: dict, cost: dict, budget: float, layers: list[int], *,
+             resolution: float = 1e-4) -> tuple[dict, float, float]:
+    """Multiple-choice knapsack over the tensors, solved exactly. err[(layer, t, bits)]: loss of tensor t (0=K,
+    1=V) of a layer at bits; elems[layer] = (K, V) middle elements; cost[(layer, bits)] = (K, V) bits per element.
+    Minimises the summed loss with held bits <= budget. Every tensor starts at 2 bits; a choice's extra held bits
+    are rounded up to `resolution` b/elt, so the result never exceeds the budget (it may leave < 1 resolution
+    step per tensor unspent). A greedy loss-per-bit pick is not enough: one cheap tensor with the best ratio can
+    block a larger one that gains more (gemma3's full-attention K at budget 3).
     Returns (assign {layer: (kb, vb)}, predicted loss, held bits (codebooks aside))."""
     total_el = sum(sum(e) for e in elems.values())
     if total_el == 0:
@@ -126,29 +131,38 @@ def allocate(err: dict, elems: dict, cost: dict, budget: float, layers: list[int
     def held() -> float:
         return sum(elems[i][t] * cost[(i, bits[(i, t)])][t] for (i, t) in bits) / total_el
 
-    cur = held()
-    while True:
-        best, best_gain = None, 0.0
-        for (i, t), b in bits.items():
-            if not elems[i][t]:
-                continue
+    import torch
+
+    cap = math.floor((budget - held()) / resolution + 1e-9)
+    items = [(i, t) for (i, t) in bits if elems[i][t]]
+    if cap > 0 and items:
+        best = torch.zeros(cap + 1, dtype=torch.float64)  # best[c]: largest loss drop within c steps
+        picks = []  # per item: the bits chosen at each capacity (2: unchanged)
+        for i, t in items:
+            new, pick = best.clone(), torch.full((cap + 1,), 2, dtype=torch.int8)
             for nb in BITS:
-                if nb <= b:
+                if nb <= 2:
                     continue
-                d_bits = elems[i][t] * (cost[(i, nb)][t] - cost[(i, b)][t]) / total_el
-                if cur + d_bits > budget + 1e-12:
+                w = math.ceil(elems[i][t] * (cost[(i, nb)][t] - cost[(i, 2)][t]) / total_el / resolution - 1e-9)
+                gain = err[(i, t, 2)] - err[(i, t, nb)]
+                if w > cap or gain <= 0:
                     continue
-                gain = (err[(i, t, b)] - err[(i, t, nb)]) / max(d_bits, 1e-18)
-                if gain > best_gain:
-                    best, best_gain = ((i, t), nb, d_bits), gain
-        if best is None:
-            break
-        (i, t), nb, d_bits = best
-        bits[(i, t)] = nb
-        cur += d_bits
+                cand = torch.full_like(best, -math.inf)
+                cand[w:] = best[: cap + 1 - w] + gain
+                better = cand > new
+                new = torch.where(better, cand, new)
+                pick = torch.where(better, torch.tensor(nb, dtype=torch.int8), pick)
+            best = new
+            picks.append(pick)
+        c = cap
+        for (i, t), pick in zip(reversed(items), reversed(picks)):  # walk the choices back
+            nb = int(pick[c])
+            bits[(i, t)] = nb
+            if nb != 2:
+                c -= math.ceil(elems[i][t] * (cost[(i, nb)][t] - cost[(i, 2)][t]) / total_el / resolution - 1e-9)
     assign = {i: (bits[(i, 0)], bits[(i, 1)]) for i in layers}
     pred = sum(err[(i, t, bits[(i, t)])] for (i, t) in bits)
-    return assign, pred, cur
+    return assign, pred, held()
 
 
 def _rotation_maps(rots, geometry) -> tuple[dict, dict]:
@@ -256,7 +270,7 @@ def choose(lm, m: Measured, *, budget: float, context: int, calib_info: dict, lo
             assign, pred, _ = allocate(e, elems, cost, budget, layers)
             scheme = with_layer_bits(base, assign)
             held = held_bits(scheme, context, geometry=geometry).bits
-            while held > budget + 1e-9:  # codebooks (amortised) are not in the greedy's cost: step back
+            while held > budget + 1e-9:  # codebooks (amortised) are not in allocate's cost: step back
                 worst = max((i for i in assign if assign[i] != (2, 2)), key=lambda i: sum(assign[i]))
                 kb, vb = assign[worst]
                 assign[worst] = (2, vb) if kb >= vb else (kb, 2)
