@@ -6,9 +6,9 @@
 
 Each recipe is a `lowbit tune` output (its [tune] table holds the budget, the held bits measured at
 its context and the evidence), pinned by the sha256 in index.json: a file that differs from its pin
-is refused by name. Most use rotation "hadamard"; a recipe that names a key affine (lowbit.kv.key_affine:
-qwen2.5-coder-1.5b@2.5) ships it under keyaffine/<model>/, named relative to the recipe and pinned by the
-sha256 of its key_affine.safetensors (checked when the recipe is resolved).
+is refused by name. A recipe that names a key affine (lowbit.kv.key_affine: the gemma3 and qwen recipes; the
+smollm2 ones use rotation "hadamard") ships it under keyaffine/<dir>/, named relative to the recipe and pinned
+by the sha256 of its key_affine.safetensors (checked when the recipe is resolved).
 """
 
 from __future__ import annotations
