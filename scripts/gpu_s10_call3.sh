@@ -8,18 +8,7 @@ set -u
 OUT=${1:-${OUT:-/tmp/out}}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s]"; }
-python3 - <<'PY'
-import re, shutil, subprocess
-from pathlib import Path
-from lowbit.kernels import weight_cuda as wc
-dev = subprocess.run([wc.find_nvcc(), "--version"], capture_output=True, text=True).stdout
-loc = Path(".gpu/cuda/nvcc_version.txt").read_text()
-rel = lambda t: re.search(r"release [0-9.]+", t)[0]
-dst, src = wc.cache_path("sm_90a"), next(Path(".gpu/cuda").glob("*.so"))
-print("device nvcc:", rel(dev), "| host nvcc:", rel(loc), "| key match:", dst.name == src.name)
-if rel(dev) == rel(loc) and not dst.exists():
-    shutil.copy(src, dst); print("placed", dst.name)
-PY
+python3 scripts/place_cuda_lib.py
 timeout -s INT 60 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/kernels/test_weight_cuda.py \
     > "$OUT/tests.log" 2>&1; echo "tests rc $? $(el)"; grep -E "^FAILED|^E  |passed|failed" "$OUT/tests.log" | head -8
 timeout -s INT 100 python3 benchmarks/gemm_explore.py "$OUT/gemm_explore_quick.json" --cuda-quick > "$OUT/explore.log" 2>&1
