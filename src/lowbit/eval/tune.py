@@ -131,6 +131,9 @@ def allocate(err: dict, elems: dict, cost: dict, budget: float, layers: list[int
     def held() -> float:
         return sum(elems[i][t] * cost[(i, bits[(i, t)])][t] for (i, t) in bits) / total_el
 
+    def steps(i: int, t: int, nb: int) -> int:  # extra held bits of (layer i, tensor t) at nb, in resolution steps
+        return math.ceil(elems[i][t] * (cost[(i, nb)][t] - cost[(i, 2)][t]) / total_el / resolution - 1e-9)
+
     import torch
 
     cap = math.floor((budget - held()) / resolution + 1e-9)
@@ -143,7 +146,7 @@ def allocate(err: dict, elems: dict, cost: dict, budget: float, layers: list[int
             for nb in BITS:
                 if nb <= 2:
                     continue
-                w = math.ceil(elems[i][t] * (cost[(i, nb)][t] - cost[(i, 2)][t]) / total_el / resolution - 1e-9)
+                w = steps(i, t, nb)
                 gain = err[(i, t, 2)] - err[(i, t, nb)]
                 if w > cap or gain <= 0:
                     continue
@@ -159,7 +162,7 @@ def allocate(err: dict, elems: dict, cost: dict, budget: float, layers: list[int
             nb = int(pick[c])
             bits[(i, t)] = nb
             if nb != 2:
-                c -= math.ceil(elems[i][t] * (cost[(i, nb)][t] - cost[(i, 2)][t]) / total_el / resolution - 1e-9)
+                c -= steps(i, t, nb)
     assign = {i: (bits[(i, 0)], bits[(i, 1)]) for i in layers}
     pred = sum(err[(i, t, bits[(i, t)])] for (i, t) in bits)
     return assign, pred, held()
