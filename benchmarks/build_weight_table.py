@@ -6,7 +6,7 @@ Each exploration row times candidates (launch configs, GEMV configs, dequantize 
 cuBLAS bf16 at one (scheme, shape, M). Files are given oldest first; a later file's timing of the
 same (scheme, shape, M, candidate) replaces an earlier one (kernels change between runs). Per kind
 and M bucket the table takes the candidate with the best geometric-mean speed-up over bf16 across
-the shapes timed at the bucket's representative M, among candidates whose rel L2 against the twin
+the shapes timed at the bucket's representative M (or the next timed M above it), among candidates whose rel L2 against the twin
 passed (< 1e-3) and that were timed on every shape. W4A8 has no exploration: it takes W8A8's cells.
 Where the CUDA small-M kernel (path "cuda", M <= 64) wins a bucket, the best other candidate follows it
 as a second cell for the same M: the dispatch falls through to it for a weight or input the CUDA kernel
@@ -19,7 +19,8 @@ import json
 import math
 import sys
 
-BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 16, 16), (17, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
+# 17-32 / 33-64: the CUDA kernel's cost steps with its activation tiles (4 for M 17-32, 8 above), bf16's hardly
+BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 16, 16), (17, 32, 32), (33, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
 SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
 CUDA_M_MAX = 64  # lowbit.kernels.weight_cuda.M_MAX
 KIND = {"w4a16-g128": "w4a16", "w8a16": "w8a16", "w8a8": "w8a8"}
@@ -54,7 +55,9 @@ def main(out: str, files: list[str]) -> None:
     table = []
     for scheme, kind in KIND.items():
         for lo, hi, rep in BUCKETS:
-            reps = [rep] if not (kind == "w8a8" and rep < 16) else [16]
+            # a bucket whose representative M was not timed for this scheme takes the next timed M above it
+            timed = sorted({k[2] for k in cells if k[0] == scheme and k[2] >= max(rep, 16 if kind == "w8a8" else 1)})
+            reps = timed[:1]
             rows = {k: v for k, v in cells.items() if k[0] == scheme and k[2] in reps and k[1] in SHAPES}
             if not rows:
                 continue

@@ -177,29 +177,44 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
   for (int b = 0; b < NB - 1; ++b)
     if (b < nch) issue(b, b);  // in flight while x is staged
 
-  // stage x[:, chunks cw .. cw + xs_chunks of this split] in the fragment order (rows m >= M are zeros)
+  // stage x[:, chunks cw .. cw + xs_chunks of this split] in the fragment order (rows m >= M are zeros).
+  // SU loads per thread are issued before any store: one at a time, a window of 64 rows x 768 k is 24 dependent
+  // L2 round trips per thread. At MT 1 a window is about one piece per thread, and SU > 1 would only cost the
+  // registers that keep two 256-thread blocks per SM; at MT 8 RT 2 the accumulators already hold most of them.
+  constexpr int SU = MT == 1 ? 1 : (MT == 2 ? 2 : (RT * MT >= 16 ? 2 : 4));
   auto stage = [&](int cw) {
     const int k_begin = (c_begin + cw) * CK;
     const int pieces = min(p.xs_chunks, nch - cw) * CK / 8;  // 16-byte pieces per activation row
-    for (int u = threadIdx.x; u < 8 * MT * pieces; u += blockDim.x) {
-      const int m = u / pieces, piece = u - m * pieces;
-      uint4 v = make_uint4(0u, 0u, 0u, 0u);
-      if (m < p.M) v = *reinterpret_cast<const uint4*>(p.x + (long long)m * p.ldx + k_begin + piece * 8);
-      const int t = m >> 3, g = m & 7;
-      const int c = (piece * 8) / CK, kin = piece * 8 - c * CK;
-      if constexpr (BITS == 4) {
-        // one word's 8 k: step 2j takes pairs (k0, k4), (k1, k5); step 2j + 1 (k2, k6), (k3, k7)
-        const int wi = kin / 8, tg = wi / LW, j = wi - tg * LW;
-        const uint2 even = make_uint2(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
-        const uint2 odd = make_uint2(__byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
-        xs[((c * S + 2 * j) * MT + t) * 32 + g * 4 + tg] = even;
-        xs[((c * S + 2 * j + 1) * MT + t) * 32 + g * 4 + tg] = odd;
-      } else {
-        // two words of 4 k each, natural order: b0 = (k0, k1), b1 = (k2, k3)
-        const int wi = kin / 4;
-        const int tg0 = wi / LW, s0 = wi - tg0 * LW, tg1 = (wi + 1) / LW, s1 = wi + 1 - tg1 * LW;
-        xs[((c * S + s0) * MT + t) * 32 + g * 4 + tg0] = make_uint2(v.x, v.y);
-        xs[((c * S + s1) * MT + t) * 32 + g * 4 + tg1] = make_uint2(v.z, v.w);
+    const int total = 8 * MT * pieces;
+    for (int u0 = threadIdx.x; u0 < total; u0 += SU * blockDim.x) {
+      uint4 v[SU];
+#pragma unroll
+      for (int i = 0; i < SU; ++i) {
+        const int u = u0 + i * blockDim.x, m = u / pieces, piece = u - m * pieces;
+        v[i] = make_uint4(0u, 0u, 0u, 0u);
+        if (u < total && m < p.M) v[i] = *reinterpret_cast<const uint4*>(p.x + (long long)m * p.ldx + k_begin + piece * 8);
+      }
+#pragma unroll
+      for (int i = 0; i < SU; ++i) {
+        const int u = u0 + i * blockDim.x;
+        if (u >= total) break;
+        const int m = u / pieces, piece = u - m * pieces;
+        const int t = m >> 3, g = m & 7;
+        const int c = (piece * 8) / CK, kin = piece * 8 - c * CK;
+        if constexpr (BITS == 4) {
+          // one word's 8 k: step 2j takes pairs (k0, k4), (k1, k5); step 2j + 1 (k2, k6), (k3, k7)
+          const int wi = kin / 8, tg = wi / LW, j = wi - tg * LW;
+          const uint2 even = make_uint2(__byte_perm(v[i].x, v[i].z, 0x5410), __byte_perm(v[i].x, v[i].z, 0x7632));
+          const uint2 odd = make_uint2(__byte_perm(v[i].y, v[i].w, 0x5410), __byte_perm(v[i].y, v[i].w, 0x7632));
+          xs[((c * S + 2 * j) * MT + t) * 32 + g * 4 + tg] = even;
+          xs[((c * S + 2 * j + 1) * MT + t) * 32 + g * 4 + tg] = odd;
+        } else {
+          // two words of 4 k each, natural order: b0 = (k0, k1), b1 = (k2, k3)
+          const int wi = kin / 4;
+          const int tg0 = wi / LW, s0 = wi - tg0 * LW, tg1 = (wi + 1) / LW, s1 = wi + 1 - tg1 * LW;
+          xs[((c * S + s0) * MT + t) * 32 + g * 4 + tg0] = make_uint2(v[i].x, v[i].y);
+          xs[((c * S + s1) * MT + t) * 32 + g * 4 + tg1] = make_uint2(v[i].z, v[i].w);
+        }
       }
     }
   };
