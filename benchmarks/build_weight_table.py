@@ -7,7 +7,9 @@ cuBLAS bf16 at one (scheme, shape, M). Files are given oldest first; a later fil
 same (scheme, shape, M, candidate) replaces an earlier one (kernels change between runs). Per kind
 and M bucket the table takes the candidate with the best geometric-mean speed-up over bf16 across
 the shapes timed at the bucket's representative M (or the next timed M above it), among candidates whose rel L2 against the twin
-passed (< 1e-3) and that were timed on every shape. W4A8 has no exploration: it takes W8A8's cells.
+passed (< 1e-3; 1e-2 through dequantize + cuBLAS) and that were timed on every shape. Without a W4A8
+exploration W4A8 takes W8A8's cells. An "a16-xq:PATH:CONFIG" candidate (A8 weights' activation codes through an
+A16 path, lowbit.kernels.weight_dispatch.linear_via_a16) is tabled as path a16-xq, config PATH:CONFIG.
 Where the CUDA small-M kernel (path "cuda", M <= 64) wins a bucket, the best other candidate follows it
 as a second cell for the same M: the dispatch falls through to it for a weight or input the CUDA kernel
 does not take (or a machine without nvcc).
@@ -23,10 +25,23 @@ import sys
 BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 16, 16), (17, 32, 32), (33, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
 SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
 CUDA_M_MAX = 64  # lowbit.kernels.weight_cuda.M_MAX
-KIND = {"w4a16-g128": "w4a16", "w8a16": "w8a16", "w8a8": "w8a8"}
+KIND = {"w4a16-g128": "w4a16", "w8a16": "w8a16", "w8a8": "w8a8", "w4a8-g128": "w4a8"}
+
+
+def inner(name: str) -> str:
+    """An a16-xq candidate's A16 kernel name ("a16-xq:cuda:cuda-rt2-w8-sk0" -> "cuda-rt2-w8-sk0"); others as they are."""
+    return name.split(":")[-1] if name.startswith("a16-xq:") else name
+
+
+def config_of(name: str) -> str | None:
+    if name.startswith("a16-xq:"):
+        return name[len("a16-xq:"):]
+    return None if name == "dequant-cublas" else name
 
 
 def path_of(name: str) -> str:
+    if name.startswith("a16-xq:"):
+        return "a16-xq"
     if name.startswith("cuda-"):
         return "cuda"
     return "dequant-cublas" if name == "dequant-cublas" else ("gemv" if name.startswith("gemv-") else "triton")
@@ -47,7 +62,8 @@ def main(out: str, files: list[str]) -> None:
             slot = cells.setdefault(key, {})
             rels = r.get("rel_l2", {})
             for name, ms in r["candidates"].items():
-                ok_rel = name == "dequant-cublas" or (isinstance(rels.get(name), float) and rels[name] < 1e-3)
+                ok_rel = name == "dequant-cublas" or (isinstance(rels.get(name), float) and rels[name] < (
+                    1e-2 if "dequant-cublas" in name else 1e-3))
                 if isinstance(ms, float) and ok_rel:
                     slot[name] = r["bf16_ms"] / ms
                 else:
@@ -62,21 +78,22 @@ def main(out: str, files: list[str]) -> None:
             if not rows:
                 continue
             names = set.intersection(*(set(v) for v in rows.values()))
-            names = {n for n in names if not n.startswith("gemv-") or gemv_bm(n) >= (hi or 10**9)}
-            names = {n for n in names if not n.startswith("cuda-") or (hi is not None and hi <= CUDA_M_MAX)}
+            names = {n for n in names if not inner(n).startswith("gemv-") or gemv_bm(inner(n)) >= (hi or 10**9)}
+            names = {n for n in names if not inner(n).startswith("cuda-") or (hi is not None and hi <= CUDA_M_MAX)}
             if not names:
                 continue
             score = {n: math.exp(sum(math.log(v[n]) for v in rows.values()) / len(rows)) for n in names}
             best = max(score, key=score.get)
             picks = [best]
-            if best.startswith("cuda-"):  # the next cell covering the bucket: where the CUDA kernel passes a weight over
-                rest = {n: v for n, v in score.items() if not n.startswith("cuda-")}
+            if inner(best).startswith("cuda-"):  # the next cell covering the bucket: where the CUDA kernel passes a weight over
+                rest = {n: v for n, v in score.items() if not inner(n).startswith("cuda-")}
                 picks += [max(rest, key=rest.get)] if rest else []
             for n in picks:
                 table.append({"kind": kind, "m_lo": lo, "m_hi": hi, "path": path_of(n),
-                              "config": None if n == "dequant-cublas" else n,
+                              "config": config_of(n),
                               "geomean_speedup_vs_bf16": round(score[n], 3), "shapes": sorted(k[1] for k in rows)})
-    table += [{**c, "kind": "w4a8"} for c in table if c["kind"] == "w8a8"]
+    if not any(c["kind"] == "w4a8" for c in table):  # no W4A8 exploration: W8A8's int8 cells
+        table += [{**c, "kind": "w4a8"} for c in table if c["kind"] == "w8a8"]
     res = {"gpu": gpu, "capability": [9, 0], "built_from": files, "cells": table}
     with open(out, "w") as fh:
         json.dump(res, fh, indent=1)

@@ -12,8 +12,8 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.kernels import weight_gemm as wg
 from lowbit.kernels.weight_audit import audit_weights, random_weight
-from lowbit.kernels.weight_dispatch import Cell, Dispatch, generic_cells
-from lowbit.kernels.weight_gemm import GemmConfig
+from lowbit.kernels.weight_dispatch import Cell, Dispatch, ViaA16, generic_cells
+from lowbit.kernels.weight_gemm import GemmConfig, GemvConfig
 
 interp = pytest.mark.skipif(not wg.triton or __import__("os").environ.get("TRITON_INTERPRET") != "1",
                             reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py)")
@@ -85,6 +85,46 @@ def test_dequant_cublas_fallback_matches_twin():
     assert rel(wg.linear_dequant_cublas(x, pw).float(), wg.linear_twin(x, pw, torch.float32)) < 1e-2
     with pytest.raises(ValueError, match="A16"):
         wg.linear_dequant_cublas(x, random_weight("w8a8", 33, 128, "cpu"))
+
+
+A16XQ_CASES = [  # (scheme, M, N, K, via): A8 weights through an A16 path with their activation codes
+    ("w8a8", 1, 33, 128, ViaA16("triton", GemmConfig(BM=16, BN=16, BK=64))),
+    ("w8a8", 17, 40, 192, ViaA16("triton", GemmConfig(BM=16, BN=16, BK=64, SPLIT_K=2))),
+    ("w4a8", 3, 33, 256, ViaA16("triton", GemmConfig(BM=16, BN=32, BK=128, unpack="reshape"))),
+    ("w4a8-g64", 5, 33, 256, ViaA16("gemv", GemvConfig(BM=8, BN=16, GPT=1, SPLIT_K=2))),
+]
+
+
+@interp
+@pytest.mark.parametrize("scheme,M,N,K,via", A16XQ_CASES, ids=[f"{c[0]}-M{c[1]}-{c[4].name}" for c in A16XQ_CASES])
+def test_a8_weight_through_an_a16_path_matches_twin(scheme, M, N, K, via):
+    """s_x * (x_q @ W^T) + bias == the twin's (x_q * s_x) @ W^T + bias: the same codes, only the order differs;
+    with the bias, the scale must not reach it."""
+    from lowbit.kernels.weight_dispatch import linear_via_a16, run_cell
+
+    pw = random_weight(scheme, N, K, "cpu", seed=M)
+    pw.bias = torch.randn(N) * 3
+    x = (torch.randn(M, K) * torch.logspace(-2, 1, M).unsqueeze(1)).bfloat16()  # per-token scales differ
+    ref = wg.linear_twin(x, pw, out_dtype=torch.float32)
+    y = linear_via_a16(x, pw, via, torch.float32)
+    assert torch.isfinite(y).all() and rel(y, ref) < 1e-5
+    cell = Cell(pw.kind, 1, 64, "a16-xq", via)
+    assert cell.kernel == f"a16-xq:{via.name}" and torch.equal(run_cell(cell, x, pw, torch.float32), y)
+    assert linear_via_a16(x, pw, via).dtype == torch.bfloat16
+    assert pw.a_bits == 8 and pw.bias is not None  # the weight itself is left as it was
+    with pytest.raises(ValueError, match="A8 weights"):
+        linear_via_a16(x, random_weight("w8a16", N, K, "cpu"), via)
+
+
+def test_a16xq_names_round_trip_through_the_table():
+    from lowbit.kernels.weight_cuda import CudaConfig
+    from lowbit.kernels.weight_dispatch import config_from_name
+
+    for via in (ViaA16("cuda", CudaConfig(2, 8, 0)), ViaA16("triton", GemmConfig(BM=16, BN=32, BK=128)),
+                ViaA16("dequant-cublas")):
+        assert config_from_name("a16-xq", via.name) == via
+    with pytest.raises(ValueError, match="not an A16 path"):
+        ViaA16.from_name("a16-xq:triton:bm16")
 
 
 def test_dispatch_first_cell_that_covers_and_errors_name_what_exists():
@@ -258,3 +298,26 @@ def test_round_act_is_torchs_fp32_to_bf16_and_fp16_rounding():
         y = torch.empty_like(x)
         k[(triton.cdiv(x.numel(), 4096),)](x, y, x.numel(), ADT=adt, BLOCK=4096)
         assert torch.equal(y, x.to(dtype).float()), dtype
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
+def test_gpu_a16xq_is_capturable_and_matches_twin(scheme):
+    """The a16-xq path through the CUDA small-M kernel (where it takes the weight) inside a CUDA graph."""
+    from lowbit.kernels.weight_cuda import CudaConfig
+    from lowbit.kernels.weight_dispatch import linear_via_a16
+
+    pw = random_weight(scheme, 4096, 1024, "cuda", seed=3)
+    pw.bias = torch.randn(4096, device="cuda")
+    via = ViaA16("cuda", CudaConfig(2, 8, 0))
+    x = torch.randn(5, 1024, device="cuda", dtype=torch.bfloat16)
+    ref = wg.linear_twin(x, pw, torch.float32)
+    y = linear_via_a16(x, pw, via, torch.float32)
+    assert rel(y, ref) < 1e-4
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        yg = linear_via_a16(x, pw, via, torch.float32)
+    x.copy_(torch.randn_like(x) * 4)
+    g.replay()
+    assert rel(yg, wg.linear_twin(x, pw, torch.float32)) < 1e-4

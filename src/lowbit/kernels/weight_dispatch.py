@@ -12,6 +12,12 @@ A cell is (kind, M range, capability) -> path + launch config. Paths:
     cuda            lowbit.kernels.weight_cuda.linear with the cell's CudaConfig (A16 bf16, M <= 64: the
                     CUDA C++ tensor-core kernel built with nvcc); a weight or input it does not take (or no
                     nvcc on the machine) falls through to the next cell that covers M
+    a16-xq          A8 weights: the activations quantized per token (weight_gemm.quantize_rows, the A8
+                    kernels' row quantizer, tested equal to weights.act_quant's codes), their int8 codes (integers, exact in bf16) through the A16 path of the
+                    cell's ViaA16 for the same weight bits with an fp32 output, then the per-token scale and
+                    the bias: the twin's (x_q * s_x) @ W^T reordered as s_x * (x_q @ W^T). It wins at small M,
+                    where an int8 GEMM's tiles are mostly empty and the A16 kernels run near the weight's
+                    copy rate
 The cells for a capability with a table in weight_tables/ (sm90.json: the H200) are the winners of the
 committed explorations (benchmarks/build_weight_table.py over benchmarks/results/weights/gemm_explore_*);
 other devices get the generic cells. A kind with no cell
@@ -20,7 +26,7 @@ left on a device is an error naming what exists, never a silent run on the twin.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,6 +54,25 @@ class Cell:
 
     def covers(self, M: int) -> bool:
         return self.m_lo <= M <= self.m_hi
+
+
+@dataclass(frozen=True)
+class ViaA16:
+    """The A16 path (and its config) an A8 weight's "a16-xq" cell runs its activation codes through."""
+
+    path: str
+    config: GemmConfig | GemvConfig | CudaConfig | None = None
+
+    @property
+    def name(self) -> str:
+        return self.path if self.config is None else f"{self.path}:{self.config.name}"
+
+    @classmethod
+    def from_name(cls, name: str) -> ViaA16:
+        path, _, cfg = name.partition(":")
+        if path not in ("triton", "gemv", "cuda", "dequant-cublas"):
+            raise ValueError(f"not an A16 path for a16-xq: {name!r}")
+        return cls(path, config_from_name(path, cfg or None))
 
 
 def _a16(small, mid, big, m_big_cublas):
@@ -82,6 +107,8 @@ def config_from_name(path: str, name: str | None):
         return None
     if path == "cuda":
         return CudaConfig.from_name(name)
+    if path == "a16-xq":
+        return ViaA16.from_name(name)
     return GemvConfig.from_name(name) if path == "gemv" else GemmConfig.from_name(name)
 
 
@@ -107,6 +134,8 @@ def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dty
     if cell.path == "dequant-cublas":
         y = wg.linear_dequant_cublas(x, pw)
         return y if out_dtype is None else y.to(out_dtype)
+    if cell.path == "a16-xq":
+        return linear_via_a16(x, pw, cell.config, out_dtype)
     if cell.path == "gemv":
         return wg.gemv(x, pw, cell.config, out_dtype)
     if cell.path == "cuda":
@@ -116,8 +145,31 @@ def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dty
     return wg.linear(x, pw, cell.config, out_dtype)
 
 
+def as_a16(pw: PackedWeight) -> PackedWeight:
+    """The same packed codes and scales read as an A16 weight without bias (a view: no copy)."""
+    return replace(pw, a_bits=16, bias=None)
+
+
+def linear_via_a16(x: torch.Tensor, pw: PackedWeight, via: ViaA16, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A8 weight, x [M, K] float -> [M, N]: x_q, s_x = the per-token activation quantizer's codes and scale;
+    y = s_x * (x_q @ W^T) + bias, x_q @ W^T through the A16 path `via` in fp32."""
+    from lowbit.kernels.weight_gemm import quantize_rows
+
+    if pw.a_bits != 8:
+        raise ValueError(f"a16-xq runs A8 weights, got {pw.kind}")
+    xq, sx = quantize_rows(x)  # int8 [M, K], float32 [M]: one Triton launch, nothing made on the host (capturable)
+    inner = Cell(f"w{pw.bits}a16", 1, M_INF, via.path, via.config)
+    y = run_cell(inner, xq.to(torch.bfloat16), as_a16(pw), torch.float32) * sx[:, None]
+    if pw.bias is not None:
+        y = y + pw.bias.float()
+    return y.to(out_dtype or x.dtype)
+
+
 def _takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
     """Whether the cell's path runs this weight: only the CUDA kernel has conditions beyond (kind, M)."""
+    if cell.path == "a16-xq":
+        return _takes(Cell(cell.kind, cell.m_lo, cell.m_hi, cell.config.path, cell.config.config), as_a16(pw),
+                      torch.bfloat16, M)
     if cell.path != "cuda":
         return True
     from lowbit.kernels import weight_cuda
