@@ -112,6 +112,11 @@ def test_a8_weight_through_an_a16_path_matches_twin(scheme, M, N, K, via):
     assert cell.kernel == f"a16-xq:{via.name}" and torch.equal(run_cell(cell, x, pw, torch.float32), y)
     assert linear_via_a16(x, pw, via).dtype == torch.bfloat16
     assert pw.a_bits == 8 and pw.bias is not None  # the weight itself is left as it was
+    q8, s8 = wg.quantize_rows(x)
+    qb, sb = wg.quantize_rows(x, torch.bfloat16)  # the codes a16-xq feeds the A16 kernel
+    assert qb.dtype == torch.bfloat16 and torch.equal(q8.to(torch.bfloat16), qb) and torch.equal(s8, sb)
+    with pytest.raises(ValueError, match="int8 or bf16"):
+        wg.quantize_rows(x, torch.float16)
     with pytest.raises(ValueError, match="A8 weights"):
         linear_via_a16(x, random_weight("w8a16", N, K, "cpu"), via)
 

@@ -157,11 +157,11 @@ def linear_via_a16(x: torch.Tensor, pw: PackedWeight, via: ViaA16, out_dtype: to
 
     if pw.a_bits != 8:
         raise ValueError(f"a16-xq runs A8 weights, got {pw.kind}")
-    xq, sx = quantize_rows(x)  # int8 [M, K], float32 [M]: one Triton launch, nothing made on the host (capturable)
+    # codes [M, K] bf16, s_x [M] float32: one Triton launch, nothing made on the host (capturable)
+    xq, sx = quantize_rows(x, torch.bfloat16)
     inner = Cell(f"w{pw.bits}a16", 1, M_INF, via.path, via.config)
-    y = run_cell(inner, xq.to(torch.bfloat16), as_a16(pw), torch.float32) * sx[:, None]
-    if pw.bias is not None:
-        y = y + pw.bias.float()
+    y = run_cell(inner, xq, as_a16(pw), torch.float32)
+    y = y.mul_(sx[:, None]) if pw.bias is None else torch.addcmul(pw.bias.float(), y, sx[:, None])
     return y.to(out_dtype or x.dtype)
 
 

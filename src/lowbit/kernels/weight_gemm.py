@@ -493,7 +493,8 @@ if triton is not None:
         for it in range(tl.cdiv(K, BK)):
             rk = it * BK + tl.arange(0, BK)
             a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
-            tl.store(q_ptr + row * K + rk, _act_codes(a, s, ADT), mask=rk < K)
+            # through float32: Triton's interpreter casts int8 straight to bf16 as garbage
+            tl.store(q_ptr + row * K + rk, _act_codes(a, s, ADT).to(tl.float32).to(q_ptr.dtype.element_ty), mask=rk < K)
         tl.store(s_ptr + row, s)
 
     @triton.jit
@@ -538,10 +539,13 @@ def _unpack_mode(cfg: GemmConfig, pw: PackedWeight, x: torch.Tensor, BK: int) ->
     return 0 if cfg.unpack == "gather" else 1
 
 
-def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [M, K] -> (int8 [M, K], float32 [M]) with Triton; the twin is quantize_activations_per_token."""
+def quantize_rows(x: torch.Tensor, codes_dtype: torch.dtype = torch.int8) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (codes [M, K] in codes_dtype, float32 [M]) with Triton; the twin is
+    quantize_activations_per_token. codes_dtype bf16: the integer codes as an A16 kernel's input (exact)."""
+    if codes_dtype not in (torch.int8, torch.bfloat16):
+        raise ValueError(f"activation codes are int8 or bf16, not {codes_dtype}")
     M, K = x.shape
-    q = torch.empty(M, K, dtype=torch.int8, device=x.device)
+    q = torch.empty(M, K, dtype=codes_dtype, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
     _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), BK=min(1024, triton.next_power_of_2(K)), ADT=_adt(x.dtype),
                              A_EPS=act_eps(x.dtype))
