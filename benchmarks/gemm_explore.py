@@ -2,13 +2,13 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-quick | --a8]
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-quick | --a8 | --a8-split]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
 the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
 
 --a8: A8 weights (w8a8, w4a8-g128) at the table's representative M: the tabled int8 cell beside "a16-xq" (the
-activation codes through every A16 cell the table has there for the same weight bits).
+activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K.
 
 benchmarks/build_weight_table.py turns the committed JSONs (benchmarks/results/weights/gemm_explore_*) into
 the dispatch table lowbit/kernels/weight_tables/sm90.json.
@@ -222,6 +222,19 @@ def explore_a8(rows, log):
                 rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "a8", log, t0))
 
 
+def explore_a8_split(rows, log):
+    """W8A8's int8 kernel at M 16-256 with split-K (the 4096-wide outputs fill 32 of 132 SMs with 128-wide
+    tiles and one split) and tiles sized to M, activation quantization as its own launch."""
+    t0 = time.time()
+    for shape, K, N in SHAPES:
+        for M in (16, 32, 64, 256):
+            tiles = {16: ((16, 64, 4), (32, 64, 4)), 32: ((32, 64, 4), (32, 128, 4)),
+                     64: ((64, 64, 4), (64, 128, 4)), 256: ((64, 128, 4), (128, 128, 8))}[M]
+            cfgs = [GemmConfig(BM=bm, BN=bn, BK=128, SPLIT_K=sk, num_warps=nw, num_stages=3, fused_aq=False)
+                    for bm, bn, nw in tiles for sk in (1, 2, 4, 8)]
+            rows.append(explore_cell("w8a8", shape, K, N, M, cfgs, "a8-split", log, t0))
+
+
 def cuda_ratio_table(rows) -> str:
     """One line per (scheme, shape): speed-up over bf16 of the best CUDA config and of the Triton cell, per M."""
     out, by = [], {}
@@ -311,9 +324,11 @@ if __name__ == "__main__":
             explore_final(res["explore"], print)
         if "--a8" in sys.argv:
             explore_a8(res["explore"], print)
+        if "--a8-split" in sys.argv:
+            explore_a8_split(res["explore"], print)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-quick", "--a8")
+        only = ("--gemv", "--final", "--cuda", "--cuda-quick", "--a8", "--a8-split")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):
