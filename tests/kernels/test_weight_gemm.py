@@ -326,3 +326,15 @@ def test_gpu_a16xq_is_capturable_and_matches_twin(scheme):
     x.copy_(torch.randn_like(x) * 4)
     g.replay()
     assert rel(yg, wg.linear_twin(x, pw, torch.float32)) < 1e-4
+
+
+def test_committed_h200_table_parses_and_covers_every_kind_and_m():
+    from lowbit.kernels.weight_dispatch import KINDS, M_INF, measured_cells
+
+    cells, source = measured_cells((9, 0))
+    assert "sm90.json" in source
+    d = Dispatch(cells, source)
+    for kind in KINDS:
+        for M in (1, 2, 5, 17, 33, 65, 257, 1025, M_INF):
+            c = d.choose(kind, M)
+            assert c.path != "a16-xq" or (kind.endswith("a8") and isinstance(c.config, ViaA16))
