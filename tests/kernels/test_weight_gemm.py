@@ -139,6 +139,8 @@ def test_dispatch_first_cell_that_covers_and_errors_name_what_exists():
     assert gone.choose("w4a16", 1).path == "dequant-cublas"  # the last resort, not the removed cell
     assert gone.choose("w4a16", 64).path == "triton"  # other M ranges keep their kernel
     assert "removed by the audit" in gone.source
+    a8_gone = d.without([("w8a8", 1, d.choose("w8a8", 1).kernel)])
+    assert a8_gone.choose("w8a8", 1).kernel == "a16-xq:dequant-cublas"  # A8's last resort
     a8 = Dispatch([c for c in generic_cells() if c.kind == "w8a8"], "only w8a8")
     with pytest.raises(LowbitError, match="no weight kernel for w4a16 at M=3.*w8a8"):
         a8.choose("w4a16", 3)

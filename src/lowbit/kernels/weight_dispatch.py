@@ -98,8 +98,10 @@ def generic_cells() -> list[Cell]:
 
 
 def last_resort() -> list[Cell]:
-    """Matched only where the audit removed an earlier cell: A16 falls back to dequantize + cuBLAS."""
-    return [Cell(k, 1, M_INF, "dequant-cublas") for k in ("w4a16", "w8a16")]
+    """Matched only where the audit removed an earlier cell: A16 falls back to dequantize + cuBLAS, A8 to its
+    activation codes through dequantize + cuBLAS (a16-xq)."""
+    return ([Cell(k, 1, M_INF, "dequant-cublas") for k in ("w4a16", "w8a16")]
+            + [Cell(k, 1, M_INF, "a16-xq", ViaA16("dequant-cublas")) for k in ("w8a8", "w4a8")])
 
 
 def config_from_name(path: str, name: str | None):
