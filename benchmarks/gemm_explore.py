@@ -204,7 +204,7 @@ def explore_cuda_quick(rows, log):
 def explore_a8(rows, log):
     """A8 weights at the table's representative M: the tabled int8 cell beside a16-xq through each A16 cell the
     table has for the same weight bits at that M (the CUDA kernel first where it takes the weight)."""
-    from lowbit.kernels.weight_dispatch import Dispatch, _takes, as_a16
+    from lowbit.kernels.weight_dispatch import Dispatch, as_a16, takes
 
     table = Dispatch.for_device("cuda")
     t0 = time.time()
@@ -217,7 +217,7 @@ def explore_a8(rows, log):
                 cfgs = [native.config] if native.path == "triton" else []
                 for c in table.cells:
                     via = ViaA16(c.path, c.config)
-                    if c.kind == a16 and c.covers(M) and _takes(c, pw16, torch.bfloat16, M) and via not in cfgs:
+                    if c.kind == a16 and c.covers(M) and takes(c, pw16, torch.bfloat16, M) and via not in cfgs:
                         cfgs.append(via)
                 rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "a8", log, t0))
 

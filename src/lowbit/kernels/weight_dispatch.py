@@ -13,11 +13,11 @@ A cell is (kind, M range, capability) -> path + launch config. Paths:
                     CUDA C++ tensor-core kernel built with nvcc); a weight or input it does not take (or no
                     nvcc on the machine) falls through to the next cell that covers M
     a16-xq          A8 weights: the activations quantized per token (weight_gemm.quantize_rows, the A8
-                    kernels' row quantizer, tested equal to weights.act_quant's codes), their int8 codes (integers, exact in bf16) through the A16 path of the
-                    cell's ViaA16 for the same weight bits with an fp32 output, then the per-token scale and
-                    the bias: the twin's (x_q * s_x) @ W^T reordered as s_x * (x_q @ W^T). It wins at small M,
-                    where an int8 GEMM's tiles are mostly empty and the A16 kernels run near the weight's
-                    copy rate
+                    kernels' row quantizer, tested equal to weights.act_quant's codes), their int8 codes
+                    (integers, exact in bf16) through the A16 path of the cell's ViaA16 for the same weight
+                    bits with an fp32 output, then the per-token scale and the bias: the twin's
+                    (x_q * s_x) @ W^T reordered as s_x * (x_q @ W^T). It wins at small M where the int8
+                    kernel's tiles are mostly empty (W4A8 everywhere on the H200)
 The cells for a capability with a table in weight_tables/ (sm90.json: the H200) are the winners of the
 committed explorations (benchmarks/build_weight_table.py over benchmarks/results/weights/gemm_explore_*);
 other devices get the generic cells. A kind with no cell
@@ -66,6 +66,10 @@ class ViaA16:
     @property
     def name(self) -> str:
         return self.path if self.config is None else f"{self.path}:{self.config.name}"
+
+    def cell(self, bits: int) -> Cell:
+        """The A16 cell (any M) this runs for a weight of `bits`."""
+        return Cell(f"w{bits}a16", 1, M_INF, self.path, self.config)
 
     @classmethod
     def from_name(cls, name: str) -> ViaA16:
@@ -161,17 +165,15 @@ def linear_via_a16(x: torch.Tensor, pw: PackedWeight, via: ViaA16, out_dtype: to
         raise ValueError(f"a16-xq runs A8 weights, got {pw.kind}")
     # codes [M, K] bf16, s_x [M] float32: one Triton launch, nothing made on the host (capturable)
     xq, sx = quantize_rows(x, torch.bfloat16)
-    inner = Cell(f"w{pw.bits}a16", 1, M_INF, via.path, via.config)
-    y = run_cell(inner, xq, as_a16(pw), torch.float32)
+    y = run_cell(via.cell(pw.bits), xq, as_a16(pw), torch.float32)
     y = y.mul_(sx[:, None]) if pw.bias is None else torch.addcmul(pw.bias.float(), y, sx[:, None])
     return y.to(out_dtype or x.dtype)
 
 
-def _takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
+def takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
     """Whether the cell's path runs this weight: only the CUDA kernel has conditions beyond (kind, M)."""
     if cell.path == "a16-xq":
-        return _takes(Cell(cell.kind, cell.m_lo, cell.m_hi, cell.config.path, cell.config.config), as_a16(pw),
-                      torch.bfloat16, M)
+        return takes(cell.config.cell(pw.bits), as_a16(pw), torch.bfloat16, M)
     if cell.path != "cuda":
         return True
     from lowbit.kernels import weight_cuda
@@ -208,7 +210,7 @@ class Dispatch:
         """The first cell of `kind` covering M; with `pw`, cells whose path cannot take this weight / input
         dtype (the CUDA kernel's conditions) are passed over."""
         for c in self.cells:
-            if c.kind == kind and c.covers(M) and (pw is None or _takes(c, pw, x_dtype, M)):
+            if c.kind == kind and c.covers(M) and (pw is None or takes(c, pw, x_dtype, M)):
                 return c
         have = sorted({c.kind for c in self.cells})
         raise LowbitError(f"no weight kernel for {kind} at M={M} on this device ({self.source}); kernels exist for "
