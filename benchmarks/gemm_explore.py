@@ -2,13 +2,16 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-quick | --a8 | --a8-split]
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-quick | --a8 | --a8-split
+                                          | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
 the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
 
 --a8: A8 weights (w8a8, w4a8-g128) at the table's representative M: the tabled int8 cell beside "a16-xq" (the
 activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K.
+
+--swap: A16 with the operands swapped (the weight tile as the dot's first operand) at M 4-1024.
 
 benchmarks/build_weight_table.py turns the committed JSONs (benchmarks/results/weights/gemm_explore_*) into
 the dispatch table lowbit/kernels/weight_tables/sm90.json.
@@ -235,6 +238,40 @@ def explore_a8_split(rows, log):
             rows.append(explore_cell("w8a8", shape, K, N, M, cfgs, "a8-split", log, t0))
 
 
+def swap_configs(M: int, w4: bool):
+    """Swapped-operand A16 tiles (the weight rows as the dot's M side: 64 per 4-warp warpgroup) for M; BM is the
+    activation rows, the smallest of 16, 32, 64, 128 that holds M (128 above)."""
+    bm = min(128, max(16, 1 << (M - 1).bit_length()))
+    unpack = "pairs" if w4 else "reshape"
+    out = [GemmConfig(BM=bm, BN=bn, BK=bk, SPLIT_K=sk, num_warps=nw, num_stages=st, unpack=unpack, swap=True)
+           for bn, bk, sk, nw, st in ((64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 2, 4, 3),
+                                      (128, 128, 1, 8, 3), (128, 128, 2, 8, 3), (128, 64, 4, 8, 4), (128, 128, 4, 4, 3),
+                                      (64, 64, 4, 4, 5))]
+    if w4:
+        out.append(GemmConfig(BM=bm, BN=64, BK=128, SPLIT_K=2, num_warps=4, num_stages=4, unpack="reshape", swap=True))
+    return out
+
+
+def explore_swap(rows, log, save):
+    """Swapped-operand A16 configs at M 4-1024 for w4a16-g128 and w8a16 on the 8B shapes, beside the cell the
+    committed table runs there and dequantize + cuBLAS above M = 16; `save` after every row (a call cut short
+    keeps what it timed)."""
+    from lowbit.kernels.weight_dispatch import Dispatch
+
+    table = Dispatch.for_device("cuda")
+    t0 = time.time()
+    for M in (16, 64, 32, 256, 4, 128, 1024):
+        for scheme in ("w4a16-g128", "w8a16"):
+            kind = "w4a16" if scheme.startswith("w4") else "w8a16"
+            for shape, K, N in SHAPES:
+                cfgs = swap_configs(M, scheme.startswith("w4"))
+                cur = table.choose(kind, M)
+                if cur.config is not None:
+                    cfgs.append(cur.config)
+                rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "swap", log, t0, dequant=M > 16))
+                save()
+
+
 def cuda_ratio_table(rows) -> str:
     """One line per (scheme, shape): speed-up over bf16 of the best CUDA config and of the Triton cell, per M."""
     out, by = [], {}
@@ -326,9 +363,14 @@ if __name__ == "__main__":
             explore_a8(res["explore"], print)
         if "--a8-split" in sys.argv:
             explore_a8_split(res["explore"], print)
+        if "--swap" in sys.argv:
+            def save():
+                with open(out, "w") as f:
+                    json.dump(res, f, indent=1)
+            explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-quick", "--a8", "--a8-split")
+        only = ("--gemv", "--final", "--cuda", "--cuda-quick", "--a8", "--a8-split", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

@@ -62,6 +62,11 @@ CASES = [  # (scheme, M, N, K, config)
     ("w8a8", 3, 33, 128, GemmConfig(BM=16, BN=16, BK=32)),
     ("w8a8", 17, 33, 128, GemmConfig(BM=16, BN=16, BK=32, fused_aq=False)),
     ("w4a8", 1, 33, 256, GemmConfig(BM=16, BN=16, BK=64, SPLIT_K=2)),
+    # swapped operands (y^T = W x^T): odd M over two activation row blocks, split-K, zero-points, 8-bit
+    ("w4a16-g128", 17, 33, 256, GemmConfig(BM=16, BN=32, BK=128, unpack="reshape", swap=True)),
+    ("w4a16-g64-asym", 3, 33, 256, GemmConfig(BM=16, BN=16, BK=64, SPLIT_K=2, swap=True)),
+    ("w8a16", 17, 33, 192, GemmConfig(BM=16, BN=16, BK=64, swap=True)),
+    ("w8a16", 3, 40, 128, GemmConfig(BM=32, BN=16, BK=32, SPLIT_K=2, swap=True)),
 ]
 
 
@@ -189,6 +194,21 @@ def test_gpu_cells_match_twin(scheme):
     rows, _ = audit_weights("cuda", schemes=(scheme,), shapes=[("odd", 4096, 1001), ("llama down", 14336, 4096)],
                             ms=(1, 3, 17, 99, 999))
     assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a16-g64-asym", "w8a16"])
+@pytest.mark.parametrize("M", [1, 3, 17, 99])
+def test_gpu_swapped_operand_configs_match_twin(scheme, M):
+    pw = random_weight(scheme, 1001, 4096, "cuda", seed=M)
+    x = torch.randn(M, 4096, device="cuda").bfloat16()
+    ref = wg.linear_twin(x, pw, out_dtype=torch.float32)
+    for cfg in (GemmConfig(BM=16, BN=64, BK=128, unpack="pairs", swap=True),
+                GemmConfig(BM=64, BN=128, BK=64, SPLIT_K=4, num_warps=8, unpack="pairs", swap=True),
+                GemmConfig(BM=32, BN=64, BK=128, unpack="reshape", swap=True)):
+        y = wg.linear(x, pw, cfg, out_dtype=torch.float32)
+        assert torch.isfinite(y).all() and rel(y, ref) < 1e-3, cfg.name
 
 
 @gpu

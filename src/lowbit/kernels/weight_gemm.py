@@ -165,7 +165,10 @@ class GemmConfig:
     unpack: 'gather' (each lane loads the word holding its nibble), 'reshape' (load words, split
     in registers) or 'pairs' (4-bit A16 bf16 on CUDA: two nibbles to two bf16 in one lop3 + one
     bf16x2 subtract, the K order permuted consistently in x and w) or 'split' (4-bit A16: eight dots
-    of K = BK/8 per tile, one per nibble position, x read at stride 8; BK >= 128); fused_aq: A8 activation quantization inside the kernel (else a separate kernel)."""
+    of K = BK/8 per tile, one per nibble position, x read at stride 8; BK >= 128); fused_aq: A8 activation quantization inside the kernel (else a separate kernel).
+    swap (A16 only): y^T = W x^T, the weight tile the dot's first operand (BN rows as its M side, BM >= 16
+    activation rows as its N side): at small M a 64-row weight tile fills a Hopper wgmma's M where BM = 16
+    activation rows cannot, and the dequantized tile is the operand that may stay in registers."""
 
     BM: int = 16
     BN: int = 64
@@ -176,23 +179,25 @@ class GemmConfig:
     num_stages: int = 3
     unpack: str = "gather"
     fused_aq: bool = True
+    swap: bool = False
 
     @classmethod
     def from_name(cls, name: str) -> GemmConfig:
         """Inverse of `name` (the dispatch tables store names)."""
         import re
 
-        m = re.fullmatch(r"bm(\d+)-bn(\d+)-bk(\d+)-sk(\d+)-w(\d+)-s(\d+)(-rs|-pr|-sp)?(-aq2)?", name)
+        m = re.fullmatch(r"bm(\d+)-bn(\d+)-bk(\d+)-sk(\d+)-w(\d+)-s(\d+)(-rs|-pr|-sp)?(-aq2)?(-sw)?", name)
         if m is None:
             raise ValueError(f"not a GemmConfig name: {name!r}")
         unpack = {None: "gather", "-rs": "reshape", "-pr": "pairs", "-sp": "split"}[m[7]]
         return cls(BM=int(m[1]), BN=int(m[2]), BK=int(m[3]), SPLIT_K=int(m[4]), num_warps=int(m[5]),
-                   num_stages=int(m[6]), unpack=unpack, fused_aq=m[8] is None)
+                   num_stages=int(m[6]), unpack=unpack, fused_aq=m[8] is None, swap=m[9] is not None)
 
     @property
     def name(self) -> str:
         s = f"bm{self.BM}-bn{self.BN}-bk{self.BK}-sk{self.SPLIT_K}-w{self.num_warps}-s{self.num_stages}"
-        return s + {"gather": "", "reshape": "-rs", "pairs": "-pr", "split": "-sp"}[self.unpack] + ("" if self.fused_aq else "-aq2")
+        return (s + {"gather": "", "reshape": "-rs", "pairs": "-pr", "split": "-sp"}[self.unpack]
+                + ("" if self.fused_aq else "-aq2") + ("-sw" if self.swap else ""))
 
 
 if triton is not None:
@@ -411,6 +416,64 @@ if triton is not None:
             tl.atomic_add(yp, acc, mask=ymask)
 
     @triton.jit
+    def _wq_swap_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_xm, stride_ym,
+                        BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                        PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, UNPACK: tl.constexpr,
+                        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLIT_K: tl.constexpr,
+                        K_ITERS: tl.constexpr, DOT_F32: tl.constexpr):
+        """A16 with the operands swapped: acc^T [BN weight rows, BM activation rows] = W_tile @ x_tile^T.
+        Grid (N / BN * M / BM, SPLIT_K), the row blocks of one weight tile adjacent (its second read is
+        an L2 hit). UNPACK as _wq_kernel's (2 pairs, else reshape/gather through _load_wtile)."""
+        pid = tl.program_id(0)
+        pid_k = tl.program_id(1)
+        num_m = tl.cdiv(M, BM)
+        pid_n = pid // num_m
+        pid_m = pid % num_m
+        rm = pid_m * BM + tl.arange(0, BM)
+        rn = pid_n * BN + tl.arange(0, BN)
+        mmask = rm[:, None] < M  # [BM, 1] for the x tile
+        k0 = pid_k * (K // SPLIT_K)
+        half = 8 if BITS == 4 else 0
+        acc = tl.zeros([BN, BM], dtype=tl.float32)
+        for it in range(K_ITERS):
+            kk = k0 + it * BK
+            if UNPACK == 2:
+                wb = _w4_pairs_tile(w_ptr, rn, kk, N, K, BN, BK)  # bf16 [BN, BK], K permuted
+                if HAS_ZP:
+                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
+                    wb = (wb.to(tl.float32) - z[:, None]).to(tl.bfloat16)
+                a = tl.load(x_ptr + rm[:, None] * stride_xm + _pairs_k(kk, BK)[None, :], mask=mmask, other=0.0)
+                part = tl.dot(wb, tl.trans(a))  # [BN, BM]
+            else:
+                wi = _load_wtile(w_ptr, rn, kk, N, K, BITS, UNPACK, BN, BK)
+                wf = ((wi + 128 - half).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC + 128.0)
+                if HAS_ZP:
+                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
+                    wf = wf - z[:, None]
+                rk = kk + tl.arange(0, BK)
+                a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0.0)
+                if DOT_F32:  # the CPU interpreter mis-converts fp32 -> bf16 inside a dot's operand
+                    part = tl.dot(wf, tl.trans(a.to(tl.float32)), input_precision="ieee")
+                else:
+                    part = tl.dot(wf.to(a.dtype), tl.trans(a))
+            if PER_CHANNEL:
+                acc += part
+            else:
+                s = tl.load(s_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0.0).to(tl.float32)
+                acc += part * s[:, None]
+        if PER_CHANNEL:
+            acc = acc * tl.load(s_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+        if HAS_BIAS:
+            if pid_k == 0:
+                acc += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[:, None]
+        ymask = (rn[:, None] < N) & (rm[None, :] < M)
+        yp = y_ptr + rm[None, :] * stride_ym + rn[:, None]
+        if SPLIT_K == 1:
+            tl.store(yp, acc.to(y_ptr.dtype.element_ty), mask=ymask)
+        else:
+            tl.atomic_add(yp, acc, mask=ymask)
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_xm, stride_ym,
                      BITS: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, GPT: tl.constexpr, SPLIT_K: tl.constexpr,
@@ -564,6 +627,8 @@ def linear(x: torch.Tensor, pw: PackedWeight, config: GemmConfig | None = None,
     if x.stride(1) != 1:
         x = x.contiguous()
     BK, sk = _fit(cfg, pw)
+    if cfg.swap:
+        return _linear_swap(x, pw, cfg, out_dtype, BK, sk)
     sx = None
     xin = x
     if pw.a_bits == 8 and not cfg.fused_aq:
@@ -580,6 +645,27 @@ def linear(x: torch.Tensor, pw: PackedWeight, config: GemmConfig | None = None,
         ADT=_adt(x.dtype) if pw.a_bits == 8 else 0, A_EPS=act_eps(x.dtype) if pw.a_bits == 8 else 0.0,
         BM=cfg.BM, BN=cfg.BN, BK=BK, SPLIT_K=sk, GROUP_M=cfg.GROUP_M, K_ITERS=K // sk // BK, DOT_F32=x.device.type == "cpu",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y.to(out_dtype) if sk > 1 else y
+
+
+def _linear_swap(x: torch.Tensor, pw: PackedWeight, cfg: GemmConfig, out_dtype: torch.dtype, BK: int,
+                 sk: int) -> torch.Tensor:
+    """`linear` through _wq_swap_kernel (cfg.swap; A16 weights, BM >= 16)."""
+    if pw.a_bits != 16:
+        raise ValueError(f"swap configs are A16 only; this weight is {pw.kind}")
+    if cfg.BM < 16 or cfg.BN < 16:
+        raise ValueError(f"swap config {cfg.name}: BM and BN must be >= 16 (the dot's sides)")
+    M = x.shape[0]
+    y = (torch.zeros(M, pw.N, dtype=torch.float32, device=x.device) if sk > 1
+         else torch.empty(M, pw.N, dtype=out_dtype, device=x.device))
+    grid = (triton.cdiv(M, cfg.BM) * triton.cdiv(pw.N, cfg.BN), sk)
+    _wq_swap_kernel[grid](
+        x, pw.qweight, pw.scale, pw.zero if pw.zero is not None else pw.scale,
+        pw.bias if pw.bias is not None else pw.scale, y, M, pw.N, pw.K, x.stride(0), y.stride(0),
+        BITS=pw.bits, HAS_ZP=pw.zero is not None, HAS_BIAS=pw.bias is not None, PER_CHANNEL=pw.per_channel,
+        GROUP=pw.group, UNPACK=_unpack_mode(cfg, pw, x, BK), BM=cfg.BM, BN=cfg.BN, BK=BK, SPLIT_K=sk,
+        K_ITERS=pw.K // sk // BK, DOT_F32=x.device.type == "cpu", num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages)
     return y.to(out_dtype) if sk > 1 else y
 
 
