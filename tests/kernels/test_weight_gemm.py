@@ -67,6 +67,7 @@ CASES = [  # (scheme, M, N, K, config)
     ("w4a16-g64-asym", 3, 33, 256, GemmConfig(BM=16, BN=16, BK=64, SPLIT_K=2, swap=True)),
     ("w8a16", 17, 33, 192, GemmConfig(BM=16, BN=16, BK=64, swap=True)),
     ("w8a16", 3, 40, 128, GemmConfig(BM=32, BN=16, BK=32, SPLIT_K=2, swap=True)),
+    ("w4a16-g64-asym", 17, 33, 256, GemmConfig(BM=16, BN=16, BK=128, SPLIT_K=2, unpack="split", swap=True)),
 ]
 
 
@@ -206,7 +207,8 @@ def test_gpu_swapped_operand_configs_match_twin(scheme, M):
     ref = wg.linear_twin(x, pw, out_dtype=torch.float32)
     for cfg in (GemmConfig(BM=16, BN=64, BK=128, unpack="pairs", swap=True),
                 GemmConfig(BM=64, BN=128, BK=64, SPLIT_K=4, num_warps=8, unpack="pairs", swap=True),
-                GemmConfig(BM=32, BN=64, BK=128, unpack="reshape", swap=True)):
+                GemmConfig(BM=32, BN=64, BK=128, unpack="reshape", swap=True),
+                GemmConfig(BM=64, BN=64, BK=128, SPLIT_K=2, unpack="split", swap=True)):
         y = wg.linear(x, pw, cfg, out_dtype=torch.float32)
         assert torch.isfinite(y).all() and rel(y, ref) < 1e-3, cfg.name
 
