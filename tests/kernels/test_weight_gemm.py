@@ -264,7 +264,7 @@ def _a8_rows(M, K, dtype, seed):
     return x.to(dtype)
 
 
-def _check_a8_codes(M, K, dtype, device, cfgs):
+def _check_a8_codes(M, K, dtype, device, cfgs, w4_group=16):
     """The A8 kernels' activation codes and scales == lowbit.weights.act_quant's, read through an identity
     weight with scale 1 (y = x_q * s_x holds in fp32 with no rounding at all)."""
     from lowbit.weights.act_quant import quantize_activations_per_token
@@ -273,7 +273,7 @@ def _check_a8_codes(M, K, dtype, device, cfgs):
     q, s = quantize_activations_per_token(x)
     qk, sk = wg.quantize_rows(x)
     assert torch.equal(qk, q) and torch.equal(sk, s[:, 0])
-    for bits, group in ((8, K), (4, 16)):  # W8A8 per channel, W4A8 groups of 16
+    for bits, group in ((8, K), (4, w4_group)):  # W8A8 per channel, W4A8 groups
         codes = torch.full((K, K), 1 << (bits - 1), dtype=torch.uint8) + torch.eye(K, dtype=torch.uint8)  # q = I
         pw = wg.pack_weight(codes.to(device), torch.ones(K, K // group, device=device), None, bits=bits,
                             group=group, a_bits=8)
@@ -303,8 +303,17 @@ def test_gpu_a8_activation_codes_and_scales_are_the_one_quantizers(M, dtype):
     from lowbit.kernels.weight_dispatch import generic_cells
 
     cfgs = {c.config for c in generic_cells() if c.kind in ("w8a8", "w4a8") and c.path == "triton"}
-    cfgs |= {GemmConfig(BM=16, BN=32, BK=16, fused_aq=False)}
-    _check_a8_codes(M, 1008, dtype, "cuda", sorted(cfgs, key=lambda c: c.name))
+    cfgs |= {GemmConfig(BM=16, BN=32, BK=32, fused_aq=False)}  # Triton's int8 dot on CUDA takes K tiles >= 32
+    _check_a8_codes(M, 1056, dtype, "cuda", sorted(cfgs, key=lambda c: c.name), w4_group=32)  # 1056 = 32 * 33
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or wg.triton is None
+                    or __import__("os").environ.get("TRITON_INTERPRET") == "1", reason="needs CUDA, TRITON_INTERPRET=0")
+def test_gpu_a8_k_tile_under_32_is_a_clear_error():
+    pw = random_weight("w4a8-g16", 64, 112, "cuda")  # groups of 16: no K tile of 32 fits one
+    with pytest.raises(ValueError, match="K tile of at least 32"):
+        wg.linear(torch.randn(3, 112, device="cuda").bfloat16(), pw, GemmConfig(BM=16, BN=32, BK=64))
 
 
 @interp

@@ -642,6 +642,9 @@ def linear(x: torch.Tensor, pw: PackedWeight, config: GemmConfig | None = None,
     if x.stride(1) != 1:
         x = x.contiguous()
     BK, sk = _fit(cfg, pw)
+    if pw.a_bits == 8 and x.device.type == "cuda" and BK < 32:
+        raise ValueError(f"the int8 GEMM needs a K tile of at least 32 on CUDA (Triton's int8 dot); K={K}, group "
+                         f"{pw.group} and config {cfg.name} leave {BK}: use a group that is a multiple of 32")
     if cfg.swap:
         return _linear_swap(x, pw, cfg, out_dtype, BK, sk)
     sx = None
