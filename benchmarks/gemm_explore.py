@@ -3,7 +3,7 @@ lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carrie
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
     python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-quick | --a8 | --a8-split
-                                          | --swap | --swap-split]
+                                          | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
 the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
@@ -11,8 +11,9 @@ the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-
 --a8: A8 weights (w8a8, w4a8-g128) at the table's representative M: the tabled int8 cell beside "a16-xq" (the
 activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K.
 
---swap: A16 with the operands swapped (the weight tile as the dot's first operand) at M 4-1024; --swap-split: W4A16 so
-with the split unpack at M 16-256.
+--swap: A16 with the operands swapped (the weight tile as the dot's first operand) at M 4-1024. (A --swap-split run,
+W4A16 swapped with the split unpack, measured 0.06-0.62x: results/weights/gemm_explore_swap_split_*; that variant was
+deleted.)
 
 benchmarks/build_weight_table.py turns the committed JSONs (benchmarks/results/weights/gemm_explore_*) into
 the dispatch table lowbit/kernels/weight_tables/sm90.json.
@@ -273,20 +274,6 @@ def explore_swap(rows, log, save):
                 save()
 
 
-def explore_swap_split(rows, log, save):
-    """W4A16 g128 through the swapped-operand kernel with the split unpack (one dot per nibble position: each
-    operand an elementwise function of the loaded words, no reshape of the tile) at M 16-256."""
-    t0 = time.time()
-    for M in (64, 32, 16, 128, 256):
-        bm = min(128, max(16, 1 << (M - 1).bit_length()))
-        cfgs = [GemmConfig(BM=bm, BN=bn, BK=bk, SPLIT_K=sk, num_warps=nw, num_stages=st, unpack="split", swap=True)
-                for bn, bk, sk, nw, st in ((64, 128, 1, 4, 4), (64, 128, 2, 4, 4), (64, 128, 4, 4, 4), (64, 256, 2, 4, 3),
-                                           (128, 128, 1, 8, 3), (128, 128, 2, 8, 3), (128, 256, 1, 8, 3))]
-        for shape, K, N in SHAPES:
-            rows.append(explore_cell("w4a16-g128", shape, K, N, M, cfgs, "swap-split", log, t0))
-            save()
-
-
 def cuda_ratio_table(rows) -> str:
     """One line per (scheme, shape): speed-up over bf16 of the best CUDA config and of the Triton cell, per M."""
     out, by = [], {}
@@ -383,11 +370,9 @@ if __name__ == "__main__":
                 json.dump(res, f, indent=1)
         if "--swap" in sys.argv:
             explore_swap(res["explore"], print, save)
-        if "--swap-split" in sys.argv:
-            explore_swap_split(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-quick", "--a8", "--a8-split", "--swap", "--swap-split")
+        only = ("--gemv", "--final", "--cuda", "--cuda-quick", "--a8", "--a8-split", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

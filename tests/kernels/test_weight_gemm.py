@@ -67,7 +67,6 @@ CASES = [  # (scheme, M, N, K, config)
     ("w4a16-g64-asym", 3, 33, 256, GemmConfig(BM=16, BN=16, BK=64, SPLIT_K=2, swap=True)),
     ("w8a16", 17, 33, 192, GemmConfig(BM=16, BN=16, BK=64, swap=True)),
     ("w8a16", 3, 40, 128, GemmConfig(BM=32, BN=16, BK=32, SPLIT_K=2, swap=True)),
-    ("w4a16-g64-asym", 17, 33, 256, GemmConfig(BM=16, BN=16, BK=128, SPLIT_K=2, unpack="split", swap=True)),
 ]
 
 
@@ -82,6 +81,15 @@ def test_kernel_matches_twin(scheme, M, N, K, cfg):
     assert torch.isfinite(y).all()
     assert rel(y, ref) < 1e-5  # integer weights, fp32 accumulation: only the summation order differs
     assert wg.linear(x, pw, cfg).dtype == torch.bfloat16
+
+
+@interp
+def test_swap_refuses_what_it_has_no_kernel_for():
+    x = torch.randn(3, 256).bfloat16()
+    with pytest.raises(ValueError, match="split unpack has no swapped kernel"):
+        wg.linear(x, random_weight("w4a16-g128", 33, 256, "cpu"), GemmConfig(BM=16, BN=16, BK=128, unpack="split", swap=True))
+    with pytest.raises(ValueError, match="A16 only"):
+        wg.linear(x, random_weight("w8a8", 33, 256, "cpu"), GemmConfig(BM=16, BN=16, BK=64, swap=True))
 
 
 @interp
@@ -207,8 +215,7 @@ def test_gpu_swapped_operand_configs_match_twin(scheme, M):
     ref = wg.linear_twin(x, pw, out_dtype=torch.float32)
     for cfg in (GemmConfig(BM=16, BN=64, BK=128, unpack="pairs", swap=True),
                 GemmConfig(BM=64, BN=128, BK=64, SPLIT_K=4, num_warps=8, unpack="pairs", swap=True),
-                GemmConfig(BM=32, BN=64, BK=128, unpack="reshape", swap=True),
-                GemmConfig(BM=64, BN=64, BK=128, SPLIT_K=2, unpack="split", swap=True)):
+                GemmConfig(BM=32, BN=64, BK=128, unpack="reshape", swap=True)):
         y = wg.linear(x, pw, cfg, out_dtype=torch.float32)
         assert torch.isfinite(y).all() and rel(y, ref) < 1e-3, cfg.name
 

@@ -423,7 +423,8 @@ if triton is not None:
                         K_ITERS: tl.constexpr, DOT_F32: tl.constexpr):
         """A16 with the operands swapped: acc^T [BN weight rows, BM activation rows] = W_tile @ x_tile^T.
         Grid (N / BN * M / BM, SPLIT_K), the row blocks of one weight tile adjacent (its second read is
-        an L2 hit). UNPACK as _wq_kernel's (2 pairs, 3 split, else reshape/gather through _load_wtile)."""
+        an L2 hit). UNPACK 2 pairs, else reshape/gather through _load_wtile (no split: measured 0.06-0.62x bf16 on the
+        H200, `benchmarks/results/weights/gemm_explore_swap_split_NVIDIA_H200.log`)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_m = tl.cdiv(M, BM)
@@ -444,21 +445,6 @@ if triton is not None:
                     wb = (wb.to(tl.float32) - z[:, None]).to(tl.bfloat16)
                 a = tl.load(x_ptr + rm[:, None] * stride_xm + _pairs_k(kk, BK)[None, :], mask=mmask, other=0.0)
                 part = tl.dot(wb, tl.trans(a))  # [BN, BM]
-            elif UNPACK == 3:  # 4-bit, split: one dot per nibble position (each an elementwise op on the words)
-                rw = kk // 8 + tl.arange(0, BK // 8)
-                words = tl.load(w_ptr + rn[:, None] * (K // 8) + rw[None, :], mask=rn[:, None] < N, other=0)
-                if HAS_ZP:
-                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
-                part = tl.zeros([BN, BM], dtype=tl.float32)
-                for i in tl.static_range(8):
-                    ci = (((words >> (4 * i)) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC + 8.0)
-                    if HAS_ZP:
-                        ci = ci - z[:, None]
-                    xi = tl.load(x_ptr + rm[:, None] * stride_xm + (rw * 8 + i)[None, :], mask=mmask, other=0.0)
-                    if DOT_F32:
-                        part += tl.dot(ci, tl.trans(xi.to(tl.float32)), input_precision="ieee")
-                    else:
-                        part += tl.dot(ci.to(xi.dtype), tl.trans(xi))
             else:
                 wi = _load_wtile(w_ptr, rn, kk, N, K, BITS, UNPACK, BN, BK)
                 wf = ((wi + 128 - half).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC + 128.0)
@@ -671,6 +657,8 @@ def _linear_swap(x: torch.Tensor, pw: PackedWeight, cfg: GemmConfig, out_dtype: 
     """`linear` through _wq_swap_kernel (cfg.swap; A16 weights, BM >= 16)."""
     if pw.a_bits != 16:
         raise ValueError(f"swap configs are A16 only; this weight is {pw.kind}")
+    if cfg.unpack == "split":
+        raise ValueError(f"swap config {cfg.name}: the split unpack has no swapped kernel (use reshape or pairs)")
     if cfg.BM < 16 or cfg.BN < 16:
         raise ValueError(f"swap config {cfg.name}: BM and BN must be >= 16 (the dot's sides)")
     M = x.shape[0]
