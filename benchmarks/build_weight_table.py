@@ -12,7 +12,13 @@ exploration W4A8 takes W8A8's cells. An "a16-xq:PATH:CONFIG" candidate (A8 weigh
 A16 path, lowbit.kernels.weight_dispatch.linear_via_a16) is tabled as path a16-xq, config PATH:CONFIG.
 Where the CUDA small-M kernel (path "cuda", M <= 64) wins a bucket, the best other candidate follows it
 as a second cell for the same M: the dispatch falls through to it for a weight or input the CUDA kernel
-does not take (or a machine without nvcc).
+does not take (or a machine without nvcc); behind a warp-split winner (cuda-ws-*, 4-bit, M <= 8) the best
+x-staging CUDA candidate comes first.
+
+Shape cells: for every weight shape timed at a bucket's representative M (the table's three, and any other an
+exploration timed: k/v, the runtime's fused q|k|v and gate|up), a candidate that beats the bucket's pick on that
+shape by more than SHAPE_GAIN gets a cell for that (N, K) ahead of the bucket's cells (a GEMV's best launch
+geometry depends on how its row blocks fill the SMs, which one config per M bucket cannot follow).
 """
 
 from __future__ import annotations
@@ -22,9 +28,11 @@ import math
 import sys
 
 # 17-32 / 33-64: the CUDA kernel's cost steps with its activation tiles (4 for M 17-32, 8 above), bf16's hardly
-BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 16, 16), (17, 32, 32), (33, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
+BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 8, 8), (9, 16, 16), (17, 32, 32), (33, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
 SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
 CUDA_M_MAX = 64  # lowbit.kernels.weight_cuda.M_MAX
+WS_M_MAX = 8  # lowbit.kernels.weight_cuda.WARP_SPLIT_M_MAX
+SHAPE_GAIN = 1.03
 KIND = {"w4a16-g128": "w4a16", "w8a16": "w8a16", "w8a8": "w8a8", "w4a8-g128": "w4a8"}
 
 
@@ -51,14 +59,26 @@ def gemv_bm(name: str) -> int:
     return int(name.split("-bm")[1].split("-")[0])
 
 
+def fits(name: str, hi: int | None) -> bool:
+    """Whether a candidate may hold a bucket whose largest M is hi (the GEMV and CUDA kernels' M limits)."""
+    n = inner(name)
+    if n.startswith("gemv-") and gemv_bm(n) < (hi or 10**9):
+        return False
+    if n.startswith("cuda-ws-") and (hi is None or hi > WS_M_MAX):
+        return False
+    return not n.startswith("cuda-") or (hi is not None and hi <= CUDA_M_MAX)
+
+
 def main(out: str, files: list[str]) -> None:
     cells: dict[tuple, dict] = {}  # (scheme, shape, M) -> {cand: ratio}
+    nk: dict[tuple, tuple] = {}  # (scheme, shape) -> (N, K)
     gpu = None
     for f in files:
         d = json.load(open(f))
         gpu = gpu or d.get("env", {}).get("gpu")
         for r in d.get("explore", []) + d.get("gemv", []):
             key = (r["scheme"], r["shape"], r["M"])
+            nk[key[:2]] = (r["N"], r["K"])
             slot = cells.setdefault(key, {})
             rels = r.get("rel_l2", {})
             for name, ms in r["candidates"].items():
@@ -78,16 +98,32 @@ def main(out: str, files: list[str]) -> None:
             if not rows:
                 continue
             names = set.intersection(*(set(v) for v in rows.values()))
-            names = {n for n in names if not inner(n).startswith("gemv-") or gemv_bm(inner(n)) >= (hi or 10**9)}
-            names = {n for n in names if not inner(n).startswith("cuda-") or (hi is not None and hi <= CUDA_M_MAX)}
+            names = {n for n in names if fits(n, hi)}
             if not names:
                 continue
             score = {n: math.exp(sum(math.log(v[n]) for v in rows.values()) / len(rows)) for n in names}
             best = max(score, key=score.get)
             picks = [best]
+            if inner(best).startswith("cuda-ws-"):  # 4-bit M <= 8 only: the x-staging kernel next
+                rest = {n: v for n, v in score.items() if inner(n).startswith("cuda-") and not inner(n).startswith("cuda-ws-")}
+                picks += [max(rest, key=rest.get)] if rest else []
             if inner(best).startswith("cuda-"):  # the next cell covering the bucket: where the CUDA kernel passes a weight over
                 rest = {n: v for n, v in score.items() if not inner(n).startswith("cuda-")}
                 picks += [max(rest, key=rest.get)] if rest else []
+            # shape cells: every shape timed at the representative M whose own best beats the bucket's pick there
+            for (sch, shape, m), slot in sorted(cells.items()):
+                if sch != scheme or m not in reps:
+                    continue
+                own = {n: v for n, v in slot.items() if fits(n, hi)}
+                if not own:
+                    continue
+                top = max(own, key=own.get)
+                if top != best and own[top] > SHAPE_GAIN * own.get(best, 0.0):
+                    N, K = nk[(sch, shape)]
+                    table.append({"kind": kind, "m_lo": lo, "m_hi": hi, "path": path_of(top), "config": config_of(top),
+                                  "shape": [N, K], "speedup_vs_bf16": round(own[top], 3),
+                                  "bucket_pick_speedup": round(own[best], 3) if best in own else None,
+                                  "shapes": [shape]})
             for n in picks:
                 table.append({"kind": kind, "m_lo": lo, "m_hi": hi, "path": path_of(n),
                               "config": config_of(n),
@@ -99,7 +135,7 @@ def main(out: str, files: list[str]) -> None:
         json.dump(res, fh, indent=1)
     for c in table:
         print(f"{c['kind']:<6} M {c['m_lo']}-{c['m_hi'] or 'inf'}: {c['path']} {c['config'] or ''} "
-              f"x{c['geomean_speedup_vs_bf16']}")
+              + (f"shape {c['shape']} x{c['speedup_vs_bf16']}" if "shape" in c else f"x{c['geomean_speedup_vs_bf16']}"))
 
 
 if __name__ == "__main__":

@@ -2,11 +2,14 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-quick | --a8 | --a8-split
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-quick | --a8 | --a8-split
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
 the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
+
+--cuda-ws: the warp-split CUDA kernel (4-bit, M <= 8; CudaConfig.NB > 0) in its instances beside the x-staging
+kernel, W4A16 g128 and g64-asym at M 1/2/4/8, with cuBLAS bf16 on N/4 rows (the packed weight's bytes) at M=1.
 
 --a8: A8 weights (w8a8, w4a8-g128) at the table's representative M: the tabled int8 cell beside "a16-xq" (the
 activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K.
@@ -206,6 +209,42 @@ def explore_cuda_quick(rows, log):
     log(cuda_ratio_table(rows))
 
 
+def ws_configs():
+    """The warp-split kernel's instances (RT, NB) x warps per block, split-K automatic; and W 8 RT 1 NB 4 with fixed
+    splits."""
+    inst = ((1, 3), (1, 4), (1, 6), (2, 3), (2, 4))
+    return ([CudaConfig(rt, w, 0, NB=nb) for rt, nb in inst for w in (4, 8, 16)]
+            + [CudaConfig(1, 8, sk, NB=4) for sk in (1, 2, 4)] + [CudaConfig(1, 8, 0, 4, NB=4)]
+            + [CudaConfig(2, w, 4, NB=3) for w in (4, 8)])
+
+
+# the runtime's fused projections (runtime.fuse) of the 8B geometry: q|k|v and gate|up as one GEMM each
+FUSED_SHAPES = [("qkv fused", 4096, 6144), ("gate|up fused", 4096, 28672)]
+
+
+def explore_cuda_ws(rows, log):
+    """--cuda-ws: the warp-split kernel (4-bit, M <= 8) beside the x-staging kernel's tabled config, with cuBLAS bf16
+    on a weight of the packed one's bytes (N / 4 rows) as the bandwidth reference, per (scheme, shape, M)."""
+    from lowbit.kernels import weight_cuda
+
+    t0 = time.time()
+    for scheme in ("w4a16-g128", "w4a16-g64-asym"):
+        for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
+            for M in (1, 2, 4, 8):
+                row = explore_cell(scheme, shape, K, N, M, [CudaConfig(2, 8, 0), *ws_configs()], "cuda-ws", log, t0)
+                pw = random_weight(scheme, N, K, "cuda")
+                row["blocks_per_sm"] = {c.name: weight_cuda.warp_split_occupancy(pw, M, c, "cuda") for c in ws_configs()}
+                del pw
+                if M == 1:
+                    ws = [torch.randn(N // 4, K, device="cuda", dtype=torch.bfloat16) for _ in range(n_buffers(
+                        N // 4 * K * 2, 24e9))]
+                    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+                    row["bf16_quarter_ms"] = timed([(lambda w=w, x=x: F.linear(x, w)) for w in ws])
+                    log(f"  cuBLAS bf16 on N/4 = {N // 4} rows (the W4 bytes): {row['bf16_quarter_ms'] * 1e3:.1f} us")
+                    del ws
+                rows.append(row)
+
+
 def explore_a8(rows, log):
     """A8 weights at the table's representative M: the tabled int8 cell beside a16-xq through each A16 cell the
     table has for the same weight bits at that M (the CUDA kernel first where it takes the weight)."""
@@ -357,6 +396,8 @@ if __name__ == "__main__":
     try:
         if "--cuda" in sys.argv:
             explore_cuda(res["explore"], print)
+        if "--cuda-ws" in sys.argv:
+            explore_cuda_ws(res["explore"], print)
         if "--cuda-quick" in sys.argv:
             explore_cuda_quick(res["explore"], print)
         if "--final" in sys.argv:
@@ -372,7 +413,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-quick", "--a8", "--a8-split", "--swap")
+        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-quick", "--a8", "--a8-split", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

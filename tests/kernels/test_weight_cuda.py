@@ -298,3 +298,107 @@ def test_linear_refuses_cpu_tensors_before_any_launch():
         wc.linear(torch.randn(2, 256).bfloat16(), pw)
     with pytest.raises(ValueError, match="M=65"):
         wc.linear(torch.randn(65, 256).bfloat16(), pw)
+
+
+WS_CONFIGS = [CudaConfig(1, 4, 0, NB=3), CudaConfig(1, 8, 0, NB=4), CudaConfig(1, 16, 0, NB=6),
+              CudaConfig(2, 8, 0, NB=3), CudaConfig(2, 4, 0, NB=4), CudaConfig(1, 8, 3, NB=4)]
+
+
+def test_warp_split_names_conditions_and_plan():
+    cfg = CudaConfig(1, 8, 0, NB=4)
+    assert cfg.name == "cuda-ws-rt1-w8-nb4-sk0" and CudaConfig.from_name(cfg.name) == cfg
+    assert CudaConfig.from_name("cuda-ws-rt2-w16-nb3-sk2-wv4") == CudaConfig(2, 16, 2, 4, 3)
+    assert config_from_name("cuda", cfg.name) == cfg
+    w4, w8 = random_weight("w4a16-g128", 33, 256, "cpu"), random_weight("w8a16", 33, 256, "cpu")
+    assert wc.why_not(w4, torch.bfloat16, 8, cfg) is None
+    assert "M=9" in wc.why_not(w4, torch.bfloat16, 9, cfg)
+    assert wc.why_not(w4, torch.bfloat16, 9) is None  # the x-staging kernel still takes M 9
+    assert "4-bit only" in wc.why_not(w8, torch.bfloat16, 1, cfg)
+    assert "no warp-split instance" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(2, 8, 0, NB=6))
+    d = Dispatch([Cell("w4a16", 1, 16, "cuda", cfg), Cell("w4a16", 1, 16, "triton", GemmConfig())], "test")
+    assert d.choose("w4a16", 9, w4, torch.bfloat16).path == "triton"  # above M 8 the cell is passed over
+    if wc.nvcc_missing() is None:
+        assert d.choose("w4a16", 8, w4, torch.bfloat16).config == cfg
+    gate = random_weight("w4a16-g128", 14336, 4096, "cpu")
+    p = wc.plan_warp_split(gate, 1, CudaConfig(1, 8, 0, NB=4), sms=132)
+    assert (p.row_blocks, p.splitk, p.chunks_per_split, p.lw) == (896, 1, 32, 4)  # 896 row blocks fill 2 x 132
+    down = random_weight("w4a16-g128", 4096, 14336, "cpu")
+    p = wc.plan_warp_split(down, 1, CudaConfig(1, 8, 0, NB=4), sms=132)
+    assert p.row_blocks == 256 and p.splitk == 1
+    kv = random_weight("w4a16-g64-asym", 1024, 4096, "cpu")
+    p = wc.plan_warp_split(kv, 1, CudaConfig(1, 8, 0, NB=4), sms=132)
+    assert p.lw == 2 and p.row_blocks == 64 and p.splitk == 4 and p.chunks_per_split == 16  # 64 chunks of 64
+    p = wc.plan_warp_split(kv, 1, CudaConfig(1, 16, 64, NB=4), sms=132)
+    assert p.splitk == 4 and p.chunks_per_split >= 16  # every split keeps at least one chunk per warp
+    assert p.smem == 16 * 16 * 8 * 4  # the warps' partials (x is read from L1, not staged)
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a16-g64-asym", "w4a16-g32"])
+@pytest.mark.parametrize("N,K", [(1001, 1024), (999, 4096), (4096, 14336)])
+def test_gpu_warp_split_matches_twin(scheme, N, K):
+    """Every (RT, NB, warps, split) instance vs the twin at M 1, 3, 8 on odd N (bias on one shape), deterministic
+    across calls."""
+    pw = random_weight(scheme, N, K, "cuda", seed=N + K)
+    if N == 1001:
+        pw.bias = torch.randn(N, device="cuda").bfloat16()
+    for M in (1, 3, 8):
+        x = torch.randn(M, K, device="cuda").bfloat16()
+        ref = wg.linear_twin(x, pw, torch.float32)
+        for cfg in WS_CONFIGS:
+            y = wc.linear(x, pw, cfg, torch.float32)
+            assert torch.isfinite(y).all(), (scheme, M, cfg)
+            assert rel(y, ref) < 1e-4, (scheme, M, cfg.name, rel(y, ref))  # (128 + c) x - (136 + z) sum x in fp32
+            assert torch.equal(y, wc.linear(x, pw, cfg, torch.float32)), cfg.name
+        yb = wc.linear(x, pw, WS_CONFIGS[1])
+        assert yb.dtype == torch.bfloat16 and rel(yb.float(), ref) < 1e-2
+
+
+@gpu
+@needs_cuda
+def test_gpu_warp_split_graph_replay_with_split_k():
+    pw = random_weight("w4a16-g128", 1024, 4096, "cuda")
+    x = torch.randn(1, 4096, device="cuda").bfloat16()
+    cfg = CudaConfig(1, 8, 4, NB=4)  # split-K across blocks: workspace and counters inside the graph
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        wc.linear(x, pw, cfg)
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            y = wc.linear(x, pw, cfg)
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel(y.float(), wg.linear_twin(x, pw, torch.float32)) < 1e-2
+
+
+def test_table_builder_shape_cells_and_dispatch_by_shape(tmp_path):
+    """A candidate that wins one shape by more than SHAPE_GAIN gets a cell for that (N, K) ahead of the bucket's;
+    the dispatch takes it only for a weight of that shape (and never without a weight)."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bwt", Path(__file__).parents[2] / "benchmarks/build_weight_table.py")
+    bwt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bwt)
+    ws, xs = "cuda-ws-rt1-w8-nb4-sk0", "cuda-rt2-w8-sk0"
+    nk = {"gate/up": (14336, 4096), "down": (4096, 14336), "qkv/o": (4096, 4096), "k/v": (1024, 4096)}
+    rows = [{"scheme": "w4a16-g128", "shape": sh, "M": 1, "N": N, "K": K, "bf16_ms": 1.0,
+             "candidates": {ws: 0.5 if sh != "k/v" else 0.9, xs: 0.6 if sh != "k/v" else 0.5},
+             "rel_l2": {ws: 1e-6, xs: 1e-6}} for sh, (N, K) in nk.items()]
+    f = tmp_path / "e.json"
+    f.write_text(json.dumps({"env": {"gpu": "X"}, "explore": rows}))
+    bwt.main(str(tmp_path / "t.json"), [str(f)])
+    cells = [c for c in json.loads((tmp_path / "t.json").read_text())["cells"] if c["m_lo"] == 1]
+    assert [(c["config"], c.get("shape")) for c in cells] == [(xs, [1024, 4096]), (ws, None), (xs, None)]
+    d = Dispatch([Cell("w4a16", 1, 1, "triton", GemmConfig(BM=16), (1024, 4096)), Cell("w4a16", 1, 1, "triton", GemmConfig())],
+                 "test")
+    kv, qkv = random_weight("w4a16-g128", 1024, 4096, "cpu"), random_weight("w4a16-g128", 4096, 4096, "cpu")
+    assert d.choose("w4a16", 1, kv).shape == (1024, 4096)
+    assert d.choose("w4a16", 1, qkv).shape is None and d.choose("w4a16", 1).shape is None
+    assert d.table()[0]["shape"] == [1024, 4096] and "shape" not in d.table()[1]

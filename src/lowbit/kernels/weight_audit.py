@@ -24,7 +24,8 @@ DEQUANT_TOL = 1e-2
 
 # (name, K = in_features, N = out_features)
 LLM_SHAPES = [("llama3-8b qkv/o", 4096, 4096), ("llama3-8b gate/up", 4096, 14336), ("llama3-8b down", 14336, 4096),
-              ("llama3-8b k/v", 4096, 1024), ("smollm2 q/o", 576, 576), ("smollm2 up", 576, 1536),
+              ("llama3-8b k/v", 4096, 1024), ("llama3-8b qkv fused", 4096, 6144), ("llama3-8b gate|up fused", 4096, 28672),
+              ("smollm2 q/o", 576, 576), ("smollm2 up", 576, 1536),
               ("smollm2 down", 1536, 576)]
 DIT_SHAPES = [("dit qkv/o", 1152, 1152), ("dit mlp up", 1152, 4608), ("dit mlp down", 4608, 1152),
               # the trained artifacts/dit-digits32's own linears (K = in_features, N = out_features)

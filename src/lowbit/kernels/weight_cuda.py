@@ -51,26 +51,34 @@ _counters: dict[tuple, torch.Tensor] = {}
 
 @dataclass(frozen=True)
 class CudaConfig:
-    """Launch geometry of the small-M CUDA kernel: RT 16-row tiles per warp, `warps` per block, SPLITK
-    K-splits (0: automatic, enough blocks for `waves` x the SM count)."""
+    """Launch geometry of a CUDA small-M kernel: RT 16-row tiles per warp, `warps` per block, SPLITK K-splits
+    across blocks (0: automatic, enough blocks for `waves` x the SM count). NB > 0 picks the warp-split kernel
+    (4-bit, M <= 8: the block's warps split K, a ring of NB chunks per warp), 0 the x-staging one."""
 
     RT: int = 2
     warps: int = 4
     SPLITK: int = 0
     waves: int = 2
+    NB: int = 0
 
     @classmethod
     def from_name(cls, name: str) -> CudaConfig:
         import re
 
         m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)(?:-wv(\d+))?", name)
+        if m is not None:
+            return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2))
+        m = re.fullmatch(r"cuda-ws-rt(\d+)-w(\d+)-nb(\d+)-sk(\d+)(?:-wv(\d+))?", name)
         if m is None:
             raise ValueError(f"not a CudaConfig name: {name!r}")
-        return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2))
+        return cls(int(m[1]), int(m[2]), int(m[4]), int(m[5] or 2), int(m[3]))
 
     @property
     def name(self) -> str:
-        return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}" + ("" if self.waves == 2 else f"-wv{self.waves}")
+        wv = "" if self.waves == 2 else f"-wv{self.waves}"
+        if self.NB:
+            return f"cuda-ws-rt{self.RT}-w{self.warps}-nb{self.NB}-sk{self.SPLITK}{wv}"
+        return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}{wv}"
 
 
 def find_nvcc() -> str:
@@ -160,6 +168,11 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I,
                                       ctypes.c_ulonglong]
     lib.lowbit_wq_small_m.restype = I
+    lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I,
+                                         ctypes.c_ulonglong, ctypes.POINTER(I)]
+    lib.lowbit_wq_warp_split.restype = I
+    lib.lowbit_wq_warp_split_smem.argtypes = [I, I]
+    lib.lowbit_wq_warp_split_smem.restype = I
     lib.lowbit_wq_small_m_smem.argtypes = [I, I, I, I]
     lib.lowbit_wq_small_m_smem.restype = I
     lib.lowbit_cuda_error_string.argtypes = [I]
@@ -198,8 +211,20 @@ def words_per_lane(bits: int, K: int, group: int) -> int | None:
     return None
 
 
-def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None) -> str | None:
-    """None when the kernel runs this weight (and input dtype / M), else why not (the dispatch falls through)."""
+WARP_SPLIT_M_MAX = 8
+WARP_SPLIT_SHAPES = {(1, 3), (1, 4), (1, 6), (2, 3), (2, 4)}  # (RT, NB) instances in the library
+
+
+def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: CudaConfig | None = None) -> str | None:
+    """None when the kernel (config's: the warp-split one if config.NB) runs this weight (and input dtype / M),
+    else why not (the dispatch falls through)."""
+    if config is not None and config.NB:
+        if pw.bits != 4:
+            return f"the warp-split CUDA kernel is 4-bit only, not {pw.kind}"
+        if M is not None and M > WARP_SPLIT_M_MAX:
+            return f"the warp-split CUDA kernel covers 1 <= M <= {WARP_SPLIT_M_MAX}, got M={M}"
+        if (config.RT, config.NB) not in WARP_SPLIT_SHAPES or config.warps not in (4, 8, 16):
+            return f"no warp-split instance for {config.name}"
     if pw.a_bits != 16 or pw.bits not in (4, 8):
         return f"the CUDA small-M kernel is weight-only A16 with 4- or 8-bit weights, not {pw.kind}"
     if x_dtype != torch.bfloat16:
@@ -251,6 +276,37 @@ def plan(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
     return Plan(lw, cps, xs, sk, row_blocks, xs * per_chunk)
 
 
+def warp_split_smem(cfg: CudaConfig) -> int:
+    """Shared memory of one warp-split block (the .cu's warp_split_smem): the warps' fp32 partials [warps][16 RT][8]."""
+    return cfg.warps * cfg.RT * 16 * 8 * 4
+
+
+def plan_warp_split(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
+    """The warp-split kernel's K split across blocks: none while the row blocks alone make `waves` x SMs blocks,
+    else as many splits as do, keeping at least one chunk per warp in every split."""
+    lw = words_per_lane(pw.bits, pw.K, pw.group)
+    nch = pw.K // (32 * lw)
+    row_blocks = math.ceil(pw.N / (16 * cfg.RT))
+    sk = cfg.SPLITK or max(1, cfg.waves * sms // row_blocks)
+    sk = max(1, min(sk, nch // cfg.warps or 1, 64))
+    cps = math.ceil(nch / sk)
+    sk = math.ceil(nch / cps)
+    return Plan(lw, cps, 0, sk, row_blocks, warp_split_smem(cfg))
+
+
+def warp_split_occupancy(pw, M: int, cfg: CudaConfig, device) -> int:
+    """Blocks per SM the warp-split kernel gets for this call's launch (registers and shared memory; nothing runs)."""
+    lib, sms = _device(torch.device(device))
+    pl = plan_warp_split(pw, M, cfg, sms)
+    out = ctypes.c_int(0)
+    rc = lib.lowbit_wq_warp_split(None, 0, None, None, 0, None if pw.zero is None else 1, None, 0, None, 0, 0, None,
+                                  None, M, pw.N, pw.K, pw.group, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split,
+                                  pl.splitk, 0, ctypes.byref(out))
+    if rc != 0:
+        raise LowbitError(f"occupancy query for {cfg.name} failed: {lib.lowbit_cuda_error_string(rc).decode()}")
+    return out.value
+
+
 def _counter_buffer(device, stream: int, n: int) -> torch.Tensor:
     """Zeroed int32 counters, one per row block, kept per (device, stream): the kernel's last block of a row
     block resets its counter, so they are zero between launches on one stream."""
@@ -268,7 +324,7 @@ def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: tor
     M, K = x.shape
     if K != pw.K:
         raise ValueError(f"x has K={K}, the weight K={pw.K}")
-    reason = why_not(pw, x.dtype, M)
+    reason = why_not(pw, x.dtype, M, cfg)
     if reason:
         raise ValueError(reason)
     if not (x.is_cuda and pw.qweight.device == x.device):
@@ -278,20 +334,23 @@ def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: tor
         x = x.contiguous()
     dev = x.device
     lib, sms = _device(dev)
-    pl = plan(pw, M, cfg, sms)
+    pl = plan_warp_split(pw, M, cfg, sms) if cfg.NB else plan(pw, M, cfg, sms)
     y = torch.empty(M, pw.N, dtype=out_dtype, device=dev)
     stream = torch.cuda.current_stream(dev).cuda_stream
     ws = cnt = None
     if pl.splitk > 1:
         ws = torch.empty(pl.splitk * M * pw.N, dtype=torch.float32, device=dev)
         cnt = _counter_buffer(dev, stream, pl.row_blocks)
-    rc = lib.lowbit_wq_small_m(
-        x.data_ptr(), x.stride(0), pw.qweight.data_ptr(), pw.scale.data_ptr(), _KIND[pw.scale.dtype],
-        None if pw.zero is None else pw.zero.data_ptr(), None if pw.bias is None else pw.bias.data_ptr(),
-        _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0), _KIND[out_dtype],
-        None if ws is None else ws.data_ptr(), None if cnt is None else cnt.data_ptr(),
-        M, pw.N, K, pw.group, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.xs_chunks, pl.splitk,
-        stream)
+    args = (x.data_ptr(), x.stride(0), pw.qweight.data_ptr(), pw.scale.data_ptr(), _KIND[pw.scale.dtype],
+            None if pw.zero is None else pw.zero.data_ptr(), None if pw.bias is None else pw.bias.data_ptr(),
+            _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0), _KIND[out_dtype],
+            None if ws is None else ws.data_ptr(), None if cnt is None else cnt.data_ptr(), M, pw.N, K, pw.group)
+    if cfg.NB:
+        rc = lib.lowbit_wq_warp_split(*args, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split, pl.splitk, stream,
+                                      None)
+    else:
+        rc = lib.lowbit_wq_small_m(*args, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.xs_chunks,
+                                   pl.splitk, stream)
     if rc != 0:
         msg = lib.lowbit_cuda_error_string(rc).decode()
         raise LowbitError(f"CUDA weight kernel {cfg.name} failed at M={M} N={pw.N} K={K}: {msg}")

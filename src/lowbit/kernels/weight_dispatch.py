@@ -4,7 +4,8 @@
     d = d.without(failed_cells)                # the audit's failures removed (see weight_audit)
     y = d.linear(x2d, pw)                      # x [M, K] -> [M, N]
 
-A cell is (kind, M range, capability) -> path + launch config. Paths:
+A cell is (kind, M range, capability[, weight shape]) -> path + launch config; a cell with a shape (N, K) is
+tuned for that one weight shape (measured there against the bucket's cell) and matches only it. Paths:
     gemv            lowbit.kernels.weight_gemm.gemv with the cell's GemvConfig (A16, M <= BM: no tensor cores)
     triton          lowbit.kernels.weight_gemm.linear with the cell's GemmConfig
     dequant-cublas  dequantize the weight (Triton) then cuBLAS (A16 only; wins where the GEMM is
@@ -40,13 +41,15 @@ M_INF = 1 << 62
 
 @dataclass(frozen=True)
 class Cell:
-    """kind, covering m_lo <= M <= m_hi, runs `path` with `config` (None for dequant-cublas)."""
+    """kind, covering m_lo <= M <= m_hi (and only weights of `shape` (N, K) when set), runs `path` with `config`
+    (None for dequant-cublas)."""
 
     kind: str
     m_lo: int
     m_hi: int
     path: str
     config: GemmConfig | GemvConfig | CudaConfig | None = None
+    shape: tuple[int, int] | None = None
 
     @property
     def kernel(self) -> str:
@@ -129,7 +132,8 @@ def measured_cells(cap: tuple[int, int]) -> tuple[list[Cell], str] | None:
         return None
     d = json.loads(f.read_text())
     cells = [Cell(c["kind"], c["m_lo"], M_INF if c["m_hi"] is None else c["m_hi"], c["path"],
-                  config_from_name(c["path"], c.get("config"))) for c in d["cells"]]
+                  config_from_name(c["path"], c.get("config")), tuple(c["shape"]) if c.get("shape") else None)
+             for c in d["cells"]]
     return cells + last_resort(), f"measured sm_{cap[0]}{cap[1]} ({d.get('gpu', '?')}, {f.name})"
 
 
@@ -178,7 +182,7 @@ def takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
         return True
     from lowbit.kernels import weight_cuda
 
-    return weight_cuda.why_not(pw, x_dtype, M) is None and weight_cuda.nvcc_missing() is None
+    return weight_cuda.why_not(pw, x_dtype, M, cell.config) is None and weight_cuda.nvcc_missing() is None
 
 
 class Dispatch:
@@ -207,9 +211,12 @@ class Dispatch:
                                                                                  "the audit" if bad else ""))
 
     def choose(self, kind: str, M: int, pw: PackedWeight | None = None, x_dtype=torch.bfloat16) -> Cell:
-        """The first cell of `kind` covering M; with `pw`, cells whose path cannot take this weight / input
-        dtype (the CUDA kernel's conditions) are passed over."""
+        """The first cell of `kind` covering M; with `pw`, a shape cell of pw's (N, K) first, and cells whose path
+        cannot take this weight / input dtype (the CUDA kernel's conditions) passed over; without, the shape-free
+        cells only."""
         for c in self.cells:
+            if c.shape is not None and (pw is None or c.shape != (pw.N, pw.K)):
+                continue
             if c.kind == kind and c.covers(M) and (pw is None or takes(c, pw, x_dtype, M)):
                 return c
         have = sorted({c.kind for c in self.cells})
@@ -222,4 +229,5 @@ class Dispatch:
 
     def table(self) -> list[dict]:
         return [{"kind": c.kind, "m_lo": c.m_lo, "m_hi": None if c.m_hi >= M_INF else c.m_hi, "path": c.path,
-                 "config": None if c.config is None else c.config.name, "kernel": c.kernel} for c in self.cells]
+                 "config": None if c.config is None else c.config.name, "kernel": c.kernel,
+                 **({"shape": list(c.shape)} if c.shape else {})} for c in self.cells]

@@ -119,6 +119,26 @@ __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Split-K: this block's fp32 partials are in p.ws[blockIdx.y]; the last block of the row block to arrive (a
+// counter, reset by that block) sums every split in a fixed order and writes y.
+__device__ __forceinline__ void finish_split(const Params& p, int n_block, int rows_per_block, int* last_block) {
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) *last_block = atomicAdd(&p.counters[blockIdx.x], 1u) == (unsigned)(p.splitk - 1);
+  __syncthreads();
+  if (!*last_block) return;
+  __threadfence();
+  for (int idx = threadIdx.x; idx < rows_per_block * p.M; idx += blockDim.x) {
+    const int m = idx / rows_per_block, n = n_block + idx - m * rows_per_block;
+    if (n >= p.N) continue;
+    float v = 0.f;
+    for (int ks = 0; ks < p.splitk; ++ks) v += __ldcg(&p.ws[((long long)ks * p.M + m) * p.N + n]);
+    if (p.bias) v += ld_scalar(p.bias, p.bias_kind, n);
+    st_out(p.y, p.out_kind, (long long)m * p.ldy + n, v);
+  }
+  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;  // ready for the next launch on this stream
+}
+
 // BITS: 4 or 8. MT: activation tiles of 8 rows (1, 2, 4, 8: M <= 8, 16, 32, 64). LW: words per lane per row and
 // chunk (a chunk is 4 lanes x LW words of K). RT: 16-row weight tiles per warp (they share the B loads).
 template <int BITS, int MT, int LW, int RT>
@@ -331,21 +351,185 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
         const int n = rown[rt][i >> 1], m = 8 * t + 2 * tig + (i & 1);
         if (n < p.N && m < p.M) p.ws[((long long)blockIdx.y * p.M + m) * p.N + n] = acc[rt][t][i];
       }
-  __threadfence();
+  finish_split(p, n_block, rows_per_block, &last_block);
+}
+
+
+// ---- 4-bit, M <= 8: the K range split across a block's warps (decode's batch-1 GEMV) -----------------------------
+// The same mma fragments as wq_small_m, arranged so more of the weight is in flight per SM and less work sits
+// outside the loads: (1) each lane builds its B fragment from its own 16-byte loads of x (L1-resident; lanes of
+// activation rows >= M hold zeros), so there is no shared-memory staging and no barrier before the first mma (x
+// staged once per block in shared memory instead measured 5-16% slower at M = 1, though it takes ~25 registers
+// fewer: `results/weights/gemm_explore_ws_xsmem_*`); (2) a block's W warps share its 16 * RT rows and take
+// interleaved K chunks (warp w: chunks w, w + W, ...), so the block reads W consecutive chunks of its rows at once,
+// and the warps' partials are summed in shared memory in a fixed order (split-K across blocks only where the rows
+// alone do not fill the SMs); (3) a ring of NB chunks per warp in registers (NB - 1 in flight while one is
+// computed); (4) the offset is taken out of the inner loop: the mma sums (128 + c) x over a chunk (one lop3 per two
+// weights), one more mma with an all-ones A sums x, and q - z = (128 + c) - (136 + z) is applied once per chunk and
+// row (both sums fp32; the integers are exact).
+//
+// Shared memory: the warps' partials [W][16 RT][8] fp32.
+template <int LW, int RT, int NB, bool ZP>
+__global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
+  constexpr int CK = 4 * LW * 8;  // k per chunk
+  constexpr int WPC = 4 * LW;     // words per row per chunk
+  extern __shared__ float red[];
+  __shared__ int last_block;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int wpr = p.K / 8;
+  const int c_begin = blockIdx.y * p.chunks_per_split + warp;  // this warp's first chunk
+  const int c_end = min(p.K / CK, blockIdx.y * p.chunks_per_split + p.chunks_per_split);
+  const int nu = c_begin < c_end ? (c_end - c_begin + nw - 1) / nw : 0;  // chunks of this warp: c_begin + nw * i
+  const int rows_per_block = RT * 16;
+  const int n_block = blockIdx.x * rows_per_block;
+
+  const uint32_t* rowp[RT][2];
+  int rown[RT][2];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      rown[rt][h] = n_block + rt * 16 + gid + 8 * h;
+      rowp[rt][h] = p.qw + (long long)min(rown[rt][h], p.N - 1) * wpr + (long long)c_begin * WPC + tig * LW;
+    }
+  const bool has_x = gid < p.M;
+  const uint4* xp = reinterpret_cast<const uint4*>(p.x + (long long)min(gid, p.M - 1) * p.ldx + (long long)c_begin * CK) + tig * LW;
+
+  uint32_t bw[NB][RT][2][LW];
+  uint32_t bs[NB][RT][2];
+  int bz[NB][RT][2];
+  auto issue = [&](int b, int i) {  // this warp's chunk i into buffer b
+    const int grp = (c_begin + i * nw) * CK / p.group;
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        ldg_words<LW>(rowp[rt][h] + (long long)i * nw * WPC, bw[b][rt][h]);
+        const long long gi = (long long)grp * p.N + min(rown[rt][h], p.N - 1);
+        bs[b][rt][h] = ld_raw(p.scale, p.scale_kind, gi);
+        if constexpr (ZP) bz[b][rt][h] = (int)__ldg(p.zero + gi);
+        else bz[b][rt][h] = 0;
+      }
+  };
+
+  float acc[RT][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
+  const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16x2 (1, 1)
+
+  auto compute = [&](int b, int i) {
+    uint4 xv[LW];
+#pragma unroll
+    for (int j = 0; j < LW; ++j) xv[j] = has_x ? __ldg(xp + (long long)i * nw * (CK / 8) + j) : make_uint4(0u, 0u, 0u, 0u);
+    float part[RT][4], xsum[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) part[rt][q] = 0.f;
+#pragma unroll
+    for (int j = 0; j < LW; ++j) {
+      // word j's 8 k: step 0 takes (k0, k4), (k1, k5); step 1 (k2, k6), (k3, k7) (wq_small_m's stage order)
+      const uint32_t bx[4] = {__byte_perm(xv[j].x, xv[j].z, 0x5410), __byte_perm(xv[j].x, xv[j].z, 0x7632),
+                              __byte_perm(xv[j].y, xv[j].w, 0x5410), __byte_perm(xv[j].y, xv[j].w, 0x7632)};
+#pragma unroll
+      for (int hs = 0; hs < 2; ++hs) {
+        mma_bf16(xsum, ones, bx[2 * hs], bx[2 * hs + 1]);
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) {
+          const uint32_t wa = bw[b][rt][0][j], wb = bw[b][rt][1][j];
+          const uint32_t a[4] = {nib_pair(wa >> (8 * hs)), nib_pair(wb >> (8 * hs)), nib_pair(wa >> (8 * hs + 4)),
+                                 nib_pair(wb >> (8 * hs + 4))};
+          mma_bf16(part[rt], a, bx[2 * hs], bx[2 * hs + 1]);
+        }
+      }
+    }
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float sc = raw_to_float(bs[b][rt][h], p.scale_kind);
+        const float off = 136.f + (float)bz[b][rt][h];
+        acc[rt][2 * h] = fmaf(sc, fmaf(-off, xsum[0], part[rt][2 * h]), acc[rt][2 * h]);
+        acc[rt][2 * h + 1] = fmaf(sc, fmaf(-off, xsum[1], part[rt][2 * h + 1]), acc[rt][2 * h + 1]);
+      }
+  };
+
+#pragma unroll
+  for (int b = 0; b < NB - 1; ++b)
+    if (b < nu) issue(b, b);
+  for (int i0 = 0; i0 < nu; i0 += NB) {
+#pragma unroll
+    for (int b = 0; b < NB; ++b) {
+      const int i = i0 + b;
+      if (i < nu) {
+        if (i + NB - 1 < nu) issue((b + NB - 1) % NB, i + NB - 1);
+        compute(b, i);
+      }
+    }
+  }
+
+  // C fragment: acc[rt][i] is (weight row rt * 16 + gid + 8 * (i >= 2), activation row 2 tig + (i & 1))
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      red[(warp * rows_per_block + rt * 16 + gid + 8 * (i >> 1)) * 8 + 2 * tig + (i & 1)] = acc[rt][i];
   __syncthreads();
-  if (threadIdx.x == 0) last_block = atomicAdd(&p.counters[blockIdx.x], 1u) == (unsigned)(p.splitk - 1);
-  __syncthreads();
-  if (!last_block) return;
-  __threadfence();
   for (int idx = threadIdx.x; idx < rows_per_block * p.M; idx += blockDim.x) {
-    const int m = idx / rows_per_block, n = n_block + idx - m * rows_per_block;
+    const int m = idx / rows_per_block, r = idx - m * rows_per_block, n = n_block + r;
     if (n >= p.N) continue;
     float v = 0.f;
-    for (int ks = 0; ks < p.splitk; ++ks) v += __ldcg(&p.ws[((long long)ks * p.M + m) * p.N + n]);
-    if (p.bias) v += ld_scalar(p.bias, p.bias_kind, n);
-    st_out(p.y, p.out_kind, (long long)m * p.ldy + n, v);
+    for (int w = 0; w < nw; ++w) v += red[(w * rows_per_block + r) * 8 + m];
+    if (p.splitk == 1) {
+      if (p.bias) v += ld_scalar(p.bias, p.bias_kind, n);
+      st_out(p.y, p.out_kind, (long long)m * p.ldy + n, v);
+    } else {
+      p.ws[((long long)blockIdx.y * p.M + m) * p.N + n] = v;
+    }
   }
-  if (threadIdx.x == 0) p.counters[blockIdx.x] = 0u;  // ready for the next launch on this stream
+  if (p.splitk > 1) finish_split(p, n_block, rows_per_block, &last_block);
+}
+
+// Dynamic shared memory of one wq_warp_split block: the warps' partials.
+static int warp_split_smem(int rt, int warps) { return warps * rt * 16 * 8 * 4; }
+
+template <int LW, int RT, int NB, bool ZP>
+int launch_warp_split(const Params& p, int warps, cudaStream_t stream, int* occupancy) {
+  auto kern = wq_warp_split<LW, RT, NB, ZP>;
+  const int smem = warp_split_smem(RT, warps);
+  static int smem_set[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (smem > 48 * 1024 && (dev >= 64 || smem > smem_set[dev])) {
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+    if (dev < 64) smem_set[dev] = smem;
+  }
+  if (occupancy) {  // blocks per SM for this launch (the exploration's record), no launch
+    return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(occupancy, kern, warps * 32, smem);
+  }
+  const int rows_per_block = RT * 16;
+  dim3 grid((p.N + rows_per_block - 1) / rows_per_block, p.splitk);
+  kern<<<grid, warps * 32, smem, stream>>>(p);
+  return (int)cudaGetLastError();
+}
+
+template <int LW, bool ZP>
+int warp_split_by_rt_nb(const Params& p, int rt, int nb, int warps, cudaStream_t s, int* occ) {
+#ifdef LOWBIT_COMPILE_CHECK
+  if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP>(p, warps, s, occ);
+#else
+  if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP>(p, warps, s, occ);
+  if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP>(p, warps, s, occ);
+  if (rt == 1 && nb == 6) return launch_warp_split<LW, 1, 6, ZP>(p, warps, s, occ);
+  if (rt == 2 && nb == 3) return launch_warp_split<LW, 2, 3, ZP>(p, warps, s, occ);
+  if (rt == 2 && nb == 4) return launch_warp_split<LW, 2, 4, ZP>(p, warps, s, occ);
+#endif
+  return -6;
 }
 
 template <int BITS, int MT, int LW, int RT>
@@ -448,12 +632,55 @@ int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* 
   return -1;
 }
 
+// y = x @ W^T for 4-bit weights and 1 <= M <= 8 through wq_warp_split (warps per block 4, 8 or 16; rt 1 or 2 row
+// tiles per warp; nb chunks in each warp's ring; zero-points iff zero != null). Same return codes as above, -6: no
+// instance for this (rt, nb). With occupancy != null nothing is launched: *occupancy = blocks per SM.
+int lowbit_wq_warp_split_smem(int rt, int warps) { return warp_split_smem(rt, warps); }
+
+int lowbit_wq_warp_split(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
+                         const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
+                         float* ws, unsigned* counters, int M, int N, int K, int group, int lw, int rt, int nb,
+                         int warps, int chunks_per_split, int splitk, unsigned long long stream, int* occupancy) {
+  if (M < 1 || M > 8) return -1;
+  if (warps != 4 && warps != 8 && warps != 16) return -4;
+  Params p = {};
+  p.x = reinterpret_cast<const __nv_bfloat16*>(x);
+  p.ldx = ldx;
+  p.qw = reinterpret_cast<const uint32_t*>(qw);
+  p.scale = scale;
+  p.zero = reinterpret_cast<const int8_t*>(zero);
+  p.bias = bias;
+  p.y = y;
+  p.ldy = ldy;
+  p.ws = ws;
+  p.counters = counters;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.group = group;
+  p.chunks_per_split = chunks_per_split;
+  p.xs_chunks = 0;
+  p.splitk = splitk;
+  p.scale_kind = scale_kind;
+  p.bias_kind = bias_kind;
+  p.out_kind = out_kind;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const bool zp = zero != nullptr;
+#define LOWBIT_WS(LW_) return zp ? warp_split_by_rt_nb<LW_, true>(p, rt, nb, warps, s, occupancy) : warp_split_by_rt_nb<LW_, false>(p, rt, nb, warps, s, occupancy);
+  if (lw == 4) { LOWBIT_WS(4) }
+  if (lw == 2) { LOWBIT_WS(2) }
+  if (lw == 1) { LOWBIT_WS(1) }
+#undef LOWBIT_WS
+  return -3;
+}
+
 const char* lowbit_cuda_error_string(int code) {
   if (code == -1) return "no instance for these bits / M (4 or 8 bits, 1 <= M <= 64)";
   if (code == -2) return "no instance for this rows-per-warp (1, 2 or 4; 1 or 2 for M > 16)";
   if (code == -3) return "no instance for this words-per-lane (1, 2 or 4)";
   if (code == -4) return "no instance for this warps-per-block (2, 4 or 8)";
   if (code == -5) return "xs_chunks must be >= 1";
+  if (code == -6) return "no warp-split instance for this (rows-per-warp, ring depth)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
