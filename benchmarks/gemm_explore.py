@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-quick | --a8 | --a8-split
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-pdl | --cuda-quick | --a8 | --a8-split
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
@@ -10,6 +10,8 @@ the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-
 
 --cuda-ws: the warp-split CUDA kernel (4-bit, M <= 8; CudaConfig.NB > 0) in its instances beside the x-staging
 kernel, W4A16 g128 and g64-asym at M 1/2/4/8, with cuBLAS bf16 on N/4 rows (the packed weight's bytes) at M=1.
+
+--cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
 
 --a8: A8 weights (w8a8, w4a8-g128) at the table's representative M: the tabled int8 cell beside "a16-xq" (the
 activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K.
@@ -245,6 +247,24 @@ def explore_cuda_ws(rows, log):
                 rows.append(row)
 
 
+def explore_cuda_pdl(rows, log):
+    """--cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch
+    (CudaConfig.pdl: the weight's first lines prefetched into L2 and the launch overlapped with the previous kernel's
+    tail; in this harness the previous kernel is the same linear on another weight set, as for consecutive linears).
+    M 1 / 4 / 8: the warp-split kernel; 16 / 32: the x-staging one."""
+    from dataclasses import replace
+
+    ws = [CudaConfig(2, 4, 0, NB=3), CudaConfig(2, 8, 0, NB=3), CudaConfig(1, 8, 0, NB=4), CudaConfig(1, 8, 1, NB=4),
+          CudaConfig(1, 8, 0, NB=6), CudaConfig(1, 8, 0, NB=3), CudaConfig(1, 8, 0, 4, NB=4)]
+    xs = [CudaConfig(1, 8, 0), CudaConfig(2, 8, 0), CudaConfig(1, 4, 0)]
+    t0 = time.time()
+    for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
+        for M in (1, 4, 8, 16, 32):
+            base = ws if M <= 8 else xs
+            cfgs = [c for b in base for c in (b, replace(b, pdl=True))]
+            rows.append(explore_cell("w4a16-g128", shape, K, N, M, cfgs, "cuda-pdl", log, t0))
+
+
 def explore_a8(rows, log):
     """A8 weights at the table's representative M: the tabled int8 cell beside a16-xq through each A16 cell the
     table has for the same weight bits at that M (the CUDA kernel first where it takes the weight)."""
@@ -396,6 +416,8 @@ if __name__ == "__main__":
     try:
         if "--cuda" in sys.argv:
             explore_cuda(res["explore"], print)
+        if "--cuda-pdl" in sys.argv:
+            explore_cuda_pdl(res["explore"], print)
         if "--cuda-ws" in sys.argv:
             explore_cuda_ws(res["explore"], print)
         if "--cuda-quick" in sys.argv:
@@ -413,7 +435,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-quick", "--a8", "--a8-split", "--swap")
+        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

@@ -41,15 +41,15 @@ def test_cu_compiles_with_nvcc(tmp_path):
         256 * 8 * mt for mt in (1, 2, 4, 4, 8, 8)]
     assert [wc.activation_tiles(m) for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [1, 1, 2, 2, 4, 4, 8, 8]
     # x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters,
-    # M=0 (refused), N, K, group, bits, lw, rt, warps, chunks_per_split, xs_chunks, splitk, stream
+    # M=0 (refused), N, K, group, bits, lw, rt, warps, chunks_per_split, xs_chunks, splitk, pdl, stream
     rc = lib.lowbit_wq_small_m(None, 0, None, None, 0, None, None, 0, None, 0, 0, None, None,
-                               0, 1, 128, 128, 4, 4, 2, 4, 1, 1, 1, 0)
+                               0, 1, 128, 128, 4, 4, 2, 4, 1, 1, 1, 0, 0)
     assert rc == -1 and b"1 <= M <= 64" in lib.lowbit_cuda_error_string(rc)
     rc = lib.lowbit_wq_small_m(None, 0, None, None, 0, None, None, 0, None, 0, 0, None, None,
-                               65, 1, 128, 128, 4, 4, 2, 4, 1, 1, 1, 0)
+                               65, 1, 128, 128, 4, 4, 2, 4, 1, 1, 1, 0, 0)
     assert rc == -1
     rc = lib.lowbit_wq_small_m(None, 0, None, None, 0, None, None, 0, None, 0, 0, None, None,
-                               1, 1, 128, 128, 4, 4, 2, 4, 1, 0, 1, 0)
+                               1, 1, 128, 128, 4, 4, 2, 4, 1, 0, 1, 0, 0)
     assert rc == -5 and b"xs_chunks" in lib.lowbit_cuda_error_string(rc)
     assert isinstance(lib, ctypes.CDLL)
 
@@ -301,7 +301,8 @@ def test_linear_refuses_cpu_tensors_before_any_launch():
 
 
 WS_CONFIGS = [CudaConfig(1, 4, 0, NB=3), CudaConfig(1, 8, 0, NB=4), CudaConfig(1, 16, 0, NB=6),
-              CudaConfig(2, 8, 0, NB=3), CudaConfig(2, 4, 0, NB=4), CudaConfig(1, 8, 3, NB=4)]
+              CudaConfig(2, 8, 0, NB=3), CudaConfig(2, 4, 0, NB=4), CudaConfig(1, 8, 3, NB=4),
+              CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 3, NB=4, pdl=True)]
 
 
 def test_warp_split_names_conditions_and_plan():
@@ -309,6 +310,9 @@ def test_warp_split_names_conditions_and_plan():
     assert cfg.name == "cuda-ws-rt1-w8-nb4-sk0" and CudaConfig.from_name(cfg.name) == cfg
     assert CudaConfig.from_name("cuda-ws-rt2-w16-nb3-sk2-wv4") == CudaConfig(2, 16, 2, 4, 3)
     assert config_from_name("cuda", cfg.name) == cfg
+    assert CudaConfig.from_name("cuda-ws-rt2-w4-nb3-sk0-pdl") == CudaConfig(2, 4, 0, NB=3, pdl=True)
+    assert CudaConfig(2, 8, 0, 4, pdl=True).name == "cuda-rt2-w8-sk0-wv4-pdl"
+    assert CudaConfig.from_name("cuda-rt2-w8-sk0-wv4-pdl") == CudaConfig(2, 8, 0, 4, pdl=True)
     w4, w8 = random_weight("w4a16-g128", 33, 256, "cpu"), random_weight("w8a16", 33, 256, "cpu")
     assert wc.why_not(w4, torch.bfloat16, 8, cfg) is None
     assert "M=9" in wc.why_not(w4, torch.bfloat16, 9, cfg)
@@ -402,3 +406,35 @@ def test_table_builder_shape_cells_and_dispatch_by_shape(tmp_path):
     assert d.choose("w4a16", 1, kv).shape == (1024, 4096)
     assert d.choose("w4a16", 1, qkv).shape is None and d.choose("w4a16", 1).shape is None
     assert d.table()[0]["shape"] == [1024, 4096] and "shape" not in d.table()[1]
+
+
+@gpu
+@needs_cuda
+@pytest.mark.parametrize("cfg", [CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 4, NB=4, pdl=True),
+                                 CudaConfig(2, 8, 0, pdl=True), CudaConfig(2, 4, 3, pdl=True)])
+def test_gpu_pdl_chain_in_a_graph_reads_the_previous_output(cfg):
+    """Programmatic dependent launches chained through their data (each linear's input is the previous one's output,
+    split-K workspaces and counters in between), captured in one graph: the same as the twin's chain, every replay."""
+    pws = [random_weight("w4a16-g128", 1024, 1024, "cuda", seed=i) for i in range(4)]
+    x = torch.randn(1, 1024, device="cuda").bfloat16()
+
+    def chain(fn):
+        h = x
+        for pw in pws:
+            h = (fn(h, pw) * 4).bfloat16()  # keep the scale of h from shrinking through the chain
+        return h
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain(lambda h, pw: wc.linear(h, pw, cfg, torch.float32))
+        torch.cuda.synchronize()
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g, stream=s):
+            y = chain(lambda h, pw: wc.linear(h, pw, cfg, torch.float32))
+    for _ in range(3):
+        x.copy_(torch.randn_like(x))
+        g.replay()
+        torch.cuda.synchronize()
+        ref = chain(lambda h, pw: wg.linear_twin(h, pw, torch.float32))
+        assert rel(y.float(), ref.float()) < 2e-2, cfg.name

@@ -60,22 +60,25 @@ class CudaConfig:
     SPLITK: int = 0
     waves: int = 2
     NB: int = 0
+    pdl: bool = False  # launched as a programmatic dependent: prologue overlaps the previous kernel's tail
 
     @classmethod
     def from_name(cls, name: str) -> CudaConfig:
         import re
 
-        m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)(?:-wv(\d+))?", name)
+        pdl = name.endswith("-pdl")
+        base = name[:-4] if pdl else name
+        m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)(?:-wv(\d+))?", base)
         if m is not None:
-            return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2))
-        m = re.fullmatch(r"cuda-ws-rt(\d+)-w(\d+)-nb(\d+)-sk(\d+)(?:-wv(\d+))?", name)
+            return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2), pdl=pdl)
+        m = re.fullmatch(r"cuda-ws-rt(\d+)-w(\d+)-nb(\d+)-sk(\d+)(?:-wv(\d+))?", base)
         if m is None:
             raise ValueError(f"not a CudaConfig name: {name!r}")
-        return cls(int(m[1]), int(m[2]), int(m[4]), int(m[5] or 2), int(m[3]))
+        return cls(int(m[1]), int(m[2]), int(m[4]), int(m[5] or 2), int(m[3]), pdl)
 
     @property
     def name(self) -> str:
-        wv = "" if self.waves == 2 else f"-wv{self.waves}"
+        wv = ("" if self.waves == 2 else f"-wv{self.waves}") + ("-pdl" if self.pdl else "")
         if self.NB:
             return f"cuda-ws-rt{self.RT}-w{self.warps}-nb{self.NB}-sk{self.SPLITK}{wv}"
         return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}{wv}"
@@ -165,10 +168,10 @@ def build(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I,
+    lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I,
                                       ctypes.c_ulonglong]
     lib.lowbit_wq_small_m.restype = I
-    lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I,
+    lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I,
                                          ctypes.c_ulonglong, ctypes.POINTER(I)]
     lib.lowbit_wq_warp_split.restype = I
     lib.lowbit_wq_warp_split_smem.argtypes = [I, I]
@@ -301,7 +304,7 @@ def warp_split_occupancy(pw, M: int, cfg: CudaConfig, device) -> int:
     out = ctypes.c_int(0)
     rc = lib.lowbit_wq_warp_split(None, 0, None, None, 0, None if pw.zero is None else 1, None, 0, None, 0, 0, None,
                                   None, M, pw.N, pw.K, pw.group, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split,
-                                  pl.splitk, 0, ctypes.byref(out))
+                                  pl.splitk, int(cfg.pdl), 0, ctypes.byref(out))
     if rc != 0:
         raise LowbitError(f"occupancy query for {cfg.name} failed: {lib.lowbit_cuda_error_string(rc).decode()}")
     return out.value
@@ -346,11 +349,11 @@ def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: tor
             _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0), _KIND[out_dtype],
             None if ws is None else ws.data_ptr(), None if cnt is None else cnt.data_ptr(), M, pw.N, K, pw.group)
     if cfg.NB:
-        rc = lib.lowbit_wq_warp_split(*args, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split, pl.splitk, stream,
-                                      None)
+        rc = lib.lowbit_wq_warp_split(*args, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split, pl.splitk,
+                                      int(cfg.pdl), stream, None)
     else:
         rc = lib.lowbit_wq_small_m(*args, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.xs_chunks,
-                                   pl.splitk, stream)
+                                   pl.splitk, int(cfg.pdl), stream)
     if rc != 0:
         msg = lib.lowbit_cuda_error_string(rc).decode()
         raise LowbitError(f"CUDA weight kernel {cfg.name} failed at M={M} N={pw.N} K={K}: {msg}")

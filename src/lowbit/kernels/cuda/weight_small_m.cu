@@ -54,7 +54,45 @@ struct Params {
   int xs_chunks;           // K chunks of x staged in shared memory at a time
   int splitk;              // gridDim.y
   int scale_kind, bias_kind, out_kind;
+  int pdl;                 // launched as a programmatic dependent (cudaLaunchKernelEx; sm_90+)
 };
+
+// Programmatic dependent launch: let the next PDL-launched kernel be scheduled once every block of this one runs,
+// warm L2 with this warp's first weight lines (a prefetch cannot hand back a stale value: every write lands in L2,
+// and the loads that use the data come after the wait), then wait for the previous kernel to complete before
+// touching anything it may have written (x, the split-K workspace, y). Without a PDL launch both are no-ops.
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
+
+// <<<>>> or, with p.pdl, cudaLaunchKernelEx with programmatic stream serialization (captured into a CUDA graph as a
+// programmatic edge).
+template <typename Kern>
+int launch_kernel(Kern kern, dim3 grid, int threads, int smem, cudaStream_t stream, const Params& p) {
+  if (!p.pdl) {
+    kern<<<grid, threads, smem, stream>>>(p);
+    return (int)cudaGetLastError();
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return (int)cudaLaunchKernelEx(&cfg, kern, p);
+}
 
 __device__ __forceinline__ float ld_scalar(const void* p, int kind, long long i) {
   if (kind == KIND_BF16) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
@@ -193,6 +231,15 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
         bz[b][rt][h] = p.zero ? (int)__ldg(p.zero + gi) : 0;
       }
   };
+  pdl_launch_dependents();
+#pragma unroll
+  for (int b = 0; b < NB - 1; ++b)
+    if (b < nch)
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) prefetch_l2(rowp[rt][h] + b * WPC);
+  pdl_wait();
 #pragma unroll
   for (int b = 0; b < NB - 1; ++b)
     if (b < nch) issue(b, b);  // in flight while x is staged
@@ -458,6 +505,15 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
       }
   };
 
+  pdl_launch_dependents();
+#pragma unroll
+  for (int b = 0; b < NB - 1; ++b)
+    if (b < nu)
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) prefetch_l2(rowp[rt][h] + (long long)b * nw * WPC);
+  pdl_wait();
 #pragma unroll
   for (int b = 0; b < NB - 1; ++b)
     if (b < nu) issue(b, b);
@@ -514,8 +570,7 @@ int launch_warp_split(const Params& p, int warps, cudaStream_t stream, int* occu
   }
   const int rows_per_block = RT * 16;
   dim3 grid((p.N + rows_per_block - 1) / rows_per_block, p.splitk);
-  kern<<<grid, warps * 32, smem, stream>>>(p);
-  return (int)cudaGetLastError();
+  return launch_kernel(kern, grid, warps * 32, smem, stream, p);
 }
 
 template <int LW, bool ZP>
@@ -545,8 +600,7 @@ int launch(const Params& p, int warps, int smem, cudaStream_t stream) {
   }
   const int rows_per_block = warps * RT * 16;
   dim3 grid((p.N + rows_per_block - 1) / rows_per_block, p.splitk);
-  kern<<<grid, warps * 32, smem, stream>>>(p);
-  return (int)cudaGetLastError();
+  return launch_kernel(kern, grid, warps * 32, smem, stream, p);
 }
 
 // RT 4 only for MT <= 2: with 4 or 8 activation tiles its accumulators would not fit the registers.
@@ -588,11 +642,11 @@ int lowbit_wq_small_m_smem(int bits, int M, int lw, int xs_chunks) {
 int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
                       const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
                       float* ws, unsigned* counters, int M, int N, int K, int group, int bits, int lw, int rt,
-                      int warps, int chunks_per_split, int xs_chunks, int splitk, unsigned long long stream) {
+                      int warps, int chunks_per_split, int xs_chunks, int splitk, int pdl, unsigned long long stream) {
   if (M < 1 || M > 64) return -1;
   if (xs_chunks < 1) return -5;
   if (warps != 2 && warps != 4 && warps != 8) return -4;
-  Params p;
+  Params p = {};
   p.x = reinterpret_cast<const __nv_bfloat16*>(x);
   p.ldx = ldx;
   p.qw = reinterpret_cast<const uint32_t*>(qw);
@@ -613,6 +667,7 @@ int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* 
   p.scale_kind = scale_kind;
   p.bias_kind = bias_kind;
   p.out_kind = out_kind;
+  p.pdl = pdl;
   const int smem = lowbit_wq_small_m_smem(bits, M, lw, xs_chunks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int mt = mt_for(M);
@@ -640,7 +695,8 @@ int lowbit_wq_warp_split_smem(int rt, int warps) { return warp_split_smem(rt, wa
 int lowbit_wq_warp_split(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
                          const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
                          float* ws, unsigned* counters, int M, int N, int K, int group, int lw, int rt, int nb,
-                         int warps, int chunks_per_split, int splitk, unsigned long long stream, int* occupancy) {
+                         int warps, int chunks_per_split, int splitk, int pdl, unsigned long long stream,
+                         int* occupancy) {
   if (M < 1 || M > 8) return -1;
   if (warps != 4 && warps != 8 && warps != 16) return -4;
   Params p = {};
@@ -664,6 +720,7 @@ int lowbit_wq_warp_split(const void* x, long long ldx, const void* qw, const voi
   p.scale_kind = scale_kind;
   p.bias_kind = bias_kind;
   p.out_kind = out_kind;
+  p.pdl = pdl;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool zp = zero != nullptr;
 #define LOWBIT_WS(LW_) return zp ? warp_split_by_rt_nb<LW_, true>(p, rt, nb, warps, s, occupancy) : warp_split_by_rt_nb<LW_, false>(p, rt, nb, warps, s, occupancy);
