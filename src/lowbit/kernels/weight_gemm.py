@@ -285,6 +285,25 @@ if triton is not None:
         return kk + (c // 8) * 8 + (f // 4) * 4 + (f // 2) % 2 + (f % 2) * 2
 
     @triton.jit
+    def _w_float_zp(wi, z_ptr, kk, rn, N, HAS_ZP: tl.constexpr, GROUP: tl.constexpr, half):
+        """Unpacked codes int32 [BN, BK] -> the exact integer weight q - z as fp32 (2**23 + (q + half) - (2**23 + half))."""
+        wf = ((wi + 128 - half).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC + 128.0)
+        if HAS_ZP:
+            z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
+            wf = wf - z[:, None]
+        return wf
+
+    @triton.jit
+    def _w4_pairs_zp(w_ptr, z_ptr, rn, kk, N, K, HAS_ZP: tl.constexpr, GROUP: tl.constexpr, BN: tl.constexpr,
+                     BK: tl.constexpr):
+        """The paired 4-bit tile (bf16 [BN, BK], K permuted as _pairs_k) minus the group's zero-point."""
+        wb = _w4_pairs_tile(w_ptr, rn, kk, N, K, BN, BK)
+        if HAS_ZP:
+            z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
+            wb = (wb.to(tl.float32) - z[:, None]).to(tl.bfloat16)
+        return wb
+
+    @triton.jit
     def _wq_kernel(x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_xm, stride_ym,
                    BITS: tl.constexpr, A8: tl.constexpr, HAS_ZP: tl.constexpr, HAS_BIAS: tl.constexpr,
                    PER_CHANNEL: tl.constexpr, GROUP: tl.constexpr, UNPACK: tl.constexpr,
@@ -369,10 +388,7 @@ if triton is not None:
                     s = tl.load(s_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0.0).to(tl.float32)
                     acc += part * s[None, :]
             elif UNPACK == 2:  # 4-bit, bf16 activations: the paired unpack (GPU)
-                wb = _w4_pairs_tile(w_ptr, rn, kk, N, K, BN, BK)
-                if HAS_ZP:
-                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
-                    wb = (wb.to(tl.float32) - z[:, None]).to(tl.bfloat16)
+                wb = _w4_pairs_zp(w_ptr, z_ptr, rn, kk, N, K, HAS_ZP, GROUP, BN, BK)
                 a = tl.load(x_ptr + rm[:, None] * stride_xm + _pairs_k(kk, BK)[None, :], mask=mmask, other=0.0)
                 part = tl.dot(a, tl.trans(wb))
                 if PER_CHANNEL:
@@ -382,11 +398,7 @@ if triton is not None:
                     acc += part * s[None, :]
             else:
                 a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0.0)
-                # exact integer weight as float: 2**23 + (q + half) - (2**23 + half)
-                wf = ((wi + 128 - half).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC + 128.0)
-                if HAS_ZP:
-                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
-                    wf = wf - z[:, None]
+                wf = _w_float_zp(wi, z_ptr, kk, rn, N, HAS_ZP, GROUP, half)
                 if DOT_F32:  # the CPU interpreter mis-converts fp32 -> bf16 inside a dot's operand
                     part = tl.dot(a.to(tl.float32), tl.trans(wf), input_precision="ieee")
                 else:
@@ -439,18 +451,12 @@ if triton is not None:
         for it in range(K_ITERS):
             kk = k0 + it * BK
             if UNPACK == 2:
-                wb = _w4_pairs_tile(w_ptr, rn, kk, N, K, BN, BK)  # bf16 [BN, BK], K permuted
-                if HAS_ZP:
-                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
-                    wb = (wb.to(tl.float32) - z[:, None]).to(tl.bfloat16)
+                wb = _w4_pairs_zp(w_ptr, z_ptr, rn, kk, N, K, HAS_ZP, GROUP, BN, BK)  # bf16 [BN, BK], K permuted
                 a = tl.load(x_ptr + rm[:, None] * stride_xm + _pairs_k(kk, BK)[None, :], mask=mmask, other=0.0)
                 part = tl.dot(wb, tl.trans(a))  # [BN, BM]
             else:
                 wi = _load_wtile(w_ptr, rn, kk, N, K, BITS, UNPACK, BN, BK)
-                wf = ((wi + 128 - half).to(tl.int32) | 0x4B000000).to(tl.float32, bitcast=True) - (MAGIC + 128.0)
-                if HAS_ZP:
-                    z = tl.load(z_ptr + (kk // GROUP) * N + rn, mask=rn < N, other=0).to(tl.float32)
-                    wf = wf - z[:, None]
+                wf = _w_float_zp(wi, z_ptr, kk, rn, N, HAS_ZP, GROUP, half)
                 rk = kk + tl.arange(0, BK)
                 a = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0.0)
                 if DOT_F32:  # the CPU interpreter mis-converts fp32 -> bf16 inside a dot's operand

@@ -630,22 +630,11 @@ extern "C" {
 
 static int mt_for(int M) { return M <= 8 ? 1 : (M <= 16 ? 2 : (M <= 32 ? 4 : 8)); }
 
-// Bytes of dynamic shared memory one block needs for a window of xs_chunks chunks (the caller checks it
-// against the device).
-int lowbit_wq_small_m_smem(int bits, int M, int lw, int xs_chunks) {
-  const int s = lw * (bits == 4 ? 2 : 1);
-  return xs_chunks * s * mt_for(M) * 32 * 8;
-}
-
-// y = x @ W^T for 1 <= M <= 64. Returns 0, a cudaError_t, or -1..-4 for arguments the library has no
-// instance for (bits, M, lw, rt, warps). Sizes are checked by the Python wrapper (weight_cuda.py).
-int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
-                      const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
-                      float* ws, unsigned* counters, int M, int N, int K, int group, int bits, int lw, int rt,
-                      int warps, int chunks_per_split, int xs_chunks, int splitk, int pdl, unsigned long long stream) {
-  if (M < 1 || M > 64) return -1;
-  if (xs_chunks < 1) return -5;
-  if (warps != 2 && warps != 4 && warps != 8) return -4;
+// The kernels' arguments from the C entry points' (the same for both kernels; xs_chunks 0 for the warp-split one).
+static Params make_params(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
+                          const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
+                          float* ws, unsigned* counters, int M, int N, int K, int group, int chunks_per_split,
+                          int xs_chunks, int splitk, int pdl) {
   Params p = {};
   p.x = reinterpret_cast<const __nv_bfloat16*>(x);
   p.ldx = ldx;
@@ -668,6 +657,27 @@ int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* 
   p.bias_kind = bias_kind;
   p.out_kind = out_kind;
   p.pdl = pdl;
+  return p;
+}
+
+// Bytes of dynamic shared memory one block needs for a window of xs_chunks chunks (the caller checks it
+// against the device).
+int lowbit_wq_small_m_smem(int bits, int M, int lw, int xs_chunks) {
+  const int s = lw * (bits == 4 ? 2 : 1);
+  return xs_chunks * s * mt_for(M) * 32 * 8;
+}
+
+// y = x @ W^T for 1 <= M <= 64. Returns 0, a cudaError_t, or -1..-4 for arguments the library has no
+// instance for (bits, M, lw, rt, warps). Sizes are checked by the Python wrapper (weight_cuda.py).
+int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
+                      const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
+                      float* ws, unsigned* counters, int M, int N, int K, int group, int bits, int lw, int rt,
+                      int warps, int chunks_per_split, int xs_chunks, int splitk, int pdl, unsigned long long stream) {
+  if (M < 1 || M > 64) return -1;
+  if (xs_chunks < 1) return -5;
+  if (warps != 2 && warps != 4 && warps != 8) return -4;
+  const Params p = make_params(x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters, M, N,
+                               K, group, chunks_per_split, xs_chunks, splitk, pdl);
   const int smem = lowbit_wq_small_m_smem(bits, M, lw, xs_chunks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int mt = mt_for(M);
@@ -699,28 +709,8 @@ int lowbit_wq_warp_split(const void* x, long long ldx, const void* qw, const voi
                          int* occupancy) {
   if (M < 1 || M > 8) return -1;
   if (warps != 4 && warps != 8 && warps != 16) return -4;
-  Params p = {};
-  p.x = reinterpret_cast<const __nv_bfloat16*>(x);
-  p.ldx = ldx;
-  p.qw = reinterpret_cast<const uint32_t*>(qw);
-  p.scale = scale;
-  p.zero = reinterpret_cast<const int8_t*>(zero);
-  p.bias = bias;
-  p.y = y;
-  p.ldy = ldy;
-  p.ws = ws;
-  p.counters = counters;
-  p.M = M;
-  p.N = N;
-  p.K = K;
-  p.group = group;
-  p.chunks_per_split = chunks_per_split;
-  p.xs_chunks = 0;
-  p.splitk = splitk;
-  p.scale_kind = scale_kind;
-  p.bias_kind = bias_kind;
-  p.out_kind = out_kind;
-  p.pdl = pdl;
+  const Params p = make_params(x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters, M, N,
+                               K, group, chunks_per_split, 0, splitk, pdl);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool zp = zero != nullptr;
 #define LOWBIT_WS(LW_) return zp ? warp_split_by_rt_nb<LW_, true>(p, rt, nb, warps, s, occupancy) : warp_split_by_rt_nb<LW_, false>(p, rt, nb, warps, s, occupancy);
