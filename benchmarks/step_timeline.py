@@ -3,6 +3,10 @@ with the profiler's kernel timeline kept (kernels per step, the step's span on t
 consecutive kernels, and the kernels the longest idle gaps come before).
 
     python3 benchmarks/step_timeline.py OUT.json [--path lowbit-w4a16-int2-compiled] [--batch 1] [--length 32k]
+                                         [--inductor-pdl]
+
+--inductor-pdl: torch._inductor.config.triton.enable_pdl on for this run (Inductor's programmatic-dependent-launch
+codegen, off by default in torch and in lowbit's runtime: see benchmarks/NOTES.md, round 9).
 
 It wraps lowbit.runtime.bench's profiler call (the same replays `gpu_ms_per_step` comes from) and adds a
 "timeline" field to each row; the rest of the JSON is bench decode's.
@@ -48,7 +52,12 @@ def main() -> None:
     ap.add_argument("--path", default="lowbit-w4a16-int2-compiled")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--length", default="32k")
+    ap.add_argument("--inductor-pdl", action="store_true")
     a = ap.parse_args()
+    if a.inductor_pdl:
+        from torch._inductor import config
+
+        config.triton.enable_pdl = True
     L = int(a.length[:-1]) * 1024 if a.length.endswith("k") else int(a.length)
     rb.LAST_TIMELINE = None
     orig = rb._time_lowbit_row
