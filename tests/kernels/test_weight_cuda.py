@@ -419,3 +419,59 @@ def test_gpu_pdl_chain_in_a_graph_reads_the_previous_output(cfg):
     _graph_replays_match(torch.randn(1, 1024, device="cuda").bfloat16(),
                          lambda x: chain(x, lambda h, pw: wc.linear(h, pw, cfg, torch.float32)),
                          lambda x: chain(x, lambda h, pw: wg.linear_twin(h, pw, torch.float32)), 2e-2)
+
+
+def _emulate_warp_split(x, pw, lw, nw, n0=0):
+    """One block of the warp-split kernel (RT 1, 4-bit, M <= 8) in torch, as the .cu writes it: warp w takes chunks
+    w, w + nw, ...; each lane's B fragment from its own x words ((k0, k4), (k1, k5) / (k2, k6), (k3, k7)); A holds
+    128 + c (no offset); an all-ones A sums x; acc += s * (part - (136 + z) * xsum) per chunk; the warps' partials
+    summed in order. -> [M, 16]"""
+    M, K = x.shape
+    ck, wpc = 32 * lw, 4 * lw
+    words = pw.qweight.to(torch.int64) & 0xFFFFFFFF  # [N, K/8]
+    rows = [min(n0 + r, pw.N - 1) for r in range(16)]
+    xd = torch.zeros(8, K, dtype=torch.float64)
+    xd[:M] = x.double()
+    total = torch.zeros(16, 8, dtype=torch.float64)
+    for w in range(nw):
+        acc = torch.zeros(16, 8, dtype=torch.float64)
+        for c in range(w, K // ck, nw):
+            grp = c * ck // pw.group
+            sc = torch.tensor([float(pw.scale[grp, r]) for r in rows], dtype=torch.float64)
+            z = torch.tensor([0 if pw.zero is None else int(pw.zero[grp, r]) for r in rows], dtype=torch.float64)
+            part = torch.zeros(16, 8, dtype=torch.float64)
+            xsum = torch.zeros(8, dtype=torch.float64)
+            for j in range(lw):
+                for hs in range(2):
+                    A = torch.zeros(16, 16, dtype=torch.float64)
+                    B = torch.zeros(16, 8, dtype=torch.float64)
+                    for lane in range(32):
+                        gid, tig = lane >> 2, lane & 3
+                        wi = c * wpc + tig * lw + j  # the word this lane loaded (rows gid, gid + 8)
+                        v = xd[gid, 8 * wi:8 * wi + 8]
+                        b = v[[0, 4, 1, 5]] if hs == 0 else v[[2, 6, 3, 7]]
+                        B[2 * tig, gid], B[2 * tig + 1, gid], B[2 * tig + 8, gid], B[2 * tig + 9, gid] = b
+                        for r in (gid, gid + 8):
+                            wd = int(words[rows[r], wi])
+                            lo, hi = 8 * hs, 8 * hs + 4  # nib_pair(w >> sh): bits 0-3 and 16-19 of the shifted word
+                            A[r, 2 * tig], A[r, 2 * tig + 1] = 128 + ((wd >> lo) & 0xF), 128 + ((wd >> (lo + 16)) & 0xF)
+                            A[r, 2 * tig + 8], A[r, 2 * tig + 9] = 128 + ((wd >> hi) & 0xF), 128 + ((wd >> (hi + 16)) & 0xF)
+                    part += A @ B
+                    xsum += B.sum(0)  # the all-ones mma: every row gets sum_k x
+            acc += sc[:, None] * (part - (136.0 + z)[:, None] * xsum[None, :])
+        total += acc
+    return total[:, :M].t()
+
+
+@pytest.mark.parametrize("scheme,K,nw", [("w4a16-g128", 512, 2), ("w4a16-g64-asym", 384, 4), ("w4a16-g32", 96, 2)])
+def test_warp_split_emulated_matches_twin(scheme, K, nw):
+    """The warp-split kernel's index math and offset algebra ((128 + c) x - (136 + z) sum x, chunks interleaved over
+    the warps, K chunks not a multiple of the warps) compute the twin's function: the CPU check of the design."""
+    pw = random_weight(scheme, 21, K, "cpu", seed=K + nw)
+    lw = wc.words_per_lane(4, K, pw.group)
+    x = torch.randn(5, K).bfloat16()
+    ref = wg.linear_twin(x, pw, torch.float32).double()
+    for n0 in (0, 16):
+        y = _emulate_warp_split(x, pw, lw, nw, n0)
+        n = min(16, 21 - n0)
+        assert rel(y[:, :n], ref[:, n0:n0 + n]) < 1e-6, (scheme, lw, n0)  # the twin sums in fp32
