@@ -5,8 +5,8 @@ consecutive kernels, and the kernels the longest idle gaps come before).
     python3 benchmarks/step_timeline.py OUT.json [--path lowbit-w4a16-int2-compiled] [--batch 1] [--length 32k]
                                          [--inductor-pdl]
 
---inductor-pdl: torch._inductor.config.triton.enable_pdl on for this run (Inductor's programmatic-dependent-launch
-codegen, off by default in torch and in lowbit's runtime: see benchmarks/NOTES.md, round 9).
+--inductor-pdl: the compiled step with Inductor's programmatic-dependent-launch codegen (compile_decode's
+inductor_pdl; off by default: see benchmarks/NOTES.md, round 9).
 
 It wraps lowbit.runtime.bench's profiler call (the same replays `gpu_ms_per_step` comes from) and adds a
 "timeline" field to each row; the rest of the JSON is bench decode's.
@@ -54,10 +54,6 @@ def main() -> None:
     ap.add_argument("--length", default="32k")
     ap.add_argument("--inductor-pdl", action="store_true")
     a = ap.parse_args()
-    if a.inductor_pdl:
-        from torch._inductor import config
-
-        config.triton.enable_pdl = True
     L = int(a.length[:-1]) * 1024 if a.length.endswith("k") else int(a.length)
     rb.LAST_TIMELINE = None
     orig = rb._time_lowbit_row
@@ -68,7 +64,7 @@ def main() -> None:
         return row
 
     rb._gpu_busy, rb._time_lowbit_row = timeline, with_timeline
-    res = rb.run("llama3-8b", [a.batch], [L], [a.path], steps=10)
+    res = rb.run("llama3-8b", [a.batch], [L], [a.path], steps=10, inductor_pdl=a.inductor_pdl)
     for r in res["rows"]:
         t = r.get("timeline") or {}
         print(f"{r['path']} B{r['B']}: {r['ms_per_step']:.3f} ms/step, kernels/step {t.get('kernels_per_step')}, "

@@ -110,6 +110,17 @@ def test_decode_graphs_refuses_cpu_and_bench_names_the_compiled_paths():
     assert WEIGHT_PATHS["lowbit-w4a16-int2-compiled"] == WEIGHT_PATHS["lowbit-w4a16-int2"]
 
 
+def test_inductor_pdl_is_an_inductor_option_with_a_clear_error():
+    from lowbit.runtime import step as st
+
+    m = _model("llama")
+    cache = StaticKVCache(m, _plan(m, "int2"), slots=1, max_context=16)
+    with pytest.raises(LowbitError, match="backend is not inductor"):
+        compile_decode(ModelStep(m), cache, backend="aot_eager", inductor_pdl=True)
+    assert st.inductor_pdl_missing() is None  # torch 2.11 (the GPU host) and 2.13 (here) have the option
+    compile_decode(ModelStep(m), cache, backend="inductor", inductor_pdl=True)  # lazily compiled: nothing runs yet
+
+
 def test_packed_linear_traces_as_one_op():
     """A packed QuantLinear (the torch twin dispatch: CPU) inside a full-graph trace goes through the
     lowbit::packed_linear op, with the same output as its eager forward; unregistered it is refused."""

@@ -29,7 +29,7 @@ def _with_key_affine(plan):
     return replace(plan, layers=tuple(layers))
 
 
-def _follow(model, cfg, kv, steps=40, key_affine=False):
+def _follow(model, cfg, kv, steps=40, key_affine=False, inductor_pdl=False):
     """Eager reference cache and compiled captured cache over 3 ragged prompts + 1 inactive slot, teacher
     forced by the reference's tokens -> (ref cache, captured cache, graphs, max relative logit error)."""
     from lowbit.kv.plan import resolve
@@ -45,7 +45,7 @@ def _follow(model, cfg, kv, steps=40, key_affine=False):
     prompts = [torch.randint(0, cfg.vocab_size, (n,), device="cuda", generator=g) for n in (700, 333, 999)]
     ref_c, cap_c = (StaticKVCache(model, plan, slots=4, max_context=1200) for _ in range(2))
     torch._dynamo.reset()
-    graphs = DecodeGraphs(step, cap_c, buckets=(1, 4), compile=True)  # captured on the empty cache
+    graphs = DecodeGraphs(step, cap_c, buckets=(1, 4), compile=True, inductor_pdl=inductor_pdl)  # on the empty cache
     assert graphs.compiled and sorted(graphs.compile_s) == [1, 4]
     for c in (ref_c, cap_c):
         for b, p in enumerate(prompts):
@@ -90,16 +90,35 @@ def test_compiled_captured_step_with_a_key_affine():
     assert cap_c.use_kernel and all(layer.k_affine is not None for layer in cap_c.layers)
 
 
-def test_compiled_captured_step_with_w4a16_linears():
-    """The packed-weight linears (CUDA weight kernels) as the lowbit::packed_linear op inside the compiled
-    graph: the same logits as the eager step over the same quantized model."""
+@pytest.mark.parametrize("inductor_pdl", [False, True])
+def test_compiled_captured_step_with_w4a16_linears(inductor_pdl):
+    """The packed-weight linears (CUDA weight kernels, PDL-launched) as the lowbit::packed_linear op inside the
+    compiled graph: the same logits as the eager step over the same quantized model; also with Inductor's PDL
+    codegen, whose kernels then sit between lowbit's PDL-aware CUDA kernels and its Triton attention kernels."""
     if not _kernels_compiled():
         pytest.skip("the fused kernel was imported under the Triton interpreter")
     from lowbit.runtime.bench import quantize_linears
+    from lowbit.runtime.step import inductor_pdl_missing
 
+    if inductor_pdl and inductor_pdl_missing():
+        pytest.skip(inductor_pdl_missing())
     model, cfg = _model()
     quantize_linears(model, "w4a16-g128", log=lambda *a: None)
-    _, _, _, err = _follow(model, cfg, "int2", steps=12)
+    _, _, graphs, err = _follow(model, cfg, "int2", steps=12, inductor_pdl=inductor_pdl)
+    assert err < 2e-2, err
+    assert graphs.inductor_pdl == inductor_pdl
+
+
+def test_compiled_captured_step_with_inductor_pdl():
+    """Inductor's PDL codegen over the int2 step (bf16 linears): follows the eager step as without it."""
+    from lowbit.runtime.step import inductor_pdl_missing
+
+    if not _kernels_compiled():
+        pytest.skip("the fused kernel was imported under the Triton interpreter")
+    if inductor_pdl_missing():
+        pytest.skip(inductor_pdl_missing())
+    model, cfg = _model()
+    _, _, _, err = _follow(model, cfg, "int2", inductor_pdl=True)
     assert err < 2e-2, err
 
 

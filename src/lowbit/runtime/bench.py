@@ -180,7 +180,7 @@ def _fill_static(cache, L: int, gen) -> None:
     cache.lens.fill_(L)
 
 
-def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True):
+def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor_pdl=False):
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.fold import fold_value_rotation
@@ -200,7 +200,8 @@ def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True):
     try:
         # V's rotation into v_proj / o_proj (lowbit.runtime.fold), undone after the row as the fusion is
         folded = fold_value_rotation(model, cache) if fold else None
-        graphs = DecodeGraphs(step, cache, buckets=(B,), compile=compiled)  # on the empty cache, then fill
+        graphs = DecodeGraphs(step, cache, buckets=(B,), compile=compiled,  # on the empty cache, then fill
+                              inductor_pdl=inductor_pdl and compiled)
         capture_s = time.perf_counter() - t
         row = _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s)
         row["folded_value_rotation"] = len(folded.layers) if folded else 0
@@ -233,7 +234,8 @@ def _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s) -> dict:
     if graphs.compiled:
         counters = torch._dynamo.utils.counters
         row["ran"] = {"compile": "torch.compile inductor fullgraph dynamic=False, no inductor cudagraphs, "
-                                 "emulate_precision_casts; then one torch.cuda.CUDAGraph",
+                                 "emulate_precision_casts" + (", inductor PDL" if graphs.inductor_pdl else "")
+                                 + "; then one torch.cuda.CUDAGraph",
                       "compile_s": graphs.compile_s, "unique_graphs": int(counters["stats"].get("unique_graphs", 0)),
                       "graph_breaks": {k: int(v) for k, v in counters["graph_break"].items()}}
     return row
@@ -434,11 +436,12 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
 
 
 def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, prefill_len: int = 0,
-        prefill_chunk: int = 2048, fuse: bool = True, fold: bool = True) -> dict:
+        prefill_chunk: int = 2048, fuse: bool = True, fold: bool = True, inductor_pdl: bool = False) -> dict:
     """Every (path, B, L) row; rows that do not fit in the GPU memory left are recorded with fits false.
     prefill_len > 0 also times one prompt of that many tokens (`prefill` list of the result). fuse: the
     lowbit runtime rows with q/k/v and gate/up as one GEMM each (lowbit.runtime.fuse), as the runtime runs;
-    fold: with V's rotation folded into v_proj / o_proj (lowbit.runtime.fold), likewise."""
+    fold: with V's rotation folded into v_proj / o_proj (lowbit.runtime.fold), likewise. inductor_pdl: the
+    compiled rows with Inductor's PDL codegen (runtime.step.compile_decode)."""
     import transformers
 
     for p in paths:
@@ -467,11 +470,11 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
         if group and group[0] in WEIGHT_PATHS:
             env["weights"] = {"scheme": WEIGHT_PATHS[group[0]],
                               **quantize_linears(model, WEIGHT_PATHS[group[0]], log, fuse=fuse)}
-        _rows_for(group, model, cfg, contexts, batches, steps, rows, log, fuse, fold)
+        _rows_for(group, model, cfg, contexts, batches, steps, rows, log, fuse, fold, inductor_pdl)
     return {"env": env, "rows": rows, "prefill": pre}
 
 
-def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True, fold=True):
+def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True, fold=True, inductor_pdl=False):
     for L in contexts:
         for B in batches:
             for path in paths:
@@ -490,7 +493,7 @@ def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True,
                     if path in GEN_PATHS or path.startswith("hf-"):
                         r = (_row_hf_generate if path in GEN_PATHS else _row_hf)(path, model, cfg, B, L, steps)
                     else:
-                        r = _row_lowbit(path, model, cfg, B, L, steps, fuse=fuse, fold=fold)
+                        r = _row_lowbit(path, model, cfg, B, L, steps, fuse=fuse, fold=fold, inductor_pdl=inductor_pdl)
                 except torch.cuda.OutOfMemoryError as e:
                     rows.append({**base, "fits": False, "kv_bytes": need, "ms_per_step": None, "tok_s": None,
                                  "gpu_ms_per_step": None, "peak_gb": None, "note": f"out of memory: {str(e)[:120]}"})

@@ -110,7 +110,19 @@ def decode_body(step: ModelStep, cache, ids: torch.Tensor, active: torch.Tensor,
     cache.advance(active[:b])
 
 
-def compile_decode(step: ModelStep, cache, *, backend="inductor"):
+def inductor_pdl_missing() -> str | None:
+    """None when this torch's Inductor can emit programmatic-dependent-launch kernels (config.triton.enable_pdl),
+    else why not."""
+    try:
+        from torch._inductor import config
+    except ImportError as e:
+        return f"no Inductor in this torch ({e})"
+    if not hasattr(config.triton, "enable_pdl"):
+        return f"torch {torch.__version__}'s Inductor has no config.triton.enable_pdl"
+    return None
+
+
+def compile_decode(step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool = False):
     """decode_body(step, cache, ...) as one torch.compile'd function: fn(ids, active, logits, b).
 
     Inductor fuses what the eager step runs as ~30 small kernels per layer (RMSNorm, RoPE, SiLU*mul,
@@ -121,6 +133,10 @@ def compile_decode(step: ModelStep, cache, *, backend="inductor"):
     float32 rounding of scales is kept (as the compiled writes keep it), so codes match the eager step.
     backend: "inductor", or another torch.compile backend (a name such as "aot_eager": the same trace
     without code generation, what the CPU tests use; or a callable backend).
+    inductor_pdl: Inductor's programmatic-dependent-launch codegen (torch's config.triton.enable_pdl, a prototype):
+    each generated kernel may start while the previous one drains and waits in-kernel for what it reads. Measured
+    on the H200 W4A16 + int2 B=1 step: 3.60 vs 4.03 ms (benchmarks/NOTES.md round 9); off until its GPU correctness
+    tests (tests/runtime/test_gpu_compiled.py) have run with it.
 
     Sets on the cache what a traced step needs: no host-synchronising input checks, the decode writes
     traced into this graph (not a nested compiled writer), and the writers made before the first trace
@@ -134,6 +150,11 @@ def compile_decode(step: ModelStep, cache, *, backend="inductor"):
         _writer(layer, cache.checks, cache.compile_writes)
     register_packed_linears(step.model)
     opts = {"emulate_precision_casts": True, "triton.cudagraphs": False} if backend == "inductor" else None
+    if inductor_pdl:
+        why = "backend is not inductor" if opts is None else inductor_pdl_missing()
+        if why:
+            raise LowbitError(f"inductor_pdl needs Inductor's PDL codegen: {why}; compile without it")
+        opts["triton.enable_pdl"] = True
     fn = functools.partial(decode_body, step, cache)
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=opts)
 
@@ -179,7 +200,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, step: ModelStep, cache, buckets=DEFAULT_BUCKETS, *, warmup: int = 2, compile: bool = False,
-                 backend: str = "inductor"):
+                 backend: str = "inductor", inductor_pdl: bool = False):
         if cache.device.type != "cuda":
             raise LowbitError("CUDA graph capture needs a CUDA cache; on CPU run the step eagerly (ModelStep)")
         if bool(cache.lens.any()):
@@ -197,7 +218,11 @@ class DecodeGraphs:
         self.active = torch.zeros(B, dtype=torch.bool, device=dev)
         V = getattr(step.lm_head, "out_features", None) or step.lm_head.weight.shape[0]
         self.logits = torch.zeros(B, V, dtype=torch.float32, device=dev)
-        self._fn = compile_decode(step, cache, backend=backend) if compile else functools.partial(decode_body, step, cache)
+        if inductor_pdl and not compile:
+            raise LowbitError("inductor_pdl is an option of the compiled body: pass compile=True")
+        self.inductor_pdl = bool(inductor_pdl)
+        self._fn = (compile_decode(step, cache, backend=backend, inductor_pdl=inductor_pdl) if compile
+                    else functools.partial(decode_body, step, cache))
         self.compile_s: dict[int, float] = {}  # bucket -> seconds of its first (compiling) warm-up call
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.pool = None
