@@ -1,7 +1,15 @@
 """CUDA C++ weight-only GEMM for small M (decode, 1 <= M <= 64): built once with nvcc, called via ctypes.
 
     y = linear(x, pw, CudaConfig(RT=2, warps=4))    x [M, K] bf16 -> y [M, N] (bf16 / fp16 / fp32 out)
-    why_not(pw, x)                                  None if the kernel takes this (weight, input), else the reason
+    y = linear(x, pw, CudaConfig(2, 4, NB=3))       the warp-split kernel (4-bit, M <= 8)
+    y = linear(x, pw, CudaConfig(2, 4, NB=3, pdl=True))   launched as a programmatic dependent (sm_90+)
+    why_not(pw, x, M, config)                       None if the kernel takes this (weight, input), else the reason
+
+Two kernels: the x-staging one (NB = 0; 4/8-bit, M <= 64: x staged in shared memory in mma-fragment order) and the
+warp-split one (NB > 0; 4-bit, M <= 8: a block's warps split K, each lane's x from L1, a ring of NB chunks per
+warp, the offset out of the inner loop). pdl: the kernel prefetches its first weight lines into L2, then waits for
+the previous kernel (griddepcontrol) before it reads x or writes anything; launched with programmatic stream
+serialization, so its launch overlaps the previous kernel's tail.
 
 The kernel (kernels/cuda/weight_small_m.cu) reads lowbit's PackedWeight as it is (pw.layout: 4-bit
 compressed-tensors int32 words [N, K/8], 8-bit int8 [N, K], scale [G, N], zero int8 [G, N]): no repack, so
@@ -13,12 +21,13 @@ Build cache: ~/.cache/lowbit/cuda (or the temp dir when home is not writable), o
 (source, `nvcc --version`, arch, flags); a build writes a temporary name and renames it, so processes
 building at once never read a half-written library.
 
-Launch geometry (CudaConfig): a block of `warps` warps, each warp RT tiles of 16 weight rows (RT 4 only for
-M <= 16); K split across SPLITK blocks (0: as many as keep the grid within `waves` (2) x the SMs). A block
+Launch geometry (CudaConfig), x-staging kernel: a block of `warps` warps, each warp RT tiles of 16 weight rows (RT 4
+only for M <= 16); K split across SPLITK blocks (0: as many as keep the grid within `waves` (2) x the SMs). A block
 stages x, 16 * MT bytes per k (MT = 1, 2, 4, 8 for M <= 8, 16, 32, 64), in windows of its K range of as many
 chunks as SMEM_CAP holds; up to M 16 the split is raised until the whole range is one window. A K chunk is
 4 lanes x LW words, LW in {4, 2, 1} the largest with chunk | group and chunk | K, so every chunk has one
-scale (4-bit: chunk 32 * LW, so g128 / g64 / g32 get LW 4 / 2 / 1; 8-bit: chunk 16 * LW).
+scale (4-bit: chunk 32 * LW, so g128 / g64 / g32 get LW 4 / 2 / 1; 8-bit: chunk 16 * LW). Warp-split kernel: a
+block of `warps` warps on 16 * RT rows, its K range split across them chunk by chunk (plan_warp_split).
 """
 
 from __future__ import annotations
