@@ -12,7 +12,7 @@ exploration W4A8 takes W8A8's cells. An "a16-xq:PATH:CONFIG" candidate (A8 weigh
 A16 path, lowbit.kernels.weight_dispatch.linear_via_a16) is tabled as path a16-xq, config PATH:CONFIG.
 Where the CUDA small-M kernel (path "cuda", M <= 64) wins a bucket, the best other candidate follows it
 as a second cell for the same M: the dispatch falls through to it for a weight or input the CUDA kernel
-does not take (or a machine without nvcc); behind a warp-split winner (cuda-ws-*, 4-bit, M <= 8) the best
+does not take (or a machine without nvcc); behind a warp-split winner (cuda-ws-*, 4-bit, M <= 16) the best
 x-staging CUDA candidate comes first.
 
 Shape cells: for every weight shape timed at a bucket's representative M (the table's three, and any other an
@@ -31,7 +31,7 @@ import sys
 BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 8, 8), (9, 16, 16), (17, 32, 32), (33, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
 SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
 CUDA_M_MAX = 64  # lowbit.kernels.weight_cuda.M_MAX
-WS_M_MAX = 8  # lowbit.kernels.weight_cuda.WARP_SPLIT_M_MAX
+WS_M_MAX = 16  # lowbit.kernels.weight_cuda.WARP_SPLIT_M_MAX
 SHAPE_GAIN = 1.03
 KIND = {"w4a16-g128": "w4a16", "w8a16": "w8a16", "w8a8": "w8a8", "w4a8-g128": "w4a8"}
 

@@ -2,14 +2,15 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-pdl | --cuda-quick | --a8 | --a8-split
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --a8 | --a8-split
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
 the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
 
---cuda-ws: the warp-split CUDA kernel (4-bit, M <= 8; CudaConfig.NB > 0) in its instances beside the x-staging
-kernel, W4A16 g128 and g64-asym at M 1/2/4/8, with cuBLAS bf16 on N/4 rows (the packed weight's bytes) at M=1.
+--cuda-ws: the warp-split CUDA kernel (4-bit, M <= 16; CudaConfig.NB > 0) in its instances beside the x-staging
+kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (the packed weight's bytes) at M=1.
+--cuda-ws16: the same at M = 16 alone (the two-activation-tile instances), every launch with PDL.
 
 --cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
 
@@ -232,10 +233,12 @@ def explore_cuda_ws(rows, log):
     t0 = time.time()
     for scheme in ("w4a16-g128", "w4a16-g64-asym"):
         for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
-            for M in (1, 2, 4, 8):
-                row = explore_cell(scheme, shape, K, N, M, [CudaConfig(2, 8, 0), *ws_configs()], "cuda-ws", log, t0)
+            for M in (1, 2, 4, 8, 16):
+                cfgs = [CudaConfig(2, 8, 0) if M <= 8 else CudaConfig(1, 8, 0),
+                        *(c for c in ws_configs() if M <= 8 or (c.RT, c.NB) in weight_cuda.WARP_SPLIT_SHAPES_MT2)]
+                row = explore_cell(scheme, shape, K, N, M, cfgs, "cuda-ws", log, t0)
                 pw = random_weight(scheme, N, K, "cuda")
-                row["blocks_per_sm"] = {c.name: weight_cuda.warp_split_occupancy(pw, M, c, "cuda") for c in ws_configs()}
+                row["blocks_per_sm"] = {c.name: weight_cuda.warp_split_occupancy(pw, M, c, "cuda") for c in cfgs if c.NB}
                 del pw
                 if M == 1:
                     ws = [torch.randn(N // 4, K, device="cuda", dtype=torch.bfloat16) for _ in range(n_buffers(
@@ -245,6 +248,27 @@ def explore_cuda_ws(rows, log):
                     log(f"  cuBLAS bf16 on N/4 = {N // 4} rows (the W4 bytes): {row['bf16_quarter_ms'] * 1e3:.1f} us")
                     del ws
                 rows.append(row)
+
+
+def explore_cuda_ws16(rows, log):
+    """--cuda-ws16: the 9-16 bucket (M = 16) only: the warp-split kernel with two activation tiles (its MT 2
+    instances) beside the x-staging kernel's launches, every one with programmatic dependent launch as the table's
+    CUDA cells run, W4A16 g128 and g64-asym on the 8B and fused shapes."""
+    from dataclasses import replace
+
+    from lowbit.kernels import weight_cuda
+
+    t0 = time.time()
+    xs = [CudaConfig(1, 8, 0), CudaConfig(2, 8, 0), CudaConfig(1, 4, 0)]
+    ws = [c for c in ws_configs() if (c.RT, c.NB) in weight_cuda.WARP_SPLIT_SHAPES_MT2]
+    cfgs = [replace(c, pdl=True) for c in xs + ws]
+    for scheme in ("w4a16-g128", "w4a16-g64-asym"):
+        for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
+            row = explore_cell(scheme, shape, K, N, 16, cfgs, "cuda-ws", log, t0)
+            pw = random_weight(scheme, N, K, "cuda")
+            row["blocks_per_sm"] = {c.name: weight_cuda.warp_split_occupancy(pw, 16, c, "cuda") for c in cfgs if c.NB}
+            del pw
+            rows.append(row)
 
 
 def explore_cuda_pdl(rows, log):
@@ -420,6 +444,8 @@ if __name__ == "__main__":
             explore_cuda_pdl(res["explore"], print)
         if "--cuda-ws" in sys.argv:
             explore_cuda_ws(res["explore"], print)
+        if "--cuda-ws16" in sys.argv:
+            explore_cuda_ws16(res["explore"], print)
         if "--cuda-quick" in sys.argv:
             explore_cuda_quick(res["explore"], print)
         if "--final" in sys.argv:
@@ -435,7 +461,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split", "--swap")
+        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

@@ -321,12 +321,17 @@ def test_warp_split_names_conditions_and_plan():
     assert CudaConfig.from_name("cuda-rt2-w8-sk0-wv4-pdl") == CudaConfig(2, 8, 0, 4, pdl=True)
     w4, w8 = random_weight("w4a16-g128", 33, 256, "cpu"), random_weight("w8a16", 33, 256, "cpu")
     assert wc.why_not(w4, torch.bfloat16, 8, cfg) is None
-    assert "M=9" in wc.why_not(w4, torch.bfloat16, 9, cfg)
-    assert wc.why_not(w4, torch.bfloat16, 9) is None  # the x-staging kernel still takes M 9
+    assert wc.why_not(w4, torch.bfloat16, 16, cfg) is None  # two activation tiles
+    assert "M=17" in wc.why_not(w4, torch.bfloat16, 17, cfg)
+    assert "at M=9" in wc.why_not(w4, torch.bfloat16, 9, CudaConfig(1, 8, 0, NB=6))  # no MT 2 instance of NB 6
+    assert wc.why_not(w4, torch.bfloat16, 17) is None  # the x-staging kernel still takes M 17
     assert "4-bit only" in wc.why_not(w8, torch.bfloat16, 1, cfg)
     assert "no warp-split instance" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(2, 8, 0, NB=6))
     d = Dispatch([Cell("w4a16", 1, 16, "cuda", cfg), Cell("w4a16", 1, 16, "triton", GemmConfig())], "test")
-    assert d.choose("w4a16", 9, w4, torch.bfloat16).path == "triton"  # above M 8 the cell is passed over
+    assert d.choose("w4a16", 9, w4, torch.bfloat16).path == ("cuda" if wc.nvcc_missing() is None else "triton")
+    d6 = Dispatch([Cell("w4a16", 1, 16, "cuda", CudaConfig(1, 8, 0, NB=6)), Cell("w4a16", 1, 16, "triton", GemmConfig())],
+                  "test")
+    assert d6.choose("w4a16", 9, w4, torch.bfloat16).path == "triton"  # no instance at M 9: passed over
     if wc.nvcc_missing() is None:
         assert d.choose("w4a16", 8, w4, torch.bfloat16).config == cfg
     gate = random_weight("w4a16-g128", 14336, 4096, "cpu")
@@ -341,6 +346,7 @@ def test_warp_split_names_conditions_and_plan():
     p = wc.plan_warp_split(kv, 1, CudaConfig(1, 16, 64, NB=4), sms=132)
     assert p.splitk == 4 and p.chunks_per_split >= 16  # every split keeps at least one chunk per warp
     assert p.smem == 16 * 16 * 8 * 4  # the warps' partials (x is read from L1, not staged)
+    assert wc.plan_warp_split(kv, 12, CudaConfig(1, 16, 64, NB=4), sms=132).smem == 2 * p.smem  # 16 activation rows
 
 
 @gpu
@@ -348,15 +354,15 @@ def test_warp_split_names_conditions_and_plan():
 @pytest.mark.parametrize("scheme", ["w4a16-g128", "w4a16-g64-asym", "w4a16-g32"])
 @pytest.mark.parametrize("N,K", [(1001, 1024), (999, 4096), (4096, 14336)])
 def test_gpu_warp_split_matches_twin(scheme, N, K):
-    """Every (RT, NB, warps, split) instance vs the twin at M 1, 3, 8 on odd N (bias on one shape), deterministic
-    across calls."""
+    """Every (RT, NB, warps, split) instance vs the twin at M 1, 3, 8, and those with two activation tiles at 9,
+    13, 16, on odd N (bias on one shape), deterministic across calls."""
     pw = random_weight(scheme, N, K, "cuda", seed=N + K)
     if N == 1001:
         pw.bias = torch.randn(N, device="cuda").bfloat16()
-    for M in (1, 3, 8):
+    for M in (1, 3, 8, 9, 13, 16):
         x = torch.randn(M, K, device="cuda").bfloat16()
         ref = wg.linear_twin(x, pw, torch.float32)
-        for cfg in WS_CONFIGS:
+        for cfg in (c for c in WS_CONFIGS if wc.why_not(pw, x.dtype, M, c) is None):
             y = wc.linear(x, pw, cfg, torch.float32)
             assert torch.isfinite(y).all(), (scheme, M, cfg)
             assert rel(y, ref) < 1e-4, (scheme, M, cfg.name, rel(y, ref))  # (128 + c) x - (136 + z) sum x in fp32
@@ -422,7 +428,7 @@ def test_gpu_pdl_chain_in_a_graph_reads_the_previous_output(cfg):
 
 
 def _emulate_warp_split(x, pw, lw, nw, n0=0):
-    """One block of the warp-split kernel (RT 1, 4-bit, M <= 8) in torch, as the .cu writes it: warp w takes chunks
+    """One block of the warp-split kernel (RT 1, 4-bit, M <= 16: one or two B tiles) in torch, as the .cu writes it: warp w takes chunks
     w, w + nw, ...; each lane's B fragment from its own x words ((k0, k4), (k1, k5) / (k2, k6), (k3, k7)); A holds
     128 + c (no offset); an all-ones A sums x; acc += s * (part - (136 + z) * xsum) per chunk; the warps' partials
     summed in order. -> [M, 16]"""
@@ -430,27 +436,30 @@ def _emulate_warp_split(x, pw, lw, nw, n0=0):
     ck, wpc = 32 * lw, 4 * lw
     words = pw.qweight.to(torch.int64) & 0xFFFFFFFF  # [N, K/8]
     rows = [min(n0 + r, pw.N - 1) for r in range(16)]
-    xd = torch.zeros(8, K, dtype=torch.float64)
+    mt = 1 if M <= 8 else 2
+    xd = torch.zeros(8 * mt, K, dtype=torch.float64)
     xd[:M] = x.double()
-    total = torch.zeros(16, 8, dtype=torch.float64)
+    total = torch.zeros(16, 8 * mt, dtype=torch.float64)
     for w in range(nw):
-        acc = torch.zeros(16, 8, dtype=torch.float64)
+        acc = torch.zeros(16, 8 * mt, dtype=torch.float64)
         for c in range(w, K // ck, nw):
             grp = c * ck // pw.group
             sc = torch.tensor([float(pw.scale[grp, r]) for r in rows], dtype=torch.float64)
             z = torch.tensor([0 if pw.zero is None else int(pw.zero[grp, r]) for r in rows], dtype=torch.float64)
-            part = torch.zeros(16, 8, dtype=torch.float64)
-            xsum = torch.zeros(8, dtype=torch.float64)
+            part = torch.zeros(16, 8 * mt, dtype=torch.float64)
+            xsum = torch.zeros(8 * mt, dtype=torch.float64)
             for j in range(lw):
                 for hs in range(2):
                     A = torch.zeros(16, 16, dtype=torch.float64)
-                    B = torch.zeros(16, 8, dtype=torch.float64)
+                    B = torch.zeros(16, 8 * mt, dtype=torch.float64)  # the MT B tiles side by side
                     for lane in range(32):
                         gid, tig = lane >> 2, lane & 3
                         wi = c * wpc + tig * lw + j  # the word this lane loaded (rows gid, gid + 8)
-                        v = xd[gid, 8 * wi:8 * wi + 8]
-                        b = v[[0, 4, 1, 5]] if hs == 0 else v[[2, 6, 3, 7]]
-                        B[2 * tig, gid], B[2 * tig + 1, gid], B[2 * tig + 8, gid], B[2 * tig + 9, gid] = b
+                        for t in range(mt):  # activation row gid + 8 t from this lane's own x loads
+                            v = xd[gid + 8 * t, 8 * wi:8 * wi + 8]
+                            b = v[[0, 4, 1, 5]] if hs == 0 else v[[2, 6, 3, 7]]
+                            col = gid + 8 * t
+                            B[2 * tig, col], B[2 * tig + 1, col], B[2 * tig + 8, col], B[2 * tig + 9, col] = b
                         for r in (gid, gid + 8):
                             wd = int(words[rows[r], wi])
                             lo, hi = 8 * hs, 8 * hs + 4  # nib_pair(w >> sh): bits 0-3 and 16-19 of the shifted word
@@ -469,9 +478,14 @@ def test_warp_split_emulated_matches_twin(scheme, K, nw):
     the warps, K chunks not a multiple of the warps) compute the twin's function: the CPU check of the design."""
     pw = random_weight(scheme, 21, K, "cpu", seed=K + nw)
     lw = wc.words_per_lane(4, K, pw.group)
-    x = torch.randn(5, K).bfloat16()
+    for M in (5, 13):
+        _check_emulated_warp_split(pw, lw, nw, M)
+
+
+def _check_emulated_warp_split(pw, lw, nw, M):
+    x = torch.randn(M, pw.K).bfloat16()
     ref = wg.linear_twin(x, pw, torch.float32).double()
     for n0 in (0, 16):
         y = _emulate_warp_split(x, pw, lw, nw, n0)
         n = min(16, 21 - n0)
-        assert rel(y[:, :n], ref[:, n0:n0 + n]) < 1e-6, (scheme, lw, n0)  # the twin sums in fp32
+        assert rel(y[:, :n], ref[:, n0:n0 + n]) < 1e-6, (lw, M, n0)  # the twin sums in fp32

@@ -1,12 +1,12 @@
 """CUDA C++ weight-only GEMM for small M (decode, 1 <= M <= 64): built once with nvcc, called via ctypes.
 
     y = linear(x, pw, CudaConfig(RT=2, warps=4))    x [M, K] bf16 -> y [M, N] (bf16 / fp16 / fp32 out)
-    y = linear(x, pw, CudaConfig(2, 4, NB=3))       the warp-split kernel (4-bit, M <= 8)
+    y = linear(x, pw, CudaConfig(2, 4, NB=3))       the warp-split kernel (4-bit, M <= 16)
     y = linear(x, pw, CudaConfig(2, 4, NB=3, pdl=True))   launched as a programmatic dependent (sm_90+)
     why_not(pw, x, M, config)                       None if the kernel takes this (weight, input), else the reason
 
 Two kernels: the x-staging one (NB = 0; 4/8-bit, M <= 64: x staged in shared memory in mma-fragment order) and the
-warp-split one (NB > 0; 4-bit, M <= 8: a block's warps split K, each lane's x from L1, a ring of NB chunks per
+warp-split one (NB > 0; 4-bit, M <= 16, two activation tiles above 8: a block's warps split K, each lane's x from L1, a ring of NB chunks per
 warp, the offset out of the inner loop). pdl: the kernel prefetches its first weight lines into L2, then waits for
 the previous kernel (griddepcontrol) before it reads x or writes anything; launched with programmatic stream
 serialization, so its launch overlaps the previous kernel's tail.
@@ -183,7 +183,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I,
                                          ctypes.c_ulonglong, ctypes.POINTER(I)]
     lib.lowbit_wq_warp_split.restype = I
-    lib.lowbit_wq_warp_split_smem.argtypes = [I, I]
+    lib.lowbit_wq_warp_split_smem.argtypes = [I, I, I]
     lib.lowbit_wq_warp_split_smem.restype = I
     lib.lowbit_wq_small_m_smem.argtypes = [I, I, I, I]
     lib.lowbit_wq_small_m_smem.restype = I
@@ -223,8 +223,9 @@ def words_per_lane(bits: int, K: int, group: int) -> int | None:
     return None
 
 
-WARP_SPLIT_M_MAX = 8
-WARP_SPLIT_SHAPES = {(1, 3), (1, 4), (1, 6), (2, 3), (2, 4)}  # (RT, NB) instances in the library
+WARP_SPLIT_M_MAX = 16
+WARP_SPLIT_SHAPES = {(1, 3), (1, 4), (1, 6), (2, 3), (2, 4)}  # (RT, NB) instances in the library, M <= 8
+WARP_SPLIT_SHAPES_MT2 = {(1, 3), (1, 4), (2, 3)}  # and for 9 <= M <= 16 (two activation tiles)
 
 
 def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: CudaConfig | None = None) -> str | None:
@@ -235,8 +236,9 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: CudaConfig
             return f"the warp-split CUDA kernel is 4-bit only, not {pw.kind}"
         if M is not None and M > WARP_SPLIT_M_MAX:
             return f"the warp-split CUDA kernel covers 1 <= M <= {WARP_SPLIT_M_MAX}, got M={M}"
-        if (config.RT, config.NB) not in WARP_SPLIT_SHAPES or config.warps not in (4, 8, 16):
-            return f"no warp-split instance for {config.name}"
+        shapes = WARP_SPLIT_SHAPES_MT2 if M is not None and M > 8 else WARP_SPLIT_SHAPES
+        if (config.RT, config.NB) not in shapes or config.warps not in (4, 8, 16):
+            return f"no warp-split instance for {config.name}" + (f" at M={M}" if M is not None and M > 8 else "")
     if pw.a_bits != 16 or pw.bits not in (4, 8):
         return f"the CUDA small-M kernel is weight-only A16 with 4- or 8-bit weights, not {pw.kind}"
     if x_dtype != torch.bfloat16:
@@ -288,9 +290,10 @@ def plan(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
     return Plan(lw, cps, xs, sk, row_blocks, xs * per_chunk)
 
 
-def warp_split_smem(cfg: CudaConfig) -> int:
-    """Shared memory of one warp-split block (the .cu's warp_split_smem): the warps' fp32 partials [warps][16 RT][8]."""
-    return cfg.warps * cfg.RT * 16 * 8 * 4
+def warp_split_smem(cfg: CudaConfig, M: int = 1) -> int:
+    """Shared memory of one warp-split block (the .cu's warp_split_smem): the warps' fp32 partials
+    [warps][16 RT][8 MT], MT = 2 above M 8."""
+    return cfg.warps * cfg.RT * 16 * 8 * (2 if M > 8 else 1) * 4
 
 
 def plan_warp_split(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
@@ -303,7 +306,7 @@ def plan_warp_split(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
     sk = max(1, min(sk, nch // cfg.warps or 1, 64))
     cps = math.ceil(nch / sk)
     sk = math.ceil(nch / cps)
-    return Plan(lw, cps, 0, sk, row_blocks, warp_split_smem(cfg))
+    return Plan(lw, cps, 0, sk, row_blocks, warp_split_smem(cfg, M))
 
 
 def warp_split_occupancy(pw, M: int, cfg: CudaConfig, device) -> int:

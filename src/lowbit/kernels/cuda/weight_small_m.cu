@@ -402,7 +402,7 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
 }
 
 
-// ---- 4-bit, M <= 8: the K range split across a block's warps (decode's batch-1 GEMV) -----------------------------
+// ---- 4-bit, M <= 16: the K range split across a block's warps (decode's small-batch GEMV) ---------------------
 // The same mma fragments as wq_small_m, arranged so more of the weight is in flight per SM and less work sits
 // outside the loads: (1) each lane builds its B fragment from its own 16-byte loads of x (L1-resident; lanes of
 // activation rows >= M hold zeros), so there is no shared-memory staging and no barrier before the first mma (x
@@ -415,8 +415,10 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
 // weights), one more mma with an all-ones A sums x, and q - z = (128 + c) - (136 + z) is applied once per chunk and
 // row (both sums fp32; the integers are exact).
 //
-// Shared memory: the warps' partials [W][16 RT][8] fp32.
-template <int LW, int RT, int NB, bool ZP>
+// MT activation tiles of 8 rows (1: M <= 8, 2: M <= 16) share each dequantized A fragment.
+//
+// Shared memory: the warps' partials [W][16 RT][8 MT] fp32.
+template <int LW, int RT, int NB, bool ZP, int MT>
 __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
   constexpr int CK = 4 * LW * 8;  // k per chunk
   constexpr int WPC = 4 * LW;     // words per row per chunk
@@ -441,8 +443,14 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
       rown[rt][h] = n_block + rt * 16 + gid + 8 * h;
       rowp[rt][h] = p.qw + (long long)min(rown[rt][h], p.N - 1) * wpr + (long long)c_begin * WPC + tig * LW;
     }
-  const bool has_x = gid < p.M;
-  const uint4* xp = reinterpret_cast<const uint4*>(p.x + (long long)min(gid, p.M - 1) * p.ldx + (long long)c_begin * CK) + tig * LW;
+  bool has_x[MT];
+  const uint4* xp[MT];
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+    has_x[t] = gid + 8 * t < p.M;
+    xp[t] = reinterpret_cast<const uint4*>(p.x + (long long)min(gid + 8 * t, p.M - 1) * p.ldx + (long long)c_begin * CK) +
+            tig * LW;
+  }
 
   uint32_t bw[NB][RT][2][LW];
   uint32_t bs[NB][RT][2];
@@ -461,36 +469,53 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
       }
   };
 
-  float acc[RT][4];
+  float acc[RT][MT][4];
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[rt][i] = 0.f;
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[rt][t][i] = 0.f;
   const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16x2 (1, 1)
 
   auto compute = [&](int b, int i) {
-    uint4 xv[LW];
+    uint4 xv[MT][LW];
 #pragma unroll
-    for (int j = 0; j < LW; ++j) xv[j] = has_x ? __ldg(xp + (long long)i * nw * (CK / 8) + j) : make_uint4(0u, 0u, 0u, 0u);
-    float part[RT][4], xsum[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int t = 0; t < MT; ++t)
 #pragma unroll
-    for (int rt = 0; rt < RT; ++rt)
+      for (int j = 0; j < LW; ++j)
+        xv[t][j] = has_x[t] ? __ldg(xp[t] + (long long)i * nw * (CK / 8) + j) : make_uint4(0u, 0u, 0u, 0u);
+    float part[RT][MT][4], xsum[MT][4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) part[rt][q] = 0.f;
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        xsum[t][q] = 0.f;
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) part[rt][t][q] = 0.f;
+      }
 #pragma unroll
     for (int j = 0; j < LW; ++j) {
       // word j's 8 k: step 0 takes (k0, k4), (k1, k5); step 1 (k2, k6), (k3, k7) (wq_small_m's stage order)
-      const uint32_t bx[4] = {__byte_perm(xv[j].x, xv[j].z, 0x5410), __byte_perm(xv[j].x, xv[j].z, 0x7632),
-                              __byte_perm(xv[j].y, xv[j].w, 0x5410), __byte_perm(xv[j].y, xv[j].w, 0x7632)};
+      uint32_t bx[MT][4];
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+        bx[t][0] = __byte_perm(xv[t][j].x, xv[t][j].z, 0x5410);
+        bx[t][1] = __byte_perm(xv[t][j].x, xv[t][j].z, 0x7632);
+        bx[t][2] = __byte_perm(xv[t][j].y, xv[t][j].w, 0x5410);
+        bx[t][3] = __byte_perm(xv[t][j].y, xv[t][j].w, 0x7632);
+      }
 #pragma unroll
       for (int hs = 0; hs < 2; ++hs) {
-        mma_bf16(xsum, ones, bx[2 * hs], bx[2 * hs + 1]);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) mma_bf16(xsum[t], ones, bx[t][2 * hs], bx[t][2 * hs + 1]);
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
           const uint32_t wa = bw[b][rt][0][j], wb = bw[b][rt][1][j];
           const uint32_t a[4] = {nib_pair(wa >> (8 * hs)), nib_pair(wb >> (8 * hs)), nib_pair(wa >> (8 * hs + 4)),
                                  nib_pair(wb >> (8 * hs + 4))};
-          mma_bf16(part[rt], a, bx[2 * hs], bx[2 * hs + 1]);
+#pragma unroll
+          for (int t = 0; t < MT; ++t) mma_bf16(part[rt][t], a, bx[t][2 * hs], bx[t][2 * hs + 1]);
         }
       }
     }
@@ -500,8 +525,11 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
       for (int h = 0; h < 2; ++h) {
         const float sc = raw_to_float(bs[b][rt][h], p.scale_kind);
         const float off = 136.f + (float)bz[b][rt][h];
-        acc[rt][2 * h] = fmaf(sc, fmaf(-off, xsum[0], part[rt][2 * h]), acc[rt][2 * h]);
-        acc[rt][2 * h + 1] = fmaf(sc, fmaf(-off, xsum[1], part[rt][2 * h + 1]), acc[rt][2 * h + 1]);
+#pragma unroll
+        for (int t = 0; t < MT; ++t) {
+          acc[rt][t][2 * h] = fmaf(sc, fmaf(-off, xsum[t][0], part[rt][t][2 * h]), acc[rt][t][2 * h]);
+          acc[rt][t][2 * h + 1] = fmaf(sc, fmaf(-off, xsum[t][1], part[rt][t][2 * h + 1]), acc[rt][t][2 * h + 1]);
+        }
       }
   };
 
@@ -528,18 +556,20 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
     }
   }
 
-  // C fragment: acc[rt][i] is (weight row rt * 16 + gid + 8 * (i >= 2), activation row 2 tig + (i & 1))
+  // C fragment: acc[rt][t][i] is (weight row rt * 16 + gid + 8 * (i >= 2), activation row 8 t + 2 tig + (i & 1))
 #pragma unroll
   for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
-      red[(warp * rows_per_block + rt * 16 + gid + 8 * (i >> 1)) * 8 + 2 * tig + (i & 1)] = acc[rt][i];
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        red[(warp * rows_per_block + rt * 16 + gid + 8 * (i >> 1)) * 8 * MT + 8 * t + 2 * tig + (i & 1)] = acc[rt][t][i];
   __syncthreads();
   for (int idx = threadIdx.x; idx < rows_per_block * p.M; idx += blockDim.x) {
     const int m = idx / rows_per_block, r = idx - m * rows_per_block, n = n_block + r;
     if (n >= p.N) continue;
     float v = 0.f;
-    for (int w = 0; w < nw; ++w) v += red[(w * rows_per_block + r) * 8 + m];
+    for (int w = 0; w < nw; ++w) v += red[(w * rows_per_block + r) * 8 * MT + m];
     if (p.splitk == 1) {
       if (p.bias) v += ld_scalar(p.bias, p.bias_kind, n);
       st_out(p.y, p.out_kind, (long long)m * p.ldy + n, v);
@@ -551,12 +581,12 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
 }
 
 // Dynamic shared memory of one wq_warp_split block: the warps' partials.
-static int warp_split_smem(int rt, int warps) { return warps * rt * 16 * 8 * 4; }
+static int warp_split_smem(int rt, int warps, int mt) { return warps * rt * 16 * 8 * mt * 4; }
 
-template <int LW, int RT, int NB, bool ZP>
+template <int LW, int RT, int NB, bool ZP, int MT>
 int launch_warp_split(const Params& p, int warps, cudaStream_t stream, int* occupancy) {
-  auto kern = wq_warp_split<LW, RT, NB, ZP>;
-  const int smem = warp_split_smem(RT, warps);
+  auto kern = wq_warp_split<LW, RT, NB, ZP, MT>;
+  const int smem = warp_split_smem(RT, warps, MT);
   static int smem_set[64] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
@@ -575,14 +605,22 @@ int launch_warp_split(const Params& p, int warps, cudaStream_t stream, int* occu
 
 template <int LW, bool ZP>
 int warp_split_by_rt_nb(const Params& p, int rt, int nb, int warps, cudaStream_t s, int* occ) {
+  const bool two = p.M > 8;  // MT 2: rows 8-15 of the activations in a second B tile
 #ifdef LOWBIT_COMPILE_CHECK
-  if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP>(p, warps, s, occ);
+  if (rt == 1 && nb == 4) return two ? launch_warp_split<LW, 1, 4, ZP, 2>(p, warps, s, occ)
+                                     : launch_warp_split<LW, 1, 4, ZP, 1>(p, warps, s, occ);
 #else
-  if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP>(p, warps, s, occ);
-  if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP>(p, warps, s, occ);
-  if (rt == 1 && nb == 6) return launch_warp_split<LW, 1, 6, ZP>(p, warps, s, occ);
-  if (rt == 2 && nb == 3) return launch_warp_split<LW, 2, 3, ZP>(p, warps, s, occ);
-  if (rt == 2 && nb == 4) return launch_warp_split<LW, 2, 4, ZP>(p, warps, s, occ);
+  if (!two) {
+    if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP, 1>(p, warps, s, occ);
+    if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 1>(p, warps, s, occ);
+    if (rt == 1 && nb == 6) return launch_warp_split<LW, 1, 6, ZP, 1>(p, warps, s, occ);
+    if (rt == 2 && nb == 3) return launch_warp_split<LW, 2, 3, ZP, 1>(p, warps, s, occ);
+    if (rt == 2 && nb == 4) return launch_warp_split<LW, 2, 4, ZP, 1>(p, warps, s, occ);
+  } else {
+    if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP, 2>(p, warps, s, occ);
+    if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 2>(p, warps, s, occ);
+    if (rt == 2 && nb == 3) return launch_warp_split<LW, 2, 3, ZP, 2>(p, warps, s, occ);
+  }
 #endif
   return -6;
 }
@@ -697,17 +735,17 @@ int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* 
   return -1;
 }
 
-// y = x @ W^T for 4-bit weights and 1 <= M <= 8 through wq_warp_split (warps per block 4, 8 or 16; rt 1 or 2 row
+// y = x @ W^T for 4-bit weights and 1 <= M <= 16 through wq_warp_split (warps per block 4, 8 or 16; rt 1 or 2 row
 // tiles per warp; nb chunks in each warp's ring; zero-points iff zero != null). Same return codes as above, -6: no
-// instance for this (rt, nb). With occupancy != null nothing is launched: *occupancy = blocks per SM.
-int lowbit_wq_warp_split_smem(int rt, int warps) { return warp_split_smem(rt, warps); }
+// instance for this (rt, nb, M). With occupancy != null nothing is launched: *occupancy = blocks per SM.
+int lowbit_wq_warp_split_smem(int rt, int warps, int M) { return warp_split_smem(rt, warps, M > 8 ? 2 : 1); }
 
 int lowbit_wq_warp_split(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
                          const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
                          float* ws, unsigned* counters, int M, int N, int K, int group, int lw, int rt, int nb,
                          int warps, int chunks_per_split, int splitk, int pdl, unsigned long long stream,
                          int* occupancy) {
-  if (M < 1 || M > 8) return -1;
+  if (M < 1 || M > 16) return -1;
   if (warps != 4 && warps != 8 && warps != 16) return -4;
   const Params p = make_params(x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters, M, N,
                                K, group, chunks_per_split, 0, splitk, pdl);
@@ -727,7 +765,7 @@ const char* lowbit_cuda_error_string(int code) {
   if (code == -3) return "no instance for this words-per-lane (1, 2 or 4)";
   if (code == -4) return "no instance for this warps-per-block (2, 4 or 8)";
   if (code == -5) return "xs_chunks must be >= 1";
-  if (code == -6) return "no warp-split instance for this (rows-per-warp, ring depth)";
+  if (code == -6) return "no warp-split instance for this (rows-per-warp, ring depth, M)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
