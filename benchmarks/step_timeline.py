@@ -3,10 +3,10 @@ with the profiler's kernel timeline kept (kernels per step, the step's span on t
 consecutive kernels, and the kernels the longest idle gaps come before).
 
     python3 benchmarks/step_timeline.py OUT.json [--path lowbit-w4a16-int2-compiled] [--batch 1] [--length 32k]
-                                         [--inductor-pdl]
+                                         [--inductor-pdl auto|on|off]
 
---inductor-pdl: the compiled step with Inductor's programmatic-dependent-launch codegen (compile_decode's
-inductor_pdl; off by default: see benchmarks/NOTES.md, round 9).
+--inductor-pdl: the compiled step with or without Inductor's programmatic-dependent-launch codegen (compile_decode's
+inductor_pdl; auto, the default, is the runtime's: on where torch has it; see benchmarks/NOTES.md, rounds 9-10).
 
 It wraps lowbit.runtime.bench's profiler call (the same replays `gpu_ms_per_step` comes from) and adds a
 "timeline" field to each row; the rest of the JSON is bench decode's.
@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("--path", default="lowbit-w4a16-int2-compiled")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--length", default="32k")
-    ap.add_argument("--inductor-pdl", action="store_true")
+    ap.add_argument("--inductor-pdl", choices=("auto", "on", "off"), default="auto")
     a = ap.parse_args()
     L = int(a.length[:-1]) * 1024 if a.length.endswith("k") else int(a.length)
     rb.LAST_TIMELINE = None
@@ -64,7 +64,7 @@ def main() -> None:
         return row
 
     rb._gpu_busy, rb._time_lowbit_row = timeline, with_timeline
-    res = rb.run("llama3-8b", [a.batch], [L], [a.path], steps=10, inductor_pdl=a.inductor_pdl)
+    res = rb.run("llama3-8b", [a.batch], [L], [a.path], steps=10, inductor_pdl={"auto": None, "on": True, "off": False}[a.inductor_pdl])
     for r in res["rows"]:
         t = r.get("timeline") or {}
         print(f"{r['path']} B{r['B']}: {r['ms_per_step']:.3f} ms/step, kernels/step {t.get('kernels_per_step')}, "

@@ -119,6 +119,13 @@ def test_inductor_pdl_is_an_inductor_option_with_a_clear_error():
         compile_decode(ModelStep(m), cache, backend="aot_eager", inductor_pdl=True)
     assert st.inductor_pdl_missing() is None  # torch 2.11 (the GPU host) and 2.13 (here) have the option
     compile_decode(ModelStep(m), cache, backend="inductor", inductor_pdl=True)  # lazily compiled: nothing runs yet
+    # the default (None) resolves once: on for Inductor where torch has it, off for any other backend; asked-for
+    # values stay as asked
+    assert st.resolve_inductor_pdl(None, "inductor") is True
+    assert st.resolve_inductor_pdl(None, "aot_eager") is False
+    assert st.resolve_inductor_pdl(False, "inductor") is False
+    with pytest.raises(LowbitError, match="backend is not inductor"):
+        st.resolve_inductor_pdl(True, "aot_eager")
 
 
 def test_packed_linear_traces_as_one_op():

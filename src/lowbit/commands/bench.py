@@ -65,9 +65,10 @@ def add_arguments(parser) -> None:
                         help="decode: the lowbit runtime rows with V's rotation applied by the cache instead of folded "
                              "into v_proj / o_proj (what the runtime runs on CUDA by default; rows record "
                              "folded_value_rotation)")
-    parser.add_argument("--inductor-pdl", action="store_true",
-                        help="decode: the compiled rows with Inductor's programmatic-dependent-launch codegen (torch's "
-                             "prototype config.triton.enable_pdl; rows record it in ran.compile)")
+    parser.add_argument("--inductor-pdl", choices=("auto", "on", "off"), default="auto",
+                        help="decode: Inductor's programmatic-dependent-launch codegen in the compiled rows (torch's "
+                             "prototype config.triton.enable_pdl): auto (default) = on where this torch has it, as the "
+                             "runtime runs; rows record it in ran.compile")
     parser.add_argument("--prefill", type=int, default=0, metavar="TOKENS",
                         help="decode: also time the prefill of one prompt of this many tokens (default 0: no)")
     parser.add_argument("--batch", default="1,16,64", help="batch sizes (default 1,16,64)")
@@ -162,7 +163,7 @@ def run(args) -> int:
         res = e2e.run(args.geometry or "llama3-8b", _ints(args.batch), _ints(args.length),
                       tuple(p.strip() for p in args.paths.split(",") if p.strip()), steps=args.steps,
                       prefill_len=args.prefill, fuse=not args.no_fuse, fold=not args.no_fold,
-                      inductor_pdl=args.inductor_pdl)
+                      inductor_pdl={"auto": None, "on": True, "off": False}[args.inductor_pdl])
         write_new(path, res)
         print(f"wrote {path}")
         return 0

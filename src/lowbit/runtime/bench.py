@@ -180,7 +180,7 @@ def _fill_static(cache, L: int, gen) -> None:
     cache.lens.fill_(L)
 
 
-def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor_pdl=False):
+def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor_pdl=None):
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.fold import fold_value_rotation
@@ -201,7 +201,7 @@ def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor
         # V's rotation into v_proj / o_proj (lowbit.runtime.fold), undone after the row as the fusion is
         folded = fold_value_rotation(model, cache) if fold else None
         graphs = DecodeGraphs(step, cache, buckets=(B,), compile=compiled,  # on the empty cache, then fill
-                              inductor_pdl=inductor_pdl and compiled)
+                              inductor_pdl=inductor_pdl if compiled else False)
         capture_s = time.perf_counter() - t
         row = _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s)
         row["folded_value_rotation"] = len(folded.layers) if folded else 0
@@ -436,12 +436,13 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
 
 
 def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, prefill_len: int = 0,
-        prefill_chunk: int = 2048, fuse: bool = True, fold: bool = True, inductor_pdl: bool = False) -> dict:
+        prefill_chunk: int = 2048, fuse: bool = True, fold: bool = True, inductor_pdl: bool | None = None) -> dict:
     """Every (path, B, L) row; rows that do not fit in the GPU memory left are recorded with fits false.
     prefill_len > 0 also times one prompt of that many tokens (`prefill` list of the result). fuse: the
     lowbit runtime rows with q/k/v and gate/up as one GEMM each (lowbit.runtime.fuse), as the runtime runs;
     fold: with V's rotation folded into v_proj / o_proj (lowbit.runtime.fold), likewise. inductor_pdl: the
-    compiled rows with Inductor's PDL codegen (runtime.step.compile_decode)."""
+    compiled rows with Inductor's PDL codegen (True / False; None: where this torch has it, as the runtime runs;
+    runtime.step.resolve_inductor_pdl)."""
     import transformers
 
     for p in paths:
@@ -474,7 +475,7 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
     return {"env": env, "rows": rows, "prefill": pre}
 
 
-def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True, fold=True, inductor_pdl=False):
+def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True, fold=True, inductor_pdl=None):
     for L in contexts:
         for B in batches:
             for path in paths:

@@ -122,7 +122,21 @@ def inductor_pdl_missing() -> str | None:
     return None
 
 
-def compile_decode(step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool = False):
+def resolve_inductor_pdl(requested: bool | None, backend) -> bool:
+    """Whether a compiled decode body uses Inductor's PDL codegen: `requested` True / False as asked (True without
+    it is an error), None (the default) -> on exactly when the backend is Inductor and this torch has the option.
+    Its GPU correctness test (tests/runtime/test_gpu_compiled.py) passed on the H200 (s15), and it shortened the
+    captured step there (W4A16 + int2 B=1 4.03 -> 3.60 ms, int2 B=16 10.22 -> 9.93 ms; benchmarks/NOTES.md)."""
+    if requested is None:
+        return backend == "inductor" and inductor_pdl_missing() is None
+    if requested:
+        why = "backend is not inductor" if backend != "inductor" else inductor_pdl_missing()
+        if why:
+            raise LowbitError(f"inductor_pdl needs Inductor's PDL codegen: {why}; compile without it")
+    return bool(requested)
+
+
+def compile_decode(step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool | None = None):
     """decode_body(step, cache, ...) as one torch.compile'd function: fn(ids, active, logits, b).
 
     Inductor fuses what the eager step runs as ~30 small kernels per layer (RMSNorm, RoPE, SiLU*mul,
@@ -134,9 +148,8 @@ def compile_decode(step: ModelStep, cache, *, backend="inductor", inductor_pdl: 
     backend: "inductor", or another torch.compile backend (a name such as "aot_eager": the same trace
     without code generation, what the CPU tests use; or a callable backend).
     inductor_pdl: Inductor's programmatic-dependent-launch codegen (torch's config.triton.enable_pdl, a prototype):
-    each generated kernel may start while the previous one drains and waits in-kernel for what it reads. Measured
-    on the H200 W4A16 + int2 B=1 step: 3.60 vs 4.03 ms (benchmarks/NOTES.md round 9); off until its GPU correctness
-    tests (tests/runtime/test_gpu_compiled.py) have run with it.
+    each generated kernel may start while the previous one drains and waits in-kernel for what it reads; None (the
+    default) resolves it with resolve_inductor_pdl: on where Inductor has it.
 
     Sets on the cache what a traced step needs: no host-synchronising input checks, the decode writes
     traced into this graph (not a nested compiled writer), and the writers made before the first trace
@@ -150,10 +163,7 @@ def compile_decode(step: ModelStep, cache, *, backend="inductor", inductor_pdl: 
         _writer(layer, cache.checks, cache.compile_writes)
     register_packed_linears(step.model)
     opts = {"emulate_precision_casts": True, "triton.cudagraphs": False} if backend == "inductor" else None
-    if inductor_pdl:
-        why = "backend is not inductor" if opts is None else inductor_pdl_missing()
-        if why:
-            raise LowbitError(f"inductor_pdl needs Inductor's PDL codegen: {why}; compile without it")
+    if resolve_inductor_pdl(inductor_pdl, backend):
         opts["triton.enable_pdl"] = True
     fn = functools.partial(decode_body, step, cache)
     return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=opts)
@@ -200,7 +210,7 @@ class DecodeGraphs:
     """
 
     def __init__(self, step: ModelStep, cache, buckets=DEFAULT_BUCKETS, *, warmup: int = 2, compile: bool = False,
-                 backend: str = "inductor", inductor_pdl: bool = False):
+                 backend: str = "inductor", inductor_pdl: bool | None = None):
         if cache.device.type != "cuda":
             raise LowbitError("CUDA graph capture needs a CUDA cache; on CPU run the step eagerly (ModelStep)")
         if bool(cache.lens.any()):
@@ -220,8 +230,8 @@ class DecodeGraphs:
         self.logits = torch.zeros(B, V, dtype=torch.float32, device=dev)
         if inductor_pdl and not compile:
             raise LowbitError("inductor_pdl is an option of the compiled body: pass compile=True")
-        self.inductor_pdl = bool(inductor_pdl)
-        self._fn = (compile_decode(step, cache, backend=backend, inductor_pdl=inductor_pdl) if compile
+        self.inductor_pdl = bool(compile) and resolve_inductor_pdl(inductor_pdl, backend)  # what the graphs hold
+        self._fn = (compile_decode(step, cache, backend=backend, inductor_pdl=self.inductor_pdl) if compile
                     else functools.partial(decode_body, step, cache))
         self.compile_s: dict[int, float] = {}  # bucket -> seconds of its first (compiling) warm-up call
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

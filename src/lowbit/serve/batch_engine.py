@@ -149,7 +149,9 @@ class BatchEngine(Worker):
         self.graphs = DecodeGraphs(self.step, self.cache, buckets, compile=compile) if mode == "graphs" else None
         self.path = f"batch-{mode}"
         self.info = {"engine": "batch", "path": mode, "slots": slots, "when_full": when_full,
-                     "compiled": bool(compile), "fused_projections": self.step.fused.groups if self.step.fused else 0,
+                     "compiled": bool(compile),
+                     "inductor_pdl": bool(self.graphs and self.graphs.inductor_pdl),
+                     "fused_projections": self.step.fused.groups if self.step.fused else 0,
                      "folded_value_rotation": len(self.folded.layers) if self.folded else 0,
                      "batch_invariant": self.batch_invariant,
                      "buckets": list(self.graphs.buckets) if self.graphs else None}
