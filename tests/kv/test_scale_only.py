@@ -182,3 +182,21 @@ def test_torch_attention_reads_scale_only_storage():
             err[(name, zero)] = float((a - b).pow(2).mean() / a.pow(2).mean())
     assert err[("int4", "none")] < 0.01 and err[("int4", "none")] < err[("int2", "none")] / 4
     assert err[("int2", "none")] < 1.5 * err[("int2", "group")]  # zero-mean (rotated) K/V: the zero buys little
+
+
+def test_cli_flag_and_plan_label():
+    import argparse
+
+    from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
+    from lowbit.kv.plan import resolve
+
+    p = argparse.ArgumentParser()
+    add_kv_arguments(p)
+    s = scheme_from_args(p.parse_args(["--kv", "k4v2", "--zero", "group,none"]))
+    assert s.k.zero == "group" and s.v.zero == "none" and s.v.grid == "std"
+    with pytest.raises(LowbitError, match="zero 'nil' unknown"):
+        scheme_from_args(p.parse_args(["--kv", "int2", "--zero", "nil"]))
+    _, geo = _geometry()
+    plan = resolve(s, geo)
+    assert plan.layers[0].k.stores_zero and not plan.layers[0].v.stores_zero
+    assert "s-only" in plan.table() and plan.to_dict()["layers"][0]["v"]["zero"] == "none"
