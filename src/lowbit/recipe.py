@@ -46,6 +46,7 @@ KV_BITS = (2, 3, 4, 8, 16)
 LLOYD_MAX_BITS = (2, 3, 4)
 AXES = ("token", "channel")
 GRIDS = ("minmax", "std")  # where a uniform grid's range comes from (see TensorQuant)
+ZEROS = ("group", "none")  # whether a per-group zero is stored (see TensorQuant.zero)
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
 DEFAULT_GROUP = 128
@@ -113,6 +114,12 @@ class TensorQuant:
           uniform grid at the Gaussian-optimal step from each group's mean and std,
           lowbit.quant.affine.quantize_std; 2-4 bits). Both store scale/zero and dequantize as
           codes * scale + zero, so the fused kernel reads either.
+    zero: "group" (an fp16 zero per group beside the scale: bits + 32/group per element) or "none"
+          (scale only, the grid centred on 0: x_hat = (codes - mid) * scale, mid = (2**bits - 1) / 2;
+          bits + 16/group, i.e. int2 at group 64 costs 2.25 b/elt instead of 2.5). With "none" the std
+          grid takes its step from each group's RMS about 0 (not its mean/std), the min/max grid must
+          be symmetric; per-token groups only, no Lloyd-Max. A per-channel offset (keys' channel means)
+          is removed before it by a key affine with a shift (lowbit.kv.key_affine, exact for attention).
     """
 
     bits: int = 16
@@ -123,6 +130,7 @@ class TensorQuant:
     group: int | None = None
     grid: str = "minmax"
     levels: tuple | None = None
+    zero: str = "group"
 
     def __post_init__(self):
         if not _is_int(self.bits) or self.bits not in KV_BITS:
@@ -168,6 +176,15 @@ class TensorQuant:
                 raise LowbitError("grid 'std' is a uniform grid; Lloyd-Max levels replace it: pick one")
             if self.clip != 1.0 or self.symmetric:
                 raise LowbitError("grid 'std' sets its range from the group's std; drop the clip ratio and 'symmetric'")
+        if self.zero not in ZEROS:
+            raise LowbitError(f"zero {self.zero!r} unknown; use 'group' (an fp16 zero per group) or 'none' (scale only)")
+        if self.zero == "none" and self.quantized:
+            if self.axis != "token":
+                raise LowbitError("zero 'none' (scale-only groups) is for per-token groups; use zero 'group' per channel")
+            if self.lloyd_max:
+                raise LowbitError("Lloyd-Max levels store each group's mean; use zero 'group' with them")
+            if self.grid == "minmax" and not self.symmetric:
+                raise LowbitError("zero 'none' centres the grid on 0; use grid 'std' or a symmetric min/max grid")
 
     @property
     def quantized(self) -> bool:
@@ -189,11 +206,16 @@ class TensorQuant:
         # a wide head 128 does not divide (K 192 of expanded MLA): the largest of 64, 32, 16 that does
         return next((g for g in (64, 32, 16) if head_dim % g == 0), DEFAULT_GROUP)
 
+    @property
+    def stores_zero(self) -> bool:
+        """Whether the middle tier holds a zero per group beside the scale (zero 'group')."""
+        return self.quantized and self.zero == "group"
+
     def bits_per_element(self, head_dim: int, page: int = DEFAULT_PAGE) -> float:
-        """Middle-tier bits per stored element, codes plus fp16 scale and zero per group."""
+        """Middle-tier bits per stored element, codes plus the fp16 scale (and zero) per group."""
         if not self.quantized:
             return 16.0
-        return self.container_bits + 2 * SCALE_BITS / self.group_for(head_dim, page)
+        return self.container_bits + (2 if self.stores_zero else 1) * SCALE_BITS / self.group_for(head_dim, page)
 
     def describe(self) -> str:
         if not self.quantized:
@@ -208,6 +230,8 @@ class TensorQuant:
         parts.append(("lloyd-max" + (" fitted" if self.levels else "")) if self.lloyd_max else ("std-grid" if self.grid == "std" else ("sym" if self.symmetric else "asym")))
         if self.clip != 1.0:
             parts.append(f"clip {self.clip:g}")
+        if self.zero == "none":
+            parts.append("scale-only")
         return " ".join(parts)
 
 
@@ -401,8 +425,13 @@ def _with_bits(t: TensorQuant, bits: int) -> TensorQuant:
         return t
     if bits == 16:
         return TensorQuant()
+    group = t.group if t.quantized else None
+    if t.zero == "none" and t.quantized:  # scale-only storage at every width: std grid (2-4 bits), symmetric at 8
+        if bits == 8:
+            return TensorQuant(bits=8, symmetric=True, axis=t.axis, group=group, zero="none")
+        return TensorQuant(bits=bits, axis=t.axis, group=group, grid="std", zero="none")
     grid = "std" if bits == 2 and t.axis == "token" else "minmax"
-    return TensorQuant(bits=bits, axis=t.axis, group=t.group if t.quantized else None, grid=grid)
+    return TensorQuant(bits=bits, axis=t.axis, group=group, grid=grid)
 
 
 def parse_layer_bits(value) -> tuple[tuple[int, str], ...]:
@@ -494,6 +523,7 @@ def parse_kv_scheme(
     layer_bits=None,
     grid: str | None = None,
     levels=None,
+    zero=None,
 ) -> KVScheme:
     """Scheme string + flags -> KVScheme.
 
@@ -504,6 +534,7 @@ def parse_kv_scheme(
     overrides ("7,18=int4;5=int8", see parse_layer_bits). grid: "minmax" | "std" for the
     quantized tensors (see TensorQuant). rotation: "none" | "hadamard" | a RotationSet path or
     RotationRef; levels: a per-layer levels artifact path or LevelsRef (with lloyd_max).
+    zero: "group" | "none" (scale-only groups, see TensorQuant.zero), one for both or "K,V".
 
     Defaults (what `--kv int2` means without flags) are the best data-free recipe measured on the
     built-in models: rotation "hadamard" whenever K or V is stored at 4 bits or fewer (plain int4
@@ -535,20 +566,24 @@ def parse_kv_scheme(
     else:
         raise LowbitError(f"unknown KV scheme {name!r}; use one of {', '.join(SCHEME_NAMES)}")
     kc, vc = _float_pair(1.0 if clip is None else clip, "clip")
+    kz, vz = _pair("group" if zero is None else zero, "zero")
     if k_axis == "channel" and group is not None and page is None:
         # --group on a KIVI scheme sets the key block: the block is the page.
         defaults["page"] = group
-    def default_grid(bits: int, clip_ratio: float, axis: str) -> str:
-        plain = bits == 2 and k_axis == "token" and not (lloyd_max or symmetric or clip_ratio != 1.0)
-        return "std" if plain else "minmax"
+    def default_grid(bits: int, clip_ratio: float, axis: str, zero_: str) -> str:
+        plain = k_axis == "token" and not (lloyd_max or symmetric or clip_ratio != 1.0)
+        # 2-bit per-token groups take the std grid; scale-only groups (zero 'none') take it at 2-4 bits too
+        return "std" if plain and (bits == 2 or (str(zero_).strip().lower() == "none" and bits <= 4)) else "minmax"
 
     try:
-        gk = default_grid(kb, kc, k_axis) if grid is None else (str(grid) if kb < 16 else "minmax")
-        gv = default_grid(vb, vc, "token") if grid is None else (str(grid) if vb < 16 else "minmax")
+        gk = default_grid(kb, kc, k_axis, kz) if grid is None else (str(grid) if kb < 16 else "minmax")
+        gv = default_grid(vb, vc, "token", vz) if grid is None else (str(grid) if vb < 16 else "minmax")
         kq = TensorQuant(bits=kb, symmetric=symmetric, clip=kc, lloyd_max=bool(lloyd_max) and kb < 16,
-                         axis=k_axis, group=k_group if kb < 16 else None, grid=gk)
+                         axis=k_axis, group=k_group if kb < 16 else None, grid=gk,
+                         zero=str(kz).strip().lower() if kb < 16 else "group")
         vq = TensorQuant(bits=vb, symmetric=symmetric, clip=vc, lloyd_max=bool(lloyd_max) and vb < 16,
-                         group=v_group if vb < 16 else None, grid=gv)
+                         group=v_group if vb < 16 else None, grid=gv,
+                         zero=str(vz).strip().lower() if vb < 16 else "group")
     except LowbitError as e:
         raise LowbitError(f"KV scheme {name!r}: {e}") from None
     if lloyd_max and not (kq.lloyd_max or vq.lloyd_max):
@@ -569,9 +604,9 @@ def parse_kv_scheme(
 
 
 # ---------------------------------------------------------------- files
-_TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group", "grid", "levels"}
+_TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group", "grid", "levels", "zero"}
 _FILE_FIELDS = {"scheme", "group", "sink", "recent", "page", "clip", "lloyd_max", "rotation", "symmetric",
-                "fold_v_rotation", "layer_bits", "grid", "k", "v", "version", "name", "levels"}
+                "fold_v_rotation", "layer_bits", "grid", "k", "v", "version", "name", "levels", "zero"}
 
 
 def _ref_from_field(value, cls, what: str, base_dir: Path | None):
@@ -637,6 +672,7 @@ def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
         fold_v_rotation=bool(d.get("fold_v_rotation", False)),
         layer_bits=d.get("layer_bits"),
         grid=d.get("grid") if not isinstance(d.get("k"), dict) else None,
+        zero=d.get("zero") if not isinstance(d.get("k"), dict) else None,
     )
     if "group" in d and isinstance(d.get("k"), dict):
         s = replace(s, k=replace(s.k, group=d["group"]) if s.k.quantized else s.k,

@@ -204,3 +204,28 @@ def test_tune_measures_a_key_affine_candidate_with_its_maps_and_pins_it(tiny_dir
     assert rc == 0, capsys.readouterr().err
     rows = {r["scheme"]: r for r in json.loads((tmp_path / "e.json").read_text())["results"]}
     assert rows["forced"]["quantized_rows"] > 0
+
+
+def test_tune_scale_only_grid_buys_a_4bit_tensor_the_std_grid_cannot(tiny_dir, corpus, tmp_path, capsys):
+    """--grids std,scale-only at 2.75 b/elt on a head_dim-64 model (2 layers: 4 tensors of 1/4 the elements):
+    int2 with a zero is 2.5, one int4 tensor on top 3.0 (over); scale-only int2 is 2.25 and one 4.25-bit
+    tensor brings it to exactly 2.75. The recipe names zero = "none", loads, and holds what it says."""
+    import tomllib
+
+    out = tmp_path / "tiny@2.75.toml"
+    rc = main(["tune", "--model", str(tiny_dir), "--budget", "2.75", "--context", "4000", "--sink", "16",
+               "--recent", "32", "--seq-len", "99", "--windows", "1", "--data", str(corpus),
+               "--grids", "std,scale-only", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    doc = tomllib.loads(out.read_text())
+    cands = {c["grid_2bit"]: c for c in doc["tune"]["candidates"]}
+    assert cands["std"]["layers_above_2bit"] == 0 and cands["scale-only"]["layers_above_2bit"] == 1
+    assert cands["scale-only"]["held_bits"] == pytest.approx(2.75, abs=1e-3)
+    assert "hadamard|K4|scale-only" in doc["tune"]["layer_error_db"]
+    if doc["tune"]["grid_2bit"] == "scale-only":
+        s = load_recipe(out)
+        assert s.k.zero == "none" and doc["kv"]["zero"] == "none"
+        geo = ModelGeometry.from_config(json.loads((tiny_dir / "config.json").read_text()), name=tiny_dir.name)
+        assert held_bits(s, 4000, geometry=geo).bits == pytest.approx(doc["tune"]["held_bits"], abs=1e-6)
+        (i, name), = s.layer_bits
+        assert s.for_layer(i).k.zero == s.for_layer(i).v.zero == "none" and "4" in name

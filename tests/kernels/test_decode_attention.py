@@ -210,3 +210,57 @@ def test_split_count_fills_whole_waves():
     assert pick_num_splits(16, 8, 32512, 64, 132, 1, blocks_per_sm=6, dense_programs=1) == 11
     # occupancy unknown (interpreter): the fixed programs-per-SM rule
     assert pick_num_splits(16, 8, 32768, 128, 132, 4) == 6
+
+
+def _scale_only(kw, which, seed):
+    """Replace tier `which` ("k"/"v") of make_inputs' kwargs by scale-only groups (lowbit.kv.codec zero
+    "none"): codes + fp16 scale from the one centred quantizer, no zero tensor, the centre code passed."""
+    from lowbit.quant.affine import centre, quantize_centred
+    from lowbit.quant.packing import pack
+
+    codes = kw[f"{which}_codes"]
+    B, Hkv, T, S = codes.shape
+    bits = kw[f"{which}_bits"]
+    D = S * 8 // bits
+    group = D // kw[f"{which}_scale"].shape[-1]
+    x = torch.randn(B, Hkv, T, D, generator=torch.Generator().manual_seed(seed))
+    q = quantize_centred(x, bits, group, grid="std" if bits <= 4 else "absmax", scale_dtype=torch.float16)
+    kw.update({f"{which}_codes": pack(q.codes, bits, "strided") if bits < 8 else q.codes,
+               f"{which}_scale": q.scale, f"{which}_zero": None, f"{which}_centre": centre(bits)})
+    return kw
+
+
+SCALE_ONLY_CASES = [
+    # (B, Hq, Hkv, D, T, kbits, vbits, group, sink, recent, mid_lens, which)
+    (1, 3, 1, 64, 37, 2, 2, None, 0, 5, None, "kv"),  # smollm2's geometry: D 64, group 64, GQA 3
+    (3, 9, 3, 64, 99, 2, 4, None, 2, 3, [99, 0, 41], "k"),  # K scale-only, V with a zero; empty sequence
+    (2, 4, 2, 128, 70, 4, 2, 64, 0, 7, [70, 33], "v"),  # two groups per head, V scale-only
+    (1, 2, 1, 64, 20, 8, 8, 32, 1, 1, None, "kv"),  # int8 symmetric, S > group
+]
+
+
+@cpu_only
+@pytest.mark.parametrize("case", SCALE_ONLY_CASES, ids=lambda c: f"B{c[0]}-D{c[3]}-T{c[4]}-k{c[5]}v{c[6]}-{c[11]}")
+def test_scale_only_groups_match_twin(case):
+    """Scale-only groups: the kernel computes zero = -centre * scale (reads no zero) and matches the twin."""
+    B, Hq, Hkv, D, T, kb, vb, grp, sink, rec, lens, which = case
+    kw = make_inputs(B, Hq, Hkv, D, T, kbits=kb, vbits=vb, group=grp, sink=sink, recent=rec, mid_lens=lens,
+                     dtype=torch.bfloat16, seed=T)
+    for t in which:
+        _scale_only(kw, t, seed=T + ord(t))
+    out, ref = _run(kw)
+    _check(out, ref)
+    # the twin of the same fields with the zero materialised: the same function
+    for t in which:
+        kw[f"{t}_zero"] = kw[f"{t}_scale"].float().mul(-kw.pop(f"{t}_centre")).half()
+    _check(out, decode_attention_ref(**kw))
+
+
+@cpu_only
+def test_scale_only_needs_a_centre_and_refuses_both():
+    kw = make_inputs(1, 2, 1, 64, 5, dtype=torch.bfloat16)
+    z = kw.pop("k_zero")
+    with pytest.raises(LowbitError, match="centre"):
+        decode_attention(**kw, k_zero=None, config=SMALL)
+    with pytest.raises(LowbitError, match="not both"):
+        decode_attention(**kw, k_zero=z, k_centre=1.5, config=SMALL)

@@ -23,7 +23,8 @@ def kv_flags(args) -> dict:
     """The shared KV flags (lowbit.kv.cli_args) as parse_kv_scheme keywords; they apply to every --kv name."""
     return {"group": args.group, "sink": args.sink, "recent": args.recent, "page": args.page, "clip": args.clip,
             "lloyd_max": bool(args.lloyd_max) or None, "rotation": args.rotation,
-            "layer_bits": getattr(args, "layer_bits", None), "grid": getattr(args, "grid", None)}
+            "layer_bits": getattr(args, "layer_bits", None), "grid": getattr(args, "grid", None),
+            "zero": getattr(args, "zero", None)}
 
 
 def add_arguments(parser) -> None:

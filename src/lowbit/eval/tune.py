@@ -6,8 +6,9 @@
 1. Sensitivity (lowbit.eval.layer_error.measure_layers, the layer-error harness, cache's own codec):
    for each candidate rotation r (scheme-wide: "hadamard", "none", or a RotationSet dir) and each
    tensor t in {K, V}, the per-layer attention-output error when only t is quantized, at 2 bits (each
-   candidate 2-bit grid: the std grid, Gaussian Lloyd-Max) and at 4 and 8 bits (min/max grid, what a
-   layer_bits override gets). Errors are energies relative to the exact output, e = 10^(dB/10); the
+   candidate 2-bit grid: the std grid, Gaussian Lloyd-Max, the scale-only std grid) and at 4 and 8 bits
+   (min/max grid, what a layer_bits override gets; for the scale-only base, the scale-only grids its
+   overrides get: std at 4 bits, symmetric at 8). Errors are energies relative to the exact output, e = 10^(dB/10); the
    loss model of an assignment is sum over layers of e_K(layer, bits) + e_V(layer, bits) (K and V
    errors add, to first order, since each perturbs the output independently).
 2. Cost: held bits (lowbit.kv.held at `context`): each layer's middle elements at the context weigh
@@ -30,7 +31,10 @@ from dataclasses import dataclass, field, replace
 from lowbit.errors import LowbitError
 
 BITS = (2, 4, 8)
-GRIDS = ("std", "lloyd-max")
+# 2-bit grid candidates. "scale-only": the std grid with no zero stored (lowbit.recipe.TensorQuant zero
+# "none"): int2 at group 64 costs 2.25 b/elt instead of 2.5, so the budget left buys more 4-bit tensors.
+GRIDS = ("std", "lloyd-max", "scale-only")
+DEFAULT_GRIDS = ("std", "lloyd-max")
 DEFAULT_ROTATIONS = ("hadamard",)
 
 
@@ -39,9 +43,18 @@ def base_scheme(rotation, grid: str, *, sink=None, recent=None, page=None):
     from lowbit.recipe import parse_kv_scheme
 
     if grid not in GRIDS:
-        raise LowbitError(f"2-bit grid {grid!r} unknown; use {' or '.join(GRIDS)}")
+        raise LowbitError(f"2-bit grid {grid!r} unknown; use {', '.join(GRIDS)}")
     return parse_kv_scheme("int2", sink=sink, recent=recent, page=page, rotation=rotation,
-                           lloyd_max=grid == "lloyd-max")
+                           lloyd_max=grid == "lloyd-max", zero="none" if grid == "scale-only" else None)
+
+
+def family(grid: str, bits: int) -> str:
+    """The grid a tensor of a base with 2-bit grid `grid` uses at `bits` (the key of its measured errors):
+    the 2-bit grid itself, "minmax" for the overrides of a base with stored zeros, "scale-only" at every
+    width for the scale-only base."""
+    if grid == "scale-only":
+        return grid
+    return grid if bits == 2 else "minmax"
 
 
 def with_layer_bits(base, assign: dict):
@@ -183,13 +196,20 @@ def _variants(geometry, rotations, grids, tiers):
     from lowbit.kv.plan import load_rotations
     from lowbit.recipe import parse_kv_scheme
 
+    from lowbit.recipe import _with_bits
+
     out = []
     for r in rotations:
         rot, ka = _rotation_maps(load_rotations(r, geometry), geometry)
         for t, name in ((0, "k{b}v16"), (1, "k16v{b}")):
             for b in BITS:
-                for g in (grids if b == 2 else ("minmax",)):
-                    s = parse_kv_scheme(name.format(b=b), rotation=r, lloyd_max=g == "lloyd-max", **tiers)
+                for g in dict.fromkeys(family(g_, b) for g_ in grids):
+                    if g == "scale-only":  # the TensorQuant a scale-only base's tensor has at b bits
+                        s = parse_kv_scheme(name.format(b=b), rotation=r, **tiers)
+                        tq = _with_bits(base_scheme(r, g, **tiers).k, b)
+                        s = replace(s, k=tq if t == 0 else s.k, v=tq if t == 1 else s.v)
+                    else:
+                        s = parse_kv_scheme(name.format(b=b), rotation=r, lloyd_max=g == "lloyd-max", **tiers)
                     if b == 2 and g == "std":
                         s = replace(s, k=replace(s.k, grid="std") if t == 0 else s.k,
                                     v=replace(s.v, grid="std") if t == 1 else s.v)
@@ -212,7 +232,7 @@ class Measured:
     ppl_cache: dict = field(default_factory=dict)  # repr(scheme) -> fake-quant PPL
 
 
-def measure(lm, calib, *, rotations=DEFAULT_ROTATIONS, grids=GRIDS, sink=None, recent=None, page=None,
+def measure(lm, calib, *, rotations=DEFAULT_ROTATIONS, grids=DEFAULT_GRIDS, sink=None, recent=None, page=None,
             log=print) -> Measured:
     """Per-layer K-only / V-only errors of every candidate (see the module docstring, step 1)."""
     from lowbit.eval.layer_error import measure_layers
@@ -228,7 +248,7 @@ def measure(lm, calib, *, rotations=DEFAULT_ROTATIONS, grids=GRIDS, sink=None, r
     for v, r, t, b, g in variants:
         for g_ in geometry.layers:
             x = db[v.name].get(g_.index, float("-inf"))
-            err[(r, g if b == 2 else "minmax", g_.index, t, b)] = 0.0 if x == float("-inf") else 10 ** (x / 10)
+            err[(r, g, g_.index, t, b)] = 0.0 if x == float("-inf") else 10 ** (x / 10)
     ref_ppl = full_window_ppl(lm.model, calib)
     log(f"  measured in {time.perf_counter() - t0:.0f} s (exact calibration PPL {ref_ppl:.3f})")
     return Measured(err, db, ref_ppl, tuple(rotations), tuple(grids), tiers, calib, time.perf_counter() - t0)
@@ -269,7 +289,7 @@ def choose(lm, m: Measured, *, budget: float, context: int, calib_info: dict, lo
                 log(f"  rotation {rl}, 2-bit grid {g}: its all-2-bit recipe is over the budget (codebooks); skipped")
                 continue
             elems, cost = _cost_table(base, geometry, context)
-            e = {(i, t, b): m.err[(rl, g if b == 2 else "minmax", i, t, b)] for i in layers for t in (0, 1) for b in BITS}
+            e = {(i, t, b): m.err[(rl, family(g, b), i, t, b)] for i in layers for t in (0, 1) for b in BITS}
             assign, pred, _ = allocate(e, elems, cost, budget, layers)
             scheme = with_layer_bits(base, assign)
             held = held_bits(scheme, context, geometry=geometry).bits
@@ -292,7 +312,7 @@ def choose(lm, m: Measured, *, budget: float, context: int, calib_info: dict, lo
                       seconds=m.seconds + time.perf_counter() - t0)
 
 
-def tune(lm, *, budget: float, context: int, calib, calib_info: dict, rotations=DEFAULT_ROTATIONS, grids=GRIDS,
+def tune(lm, *, budget: float, context: int, calib, calib_info: dict, rotations=DEFAULT_ROTATIONS, grids=DEFAULT_GRIDS,
          sink=None, recent=None, page=None, log=print) -> TuneResult:
     """measure + choose for one budget. lm: a lowbit LoadedModel; calib: LongTensor [N, T]."""
     m = measure(lm, calib, rotations=rotations, grids=grids, sink=sink, recent=recent, page=page, log=log)
@@ -347,6 +367,8 @@ def recipe_toml(res: TuneResult, *, command: str = "", out=None) -> str:
              f"page = {s.page}"]
     if b.grid == "lloyd-max":
         lines.append("lloyd_max = true")
+    if b.grid == "scale-only":
+        lines.append('zero = "none"')
     lines += ["", "[kv.layer_bits]"] + [f'"{i}" = "{name}"' for i, name in s.layer_bits]
     d = h.dense()
     tune_doc = {

@@ -229,8 +229,10 @@ def _dense_tier(Kp, Vp, skt, svt, n, ITERS: tl.constexpr, q_t, m_i, l_v, o_t,
 
 @triton.jit
 def _load_sz(SC, ZE, base, t0, end, g: tl.constexpr, NG: tl.constexpr, NW: tl.constexpr, BTW: tl.constexpr,
-             DIRECT: tl.constexpr = False):
+             DIRECT: tl.constexpr = False, ZC: tl.constexpr = 0.0):
     """fp16 scale/zero of group g for the block at t0 -> fp32 [NW, BTW] (0 past `end`).
+
+    ZC != 0: scale-only groups (no zero stored, the grid centred on 0): zero = -ZC * scale, ZE unread.
 
     DIRECT (GPU only, needs end >= 1 slot): one inline-asm load per element with the token index
     clamped into [0, end) instead of a masked tl.load. Triton treats an inline-asm op as cheap to
@@ -242,12 +244,18 @@ def _load_sz(SC, ZE, base, t0, end, g: tl.constexpr, NG: tl.constexpr, NW: tl.co
         tc = tl.maximum(tl.minimum(tok, end - 1), 0)
         sc = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [SC + base + tc * NG + g],
                                        dtype=tl.float16, is_pure=True, pack=1).to(tl.float32)
-        ze = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ZE + base + tc * NG + g],
-                                       dtype=tl.float16, is_pure=True, pack=1).to(tl.float32)
+        if ZC == 0.0:
+            ze = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [ZE + base + tc * NG + g],
+                                           dtype=tl.float16, is_pure=True, pack=1).to(tl.float32)
+        else:
+            ze = sc * (-ZC)
     else:
         valid = tok < end
         sc = tl.load(SC + base + tok * NG + g, mask=valid, other=0.0).to(tl.float32)
-        ze = tl.load(ZE + base + tok * NG + g, mask=valid, other=0.0).to(tl.float32)
+        if ZC == 0.0:
+            ze = tl.load(ZE + base + tok * NG + g, mask=valid, other=0.0).to(tl.float32)
+        else:
+            ze = sc * (-ZC)
     return sc, ze
 
 
@@ -365,6 +373,7 @@ def _stage1(
     USE_PRMT: tl.constexpr, INTERP: tl.constexpr, Q_LO: tl.constexpr, P_HILO: tl.constexpr,
     V_CENTER: tl.constexpr, PV_FRESH: tl.constexpr, SZ_DIRECT: tl.constexpr,
     MID_ITERS: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr,
+    KZC: tl.constexpr = 0.0, VZC: tl.constexpr = 0.0,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -431,37 +440,37 @@ def _stage1(
             for it in range(MID_ITERS):  # constexpr trip count: see _dense_tier
                 t0 = start + it * BT
                 if t0 < end:
-                    ks0, kz0 = _load_sz(KS, KZ, ks_base, t0, end, 0, NGK, NW, BTW)
-                    vs0, vz0 = _load_sz(VS, VZ, vs_base, t0, end, 0, NGV, NW, BTW)
-                    ks1, kz1 = _load_sz(KS, KZ, ks_base, t0, end, NGK - 1, NGK, NW, BTW)
-                    vs1, vz1 = _load_sz(VS, VZ, vs_base, t0, end, NGV - 1, NGV, NW, BTW)
+                    ks0, kz0 = _load_sz(KS, KZ, ks_base, t0, end, 0, NGK, NW, BTW, ZC=KZC)
+                    vs0, vz0 = _load_sz(VS, VZ, vs_base, t0, end, 0, NGV, NW, BTW, ZC=VZC)
+                    ks1, kz1 = _load_sz(KS, KZ, ks_base, t0, end, NGK - 1, NGK, NW, BTW, ZC=KZC)
+                    vs1, vz1 = _load_sz(VS, VZ, vs_base, t0, end, NGV - 1, NGV, NW, BTW, ZC=VZC)
                     m_i, l_v, o0, o1, lz0, lz1 = _mid_block(
                         t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
                         ks0, kz0, ks1, kz1, vs0, vz0, vs1, vz1, m_i, l_v, o0, o1, lz0, lz1,
                         NW, BTW, KBITS, VBITS, SK, SV, GK, GV, NGK, NGV, NPK, NPV, WK, WV, USE_PRMT, Q_LO, P_HILO, V_CENTER, PV_FRESH, True)
         else:
             # scales/zeros are 2-byte loads the pipeliner does not stage: prefetch one block ahead
-            ks0, kz0 = _load_sz(KS, KZ, ks_base, start, end, 0, NGK, NW, BTW, SZ_DIRECT)
-            vs0, vz0 = _load_sz(VS, VZ, vs_base, start, end, 0, NGV, NW, BTW, SZ_DIRECT)
+            ks0, kz0 = _load_sz(KS, KZ, ks_base, start, end, 0, NGK, NW, BTW, SZ_DIRECT, ZC=KZC)
+            vs0, vz0 = _load_sz(VS, VZ, vs_base, start, end, 0, NGV, NW, BTW, SZ_DIRECT, ZC=VZC)
             if NGK == 2:
-                ks1, kz1 = _load_sz(KS, KZ, ks_base, start, end, 1, NGK, NW, BTW, SZ_DIRECT)
+                ks1, kz1 = _load_sz(KS, KZ, ks_base, start, end, 1, NGK, NW, BTW, SZ_DIRECT, ZC=KZC)
             else:
                 ks1, kz1 = ks0, kz0
             if NGV == 2:
-                vs1, vz1 = _load_sz(VS, VZ, vs_base, start, end, 1, NGV, NW, BTW, SZ_DIRECT)
+                vs1, vz1 = _load_sz(VS, VZ, vs_base, start, end, 1, NGV, NW, BTW, SZ_DIRECT, ZC=VZC)
             else:
                 vs1, vz1 = vs0, vz0
             # full blocks without bound checks, then one masked tail block
             full_end = start + (tl.maximum(end - start, 0) // BT) * BT
             for t0 in range(start, full_end, BT):
-                nks0, nkz0 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 0, NGK, NW, BTW, SZ_DIRECT)
-                nvs0, nvz0 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 0, NGV, NW, BTW, SZ_DIRECT)
+                nks0, nkz0 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 0, NGK, NW, BTW, SZ_DIRECT, ZC=KZC)
+                nvs0, nvz0 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 0, NGV, NW, BTW, SZ_DIRECT, ZC=VZC)
                 if NGK == 2:
-                    nks1, nkz1 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 1, NGK, NW, BTW, SZ_DIRECT)
+                    nks1, nkz1 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 1, NGK, NW, BTW, SZ_DIRECT, ZC=KZC)
                 else:
                     nks1, nkz1 = nks0, nkz0
                 if NGV == 2:
-                    nvs1, nvz1 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 1, NGV, NW, BTW, SZ_DIRECT)
+                    nvs1, nvz1 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 1, NGV, NW, BTW, SZ_DIRECT, ZC=VZC)
                 else:
                     nvs1, nvz1 = nvs0, nvz0
                 m_i, l_v, o0, o1, lz0, lz1 = _mid_block(
@@ -785,6 +794,19 @@ def tier_heads(Hq, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_bits, s
     return has_mid, Hkv, DV
 
 
+def centred_zero(scale, zero, centre, what: str):
+    """(the zero pointer to pass, ZC): (zero, 0.0) for stored zeros; (scale, centre) for scale-only groups,
+    whose zero = -centre * scale is computed in the kernel (the scale tensor only fills the unread slot)."""
+    if zero is None:
+        if centre is None or not float(centre) > 0:
+            raise LowbitError(f"{what}: no zero given; pass the zero tensor, or the centre code (e.g. 1.5 at 2 bits) "
+                              "for scale-only groups")
+        return scale, float(centre)
+    if centre is not None:
+        raise LowbitError(f"{what}: give a zero tensor or a centre (scale-only groups), not both")
+    return zero, 0.0
+
+
 def check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what) -> int:
     """The packed middle tier's layout, as both fused kernels read it: codes uint8 [B, Hkv, T, D*bits/8]
     with each (sequence, head)'s rows back to back and 4-byte aligned, scale/zero float16 [B, Hkv, T, G]
@@ -848,6 +870,8 @@ def decode_attention(
     config: KernelConfig | None = None,
     out: torch.Tensor | None = None,
     return_launch: bool = False,
+    k_centre: float | None = None,
+    v_centre: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, Launch]:
     """Attention of one query token per sequence over the sink / packed middle / recent tiers.
 
@@ -856,6 +880,8 @@ def decode_attention(
              with a contiguous, 4-byte-aligned last dim (a preallocated cache view works).
     k_scale, k_zero  fp16 [B, Hkv, T, D/group], group in {D, D/2}; x = codes * scale + zero.
     v_codes, v_scale, v_zero  likewise with Dv and v_bits (k4v2 is fine).
+    k_centre / v_centre  scale-only groups (lowbit.kv.codec, zero "none"): pass k_zero=None and the centre
+             code mid = (2**bits - 1) / 2; the kernel reads no zero and uses zero = -mid * scale.
     mid_lens int32 [B] (or int): valid middle slots [0, mid_lens[b]). Pass k_codes=None for no middle.
     sink_k/sink_v, recent_k/recent_v  [B, Hkv, N, D] / [B, Hkv, N, Dv] dense tiers (any float dtype),
              valid slots [0, *_lens[b]) (default: all N).
@@ -873,8 +899,15 @@ def decode_attention(
         raise LowbitError("q needs a contiguous last dim; call .contiguous()")
     B, Hq, D = q.shape
     dev = q.device
+    kzc = vzc = 0.0
+    if k_codes is not None:  # scale-only groups: the scale stands in for the zero pointer (never read)
+        k_zero, kzc = centred_zero(k_scale, k_zero, k_centre, "K middle")
+        v_zero, vzc = centred_zero(v_scale, v_zero, v_centre, "V middle")
     has_mid, Hkv, DV = tier_heads(Hq, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_bits,
                                   sink_k, sink_v, recent_k, recent_v)
+    if (kzc or vzc) and (D not in (64, 128, 256) or DV not in (64, 128, 256)):
+        raise LowbitError(f"scale-only middle groups (k_centre/v_centre) are read by the head_dim 64/128/256 "
+                          f"kernel only, not at D={D}/Dv={DV}; store a zero per group or use the torch path")
     if D not in (64, 128, 256) or DV not in (64, 128, 256):
         # other head dims (K192/V128, 512, ...): the chunked geometry kernel, same tiers and arguments
         from lowbit.kernels.decode_geometry import GeoConfig, decode_attention_geo
@@ -948,6 +981,7 @@ def decode_attention(
         USE_PRMT=(dev.type == "cuda"), INTERP=interp, Q_LO=(q.dtype == torch.float32), P_HILO=cfg.p_hilo,
         V_CENTER=cfg.v_center, PV_FRESH=cfg.pv_fresh,
         SZ_DIRECT=bool(cfg.sz_direct and has_mid and dev.type == "cuda" and T > 0),
+        KZC=float(kzc), VZC=float(vzc),
         SINK_ITERS=triton.cdiv(sk.shape[2], BTD) if interp else 0,
         REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
         num_warps=NW, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

@@ -75,6 +75,9 @@ def codec_reason(which: str, codec) -> str | None:
         return f"{which} is grouped per channel (the kernel takes per-token groups)"
     if codec.tq.lloyd_max:
         return f"{which} uses Lloyd-Max levels (the kernel takes the affine grid)"
+    if not codec.stores_zero and codec.head_dim not in KERNEL_HEAD_DIMS:
+        return (f"{which} has scale-only groups at head_dim {codec.head_dim} (only the head_dim "
+                f"{'/'.join(map(str, KERNEL_HEAD_DIMS))} kernel computes the zero from the scale)")
     if codec.head_dim in KERNEL_HEAD_DIMS:
         r = tiling_reason(codec.cbits, codec.head_dim, codec.group)
     else:
@@ -88,6 +91,8 @@ def shared_reason(layer) -> str | None:
     r = codec_reason("V", layer.v)
     if r:
         return r
+    if not layer.v.stores_zero:
+        return "V has scale-only groups (the latent kernel reads a stored zero)"
     if layer.v.head_dim & (layer.v.head_dim - 1) or layer.v.head_dim < 16:
         return f"shared K/V width {layer.v.head_dim} (the latent kernel takes a power of two)"
     own = len(layer.geometry.k_own_dims())
@@ -165,9 +170,11 @@ def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
     mid = (None,) * 6
     if view.mid_len > m0:
         mk, mv = view.mid_k, view.mid_v
-        mid = tuple(f[name][:, :, m0:] for f in (mk, mv) for name in ("codes", "scale", "zero"))
+        # scale-only groups (zero "none") pass no zero: the kernel computes -centre * scale
+        mid = tuple(f[name][:, :, m0:] if name in f else None for f in (mk, mv) for name in ("codes", "scale", "zero"))
+    centres = {f"{t}_centre": c.centre for t, c in (("k", layer.k_codec), ("v", layer.v_codec)) if not c.stores_zero}
     out = decode_attention(
-        q, *mid, k_bits=layer.k_codec.cbits, v_bits=layer.v_codec.cbits, sm_scale=scaling, **dense
+        q, *mid, k_bits=layer.k_codec.cbits, v_bits=layer.v_codec.cbits, sm_scale=scaling, **dense, **centres
     )  # [B, Hq, Dv]
     return out.float().reshape(B, Hkv, G, 1, -1)
 

@@ -17,13 +17,16 @@ from lowbit.quant.packing import unpack
 LAYOUT = "strided"  # the middle-tier packing layout the kernel reads (docs/CONTRACTS.md)
 
 
-def dequantize_tier(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 [..., D*bits/8] + fp16 [..., D/group] -> float32 [..., D]."""
+def dequantize_tier(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
+                    centre: float | None = None) -> torch.Tensor:
+    """uint8 [..., D*bits/8] + fp16 [..., D/group] -> float32 [..., D]. zero None: scale-only groups,
+    x = (codes - centre) * scale."""
     c = unpack(codes, bits, LAYOUT).float()  # [..., D]
     ng = scale.shape[-1]
     D = c.shape[-1]
     c = c.reshape(*c.shape[:-1], ng, D // ng)
-    x = c * scale.float()[..., None] + zero.float()[..., None]
+    z = zero.float() if zero is not None else scale.float() * -float(centre)
+    x = c * scale.float()[..., None] + z[..., None]
     return x.reshape(*x.shape[:-2], D)
 
 
@@ -38,15 +41,15 @@ def _lens(x, B, N, device):
 def decode_attention_ref(
     q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens=None, *,
     k_bits=2, v_bits=2, sm_scale=None, sink_k=None, sink_v=None, sink_lens=None,
-    recent_k=None, recent_v=None, recent_lens=None,
+    recent_k=None, recent_v=None, recent_lens=None, k_centre=None, v_centre=None,
 ) -> torch.Tensor:
     """Same signature and semantics as decode_attention; returns float32 [B, Hq, Dv]."""
     B, Hq, D = q.shape
     tiers = []  # (k [B, Hkv, N, D] f32, v [B, Hkv, N, Dv] f32, lens list)
     if k_codes is not None:
         T = k_codes.shape[2]
-        tiers.append((dequantize_tier(k_codes, k_scale, k_zero, k_bits),
-                      dequantize_tier(v_codes, v_scale, v_zero, v_bits), _lens(mid_lens, B, T, q.device)))
+        tiers.append((dequantize_tier(k_codes, k_scale, k_zero, k_bits, k_centre),
+                      dequantize_tier(v_codes, v_scale, v_zero, v_bits, v_centre), _lens(mid_lens, B, T, q.device)))
     for k, v, n in ((sink_k, sink_v, sink_lens), (recent_k, recent_v, recent_lens)):
         if k is not None:
             tiers.append((k.float(), v.float(), _lens(n, B, k.shape[2], q.device)))

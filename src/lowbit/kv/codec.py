@@ -10,6 +10,8 @@ Stored fields (what `encode` returns, per middle row block; T rows, D = head_dim
                                scale, zero fp16 [B, H, T, D // group]
     bits < 16, axis "channel": codes as above; scale, zero fp16 [B, H, T // page, D]
                                (each channel over a block of `page` tokens: KIVI keys)
+    bits < 16, zero "none":    codes as above; scale fp16 [B, H, T, D // group] only (no zero field:
+                               zero = -mid * scale, mid = (2**bits - 1) / 2, lowbit.quant.affine.centre)
     bits == 16:                dense [B, H, T, D] in the model dtype (no quantization)
 cbits is the container width: 3-bit codes are packed as 4-bit. Dequantization is always
     x_hat = codes * scale + zero                    (uniform grid, lowbit.quant.affine; min/max or std placed)
@@ -44,6 +46,8 @@ class TensorCodec:
         self.cbits = tq.container_bits
         self.group = tq.group_for(head_dim, page)
         self.levels: torch.Tensor | None = None
+        self.stores_zero = tq.stores_zero  # False: scale-only groups (zero = -centre * scale)
+        self.centre = affine.centre(tq.bits) if tq.quantized else 0.0
         self.unit_step: float | None = None  # the std grid's step per unit std, resolved once
         if tq.quantized and tq.grid == "std" and not tq.lloyd_max:
             from lowbit.quant.lloyd_max import gaussian_uniform_step
@@ -77,6 +81,8 @@ class TensorCodec:
             return {"dense": D}
         if self.tq.axis == "channel":
             return {"codes": D * self.cbits // 8, "scale": D, "zero": D}
+        if not self.stores_zero:
+            return {"codes": D * self.cbits // 8, "scale": D // self.group}
         return {"codes": D * self.cbits // 8, "scale": D // self.group, "zero": D // self.group}
 
     def rows_per_entry(self, name: str) -> int:
@@ -105,6 +111,8 @@ class TensorCodec:
         else:
             codes, scale, zero = self._quantize_last(x, self.group, checks)  # [B,H,T,D], [B,H,T,D/g]
         packed = codes if self.cbits == 8 else packing.pack(codes, self.cbits, LAYOUT, checks=checks)
+        if not self.stores_zero:
+            return {"codes": packed, "scale": scale}
         return {"codes": packed, "scale": scale, "zero": zero}
 
     def _quantize_last(self, x: torch.Tensor, group: int, checks: bool = True):
@@ -115,7 +123,11 @@ class TensorCodec:
 
             q = lloyd_max.encode(x, self.levels.to(x.device), group, stat_dtype=SCALE_DTYPE)
             return q.codes, q.std, q.mean
-        if tq.grid == "std":
+        if not self.stores_zero:  # scale-only: the grid centred on 0
+            q = affine.quantize_centred(x, tq.bits, group, grid="std" if tq.grid == "std" else "absmax",
+                                        clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE, checks=checks,
+                                        unit_step=self.unit_step)
+        elif tq.grid == "std":
             q = affine.quantize_std(x, tq.bits, group, scale_dtype=SCALE_DTYPE, checks=checks, unit_step=self.unit_step)
         else:
             q = affine.quantize(
@@ -132,7 +144,8 @@ class TensorCodec:
         c = codes if self.cbits == 8 else packing.unpack(codes, self.cbits, LAYOUT)  # [B,H,T,D]
         B, H, T, D = c.shape
         vals = self.levels.to(c.device)[c.long()] if self.tq.lloyd_max else c.float()
-        scale, zero = fields["scale"].float(), fields["zero"].float()
+        scale = fields["scale"].float()
+        zero = fields["zero"].float() if self.stores_zero else scale * -self.centre
         if self.tq.axis == "channel":
             P = self.page
             v = vals.reshape(B, H, T // P, P, D)

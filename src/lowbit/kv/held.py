@@ -13,7 +13,7 @@ their 512-token window), weigh 97%; a plain mean over layers would let cheap sli
 
 What one middle element costs (per layer, per tensor, from the layer's TensorCodec: the fields the
 cache allocates): codes (container bits: 3-bit codes sit in 4-bit containers) + fp16 scale and zero
-per group (token axis: per `group` channels of a token; channel axis: per channel over a page) +
+(the scale alone for scale-only groups, TensorQuant zero "none") per group (token axis: per `group` channels of a token; channel axis: per channel over a page) +
 Lloyd-Max codebooks (2**bits float32 per layer and tensor) amortised over that layer's elements.
 A middle stored unquantized (bits 16, e.g. a layer_bits "bf16" override) counts at `dense_bits`.
 

@@ -132,12 +132,13 @@ def _codec_label(c: TensorCodec) -> str:
     t = c.tq
     grid = "lloyd-max" if t.lloyd_max else t.grid
     axis = f"ch/{c.page}" if t.axis == "channel" else f"g{c.group}"
-    return f"int{t.bits} {axis} {grid}"
+    return f"int{t.bits} {axis} {grid}" + ("" if c.stores_zero else " s-only")
 
 
 def _codec_doc(c: TensorCodec) -> dict:
     return {"bits": c.bits, "container_bits": c.cbits, "group": c.group, "axis": c.tq.axis,
             "grid": "lloyd-max" if c.tq.lloyd_max else c.tq.grid, "symmetric": c.tq.symmetric, "clip": c.tq.clip,
+            "zero": c.tq.zero if c.quantized else None,
             "levels": None if c.levels is None else [round(float(x), 6) for x in c.levels]}
 
 

@@ -199,6 +199,62 @@ def quantize_std(
     return AffineQuantized(codes.reshape(x.shape), scale, zero, bits, g, False, 1.0)
 
 
+def centre(bits: int) -> float:
+    """mid = (2**bits - 1) / 2: the code a scale-only (centred) grid is measured from (1.5 at 2 bits)."""
+    return ((1 << int(bits)) - 1) * 0.5
+
+
+def quantize_centred(
+    x: torch.Tensor,
+    bits: int,
+    group: int | None,
+    *,
+    grid: str = "std",
+    clip_ratio: float = 1.0,
+    scale_dtype: torch.dtype = torch.float32,
+    checks: bool = True,
+    unit_step: float | None = None,
+) -> AffineQuantized:
+    """A grid centred on 0 whose only per-group parameter is the scale (nothing else is stored).
+
+        x_hat = (codes - mid) * scale,  mid = (2**bits - 1) / 2     (levels +-scale/2, +-3*scale/2, ...)
+
+    i.e. the ONE formula with zero = -mid * scale, which the caller need not store: it follows from the
+    scale (exactly, in float32). grid "std": step = gaussian_uniform_step(bits) * the group's RMS about 0
+    (the MSE-optimal uniform grid of a zero-mean Gaussian; 2-4 bits); grid "absmax": the symmetric
+    min/max grid, step = 2 * clip_ratio * amax / (2**bits - 1). Meant for data whose per-channel offset was
+    removed before (a key shift): the group's own mean is not kept. The scale is rounded up to
+    scale_dtype and the codes computed against the rounded scale; an all-zero group gets scale 0
+    (reconstructs 0 exactly). Returns AffineQuantized(scale in scale_dtype, zero float32 = -mid * scale,
+    symmetric=True).
+    """
+    from lowbit.quant.lloyd_max import gaussian_uniform_step
+
+    if grid not in ("std", "absmax"):
+        raise LowbitError(f"centred grid {grid!r} unknown; use 'std' or 'absmax'")
+    if grid == "std" and bits not in (2, 3, 4):
+        raise LowbitError(f"the std-placed grid is for 2, 3 or 4 bits, got {bits}; use the absmax grid at 8 bits")
+    r = _check_clip(clip_ratio)
+    bits, g, xg = _groups(x, bits, group, scale_dtype)  # xg [..., G, g]
+    qmax = (1 << bits) - 1
+    if grid == "std":
+        step = xg.pow(2).mean(dim=-1).sqrt() * (gaussian_uniform_step(bits) if unit_step is None else unit_step)
+    else:
+        step = xg.abs().amax(dim=-1) * (2.0 * r / qmax)  # [..., G]
+    if checks and not torch.isfinite(step).all():
+        raise LowbitError("quantize got inf or NaN values in x; clean the input before quantizing")
+    live = step > 0
+    scale = step if scale_dtype == torch.float32 else _round_up(step, scale_dtype).float()
+    scale = torch.where(live, scale, torch.zeros_like(scale))
+    scale_s = scale.to(scale_dtype)
+    if checks and not torch.isfinite(scale_s).all():
+        raise LowbitError(f"scale overflows {scale_dtype}; values too large for it, use scale_dtype=torch.float32")
+    mid = centre(bits)
+    inv = torch.where(live, 1.0 / torch.where(live, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+    codes = torch.round(xg * inv.unsqueeze(-1) + mid).clamp_(0, qmax).to(torch.uint8)
+    return AffineQuantized(codes.reshape(x.shape), scale_s, -mid * scale, bits, g, True, r)
+
+
 def dequantize(q: AffineQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """x_hat [..., D] = codes * scale + zero, computed in float32 and cast to `dtype`."""
     D = q.codes.shape[-1]

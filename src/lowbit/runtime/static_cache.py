@@ -66,6 +66,9 @@ def static_reason(layer) -> str | None:
     for which, c in (("K", layer.k), ("V", layer.v)):
         if c.quantized and c.tq.axis != "token":
             return f"{which} is grouped per channel over pages (the static runtime writes one token at a time)"
+        if c.quantized and not c.stores_zero:
+            return (f"{which} has scale-only groups (zero 'none'; the static runtime's buffers and kernel op hold a "
+                    "zero per group: serve it through QuantizedKVCache)")
     if layer.k.quantized != layer.v.quantized:
         return "only one of K and V is quantized (the static runtime stores both packed or both dense)"
     return None
