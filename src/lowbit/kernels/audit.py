@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lowbit.quant.affine import quantize
+from lowbit.quant.affine import centre, quantize, quantize_centred
 from lowbit.quant.packing import pack
 
 TOL = 1e-3  # relative L2 error, kernel (fp32 output) vs float32 twin
@@ -33,15 +33,20 @@ class AuditRow:
         return asdict(self)
 
 
-def _packed(x, bits, group):
+def _packed(x, bits, group, zero="group"):
+    """-> codes, scale, zero (None for zero "none": scale-only groups, lowbit.kv.codec)."""
+    if zero == "none":
+        qz = quantize_centred(x, bits, group, grid="std" if bits <= 4 else "absmax", scale_dtype=torch.float16)
+        return (pack(qz.codes, bits, "strided") if bits < 8 else qz.codes), qz.scale, None
     qz = quantize(x, bits, group, scale_dtype=torch.float16)
     return pack(qz.codes, bits, "strided"), qz.scale, qz.zero
 
 
-def make_case(B, Hq, Hkv, D, T, kbits, vbits, *, group=None, sink=0, recent=0, ragged=False,
+def make_case(B, Hq, Hkv, D, T, kbits, vbits, *, group=None, sink=0, recent=0, ragged=False, zero="group",
               dtype=torch.bfloat16, device="cpu", seed=0):
     """Random inputs for decode_attention: keys with per-channel offsets (outlier channels), packed
-    through lowbit.quant (the one quantizer + the strided layout)."""
+    through lowbit.quant (the one quantizer + the strided layout). zero "none": K and V in scale-only
+    groups (no zero stored; the kernel computes zero = -centre * scale)."""
     g = torch.Generator(device=device).manual_seed(seed)
     group = group or D
 
@@ -50,12 +55,14 @@ def make_case(B, Hq, Hkv, D, T, kbits, vbits, *, group=None, sink=0, recent=0, r
 
     kx = rnd(B, Hkv, T, D) + 2.0 * rnd(1, Hkv, 1, D)
     vx = rnd(B, Hkv, T, D)
-    kc, ks, kz = _packed(kx, kbits, group)
-    vc, vs, vz = _packed(vx, vbits, group)
+    kc, ks, kz = _packed(kx, kbits, group, zero)
+    vc, vs, vz = _packed(vx, vbits, group, zero)
     del kx, vx
     lens = torch.randint(0, T + 1, (B,), generator=g, device=device) if ragged else torch.full((B,), T, device=device)
     kw = {"q": rnd(B, Hq, D).to(dtype), "k_codes": kc, "k_scale": ks, "k_zero": kz,
               "v_codes": vc, "v_scale": vs, "v_zero": vz, "mid_lens": lens.to(torch.int32), "k_bits": kbits, "v_bits": vbits}
+    if zero == "none":
+        kw.update(k_centre=centre(kbits), v_centre=centre(vbits))
     if sink:
         kw.update(sink_k=rnd(B, Hkv, sink, D).to(dtype), sink_v=rnd(B, Hkv, sink, D).to(dtype))
     if recent:
@@ -80,12 +87,15 @@ def sweep(device: str) -> list[dict]:
             (5, 24, 8, 128, 1000, 2, 2, {"ragged": True}),  # GQA 3
             (17, 9, 1, 64, 129, 2, 2, {"ragged": True}),  # GQA 9
             (7, 64, 8, 128, 3000, 2, 4, {"ragged": True}),  # GQA 8
+            (16, 32, 8, 128, 32768, 2, 2, {"zero": "none"}),  # scale-only groups
+            (17, 9, 3, 64, 4099, 2, 2, {"zero": "none", "ragged": True}),  # smollm2's geometry, scale-only
+            (3, 4, 1, 256, 5000, 2, 4, {"group": 128, "zero": "none", "ragged": True}),
         ]
         out = []
         for B, Hq, Hkv, D, T, kb, vb, extra in base:
             for tiers in ({}, {"sink": 64, "recent": 256}):
                 out.append((f"B{B} Hq{Hq}/Hkv{Hkv} D{D} T{T} k{kb}v{vb}" + (" +tiers" if tiers else "")
-                            + (" ragged" if extra.get("ragged") else ""),
+                            + (" ragged" if extra.get("ragged") else "") + (" scale-only" if extra.get("zero") else ""),
                             dict(B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kbits=kb, vbits=vb, **extra, **tiers)))
         return out
     return [
@@ -94,6 +104,8 @@ def sweep(device: str) -> list[dict]:
         ("B5 Hq8/Hkv2 D64 T129 k2v2 ragged", {"B": 5, "Hq": 8, "Hkv": 2, "D": 64, "T": 129, "kbits": 2, "vbits": 2, "ragged": True}),
         ("B1 Hq8/Hkv1 D64 T1000 k8v8", {"B": 1, "Hq": 8, "Hkv": 1, "D": 64, "T": 1000, "kbits": 8, "vbits": 8}),
         ("B2 Hq2/Hkv2 D128 T70 k4v2 g64", {"B": 2, "Hq": 2, "Hkv": 2, "D": 128, "T": 70, "kbits": 4, "vbits": 2, "group": 64}),
+        ("B3 Hq9/Hkv3 D64 T99 k2v2 scale-only ragged", {"B": 3, "Hq": 9, "Hkv": 3, "D": 64, "T": 99, "kbits": 2,
+                                                        "vbits": 2, "zero": "none", "ragged": True}),
     ]
 
 
