@@ -1,11 +1,14 @@
 """Probe: metadata variants for int2 at group 64 on smollm2-135m (stdlib text), attention-output error per layer."""
-import sys, torch, math
+import math
+
+import torch
+
 torch.set_num_threads(1)
-from lowbit.models import resolve
-from lowbit.calib.corpora import load_text, token_windows
 from lowbit.calib.capture import capture_attention
-from lowbit.rotation.hadamard import hadamard
+from lowbit.calib.corpora import load_text, token_windows
+from lowbit.models import resolve
 from lowbit.quant.lloyd_max import gaussian_uniform_step
+from lowbit.rotation.hadamard import hadamard
 
 lm = resolve('smollm2-135m')
 tok = lm.tokenizer

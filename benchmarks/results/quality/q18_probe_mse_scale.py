@@ -1,7 +1,11 @@
 """Probe: the tuned recipe with the centred grid's scale searched per group (MSE), by monkeypatching
 lowbit.quant.affine.quantize_centred; then `lowbit eval` as usual."""
-import sys, torch
+import sys
+
+import torch
+
 import lowbit.quant.affine as A
+
 orig = A.quantize_centred
 FACTORS = (0.75, 0.85, 0.95, 1.05, 1.15, 1.3)
 
@@ -29,4 +33,5 @@ def A_step(bits):
 
 A.quantize_centred = searched
 from lowbit.cli import main
+
 sys.exit(main(sys.argv[1:]))

@@ -194,9 +194,7 @@ def _variants(geometry, rotations, grids, tiers):
     """Layer-error variants: per rotation, K-only and V-only at each bits (2-bit once per grid)."""
     from lowbit.eval.layer_error import Variant
     from lowbit.kv.plan import load_rotations
-    from lowbit.recipe import parse_kv_scheme
-
-    from lowbit.recipe import _with_bits
+    from lowbit.recipe import _with_bits, parse_kv_scheme
 
     out = []
     for r in rotations:
