@@ -316,3 +316,13 @@ def test_geo_bench_rows_run_end_to_end_on_cpu():
     assert kimi["k2v2_bytes_per_token_layer"] == 64 * (48 + 12 + 32 + 4) and "sdpa_ms" in kimi
     want = {str(c) for c in geo_bench.candidates(geo_bench.GEOMETRIES["kimi-k192v128"])}
     assert set(kimi["k2v2_candidates_ms"]) == want and len(want) == 3 and kimi["k2v2_config"]["num_splits"] >= 1
+
+
+def test_geo_bench_parse_config_reads_fields_and_names_bad_ones():
+    from lowbit.kernels import geo_bench
+    from lowbit.kernels.decode_geometry import GeoConfig
+
+    assert geo_bench.parse_config("block_t=64,heads=8,q_loop=0") == GeoConfig(block_t=64, heads=8, q_loop=False)
+    for bad in ("block=64", "heads=eight", "heads"):
+        with pytest.raises(LowbitError, match="GeoConfig fields"):
+            geo_bench.parse_config(bad)

@@ -98,6 +98,21 @@ def sweep(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=
     return {"env": env_info(), "rows": rows}
 
 
+def parse_config(text: str):
+    """'block_t=64,heads=8,q_loop=0' -> GeoConfig (integers; q_loop / zero_mma 0 or 1)."""
+    from lowbit.errors import LowbitError
+    from lowbit.kernels.decode_geometry import GeoConfig
+
+    fields = {}
+    for kv in text.split(","):
+        k, _, v = kv.partition("=")
+        if k not in GeoConfig.__dataclass_fields__ or not v.lstrip("-").isdigit():
+            raise LowbitError(f"--cfg {text!r}: expected name=integer pairs of GeoConfig fields "
+                              f"({', '.join(GeoConfig.__dataclass_fields__)})")
+        fields[k] = bool(int(v)) if k in ("q_loop", "zero_mma") else int(v)
+    return GeoConfig(**fields)
+
+
 def GeoConfig_default():
     from lowbit.kernels.decode_geometry import GeoConfig
 
@@ -243,6 +258,7 @@ def _best(make, cfgs, log, timer):
             times[repr(cfg)] = None
             continue
         times[repr(cfg)] = t
+        log(f"  config {cfg}: {t:.4f} ms")
         if best is None or t < best[0]:
             best = (t, cfg, keep[0].get("launch"))
         del fns, keep
@@ -343,9 +359,13 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", default="1,16")
     ap.add_argument("--length", default="32768")
     ap.add_argument("--bits", default="2")
+    ap.add_argument("--cfg", action="append", default=[],
+                    help="GeoConfig fields to time instead of sweep_candidates, e.g. block_t=64,heads=8,q_loop=0 "
+                         "(repeatable)")
     a = ap.parse_args(argv)
     ints = lambda x: tuple(int(v) for v in x.split(","))  # noqa: E731
-    res = sweep(ints(a.batch), ints(a.length), tuple(a.geometry.split(",")), ints(a.bits))
+    res = sweep(ints(a.batch), ints(a.length), tuple(a.geometry.split(",")), ints(a.bits),
+                configs=[parse_config(c) for c in a.cfg] or None)
     with open(a.sweep, "w") as f:
         json.dump(res, f, indent=1)
     print(f"wrote {a.sweep}")
