@@ -1,24 +1,26 @@
 #!/usr/bin/env bash
-# Issue 19, s16 call 1: MLA latent launch configs that do not spill (benchmarks/compile_geo_sm90.py on CPU:
-# the resolved default for the tp8 latent uses 255 registers and spills 440-552 B a thread; 8 heads a program
-# with q in registers compiles without spills). Times them against the defaults (CUDA graph, rotating inputs).
+# Issue 19, s16 call 1 (MLA latent):
+#   1. benchmarks/latent_proto_bench.py: lowbit.kernels.decode_latent (one dequantization per tile, both products
+#      on warpgroup MMAs) checked against the twin at odd sizes, then timed beside the geometry kernel and the bf16
+#      torch form at tp8 (16 heads) and 128 heads, B 16 / 1, L 32k.
+#   2. the geometry kernel's latent configs that compile without spills (benchmarks/compile_geo_sm90.py: the
+#      resolved default uses 255 registers and spills 440-552 B a thread at tp8; 8 heads a program does not spill).
 # Usage: bash scripts/gpu_s16_call1.sh "$OUT"
 set -u
 OUT=${1:-${OUT:-/tmp/out}}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src" TRITON_INTERPRET=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv | tee "$OUT/env.txt"
+P=()
+for c in "heads=16,block_t=64,num_warps=4" "heads=16,block_t=64,num_warps=8" "heads=16,block_t=128,num_warps=8" \
+         "heads=16,block_t=64,num_warps=4,reload=0" "heads=16,block_t=64,num_warps=4,waves=4"; do P+=(--cfg "$c"); done
+timeout -s INT 260 python3 benchmarks/latent_proto_bench.py --out "$OUT/latent_proto.json" "${P[@]}" \
+    > "$OUT/latent_proto.log" 2>&1
+echo "proto rc $?"; grep -E "CHECK|ROW|new|failed|Error" "$OUT/latent_proto.log" | cut -c1-400 | tail -n 40
 C=()
 for c in "block_t=64,heads=16,num_warps=4" \
          "block_t=64,heads=8,num_warps=4,q_loop=0" "block_t=32,heads=8,num_warps=4,q_loop=0" \
          "block_t=64,heads=8,num_warps=8,q_loop=0" "block_t=128,heads=8,num_warps=8,q_loop=0" \
-         "block_t=32,heads=8,num_warps=2,q_loop=0" "block_t=64,heads=8,num_warps=4,q_loop=0,zero_mma=0" \
-         "block_t=32,heads=16,num_warps=8,q_loop=0"; do C+=(--cfg "$c"); done
-timeout -s INT 330 python3 -m lowbit.kernels.geo_bench --sweep "$OUT/sweep_tp8.json" \
+         "block_t=64,heads=8,num_warps=4,q_loop=0,zero_mma=0" "block_t=32,heads=16,num_warps=8,q_loop=0"; do C+=(--cfg "$c"); done
+timeout -s INT 200 python3 -m lowbit.kernels.geo_bench --sweep "$OUT/sweep_tp8.json" \
     --geometry deepseek-v3-latent-tp8 --batch 16,1 --length 32768 --bits 2 "${C[@]}" > "$OUT/sweep_tp8.log" 2>&1
-echo "tp8 rc $?"; grep -E "^SWEEP |config" "$OUT/sweep_tp8.log" | tail -n 40
-C2=()
-for c in "block_t=32,heads=32,num_warps=4" "block_t=64,heads=8,num_warps=4,q_loop=0" \
-         "block_t=128,heads=8,num_warps=8,q_loop=0" "block_t=64,heads=16,num_warps=8,q_loop=0"; do C2+=(--cfg "$c"); done
-timeout -s INT 150 python3 -m lowbit.kernels.geo_bench --sweep "$OUT/sweep_128.json" \
-    --geometry deepseek-v3-latent --batch 16 --length 32768 --bits 2 "${C2[@]}" > "$OUT/sweep_128.log" 2>&1
-echo "128 rc $?"; grep -E "^SWEEP |config" "$OUT/sweep_128.log" | tail -n 20
+echo "tp8 rc $?"; grep -E "^SWEEP |config" "$OUT/sweep_tp8.log" | cut -c1-300 | tail -n 30
