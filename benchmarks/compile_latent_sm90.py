@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from compile_sm90 import _DT, _Capture  # noqa: E402
 
 
-def compile_cfg(hq: int, heads: int, block_t: int, num_warps: int, num_stages: int, out_dir: str, reload: int = 1):
+def compile_cfg(hq: int, heads: int, block_t: int, num_warps: int, num_stages: int, out_dir: str, reload: int = 1, pv_acc: int = 0):
     B, T, D, DR = 1, 256, 512, 64
     q = torch.zeros(B, hq, D, dtype=torch.bfloat16)
     qp = torch.zeros(B, hq, DR, dtype=torch.bfloat16)
@@ -37,7 +37,7 @@ def compile_cfg(hq: int, heads: int, block_t: int, num_warps: int, num_stages: i
     try:
         dl.latent_middle(q, qp, c, s, s, pe, torch.zeros(B, dtype=torch.int32), bits=2, sm_scale=0.1, heads=heads,
                          block_t=block_t, num_warps=num_warps, num_splits=4, part=part, lse=lse, out_split0=0,
-                         num_stages=num_stages, reload=bool(reload))
+                         num_stages=num_stages, reload=bool(reload), pv_acc=bool(pv_acc))
     finally:
         dl._lat_stage1 = orig
     _grid, args, ckw = cap.calls[0]
@@ -60,7 +60,7 @@ def compile_cfg(hq: int, heads: int, block_t: int, num_warps: int, num_stages: i
     comp = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=ckw, attrs=attrs),
                           target=GPUTarget("cuda", 90, 32), options=opts)
     os.makedirs(out_dir, exist_ok=True)
-    base = os.path.join(out_dir, f"lat_hq{hq}_h{heads}_bt{block_t}_w{num_warps}_s{num_stages}_r{reload}")
+    base = os.path.join(out_dir, f"lat_hq{hq}_h{heads}_bt{block_t}_w{num_warps}_s{num_stages}_r{reload}_a{pv_acc}")
     with open(base + ".ptx", "w") as f:
         f.write(comp.asm["ptx"])
     with open(base + ".ttgir", "w") as f:

@@ -32,7 +32,7 @@ def new_fn(q, qp, t, lens, sm, cfg, out):
         n, _ = latent_middle(q, qp, t["c"].view(torch.int32), t["s"], t["z"], t["pe"], lens, bits=2, sm_scale=sm,
                              heads=cfg["heads"], block_t=cfg["block_t"], num_warps=cfg["num_warps"],
                              num_splits=ns, part=part, lse=lse, out_split0=0, num_stages=cfg.get("num_stages", 2),
-                             reload=bool(cfg.get("reload", 1)))
+                             reload=bool(cfg.get("reload", 1)), pv_acc=bool(cfg.get("pv_acc", 0)))
         _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), ns, NCH=-(-ns // ch), CH=ch, DV=D,
                          num_warps=4)
         return out

@@ -48,7 +48,7 @@ def _lat_stage1(
     qk_scale, split_tokens, NSPLIT, OUT_SPLIT0,
     G: tl.constexpr, BH: tl.constexpr, NHB: tl.constexpr, HP: tl.constexpr,
     D: tl.constexpr, DR: tl.constexpr, BITS: tl.constexpr, GRP: tl.constexpr,
-    BT: tl.constexpr, RELOAD: tl.constexpr, INTERP: tl.constexpr, MID_ITERS: tl.constexpr,
+    BT: tl.constexpr, RELOAD: tl.constexpr, PV_ACC: tl.constexpr, INTERP: tl.constexpr, MID_ITERS: tl.constexpr,
 ):
     """Grid (Hkv * NHB head blocks, middle splits, B). Writes split OUT_SPLIT0 + split of every head's
     partial output OP [B*Hq, NSPLIT, D] (normalised) and its log2-sum-exp LSE [B*Hq, NSPLIT]."""
@@ -137,10 +137,16 @@ def _lat_stage1(
             x1 = _codes_k(w2, 1 * BITS, BITS)
             x2 = _codes_k(w2, 2 * BITS, BITS)
             x3 = _codes_k(w2, 3 * BITS, BITS)
-        o0 = tl.fma(o0, alpha[None, :], tl.dot(tl.trans(x0), (p * sc0[:, None]).to(tl.float16)))
-        o1 = tl.fma(o1, alpha[None, :], tl.dot(tl.trans(x1), (p * sc1[:, None]).to(tl.float16)))
-        o2 = tl.fma(o2, alpha[None, :], tl.dot(tl.trans(x2), (p * sc2[:, None]).to(tl.float16)))
-        o3 = tl.fma(o3, alpha[None, :], tl.dot(tl.trans(x3), (p * sc3[:, None]).to(tl.float16)))
+        if PV_ACC:  # accumulate in the MMA (its operands need not outlive it)
+            o0 = tl.dot(tl.trans(x0), (p * sc0[:, None]).to(tl.float16), o0 * alpha[None, :])
+            o1 = tl.dot(tl.trans(x1), (p * sc1[:, None]).to(tl.float16), o1 * alpha[None, :])
+            o2 = tl.dot(tl.trans(x2), (p * sc2[:, None]).to(tl.float16), o2 * alpha[None, :])
+            o3 = tl.dot(tl.trans(x3), (p * sc3[:, None]).to(tl.float16), o3 * alpha[None, :])
+        else:  # a fresh product per tile, folded by one FMA (the MMA's truncating adds sum BT tokens only)
+            o0 = tl.fma(o0, alpha[None, :], tl.dot(tl.trans(x0), (p * sc0[:, None]).to(tl.float16)))
+            o1 = tl.fma(o1, alpha[None, :], tl.dot(tl.trans(x1), (p * sc1[:, None]).to(tl.float16)))
+            o2 = tl.fma(o2, alpha[None, :], tl.dot(tl.trans(x2), (p * sc2[:, None]).to(tl.float16)))
+            o3 = tl.fma(o3, alpha[None, :], tl.dot(tl.trans(x3), (p * sc3[:, None]).to(tl.float16)))
 
     l_i = tl.sum(tl.where((zr == NG)[:, None], z_acc, 0.0), 0)
     inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
@@ -162,7 +168,8 @@ def _lat_stage1(
 
 
 def latent_middle(q_lat, q_pe, codes, scale, zero, pe, mid_lens, *, bits: int, sm_scale: float, heads: int,
-                  block_t: int, num_warps: int, num_splits: int, part, lse, out_split0: int, num_stages: int = 2, reload: bool = True):
+                  block_t: int, num_warps: int, num_splits: int, part, lse, out_split0: int, num_stages: int = 2, reload: bool = True,
+                  pv_acc: bool = False):
     """Launch _lat_stage1 over the middle tier into part [B, Hq, NSPLIT, D] / lse [B, Hq, NSPLIT] at splits
     [out_split0, out_split0 + num_splits). q_lat [B, Hq, D], q_pe [B, Hq, DR], codes int32 view
     [B, Hkv, T, D*bits/32], scale/zero fp16 [B, Hkv, T, D/128], pe [B, Hkv, T, DR], mid_lens int32 [B].
@@ -182,6 +189,6 @@ def latent_middle(q_lat, q_pe, codes, scale, zero, pe, mid_lens, *, bits: int, s
         codes, codes.stride(0), codes.stride(1), scale, zero, scale.stride(0), scale.stride(1),
         pe, pe.stride(0), pe.stride(1), pe.stride(2), mid_lens,
         part, lse, float(sm_scale) * 1.4426950408889634, int(split_tokens), part.shape[2], int(out_split0),
-        G=G, BH=BH, NHB=NHB, HP=HP, D=D, DR=DR, BITS=bits, GRP=128, BT=block_t, RELOAD=reload, INTERP=interp,
+        G=G, BH=BH, NHB=NHB, HP=HP, D=D, DR=DR, BITS=bits, GRP=128, BT=block_t, RELOAD=reload, PV_ACC=pv_acc, INTERP=interp,
         MID_ITERS=(split_tokens // block_t) if interp else 0, num_warps=num_warps, num_stages=num_stages)
     return nsm, split_tokens
