@@ -34,7 +34,12 @@ from lowbit.kv import attention as attn
 from lowbit.kv.key_affine import KeyAffine, map_keys, map_queries
 
 _ROW_ALIGN = 64  # rows per (slot, head) rounded up so every head starts 64 rows (>= 128 B) aligned
-_ROT_SUM_ROWS = 16  # rows per head up to which a traced rotation is a fused product-sum, not a GEMM (_rot)
+# rows (all heads and batch slots together) up to which a traced rotation is a fused product-sum, not a GEMM
+# (_rot). Inductor makes the product-sum one reduction kernel with RoPE inlined, which saves a kernel at B = 1
+# (32 query rows of a Llama-3-8B layer), but it re-reads R per output element: at B = 16 (512 rows) that
+# kernel took 17 us a layer on the H200 (results/runtime/decode_e2e_B16_s15_NVIDIA_H200.log), where a GEMM
+# of [512, 128] x [128, 128] is a few us.
+_ROT_SUM_ROWS = 64
 
 
 def _rows(n: int) -> int:
@@ -48,9 +53,9 @@ def _rot(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
     if r is None:
         return x
     x = x.to(r.dtype)
-    if torch.compiler.is_compiling() and x.shape[-2] <= _ROT_SUM_ROWS:
-        # a decode step's few rows per head: a broadcast product summed over D, which Inductor generates
-        # as one reduction kernel with its producer (RoPE) inlined, where a GEMM would be a kernel of its
+    if torch.compiler.is_compiling() and x.numel() // x.shape[-1] <= _ROT_SUM_ROWS:
+        # a small decode step's few rows: a broadcast product summed over D, which Inductor generates as
+        # one reduction kernel with its producer (RoPE) inlined, where a GEMM would be a kernel of its
         # own; float32 products and sums, as the GEMM accumulates
         rr = r if r.dim() == 2 else r[None, :, None]  # [D, D] or [1, H, 1, D, D]
         return (x.float().unsqueeze(-1) * rr.float()).sum(-2).to(r.dtype)
