@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 19, s16 call 1 (MLA latent):
-#   1. benchmarks/latent_proto_bench.py: lowbit.kernels.decode_latent (one dequantization per tile, both products
+#   1. benchmarks/latent_proto_bench.py (removed after this run; and the ncu case, at commit 48452b3): lowbit.kernels.decode_latent (one dequantization per tile, both products
 #      on warpgroup MMAs) checked against the twin at odd sizes, then timed beside the geometry kernel and the bf16
 #      torch form at tp8 (16 heads) and 128 heads, B 16 / 1, L 32k.
 #   2. the geometry kernel's latent configs that compile without spills (benchmarks/compile_geo_sm90.py: the
