@@ -40,7 +40,8 @@ def scheme(name: str = "bf16", **kw):
     base = {"sink": 4, "recent": 8, "page": 4}
     base.update(kw)
     rest = {k: base.pop(k) for k in list(base) if k not in ("sink", "recent", "page")}
-    s = parse_kv_scheme(name, **{k: v for k, v in rest.items() if k in ("group", "clip", "lloyd_max", "rotation", "grid", "layer_bits")})
+    s = parse_kv_scheme(name, **{k: v for k, v in rest.items() if k in ("group", "clip", "lloyd_max", "rotation", "grid", "layer_bits",
+                                                                   "zero")})
     return replace(s, sink=base["sink"], recent=base["recent"], page=base["page"])
 
 

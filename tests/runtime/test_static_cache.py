@@ -1,6 +1,7 @@
 """The static runtime cache and model step on CPU (eager): the same logits as the eager QuantizedKVCache
-at page 1 (the same codes), ragged batches equal to each sequence alone, every middle row through the
-one quantizer, and the bad inputs named."""
+at page 1 (the same codes), scale-only groups (zero 'none') included, through the torch path and the fused
+kernel (Triton interpreter); ragged batches equal to each sequence alone, every middle row through the one
+quantizer, and the bad inputs named."""
 
 import pytest
 import torch
@@ -20,10 +21,10 @@ CASES = [("smollm2-135m", {}, "bf16"), ("smollm2-135m", {}, "int2"), ("smollm2-1
          ("gemma3-270m", {}, "bf16"), ("gemma3-270m", GEMMA_FULL, "int2"), ("gemma3-270m", GEMMA_FULL, "int8")]
 
 
-def _setup(name, over, sname, sink=4, recent=8):
+def _setup(name, over, sname, sink=4, recent=8, **kw):
     m = fast_model(name, **over)
     geo = ModelGeometry.from_config(m.config, name=name)
-    return m, geo, resolve(scheme(sname, sink=sink, recent=recent, page=1), geo)
+    return m, geo, resolve(scheme(sname, sink=sink, recent=recent, page=1, **kw), geo)
 
 
 def _static_run(m, plan, ids, prompt_len, chunk, steps, slots=None):
@@ -43,12 +44,17 @@ def _static_run(m, plan, ids, prompt_len, chunk, steps, slots=None):
     return torch.stack([torch.stack(o) for o in outs]), st
 
 
+def _eager_ref(m, plan, ids):
+    """The eager QuantizedKVCache's logits for what _static_run(m, plan, ids, 30, 13, 10) feeds it."""
+    return torch.stack([run_chunks(m, QuantizedKVCache.from_plan(m, plan), ids[b:b + 1], None,
+                                   [13, 13, 4] + [1] * 10)[0, 29:] for b in range(ids.shape[0])])
+
+
 @pytest.mark.parametrize("name,over,sname", CASES)
 def test_static_runtime_matches_the_eager_cache(name, over, sname):
     m, _geo, plan = _setup(name, over, sname)
     ids = tiny_tokenizer_free_inputs(m.config, 2, 40, seed=1)
-    ref = torch.stack([run_chunks(m, QuantizedKVCache.from_plan(m, plan), ids[b:b + 1], None, [13, 13, 4] + [1] * 10)[0, 29:]
-                       for b in range(2)])
+    ref = _eager_ref(m, plan, ids)
     out, st = _static_run(m, plan, ids, 30, 13, 10)
     assert rel_err(out, ref) < 1e-4
     assert st.lens.tolist() == [40, 40]
@@ -58,6 +64,43 @@ def test_static_runtime_matches_the_eager_cache(name, over, sname):
         for b in range(2):
             dyn = run_chunks(m, DynamicCache(config=m.config), ids[b:b + 1], None, [30] + [1] * 10, impl="sdpa")[0, 29:]
             assert rel_err(out[b], dyn) < 1e-4
+
+
+@pytest.mark.parametrize("name,over,sname", [("smollm2-135m", {}, "int2"), ("smollm2-135m", {}, "k4v2"),
+                                             ("gemma3-270m", GEMMA_FULL, "int2")])
+def test_scale_only_groups_match_the_eager_cache(name, over, sname):
+    """zero 'none' (lowbit.kv.codec: only the fp16 scale is stored): the buffers hold no zero (fewer bytes than
+    with one) and the logits are the eager cache's (the same codec writes both)."""
+    m, _geo, plan = _setup(name, over, sname, zero="none")
+    assert all(not lp.k.stores_zero and not lp.v.stores_zero for lp in plan.layers)
+    ids = tiny_tokenizer_free_inputs(m.config, 2, 40, seed=1)
+    out, st = _static_run(m, plan, ids, 30, 13, 10)
+    assert rel_err(out, _eager_ref(m, plan, ids)) < 1e-4
+    assert all("zero" not in layer.mid[t] for layer in st.layers for t in "kv")
+    _, zeroed = _static_run(m, _setup(name, over, sname)[2], ids, 30, 13, 10)
+    assert st.bytes_held() < zeroed.bytes_held()
+
+
+def test_fused_kernel_reads_scale_only_static_tiers_like_the_torch_path():
+    """use_kernel (what a CUDA plan sets; here the Triton interpreter): with scale-only groups the decode step
+    through the kernel's wrapper and through the custom op (kernel_op) gives the torch path's logits (k4v2:
+    both code widths read; the kernel computes zero = -centre * scale; stored zeros: test_compiled_step)."""
+    from lowbit.kernels.decode_attention import interpreted
+
+    if not interpreted():
+        pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")
+    m, _geo, plan = _setup("smollm2-135m", {}, "k4v2", zero="none")
+    ids = tiny_tokenizer_free_inputs(m.config, 2, 24, seed=4)
+    step = ModelStep(m)
+    outs = []
+    for use_kernel, kernel_op in ((False, False), (True, False), (True, True)):
+        st = StaticKVCache(m, plan, slots=2, max_context=32)
+        st.use_kernel, st.kernel_op = use_kernel, kernel_op
+        for b, n in enumerate((20, 15)):
+            prefill(step, st, b, ids[b, :n], chunk=8)
+        on = torch.ones(2, dtype=torch.bool)
+        outs.append(torch.stack([eager_decode(step, st, ids[:, 20 + t:21 + t], on) for t in range(3)]))
+    assert rel_err(outs[1], outs[0]) < 1e-3 and rel_err(outs[2], outs[0]) < 1e-3
 
 
 def test_ragged_batch_equals_each_sequence_alone():

@@ -1,6 +1,7 @@
 """The runtime's kernels as torch custom ops: one opaque node each in a torch.compile'd decode step.
 
-    decode_attention_tiers(q, <packed middle>, mid_lens, <sink>, <recent>, k_bits, v_bits, sm_scale)
+    decode_attention_tiers(q, <packed middle>, mid_lens, <sink>, <recent>, k_bits, v_bits, sm_scale,
+                           k_centre, v_centre)
         the fused decode kernel (lowbit.kernels.decode_attention) over sink / packed middle / recent
     packed_linear(x, key)
         a QuantLinear's CUDA weight kernels (lowbit.weights.qlinear), the module found by `key`
@@ -23,14 +24,19 @@ from lowbit.errors import LowbitError
 
 # ------------------------------------------------------------------ the fused decode kernel
 @torch.library.custom_op("lowbit::decode_attention_tiers", mutates_args=())
-def decode_attention_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
-                        v_codes: torch.Tensor, v_scale: torch.Tensor, v_zero: torch.Tensor, mid_lens: torch.Tensor,
+def decode_attention_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
+                        k_zero: Optional[torch.Tensor],  # noqa: UP045
+                        v_codes: torch.Tensor, v_scale: torch.Tensor,
+                        v_zero: Optional[torch.Tensor],  # noqa: UP045
+                        mid_lens: torch.Tensor,
                         sink_k: Optional[torch.Tensor], sink_v: Optional[torch.Tensor],  # noqa: UP045
                         sink_lens: Optional[torch.Tensor],  # noqa: UP045 (typing.Optional: older torch schemas)
                         recent_k: torch.Tensor, recent_v: torch.Tensor, recent_lens: torch.Tensor,
-                        k_bits: int, v_bits: int, sm_scale: float) -> torch.Tensor:
+                        k_bits: int, v_bits: int, sm_scale: float,
+                        k_centre: float, v_centre: float) -> torch.Tensor:
     """q [B, Hq, D] over sink / packed middle / recent -> [B, Hq, Dv] (lowbit.kernels.decode_attention).
-    An empty middle (k_codes with 0 rows) is no middle tier."""
+    An empty middle (k_codes with 0 rows) is no middle tier. Scale-only groups (zero 'none'): k_zero None
+    and k_centre the centre code (likewise V); with a stored zero the centre is 0.0."""
     from lowbit.kernels.decode_attention import decode_attention
 
     has_mid = k_codes.shape[2] > 0
@@ -38,13 +44,15 @@ def decode_attention_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
     dense = {"recent_k": recent_k, "recent_v": recent_v, "recent_lens": recent_lens}
     if sink_k is not None:
         dense.update(sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens)
+    centres = {"k_centre": k_centre if has_mid and k_zero is None else None,
+               "v_centre": v_centre if has_mid and v_zero is None else None}
     return decode_attention(q, *mid, mid_lens=mid_lens if has_mid else None, k_bits=k_bits, v_bits=v_bits,
-                            sm_scale=sm_scale, **dense)
+                            sm_scale=sm_scale, **centres, **dense)
 
 
 @decode_attention_op.register_fake
 def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens, sink_k, sink_v, sink_lens,
-      recent_k, recent_v, recent_lens, k_bits, v_bits, sm_scale):
+      recent_k, recent_v, recent_lens, k_bits, v_bits, sm_scale, k_centre, v_centre):
     return q.new_empty(q.shape[0], q.shape[1], recent_v.shape[-1])
 
 

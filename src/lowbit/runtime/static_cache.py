@@ -12,7 +12,8 @@ writes that must go nowhere, so no write needs a branch):
                             ring  [B, H, R+1, D]      the last R positions >= S, circular: position p
                                                       in row (p - S) mod R                model dtype
                             middle codec fields [B, H, C+1, w]  positions [S, n - R) in row p - S
-                                                      (codes uint8 "strided", scale/zero fp16)
+                                                      (codes uint8 "strided", scale/zero fp16; no
+                                                      zero for scale-only groups, zero 'none')
     sliding layer (window W): ring [B, H, W+1, D] of the last W positions (row p mod W); nothing else
     nothing quantized (bf16):  one dense buffer [B, H, max_context+1, D], position p in row p
 
@@ -71,12 +72,17 @@ def static_reason(layer) -> str | None:
     for which, c in (("K", layer.k), ("V", layer.v)):
         if c.quantized and c.tq.axis != "token":
             return f"{which} is grouped per channel over pages (the static runtime writes one token at a time)"
-        if c.quantized and not c.stores_zero:
-            return (f"{which} has scale-only groups (zero 'none'; the static runtime's buffers and kernel op hold a "
-                    "zero per group: serve it through QuantizedKVCache)")
     if layer.k.quantized != layer.v.quantized:
         return "only one of K and V is quantized (the static runtime stores both packed or both dense)"
     return None
+
+
+def _mid_tier(codec, mid: dict, B: int, C: int) -> tuple:
+    """(codes, scale, zero, centre) of a packed middle tier's first B slots and C rows, as the fused kernel
+    takes them: zero None and the centre code for scale-only groups (zero 'none': the kernel computes
+    zero = -centre * scale), the stored zero and centre None otherwise."""
+    zero = mid["zero"][:B, :, :C] if codec.stores_zero else None
+    return mid["codes"][:B, :, :C], mid["scale"][:B, :, :C], zero, None if codec.stores_zero else codec.centre
 
 
 def _keys_in(layer, k: torch.Tensor) -> torch.Tensor:
@@ -490,17 +496,18 @@ class StaticKVCache(Cache):
         if self.use_kernel and layer.kind == "tiers" and not softcap:
             from lowbit.kernels.decode_attention import decode_attention
 
-            mk, mv = layer.mid["k"], layer.mid["v"]
             C = layer.C
-            mid = (mk["codes"][:B, :, :C], mk["scale"][:B, :, :C], mk["zero"][:B, :, :C],
-                   mv["codes"][:B, :, :C], mv["scale"][:B, :, :C], mv["zero"][:B, :, :C]) if C else (None,) * 6
+            kc, ks, kz, k_centre = _mid_tier(layer.k_codec, layer.mid["k"], B, C)
+            vc, vs, vz, v_centre = _mid_tier(layer.v_codec, layer.mid["v"], B, C)
+            mid = (kc, ks, kz, vc, vs, vz) if C else (None,) * 6
             dense = {"recent_k": layer.ring_k[:B, :, :layer.R], "recent_v": layer.ring_v[:B, :, :layer.R],
                      "recent_lens": rl}
             if layer.S:
                 dense.update(sink_k=layer.sink_k[:B, :, :layer.S], sink_v=layer.sink_v[:B, :, :layer.S], sink_lens=sl)
             q = qg.to(self.dtype).reshape(B, -1, qg.shape[-1]).contiguous()
             out = decode_attention(q, *mid, mid_lens=ml if C else None, k_bits=layer.k_codec.cbits,
-                                   v_bits=layer.v_codec.cbits, sm_scale=scaling, **dense)
+                                   v_bits=layer.v_codec.cbits, sm_scale=scaling,
+                                   k_centre=k_centre if C else None, v_centre=v_centre if C else None, **dense)
             return out.float().reshape(B, H, -1, out.shape[-1])
         return self._torch_decode(layer, qg, sl, ml, rl, scaling, softcap)
 
@@ -511,15 +518,16 @@ class StaticKVCache(Cache):
         from lowbit.runtime.ops import decode_attention_op
 
         B, H = qg.shape[:2]
-        mk, mv = layer.mid["k"], layer.mid["v"]
         C, S, R = layer.C, layer.S, layer.R
+        kc, ks, kz, k_centre = _mid_tier(layer.k_codec, layer.mid["k"], B, C)
+        vc, vs, vz, v_centre = _mid_tier(layer.v_codec, layer.mid["v"], B, C)
         q = qg.to(self.dtype).reshape(B, -1, qg.shape[-1]).contiguous()
         out = decode_attention_op(
-            q, mk["codes"][:B, :, :C], mk["scale"][:B, :, :C], mk["zero"][:B, :, :C],
-            mv["codes"][:B, :, :C], mv["scale"][:B, :, :C], mv["zero"][:B, :, :C], ml,
+            q, kc, ks, kz, vc, vs, vz, ml,
             layer.sink_k[:B, :, :S] if S else None, layer.sink_v[:B, :, :S] if S else None, sl if S else None,
             layer.ring_k[:B, :, :R], layer.ring_v[:B, :, :R], rl,
-            layer.k_codec.cbits, layer.v_codec.cbits, float(scaling))
+            layer.k_codec.cbits, layer.v_codec.cbits, float(scaling), float(k_centre or 0.0),
+            float(v_centre or 0.0))
         return out.float().reshape(B, H, -1, out.shape[-1])
 
     def _torch_decode(self, layer, qg, sl, ml, rl, scaling, softcap):
