@@ -13,8 +13,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem --format=csv,noheader
 timeout -s INT 200 python3 -m pytest -v --tb=short -p no:cacheprovider -m gpu tests/kernels/test_decode_cuda.py \
     > "$OUT/gpu_tests_decode_cuda.log" 2>&1; echo "tests rc $? $(el)"
 grep -E "PASSED|FAILED|^E  |passed|failed" "$OUT/gpu_tests_decode_cuda.log" | head -30
-IMPLS=triton,cuda-w2-mb1,cuda-w4-mb1,cuda-w4-mb3,cuda-w4-mb4,cuda-w8-mb1,cuda-w8-mb2
-for BL in "16 32768" "64 32768" "1 32768"; do
+IMPLS=triton,cuda-w4-s3-mb3,cuda-w4-s4-mb3,cuda-w4-s3-mb1,cuda-w4-s2-mb1,cuda-w4-s3-mb4,cuda-w2-s4-mb1,cuda-w8-s2-mb2
+for BL in "16 32768" "64 32768" "1 32768" "1 131072"; do
   set -- $BL
   timeout -s INT 150 python3 benchmarks/kernel_in_step_probe.py --batch $1 --length $2 --impls $IMPLS \
       --out "$OUT/decode_cuda_probe_B$1_L$2.json" > "$OUT/decode_cuda_probe_B$1_L$2.log" 2>&1

@@ -83,10 +83,10 @@ def test_unaligned_codes_are_passed_over():
 @pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
 def test_named_cuda_impl_that_cannot_run_is_an_error_not_a_fallback():
     kw = _kw()
-    with pytest.raises(LowbitError, match="impl 'cuda-w4-mb1' cannot run this call: .*CUDA tensors.*impl='triton'"):
-        decode_attention(**kw, config=KernelConfig(impl="cuda-w4-mb1"))
-    with pytest.raises(LowbitError, match="unknown decode kernel impl 'cuda-w3-mb1'"):
-        decode_attention(**kw, config=KernelConfig(impl="cuda-w3-mb1"))
+    with pytest.raises(LowbitError, match="impl 'cuda-w4-s3-mb3' cannot run this call: .*CUDA tensors.*impl='triton'"):
+        decode_attention(**kw, config=KernelConfig(impl="cuda-w4-s3-mb3"))
+    with pytest.raises(LowbitError, match="unknown decode kernel impl 'cuda-w3-s3-mb1'"):
+        decode_attention(**kw, config=KernelConfig(impl="cuda-w3-s3-mb1"))
 
 
 # (B, Hq, Hkv, T, sink, recent, mid_lens, dtype, scale_only)
@@ -136,7 +136,7 @@ def _run(kw, impl):
                          f"-{str(c[7])[6:]}{'-so' if c[8] else ''}")
 def test_matches_twin_and_triton_gpu(case):
     kw = _gpu_inputs(case)
-    out, launch = _run(kw, "cuda-w4-mb1")
+    out, launch = _run(kw, "cuda-w4-s3-mb3")
     assert launch.mode == "cuda" and launch.grid[2] == case[0]
     assert torch.isfinite(out).all(), "kernel wrote NaN/Inf or left outputs unwritten"
     ref = decode_attention_ref(**kw)
@@ -147,10 +147,10 @@ def test_matches_twin_and_triton_gpu(case):
 
 @pytest.mark.gpu
 @gpu
-@pytest.mark.parametrize("shape", dc.SHAPES, ids=lambda s: f"w{s[0]}-mb{s[1]}")
+@pytest.mark.parametrize("shape", dc.SHAPES, ids=lambda s: f"w{s[0]}-s{s[1]}-mb{s[2]}")
 def test_every_instance_matches_twin_gpu(shape):
     kw = _gpu_inputs((5, 32, 8, 2999, 64, 256, [2999, 1, 0, 1500, 64], torch.bfloat16, False))
-    out, launch = _run(kw, f"cuda-w{shape[0]}-mb{shape[1]}")
+    out, launch = _run(kw, f"cuda-w{shape[0]}-s{shape[1]}-mb{shape[2]}")
     assert launch.blocks_per_sm >= 1
     assert torch.isfinite(out).all() and rel_l2(out, decode_attention_ref(**kw)) <= TOL
 
@@ -159,7 +159,7 @@ def test_every_instance_matches_twin_gpu(shape):
 @gpu
 def test_cuda_graph_replay_gpu():
     kw = _gpu_inputs((4, 32, 8, 1500, 64, 256, [1500, 7, 1000, 64], torch.bfloat16, False))
-    cfg = KernelConfig(impl="cuda-w4-mb1")
+    cfg = KernelConfig(impl="cuda-w4-s3-mb3")
     eager = decode_attention(**kw, config=cfg)
     out = torch.empty_like(eager)
     torch.cuda.synchronize()

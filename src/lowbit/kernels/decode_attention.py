@@ -40,7 +40,6 @@ wrapper costs ~0.1 ms of host time.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 from functools import cache
 
@@ -610,7 +609,7 @@ class KernelConfig:
     pv_fresh: bool = False
     sz_direct: bool = False
     dense_in_waves: bool | None = None  # count the dense-tier programs in the split pick (pick_num_splits)
-    impl: str | None = None  # stage 1: "triton", or a CUDA instance "cuda-w<warps>-mb<min blocks>" (int2, D 128); None: IMPL_DEFAULT
+    impl: str | None = None  # stage 1: "triton", or a CUDA instance "cuda-w<warps>-s<stages>-mb<min blocks>" (int2, D 128); None: IMPL_DEFAULT
 
     def resolve(self, batch: int, kv_heads: int, head_dim: int, bits: int = 8) -> KernelConfig:
         """Fill the None fields from DEFAULTS: "many" (sequence, KV head) pairs (>= 64, e.g. B16 with
@@ -1033,10 +1032,10 @@ def _cuda_stage1(cfg: KernelConfig, q, k_codes, k_scale, v_codes, v_scale, k_bit
         return None
     from lowbit.kernels import decode_cuda
 
-    m = re.fullmatch(r"cuda-w(\d+)-mb(\d+)", impl)
-    if m is None or (int(m[1]), int(m[2])) not in decode_cuda.SHAPES:
+    cc = decode_cuda.CudaDecodeConfig.from_name(impl)
+    if cc is None:
         raise LowbitError(f"unknown decode kernel impl {impl!r}: use 'triton' or one of "
-                          f"{[f'cuda-w{w}-mb{b}' for w, b in decode_cuda.SHAPES]}")
+                          f"{[decode_cuda.CudaDecodeConfig(*x).name for x in decode_cuda.SHAPES]}")
     reason = decode_cuda.why_not(q, k_codes, k_scale, v_codes, v_scale, k_bits, v_bits, GK, GV, tuple(dense))
     if reason is None and bool(kzc) != bool(vzc):
         reason = "scale-only groups on one of K / V only"
@@ -1044,7 +1043,7 @@ def _cuda_stage1(cfg: KernelConfig, q, k_codes, k_scale, v_codes, v_scale, k_bit
         if cfg.impl is not None:
             raise LowbitError(f"decode kernel impl {impl!r} cannot run this call: {reason}; use impl='triton'")
         return None
-    return decode_cuda.CudaDecodeConfig(int(m[1]), int(m[2]))
+    return cc
 
 
 def _launch_cuda(cc, cfg, q, kw, k_scale, k_zero, vw, v_scale, v_zero, mid_lens, sink, recent, T, qk_scale, kzc, vzc,

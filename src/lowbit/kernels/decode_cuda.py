@@ -15,6 +15,7 @@ and called through ctypes with raw pointers on the current stream, so it is capt
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,21 +26,32 @@ from lowbit.errors import LowbitError
 from lowbit.kernels import weight_cuda as wc
 
 SOURCE = Path(__file__).with_name("cuda") / "decode_int2.cu"
-SHAPES = ((2, 1), (4, 1), (4, 3), (4, 4), (8, 1), (8, 2))  # (warps, min blocks per SM) instances in the library
+SHAPES = ((2, 4, 1), (4, 2, 1), (4, 3, 1), (4, 4, 1), (4, 3, 3), (4, 4, 3), (4, 3, 4), (8, 2, 2))  # (warps, stages,
+# min blocks per SM) instances in the library
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
 
 
 @dataclass(frozen=True)
 class CudaDecodeConfig:
-    """warps per block and the blocks per SM its registers must allow (1: no cap; a cap can spill)."""
+    """warps per block, stages (32-token blocks of a warp's shared-memory ring, stages - 1 in flight ahead of the
+    math), and the blocks per SM its registers must allow (1: no cap; a cap can spill)."""
 
     warps: int = 4
-    min_blocks: int = 1
+    stages: int = 3
+    min_blocks: int = 3
 
     @property
     def name(self) -> str:
-        return f"cuda-w{self.warps}-mb{self.min_blocks}"
+        return f"cuda-w{self.warps}-s{self.stages}-mb{self.min_blocks}"
+
+    @classmethod
+    def from_name(cls, name: str) -> CudaDecodeConfig | None:
+        """The config of a name like "cuda-w4-s3-mb3", None if the name is not of that form or not an instance."""
+        m = re.fullmatch(r"cuda-w(\d+)-s(\d+)-mb(\d+)", name)
+        if m is None or (int(m[1]), int(m[2]), int(m[3])) not in SHAPES:
+            return None
+        return cls(int(m[1]), int(m[2]), int(m[3]))
 
 
 def _load(path: Path) -> ctypes.CDLL:
@@ -53,10 +65,10 @@ def _load(path: Path) -> ctypes.CDLL:
         P, P, L, L, L, L, L, L, P,  # sink k/v + strides + len
         P, P, L, L, L, L, L, L, P,  # recent
         I, P, P,  # dense_bf16, op, lse
-        F, F, F, I, I, I, I, I, I, I, I,  # qk_scale, kctr, vctr, split_tokens, nsm, nsplit, G, hkv, B, nw, minb
+        F, F, F, I, I, I, I, I, I, I, I, I,  # qk_scale, kctr, vctr, split_tokens, nsm, nsplit, G, hkv, B, nw, ns, minb
         ctypes.c_ulonglong]
     lib.lowbit_decode_int2.restype = I
-    lib.lowbit_decode_int2_occupancy.argtypes = [I, I, I, I]
+    lib.lowbit_decode_int2_occupancy.argtypes = [I, I, I, I, I]
     lib.lowbit_decode_int2_occupancy.restype = I
     lib.lowbit_decode_int2_error_string.argtypes = [I]
     lib.lowbit_decode_int2_error_string.restype = ctypes.c_char_p
@@ -97,6 +109,8 @@ def why_not(q: torch.Tensor, k_codes, k_scale, v_codes, v_scale, k_bits: int, v_
         if (t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) + t.shape[2] * 32 >= 2**31:
             return "packed tier over 2 GiB (the kernel's offsets are 32-bit)"
     for t in (k_scale, v_scale):
+        if t.data_ptr() % 16 or any(s % 8 for s in t.stride()[:2]):
+            return "scales not 16-byte aligned per (sequence, head)"
         if (t.shape[0] - 1) * t.stride(0) + (t.shape[1] - 1) * t.stride(1) + t.shape[2] >= 2**31:
             return "scale tier over 2**31 elements (the kernel's offsets are 32-bit)"
     for t in dense:
@@ -117,7 +131,8 @@ def why_not(q: torch.Tensor, k_codes, k_scale, v_codes, v_scale, k_bits: int, v_
 
 def occupancy(device, config: CudaDecodeConfig, has_zero: bool, dense_bf16: bool) -> int:
     """Blocks of this stage-1 instance resident per SM on `device`."""
-    n = library(device).lowbit_decode_int2_occupancy(config.warps, config.min_blocks, int(has_zero), int(dense_bf16))
+    n = library(device).lowbit_decode_int2_occupancy(config.warps, config.stages, config.min_blocks, int(has_zero),
+                                                     int(dense_bf16))
     if n <= 0:
         raise LowbitError(f"no CUDA decode instance {config.name} (have {SHAPES})" if n == -1 else
                           f"occupancy query for {config.name} failed: "
@@ -153,7 +168,7 @@ def stage1(q, kw, k_scale, k_zero, vw, v_scale, v_zero, mid_lens, sink, recent, 
         v_scale.stride(0), v_scale.stride(1),
         mid_lens.data_ptr(), *tier(sink), *tier(recent), dense_bf16, part.data_ptr(), lse.data_ptr(),
         float(sm_scale_log2e), float(k_centre), float(v_centre), int(split_tokens), int(nsm), int(nsplit), Hq // Hkv,
-        Hkv, B, config.warps, config.min_blocks, stream)
+        Hkv, B, config.warps, config.stages, config.min_blocks, stream)
     if rc != 0:
         msg = f"no instance {config.name} (have {SHAPES})" if rc == -1 else lib.lowbit_decode_int2_error_string(rc).decode()
         raise LowbitError(f"CUDA decode kernel {config.name} failed to launch at B={B} Hq={Hq}: {msg}")

@@ -244,61 +244,67 @@ struct MidData {
   unsigned short ks[2][2], kz[2][2], vs[2][2], vz[2][2];  // [mt][token gid / gid+8]
 };
 
-// This lane's 32-bit offsets at token 0 of its (sequence, KV head) (the wrapper checks they fit): K row bytes
-// 8*tig.. of token gid, V word 4*gid of token 2*tig, the scales (and zeros: same strides) of token gid. Offsets,
-// not pointers: six 64-bit pointers kept live across the loop cost more registers than re-adding a base per block.
-struct MidOffs {
-  uint32_t k, v, ks, vs;
+// One 32-token block of the middle tier in shared memory (a warp's ring stage), as the global rows lie.
+struct Stage {
+  uint8_t k[32 * 32];
+  uint8_t v[32 * 32];
+  unsigned short ks[32], kz[32], vs[32], vz[32];
 };
 
-__device__ __forceinline__ uint2 ld_u2(const uint8_t* p) {
-  uint2 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
-  return r;
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, int src_bytes) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(d), "l"(src), "r"(src_bytes) : "memory");
 }
-__device__ __forceinline__ uint32_t ld_u32(const uint8_t* p) {
-  uint32_t r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(r) : "l"(p));
-  return r;
-}
-__device__ __forceinline__ unsigned short ld_u16(const unsigned short* p) {
-  unsigned short r;
-  asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Copy block [tb, tb + 32) of this (sequence, KV head) into a stage: 16 bytes a lane per copy, tokens at or past
+// `end` zero-filled (so their scales are 0: p * scale = 0, and their scores are masked), never read.
+// kc / vc: the (sequence, head)'s code rows; ks.. its scales (16-byte aligned: the wrapper checks).
+template <bool HAS_ZERO>
+__device__ __forceinline__ void issue_stage(Stage& st, const uint8_t* kc, const uint8_t* vc, const unsigned short* ks,
+                                            const unsigned short* kz, const unsigned short* vs,
+                                            const unsigned short* vz, int tb, int end, int lane) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int c = lane + 32 * h;  // 16-byte chunk of the 1 KB block: token tb + c / 2
+    const int t = tb + (c >> 1);
+    const int n = t < end ? 16 : 0;
+    const long long o = (long long)(n ? t : tb) * 32 + (c & 1) * 16;
+    cp_async16(st.k + c * 16, kc + o, n);
+    cp_async16(st.v + c * 16, vc + o, n);
+  }
+  constexpr int NA = HAS_ZERO ? 4 : 2;
+  if (lane < 4 * NA) {
+    const int a = lane >> 2, c = lane & 3;  // array a, tokens tb + 8c ..
+    const int t = tb + 8 * c;
+    const int n = max(0, min(8, end - t)) * 2;
+    const unsigned short* src = a == 0 ? ks : a == 1 ? vs : a == 2 ? kz : vz;
+    unsigned short* dst = a == 0 ? st.ks : a == 1 ? st.vs : a == 2 ? st.kz : st.vz;
+    cp_async16(dst + 8 * c, src + (n ? t : tb), n);
+  }
 }
 
-// Token of (mt, hf) for K / scales: tb + 16 mt + gid + 8 hf; of V word i: tb + 16 mt + 2 tig + (i & 1) + 8 (i >> 1).
-// CLAMP (the split's last block): offsets from the clamped token (last = end - 1), so no load passes the split.
-template <bool CLAMP, bool HAS_ZERO>
-__device__ __forceinline__ void load_mid(MidData& d, const Params& p, const MidOffs& of, int tb, int last, int gid,
-                                         int tig) {
-  // one base per tensor, the rest immediate offsets
-  const uint8_t* kb = p.kc + (of.k + (uint32_t)tb * 32u);
-  const uint8_t* vb = p.vc + (of.v + (uint32_t)tb * 32u);
-  const unsigned short* ksb = p.ks + (of.ks + (uint32_t)tb);
-  const unsigned short* vsb = p.vs + (of.vs + (uint32_t)tb);
-  const unsigned short* kzb = HAS_ZERO ? p.kz + (of.ks + (uint32_t)tb) : nullptr;
-  const unsigned short* vzb = HAS_ZERO ? p.vz + (of.vs + (uint32_t)tb) : nullptr;
+// This lane's view of a stage (the fragments' tokens and bytes; see compute_mid).
+template <bool HAS_ZERO>
+__device__ __forceinline__ void read_stage(MidData& d, const Stage& st, int gid, int tig) {
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
 #pragma unroll
     for (int hf = 0; hf < 2; ++hf) {
-      int o = 16 * mt + 8 * hf;
-      if (CLAMP) o = min(tb + o + gid, last) - gid - tb;
-      d.kw[mt][hf] = ld_u2(kb + o * 32);
-      d.ks[mt][hf] = ld_u16(ksb + o);
-      d.vs[mt][hf] = ld_u16(vsb + o);
+      const int t = 16 * mt + 8 * hf + gid;
+      d.kw[mt][hf] = *reinterpret_cast<const uint2*>(st.k + t * 32 + 8 * tig);
+      d.ks[mt][hf] = st.ks[t];
+      d.vs[mt][hf] = st.vs[t];
       if (HAS_ZERO) {
-        d.kz[mt][hf] = ld_u16(kzb + o);
-        d.vz[mt][hf] = ld_u16(vzb + o);
+        d.kz[mt][hf] = st.kz[t];
+        d.vz[mt][hf] = st.vz[t];
       }
     }
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      int o = 16 * mt + (i & 1) + 8 * (i >> 1);
-      if (CLAMP) o = min(tb + o + 2 * tig, last) - 2 * tig - tb;
-      d.vw[mt][i] = ld_u32(vb + o * 32);
-    }
+    for (int i = 0; i < 4; ++i)
+      d.vw[mt][i] = *reinterpret_cast<const uint32_t*>(st.v + (16 * mt + 2 * tig + (i & 1) + 8 * (i >> 1)) * 32 + 4 * gid);
   }
 }
 
@@ -422,11 +428,15 @@ __device__ __forceinline__ void dense_tier(State& st, const uint16_t* K, const u
 }
 
 // Merge the warps' states through shared memory and write the split's row of OP / LSE.
-// The shared arrays are the kernel's (one allocation for both tiers' calls).
-template <int NW>
+// ring: the kernel's shared bytes, warp w's part [w] (its ring, no longer in use) holding its rows: o [8][D], then
+// m, l, lz [8] each.
+template <int NW, int S>
 __device__ __forceinline__ void merge_write(State& st, const Params& p, int b, int kvh, int split, int warp, int gid,
-                                            int tig, bool dense, float (*so)[8][D], float (*sm)[8], float (*sl)[8],
-                                            float (*slz)[8]) {
+                                            int tig, bool dense, uint8_t (*ring)[S * sizeof(Stage)]) {
+  auto so = [&](int w) { return reinterpret_cast<float(*)[D]>(ring[w]); };
+  auto sm = [&](int w) { return reinterpret_cast<float*>(ring[w]) + 8 * D; };
+  auto sl = [&](int w) { return reinterpret_cast<float*>(ring[w]) + 8 * D + 8; };
+  auto slz = [&](int w) { return reinterpret_cast<float*>(ring[w]) + 8 * D + 16; };
 #pragma unroll
   for (int e = 0; e < 2; ++e) {
     float l = st.l[e], lz = st.lz[e];
@@ -436,9 +446,9 @@ __device__ __forceinline__ void merge_write(State& st, const Params& p, int b, i
       lz += __shfl_xor_sync(0xffffffffu, lz, x);
     }
     if (gid == 0) {
-      sm[warp][2 * tig + e] = st.m[e];
-      sl[warp][2 * tig + e] = l;
-      slz[warp][2 * tig + e] = lz;
+      sm(warp)[2 * tig + e] = st.m[e];
+      sl(warp)[2 * tig + e] = l;
+      slz(warp)[2 * tig + e] = lz;
     }
   }
 #pragma unroll
@@ -447,8 +457,8 @@ __device__ __forceinline__ void merge_write(State& st, const Params& p, int b, i
     for (int rh = 0; rh < 2; ++rh) {
       const int c = 2 * m + rh;
       const int d = dense ? vd_dim(gid, c) : v_dim(gid, c);
-      so[warp][2 * tig][d] = st.o[m][2 * rh];
-      so[warp][2 * tig + 1][d] = st.o[m][2 * rh + 1];
+      so(warp)[2 * tig][d] = st.o[m][2 * rh];
+      so(warp)[2 * tig + 1][d] = st.o[m][2 * rh + 1];
     }
   __syncthreads();
   const int G = p.G, Hq = G * gridDim.y;
@@ -456,7 +466,7 @@ __device__ __forceinline__ void merge_write(State& st, const Params& p, int b, i
     const int h = i / D, d = i % D;
     float mx = -INFINITY;
 #pragma unroll
-    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm[w][h]);
+    for (int w = 0; w < NW; ++w) mx = fmaxf(mx, sm(w)[h]);
     const long long row = ((long long)b * Hq + kvh * G + h) * p.nsplit + split;
     if (mx == -INFINITY) {  // no token in this split
       p.op[row * D + d] = 0.f;
@@ -466,9 +476,9 @@ __device__ __forceinline__ void merge_write(State& st, const Params& p, int b, i
     float L = 0.f, num = 0.f;
 #pragma unroll
     for (int w = 0; w < NW; ++w) {
-      const float f = ex2(sm[w][h] - mx);
-      L = fmaf(f, sl[w][h], L);
-      num = fmaf(f, so[w][h][d] + slz[w][h], num);
+      const float f = ex2(sm(w)[h] - mx);
+      L = fmaf(f, sl(w)[h], L);
+      num = fmaf(f, so(w)[h][d] + slz(w)[h], num);
     }
     p.op[row * D + d] = num / L;
     if (d == 0) p.lse[row] = mx + __log2f(L);
@@ -476,15 +486,17 @@ __device__ __forceinline__ void merge_write(State& st, const Params& p, int b, i
 }
 
 // MINB: blocks per SM the register allocation must allow (__launch_bounds__' second argument; 1 = no cap).
-template <int NW, int MINB, bool HAS_ZERO, bool DENSE_BF16>
+template <int NW, int S, int MINB, bool HAS_ZERO, bool DENSE_BF16>
 __global__ void __launch_bounds__(NW * 32, MINB) decode_int2_stage1(const Params p) {
   const int split = blockIdx.x, kvh = blockIdx.y, b = blockIdx.z;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, gid = lane >> 2, tig = lane & 3;
   const int G = p.G;
   const long long qrow = (long long)b * p.sqb + (long long)(kvh * G + min(gid, G - 1)) * p.sqh;
   const bool hval = gid < G;
-  __shared__ float so[NW][8][D];
-  __shared__ float sm[NW][8], sl[NW][8], slz[NW][8];
+  // each warp's ring of S stages; after the loop the same bytes hold the warps' partial outputs for the merge
+  static_assert(S * sizeof(Stage) >= sizeof(float) * (8 * D + 24), "a warp's ring must hold its merge rows");
+  __shared__ __align__(16) uint8_t ring[NW][S * sizeof(Stage)];
+  Stage* stages = reinterpret_cast<Stage*>(ring[warp]);
   State st;
   state_init(st);
 
@@ -515,36 +527,36 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_int2_stage1(const Params
       off[0] = c[0];
       off[1] = c[1];
     }
-    MidOffs of;
-    of.k = (uint32_t)(b * p.skb + kvh * p.skh) + gid * 32 + 8 * tig;
-    of.v = (uint32_t)(b * p.svb + kvh * p.svh) + 2 * tig * 32 + 4 * gid;
-    of.ks = (uint32_t)(b * p.sksb + kvh * p.sksh) + gid;
-    of.vs = (uint32_t)(b * p.svsb + kvh * p.svsh) + gid;
+    const uint8_t* kc = p.kc + (long long)b * p.skb + (long long)kvh * p.skh;
+    const uint8_t* vc = p.vc + (long long)b * p.svb + (long long)kvh * p.svh;
+    const long long sko = (long long)b * p.sksb + (long long)kvh * p.sksh;
+    const long long svo = (long long)b * p.svsb + (long long)kvh * p.svsh;
+    const unsigned short *ks = p.ks + sko, *vs = p.vs + svo;
+    const unsigned short *kz = HAS_ZERO ? p.kz + sko : nullptr, *vz = HAS_ZERO ? p.vz + svo : nullptr;
     const int nblk = end > start ? (end - start + 31) / 32 : 0;
-    const int last = end - 1;
-    // blocks warp, warp + NW, ...: two buffers in turn, the next block's loads issued before this block's math
-    MidData d0, d1;
-    int bi = warp;
-    auto load = [&](MidData& d, int i) {
-      const int tb = start + 32 * i;
-      if (tb + 32 <= end) load_mid<false, HAS_ZERO>(d, p, of, tb, last, gid, tig);
-      else load_mid<true, HAS_ZERO>(d, p, of, tb, last, gid, tig);
-    };
-    auto step = [&](const MidData& d, int i) {
-      const int tb = start + 32 * i;
-      compute_mid<HAS_ZERO>(st, d, qf, off, qs, p.kctr, p.vctr, tb, end, tb + 32 > end, gid);
-    };
-    if (bi < nblk) load(d0, bi);
-    while (bi < nblk) {
-      if (bi + NW < nblk) load(d1, bi + NW);
-      step(d0, bi);
-      bi += NW;
-      if (bi >= nblk) break;
-      if (bi + NW < nblk) load(d0, bi + NW);
-      step(d1, bi);
-      bi += NW;
+    // blocks warp, warp + NW, ...; block i of this warp in stage i % S, S - 1 blocks in flight ahead of the math
+#pragma unroll
+    for (int i = 0; i < S - 1; ++i) {
+      const int bi = warp + i * NW;
+      if (bi < nblk) issue_stage<HAS_ZERO>(stages[i], kc, vc, ks, kz, vs, vz, start + 32 * bi, end, lane);
+      cp_async_commit();
     }
-    merge_write<NW>(st, p, b, kvh, split, warp, gid, tig, false, so, sm, sl, slz);
+    int it = 0;
+    for (int bi = warp; bi < nblk; bi += NW, ++it) {
+      const int nb = bi + (S - 1) * NW;
+      if (nb < nblk) issue_stage<HAS_ZERO>(stages[(it + S - 1) % S], kc, vc, ks, kz, vs, vz, start + 32 * nb, end, lane);
+      cp_async_commit();
+      cp_async_wait<S - 1>();
+      __syncwarp();
+      MidData d;
+      read_stage<HAS_ZERO>(d, stages[it % S], gid, tig);
+      const int tb = start + 32 * bi;
+      compute_mid<HAS_ZERO>(st, d, qf, off, qs, p.kctr, p.vctr, tb, end, tb + 32 > end, gid);
+      __syncwarp();  // every lane has read the stage before the next iteration refills it
+    }
+    cp_async_wait<0>();
+    __syncwarp();
+    merge_write<NW, S>(st, p, b, kvh, split, warp, gid, tig, false, ring);
   } else {
     // ---- dense tiers (sink, recent) ----
     uint32_t qd[16];
@@ -564,51 +576,51 @@ __global__ void __launch_bounds__(NW * 32, MINB) decode_int2_stage1(const Params
       dense_tier<DENSE_BF16>(st, p.rk + b * p.srkb + kvh * p.srkh, p.rv + b * p.srvb + kvh * p.srvh, p.srkt, p.srvt, n,
                              qd, warp, NW, gid, tig);
     }
-    merge_write<NW>(st, p, b, kvh, split, warp, gid, tig, true, so, sm, sl, slz);
+    merge_write<NW, S>(st, p, b, kvh, split, warp, gid, tig, true, ring);
   }
 }
 
-template <int NW, int MINB>
+template <int NW, int S, int MINB>
 int launch_nw(const Params& p, int grid_x, int hkv, int B, cudaStream_t stream) {
   const dim3 grid(grid_x, hkv, B);
   const bool z = p.kz != nullptr;
-  if (z && p.dense_bf16) decode_int2_stage1<NW, MINB, true, true><<<grid, NW * 32, 0, stream>>>(p);
-  else if (z) decode_int2_stage1<NW, MINB, true, false><<<grid, NW * 32, 0, stream>>>(p);
-  else if (p.dense_bf16) decode_int2_stage1<NW, MINB, false, true><<<grid, NW * 32, 0, stream>>>(p);
-  else decode_int2_stage1<NW, MINB, false, false><<<grid, NW * 32, 0, stream>>>(p);
+  if (z && p.dense_bf16) decode_int2_stage1<NW, S, MINB, true, true><<<grid, NW * 32, 0, stream>>>(p);
+  else if (z) decode_int2_stage1<NW, S, MINB, true, false><<<grid, NW * 32, 0, stream>>>(p);
+  else if (p.dense_bf16) decode_int2_stage1<NW, S, MINB, false, true><<<grid, NW * 32, 0, stream>>>(p);
+  else decode_int2_stage1<NW, S, MINB, false, false><<<grid, NW * 32, 0, stream>>>(p);
   return (int)cudaGetLastError();
 }
 
-template <int NW, int MINB>
+template <int NW, int S, int MINB>
 int occupancy_nw(bool z, bool bf16) {
   int n = 0;
   cudaError_t e;
   const int t = NW * 32;
-  if (z && bf16) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_int2_stage1<NW, MINB, true, true>, t, 0);
-  else if (z) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_int2_stage1<NW, MINB, true, false>, t, 0);
-  else if (bf16) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_int2_stage1<NW, MINB, false, true>, t, 0);
-  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_int2_stage1<NW, MINB, false, false>, t, 0);
+  if (z && bf16) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_int2_stage1<NW, S, MINB, true, true>, t, 0);
+  else if (z) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_int2_stage1<NW, S, MINB, true, false>, t, 0);
+  else if (bf16) e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_int2_stage1<NW, S, MINB, false, true>, t, 0);
+  else e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, decode_int2_stage1<NW, S, MINB, false, false>, t, 0);
   return e == cudaSuccess ? n : -(int)e;
 }
 
-// The (warps, min blocks) instances in the library; -1 for a pair it does not have.
+// The (warps, stages, min blocks) instances in the library; -1 for one it does not have.
 #ifdef LOWBIT_COMPILE_CHECK
-#define LOWBIT_DECODE_SHAPES(X) X(4, 1)
+#define LOWBIT_DECODE_SHAPES(X) X(4, 3, 1)
 #else
-#define LOWBIT_DECODE_SHAPES(X) X(2, 1) X(4, 1) X(4, 3) X(4, 4) X(8, 1) X(8, 2)
+#define LOWBIT_DECODE_SHAPES(X) X(2, 4, 1) X(4, 2, 1) X(4, 3, 1) X(4, 4, 1) X(4, 3, 3) X(4, 4, 3) X(4, 3, 4) X(8, 2, 2)
 #endif
 
-int launch_shape(const Params& p, int grid_x, int hkv, int B, cudaStream_t s, int nw, int minb) {
-#define X(W, M) \
-  if (nw == W && minb == M) return launch_nw<W, M>(p, grid_x, hkv, B, s);
+int launch_shape(const Params& p, int grid_x, int hkv, int B, cudaStream_t s, int nw, int ns, int minb) {
+#define X(W, S, M) \
+  if (nw == W && ns == S && minb == M) return launch_nw<W, S, M>(p, grid_x, hkv, B, s);
   LOWBIT_DECODE_SHAPES(X)
 #undef X
   return -1;
 }
 
-int occupancy_shape(int nw, int minb, bool z, bool bf16) {
-#define X(W, M) \
-  if (nw == W && minb == M) return occupancy_nw<W, M>(z, bf16);
+int occupancy_shape(int nw, int ns, int minb, bool z, bool bf16) {
+#define X(W, S, M) \
+  if (nw == W && ns == S && minb == M) return occupancy_nw<W, S, M>(z, bf16);
   LOWBIT_DECODE_SHAPES(X)
 #undef X
   return -1;
@@ -618,7 +630,7 @@ int occupancy_shape(int nw, int minb, bool z, bool bf16) {
 
 extern "C" {
 
-// Launch stage 1 on `stream`. Returns a cudaError_t (0 = launched; -1: no (nw, minb) instance). grid = (nsm + dense, hkv, B).
+// Launch stage 1 on `stream`. Returns a cudaError_t (0 = launched; -1: no (nw, ns, minb) instance). grid = (nsm + dense, hkv, B).
 int lowbit_decode_int2(const void* q, long long sqb, long long sqh, int q_bf16, const void* kc, long long skb,
                        long long skh, const void* ks, const void* kz, long long sksb, long long sksh, const void* vc,
                        long long svb, long long svh, const void* vs, const void* vz, long long svsb, long long svsh,
@@ -627,7 +639,7 @@ int lowbit_decode_int2(const void* q, long long sqb, long long sqh, int q_bf16, 
                        const void* rk, const void* rv, long long srkb, long long srkh, long long srkt, long long srvb,
                        long long srvh, long long srvt, const int* rec_len, int dense_bf16, float* op, float* lse,
                        float qk_scale, float kctr, float vctr, int split_tokens, int nsm, int nsplit, int G, int hkv,
-                       int B, int nw, int minb, unsigned long long stream) {
+                       int B, int nw, int ns, int minb, unsigned long long stream) {
   Params p;
   p.q = q; p.sqb = sqb; p.sqh = sqh; p.q_bf16 = q_bf16;
   p.kc = static_cast<const uint8_t*>(kc); p.skb = skb; p.skh = skh;
@@ -646,12 +658,12 @@ int lowbit_decode_int2(const void* q, long long sqb, long long sqh, int q_bf16, 
   p.split_tokens = split_tokens; p.nsm = nsm; p.nsplit = nsplit; p.G = G;
   const int grid_x = nsm + ((sk != nullptr || rk != nullptr) ? 1 : 0);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
-  return launch_shape(p, grid_x, hkv, B, s, nw, minb);
+  return launch_shape(p, grid_x, hkv, B, s, nw, ns, minb);
 }
 
-// Blocks of stage 1 resident per SM (registers, shared memory), or -cudaError_t (-1: no (nw, minb) instance).
-int lowbit_decode_int2_occupancy(int nw, int minb, int has_zero, int dense_bf16) {
-  return occupancy_shape(nw, minb, has_zero != 0, dense_bf16 != 0);
+// Blocks of stage 1 resident per SM (registers, shared memory), or -cudaError_t (-1: no (nw, ns, minb) instance).
+int lowbit_decode_int2_occupancy(int nw, int ns, int minb, int has_zero, int dense_bf16) {
+  return occupancy_shape(nw, ns, minb, has_zero != 0, dense_bf16 != 0);
 }
 
 const char* lowbit_decode_int2_error_string(int e) { return cudaGetErrorString(static_cast<cudaError_t>(e)); }
