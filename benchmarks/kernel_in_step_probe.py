@@ -10,10 +10,7 @@ variant per line (CUDA events over graph replays of 32 calls, median of 5):
     splits=N         layer 0 with num_splits forced
 --sweep: instead, layer 0 with the dense tiers over launch configs (num_warps, warp_tokens, dense_block,
 num_splits; "auto" = the kernel's own split pick), the ms of each and the best.
---impls triton,cuda-w4-mb1,...: instead, every layer once per step (as step-all-layers) through each stage-1
-implementation (KernelConfig.impl), its output's rel L2 against the first impl's, and the CUDA ones at forced
-split counts.
-Usage (CUDA): python3 benchmarks/kernel_in_step_probe.py --batch 16 --length 32768 [--sweep | --impls ...] --out probe.json
+Usage (CUDA): python3 benchmarks/kernel_in_step_probe.py --batch 16 --length 32768 [--sweep] --out probe.json
 """
 from __future__ import annotations
 
@@ -73,7 +70,6 @@ def main():
     ap.add_argument("--length", type=int, default=32768)
     ap.add_argument("--out", default=None)
     ap.add_argument("--sweep", action="store_true")
-    ap.add_argument("--impls", default=None)
     a = ap.parse_args()
     from transformers import LlamaConfig
 
@@ -102,9 +98,7 @@ def main():
     mid, kw = _args(l0, B, C, S, R, L)
     _, launch = decode_attention(q, *mid, k_bits=kb, v_bits=vb, return_launch=True, **kw)
     print(f"C={C} S={S} R={R} launch={launch}", flush=True)
-    if a.impls:
-        _impls(a.impls.split(","), run, q, kb, vb, bytes_layer, layers, B, C, S, R, L, rows)
-    elif a.sweep:
+    if a.sweep:
         _sweep(a, run, q, mid, kw, kb, vb, bytes_layer, B)
         rows.sort(key=lambda r: r["ms_per_call"])
         print("best:", rows[0], flush=True)
@@ -130,28 +124,6 @@ def _sweep(a, run, q, mid, kw, kb, vb, nbytes, B):
                                            for _ in range(32)], 32, nbytes)
                 except Exception as e:  # noqa: BLE001 -- a config that does not compile: say so, go on
                     print(f"{name}: failed {type(e).__name__}: {str(e)[:100]}", flush=True)
-
-
-def _impls(impls, run, q, kb, vb, bytes_layer, layers, B, C, S, R, L, rows):
-    per_layer = [_args(ly, B, C, S, R, L) for ly in layers]
-    ref = None
-    for impl in impls:
-        for n in (None,) if impl == "triton" else (None, 2, 3, 4, 6, 8, 12):
-            c = KernelConfig(impl=impl, num_splits=n)
-            name = f"{impl} s{n or 'auto'}"
-            try:
-                out, launch = decode_attention(q, *per_layer[0][0], k_bits=kb, v_bits=vb, config=c,
-                                               return_launch=True, **per_layer[0][1])
-                if ref is None:
-                    ref = out.float()
-                err = float((out.float() - ref).norm() / ref.norm())
-                run(name, lambda c=c: [decode_attention(q, *m, k_bits=kb, v_bits=vb, config=c, **k)
-                                       for m, k in per_layer], len(layers), bytes_layer)
-                rows[-1].update(rel_l2_vs_first=err, launch=str(launch))
-                print(f"    rel L2 vs {impls[0]}: {err:.2e}  {launch.num_splits} splits, {launch.blocks_per_sm}/SM",
-                      flush=True)
-            except Exception as e:  # noqa: BLE001 -- an instance that does not run here: say so, go on
-                print(f"{name}: failed {type(e).__name__}: {str(e)[:160]}", flush=True)
 
 
 def _variants(run, q, mid, kw, kb, vb, bytes_layer, layers, l0, B, C, S, R, L):

@@ -609,7 +609,6 @@ class KernelConfig:
     pv_fresh: bool = False
     sz_direct: bool = False
     dense_in_waves: bool | None = None  # count the dense-tier programs in the split pick (pick_num_splits)
-    impl: str | None = None  # stage 1: "triton", or a CUDA instance "cuda-w<warps>-s<stages>-mb<min blocks>" (int2, D 128); None: IMPL_DEFAULT
 
     def resolve(self, batch: int, kv_heads: int, head_dim: int, bits: int = 8) -> KernelConfig:
         """Fill the None fields from DEFAULTS: "many" (sequence, KV head) pairs (>= 64, e.g. B16 with
@@ -625,7 +624,7 @@ class KernelConfig:
                             v_center=self.v_center, pv_fresh=self.pv_fresh,
                             sz_direct=self.sz_direct,
                             dense_in_waves=(d.get("dense_in_waves", False) if self.dense_in_waves is None
-                                            else self.dense_in_waves), impl=self.impl)
+                                            else self.dense_in_waves))
 
     @property
     def block_t(self) -> int:
@@ -645,7 +644,7 @@ class Launch:
     middle-tier splits per (sequence, KV head), the stage-1 grid (splits + dense?, Hkv, B), middle
     tokens per split, the resolved launch config, resident programs per SM used to pick the splits
     (None: the fixed rule, or splits given), and the mode: "interpreter" (CPU tensors through
-    Triton's interpreter), "compiled" (Triton on CUDA) or "cuda" (the CUDA C++ stage 1, lowbit.kernels.decode_cuda)."""
+    Triton's interpreter) or "compiled" (CUDA)."""
 
     num_splits: int
     grid: tuple[int, int, int]
@@ -987,12 +986,6 @@ def decode_attention(
         REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
         num_warps=NW, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
     )
-    cuda_cfg = _cuda_stage1(cfg, q, k_codes if has_mid else None, k_scale, v_codes, v_scale, k_bits, v_bits, GK, GV,
-                            kzc, vzc, ([sk, sv] if has_sink else []) + ([rk, rv] if has_rec else []))
-    if cuda_cfg is not None:
-        return _launch_cuda(cuda_cfg, cfg, q, kw, k_scale, None if kzc else k_zero, vw, v_scale, None if vzc else v_zero,
-                            mid_lens, (sk, sv, sl) if has_sink else None, (rk, rv, rl) if has_rec else None, T,
-                            float(sm_scale) * LOG2E, kzc, vzc, out, return_launch)
     per_sm = None
     if has_mid:
         nsm = cfg.num_splits
@@ -1016,63 +1009,6 @@ def decode_attention(
     ch = min(32, max(16, _pow2(nsplit)))
     _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
                      DV=DV, num_warps=4)
-    return (out, launch) if return_launch else out
-
-
-# Stage 1 when KernelConfig.impl is None: "triton", or a CUDA instance name (taken where decode_cuda.why_not allows,
-# else Triton). Set from the H200 measurement (benchmarks/NOTES.md round 12).
-IMPL_DEFAULT = "triton"
-
-
-def _cuda_stage1(cfg: KernelConfig, q, k_codes, k_scale, v_codes, v_scale, k_bits, v_bits, GK, GV, kzc, vzc, dense):
-    """The CUDA stage-1 config this call runs (None: Triton). An impl the caller named that cannot run is a
-    one-line error; the default falls back to Triton only where the CUDA kernel does not apply (said by why_not)."""
-    impl = cfg.impl or IMPL_DEFAULT
-    if impl == "triton":
-        return None
-    from lowbit.kernels import decode_cuda
-
-    cc = decode_cuda.CudaDecodeConfig.from_name(impl)
-    if cc is None:
-        raise LowbitError(f"unknown decode kernel impl {impl!r}: use 'triton' or one of "
-                          f"{[decode_cuda.CudaDecodeConfig(*x).name for x in decode_cuda.SHAPES]}")
-    reason = decode_cuda.why_not(q, k_codes, k_scale, v_codes, v_scale, k_bits, v_bits, GK, GV, tuple(dense))
-    if reason is None and bool(kzc) != bool(vzc):
-        reason = "scale-only groups on one of K / V only"
-    if reason is not None:
-        if cfg.impl is not None:
-            raise LowbitError(f"decode kernel impl {impl!r} cannot run this call: {reason}; use impl='triton'")
-        return None
-    return cc
-
-
-def _launch_cuda(cc, cfg, q, kw, k_scale, k_zero, vw, v_scale, v_zero, mid_lens, sink, recent, T, qk_scale, kzc, vzc,
-                 out, return_launch):
-    """CUDA stage 1 (lowbit.kernels.decode_cuda) + the Triton stage 2, splits picked from its occupancy."""
-    from lowbit.kernels import decode_cuda
-
-    B, Hq, _ = q.shape
-    Hkv = kw.shape[1]
-    dev = q.device
-    dense_bf16 = any(t is not None and t[0].dtype == torch.bfloat16 for t in (sink, recent))
-    bt = 32 * cc.warps
-    per_sm = decode_cuda.occupancy(dev, cc, k_zero is not None, dense_bf16)
-    has_dense = sink is not None or recent is not None
-    nsm = cfg.num_splits or pick_num_splits(B, Hkv, T, bt, device_info(cuda_index(dev)).sms, cc.warps,
-                                            blocks_per_sm=per_sm, dense_programs=int(has_dense))
-    split_tokens = max(bt, math.ceil(max(T, 1) / max(1, nsm) / bt) * bt)
-    nsm = max(1, math.ceil(max(T, 1) / split_tokens))
-    nsplit = nsm + int(has_dense)
-    part = torch.empty((B, Hq, nsplit, 128), dtype=torch.float32, device=dev)
-    lse = torch.empty((B, Hq, nsplit), dtype=torch.float32, device=dev)
-    decode_cuda.stage1(q, kw.view(torch.uint8), k_scale, k_zero, vw.view(torch.uint8), v_scale, v_zero, mid_lens,
-                       sink, recent, part, lse, sm_scale_log2e=qk_scale, k_centre=kzc, v_centre=vzc,
-                       split_tokens=split_tokens, nsm=nsm, config=cc)
-    ch = min(32, max(16, _pow2(nsplit)))
-    _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
-                     DV=128, num_warps=4)
-    launch = Launch(num_splits=nsm, grid=(nsplit, Hkv, B), split_tokens=split_tokens, config=cfg,
-                    blocks_per_sm=per_sm, mode="cuda")
     return (out, launch) if return_launch else out
 
 

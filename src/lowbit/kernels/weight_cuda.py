@@ -138,37 +138,34 @@ def _flags(arch: str, defines: tuple[str, ...]) -> tuple[str, ...]:
     return (*FLAGS, f"-gencode=arch=compute_{arch[3:]},code={arch}", *(f"-D{d}" for d in defines))
 
 
-def cache_path(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] = (),
-               source: Path = SOURCE) -> Path:
-    """Where build() keeps the library of `source` (default: this module's kernel) for `arch`: named by the
-    sha256 of (source, `nvcc --version`, flags), so a library built elsewhere with the same nvcc release and
-    flags can be placed there."""
+def cache_path(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
+    """Where build() keeps the library for `arch`: named by the sha256 of (source, `nvcc --version`, flags), so
+    a library built elsewhere with the same nvcc release and flags can be placed there."""
     nvcc = find_nvcc()
     try:
         ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60,
                              check=False).stdout
     except (OSError, subprocess.SubprocessError) as e:
         raise LowbitError(f"{nvcc} --version failed ({type(e).__name__}): check the CUDA toolkit install") from e
-    key = hashlib.sha256(source.read_bytes() + ver.encode() + " ".join(_flags(arch, defines)).encode()).hexdigest()[:20]
-    return Path(cache_dir or _cache_dir()) / f"lowbit_{source.stem}_{arch}_{key}.so"
+    key = hashlib.sha256(SOURCE.read_bytes() + ver.encode() + " ".join(_flags(arch, defines)).encode()).hexdigest()[:20]
+    return Path(cache_dir or _cache_dir()) / f"lowbit_weight_small_m_{arch}_{key}.so"
 
 
-def build(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] = (), source: Path = SOURCE) -> Path:
-    """The shared library of `source` (default: the weight kernel; lowbit.kernels.decode_cuda builds its own
-    with this) for `arch`, compiled now unless the cache has it. `defines` (-D...) are for the compile-only
-    test (LOWBIT_COMPILE_CHECK: a few template instances)."""
+def build(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
+    """The shared library for `arch`, compiled now unless the cache has it. `defines` (-D...) are for the
+    compile-only test (LOWBIT_COMPILE_CHECK: a few template instances)."""
     nvcc = find_nvcc()
     flags = _flags(arch, defines)
-    out = cache_path(arch, cache_dir=cache_dir, defines=defines, source=source)
+    out = cache_path(arch, cache_dir=cache_dir, defines=defines)
     if out.is_file():
         return out
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(source)], capture_output=True, text=True, timeout=900,
+        r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=900,
                            check=False)
         if r.returncode != 0:
             first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[:200])
-            raise LowbitError(f"nvcc failed to build {source.name} for {arch}: {first.strip()} (see `nvcc --version`; "
+            raise LowbitError(f"nvcc failed to build {SOURCE.name} for {arch}: {first.strip()} (see `nvcc --version`; "
                               "the kernel needs CUDA >= 12 and sm_80+)")
         os.replace(tmp, out)  # atomic: another process sees the old state or the whole file
     finally:
