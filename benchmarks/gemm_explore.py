@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --cuda-ring | --a8 | --a8-split
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --a8 | --a8-split
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
@@ -13,7 +13,6 @@ kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (t
 --cuda-ws16: the same at M = 16 alone (the two-activation-tile instances), every launch with PDL.
 
 --cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
---cuda-ring: W4A16 g128 at M 1/4/8/16: the warp-split kernel with its ring in shared memory beside the tabled configs.
 
 --a8: A8 weights (w8a8, w4a8-g128) at the table's representative M: the tabled int8 cell beside "a16-xq" (the
 activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K.
@@ -272,33 +271,6 @@ def explore_cuda_ws16(rows, log):
             rows.append(row)
 
 
-def ring_configs(M: int):
-    """The warp-split kernel with its ring in shared memory (CudaConfig.ring), every launch with PDL: (RT, NB)
-    instances x warps per block, split-K automatic."""
-    from lowbit.kernels import weight_cuda
-
-    inst = weight_cuda.WARP_RING_SHAPES_MT2 if M > 8 else weight_cuda.WARP_RING_SHAPES
-    return [CudaConfig(rt, w, 0, NB=nb, pdl=True, ring=True) for rt, nb in sorted(inst) for w in (4, 8, 16)
-            if not (rt == 2 and w == 16)]
-
-
-def explore_cuda_ring(rows, log):
-    """--cuda-ring: W4A16 g128 at the table's representative M (1, 4, 8, 16) on the 8B and fused shapes: the
-    warp-split kernel with its ring in shared memory (ring_configs) beside every register-ring config the committed
-    table runs at that M (same run, same harness)."""
-    from lowbit.kernels.weight_cuda import CudaConfig as CC
-    from lowbit.kernels.weight_dispatch import Dispatch
-
-    table = Dispatch.for_device("cuda")
-    t0 = time.time()
-    for M in (1, 4, 8, 16):
-        tabled = {c["config"] for c in table.table() if c["kind"] == "w4a16" and c["m_lo"] <= M <= (c["m_hi"] or M)
-                  and c["path"] == "cuda"}
-        cfgs = [CC.from_name(n) for n in sorted(tabled)] + ring_configs(M)
-        for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
-            rows.append(explore_cell("w4a16-g128", shape, K, N, M, cfgs, "cuda-ring", log, t0))
-
-
 def explore_cuda_pdl(rows, log):
     """--cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch
     (CudaConfig.pdl: the weight's first lines prefetched into L2 and the launch overlapped with the previous kernel's
@@ -476,8 +448,6 @@ if __name__ == "__main__":
             explore_cuda_ws16(res["explore"], print)
         if "--cuda-quick" in sys.argv:
             explore_cuda_quick(res["explore"], print)
-        if "--cuda-ring" in sys.argv:
-            explore_cuda_ring(res["explore"], print)
         if "--final" in sys.argv:
             explore_final(res["explore"], print)
         if "--a8" in sys.argv:
@@ -491,8 +461,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-pdl", "--cuda-quick", "--cuda-ring", "--a8",
-                "--a8-split", "--swap")
+        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

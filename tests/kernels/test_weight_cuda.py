@@ -308,11 +308,7 @@ def test_linear_refuses_cpu_tensors_before_any_launch():
 
 WS_CONFIGS = [CudaConfig(1, 4, 0, NB=3), CudaConfig(1, 8, 0, NB=4), CudaConfig(1, 16, 0, NB=6),
               CudaConfig(2, 8, 0, NB=3), CudaConfig(2, 4, 0, NB=4), CudaConfig(1, 8, 3, NB=4),
-              CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 3, NB=4, pdl=True),
-              # the ring in shared memory (cp.async): every depth, both row tiles, split-K, PDL
-              CudaConfig(1, 8, 0, NB=4, ring=True), CudaConfig(1, 4, 0, NB=6, ring=True),
-              CudaConfig(1, 16, 0, NB=8, ring=True), CudaConfig(2, 4, 0, NB=4, ring=True),
-              CudaConfig(2, 8, 0, NB=6, ring=True, pdl=True), CudaConfig(1, 8, 3, NB=6, ring=True)]
+              CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 3, NB=4, pdl=True)]
 
 
 def test_warp_split_names_conditions_and_plan():
@@ -321,8 +317,6 @@ def test_warp_split_names_conditions_and_plan():
     assert CudaConfig.from_name("cuda-ws-rt2-w16-nb3-sk2-wv4") == CudaConfig(2, 16, 2, 4, 3)
     assert config_from_name("cuda", cfg.name) == cfg
     assert CudaConfig.from_name("cuda-ws-rt2-w4-nb3-sk0-pdl") == CudaConfig(2, 4, 0, NB=3, pdl=True)
-    ring = CudaConfig(2, 4, 0, NB=6, pdl=True, ring=True)
-    assert ring.name == "cuda-wsr-rt2-w4-nb6-sk0-pdl" and CudaConfig.from_name(ring.name) == ring
     assert CudaConfig(2, 8, 0, 4, pdl=True).name == "cuda-rt2-w8-sk0-wv4-pdl"
     assert CudaConfig.from_name("cuda-rt2-w8-sk0-wv4-pdl") == CudaConfig(2, 8, 0, 4, pdl=True)
     w4, w8 = random_weight("w4a16-g128", 33, 256, "cpu"), random_weight("w8a16", 33, 256, "cpu")
@@ -333,11 +327,6 @@ def test_warp_split_names_conditions_and_plan():
     assert wc.why_not(w4, torch.bfloat16, 17) is None  # the x-staging kernel still takes M 17
     assert "4-bit only" in wc.why_not(w8, torch.bfloat16, 1, cfg)
     assert "no warp-split instance" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(2, 8, 0, NB=6))
-    assert wc.why_not(w4, torch.bfloat16, 1, CudaConfig(2, 8, 0, NB=6, ring=True)) is None  # a ring instance
-    assert wc.why_not(w4, torch.bfloat16, 16, CudaConfig(1, 8, 0, NB=8, ring=True)) is not None  # not at MT 2
-    # the ring's shared memory: the rings [warps][NB][RT][2][32][LW words] when larger than the partials
-    assert wc.warp_split_smem(CudaConfig(2, 4, 0, NB=6, ring=True), 16, 4) == 4 * 6 * 2 * 2 * 32 * 4 * 4
-    assert wc.warp_split_smem(CudaConfig(1, 16, 0, NB=4), 16) == 16 * 16 * 8 * 2 * 4  # register ring: the partials
     d = Dispatch([Cell("w4a16", 1, 16, "cuda", cfg), Cell("w4a16", 1, 16, "triton", GemmConfig())], "test")
     assert d.choose("w4a16", 9, w4, torch.bfloat16).path == ("cuda" if wc.nvcc_missing() is None else "triton")
     d6 = Dispatch([Cell("w4a16", 1, 16, "cuda", CudaConfig(1, 8, 0, NB=6)), Cell("w4a16", 1, 16, "triton", GemmConfig())],

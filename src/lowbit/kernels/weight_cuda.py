@@ -3,7 +3,6 @@
     y = linear(x, pw, CudaConfig(RT=2, warps=4))    x [M, K] bf16 -> y [M, N] (bf16 / fp16 / fp32 out)
     y = linear(x, pw, CudaConfig(2, 4, NB=3))       the warp-split kernel (4-bit, M <= 16)
     y = linear(x, pw, CudaConfig(2, 4, NB=3, pdl=True))   launched as a programmatic dependent (sm_90+)
-    y = linear(x, pw, CudaConfig(2, 4, NB=6, ring=True))  the warp-split kernel, its ring in shared memory (cp.async)
     why_not(pw, x, M, config)                       None if the kernel takes this (weight, input), else the reason
 
 Two kernels: the x-staging one (NB = 0; 4/8-bit, M <= 64: x staged in shared memory in mma-fragment order) and the
@@ -63,8 +62,7 @@ _counters: dict[tuple, torch.Tensor] = {}
 class CudaConfig:
     """Launch geometry of a CUDA small-M kernel: RT 16-row tiles per warp, `warps` per block, SPLITK K-splits
     across blocks (0: automatic, enough blocks for `waves` x the SM count). NB > 0 picks the warp-split kernel
-    (4-bit, M <= 16: the block's warps split K, a ring of NB chunks per warp; ring: the ring in shared memory, filled by
-    cp.async, instead of registers), 0 the x-staging one."""
+    (4-bit, M <= 8: the block's warps split K, a ring of NB chunks per warp), 0 the x-staging one."""
 
     RT: int = 2
     warps: int = 4
@@ -72,7 +70,6 @@ class CudaConfig:
     waves: int = 2
     NB: int = 0
     pdl: bool = False  # launched as a programmatic dependent: prologue overlaps the previous kernel's tail
-    ring: bool = False
 
     @classmethod
     def from_name(cls, name: str) -> CudaConfig:
@@ -83,16 +80,16 @@ class CudaConfig:
         m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)(?:-wv(\d+))?", base)
         if m is not None:
             return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2), pdl=pdl)
-        m = re.fullmatch(r"cuda-ws(r?)-rt(\d+)-w(\d+)-nb(\d+)-sk(\d+)(?:-wv(\d+))?", base)
+        m = re.fullmatch(r"cuda-ws-rt(\d+)-w(\d+)-nb(\d+)-sk(\d+)(?:-wv(\d+))?", base)
         if m is None:
             raise ValueError(f"not a CudaConfig name: {name!r}")
-        return cls(int(m[2]), int(m[3]), int(m[5]), int(m[6] or 2), int(m[4]), pdl, bool(m[1]))
+        return cls(int(m[1]), int(m[2]), int(m[4]), int(m[5] or 2), int(m[3]), pdl)
 
     @property
     def name(self) -> str:
         wv = ("" if self.waves == 2 else f"-wv{self.waves}") + ("-pdl" if self.pdl else "")
         if self.NB:
-            return f"cuda-ws{'r' if self.ring else ''}-rt{self.RT}-w{self.warps}-nb{self.NB}-sk{self.SPLITK}{wv}"
+            return f"cuda-ws-rt{self.RT}-w{self.warps}-nb{self.NB}-sk{self.SPLITK}{wv}"
         return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}{wv}"
 
 
@@ -183,10 +180,10 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I,
                                       ctypes.c_ulonglong]
     lib.lowbit_wq_small_m.restype = I
-    lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I,
+    lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I,
                                          ctypes.c_ulonglong, ctypes.POINTER(I)]
     lib.lowbit_wq_warp_split.restype = I
-    lib.lowbit_wq_warp_split_smem.argtypes = [I, I, I, I, I]
+    lib.lowbit_wq_warp_split_smem.argtypes = [I, I, I]
     lib.lowbit_wq_warp_split_smem.restype = I
     lib.lowbit_wq_small_m_smem.argtypes = [I, I, I, I]
     lib.lowbit_wq_small_m_smem.restype = I
@@ -229,8 +226,6 @@ def words_per_lane(bits: int, K: int, group: int) -> int | None:
 WARP_SPLIT_M_MAX = 16
 WARP_SPLIT_SHAPES = {(1, 3), (1, 4), (1, 6), (2, 3), (2, 4)}  # (RT, NB) instances in the library, M <= 8
 WARP_SPLIT_SHAPES_MT2 = {(1, 3), (1, 4), (2, 3)}  # and for 9 <= M <= 16 (two activation tiles)
-WARP_RING_SHAPES = {(1, 4), (1, 6), (1, 8), (2, 4), (2, 6)}  # (RT, NB) with the ring in shared memory, M <= 8
-WARP_RING_SHAPES_MT2 = {(1, 4), (1, 6), (2, 4), (2, 6)}
 
 
 def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: CudaConfig | None = None) -> str | None:
@@ -241,11 +236,7 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: CudaConfig
             return f"the warp-split CUDA kernel is 4-bit only, not {pw.kind}"
         if M is not None and M > WARP_SPLIT_M_MAX:
             return f"the warp-split CUDA kernel covers 1 <= M <= {WARP_SPLIT_M_MAX}, got M={M}"
-        two = M is not None and M > 8
-        if config.ring:
-            shapes = WARP_RING_SHAPES_MT2 if two else WARP_RING_SHAPES
-        else:
-            shapes = WARP_SPLIT_SHAPES_MT2 if two else WARP_SPLIT_SHAPES
+        shapes = WARP_SPLIT_SHAPES_MT2 if M is not None and M > 8 else WARP_SPLIT_SHAPES
         if (config.RT, config.NB) not in shapes or config.warps not in (4, 8, 16):
             return f"no warp-split instance for {config.name}" + (f" at M={M}" if M is not None and M > 8 else "")
     if pw.a_bits != 16 or pw.bits not in (4, 8):
@@ -299,12 +290,10 @@ def plan(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
     return Plan(lw, cps, xs, sk, row_blocks, xs * per_chunk)
 
 
-def warp_split_smem(cfg: CudaConfig, M: int = 1, lw: int = 4) -> int:
+def warp_split_smem(cfg: CudaConfig, M: int = 1) -> int:
     """Shared memory of one warp-split block (the .cu's warp_split_smem): the warps' fp32 partials
-    [warps][16 RT][8 MT], MT = 2 above M 8; with the ring in shared memory, the larger of that and the rings
-    [warps][NB][RT][2][32 lanes][lw words]."""
-    partials = cfg.warps * cfg.RT * 16 * 8 * (2 if M > 8 else 1) * 4
-    return max(partials, cfg.warps * cfg.NB * cfg.RT * 2 * 32 * lw * 4) if cfg.ring else partials
+    [warps][16 RT][8 MT], MT = 2 above M 8."""
+    return cfg.warps * cfg.RT * 16 * 8 * (2 if M > 8 else 1) * 4
 
 
 def plan_warp_split(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
@@ -317,7 +306,7 @@ def plan_warp_split(pw, M: int, cfg: CudaConfig, sms: int) -> Plan:
     sk = max(1, min(sk, nch // cfg.warps or 1, 64))
     cps = math.ceil(nch / sk)
     sk = math.ceil(nch / cps)
-    return Plan(lw, cps, 0, sk, row_blocks, warp_split_smem(cfg, M, lw))
+    return Plan(lw, cps, 0, sk, row_blocks, warp_split_smem(cfg, M))
 
 
 def warp_split_occupancy(pw, M: int, cfg: CudaConfig, device) -> int:
@@ -327,7 +316,7 @@ def warp_split_occupancy(pw, M: int, cfg: CudaConfig, device) -> int:
     out = ctypes.c_int(0)
     rc = lib.lowbit_wq_warp_split(None, 0, None, None, 0, None if pw.zero is None else 1, None, 0, None, 0, 0, None,
                                   None, M, pw.N, pw.K, pw.group, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split,
-                                  pl.splitk, int(cfg.pdl), int(cfg.ring), 0, ctypes.byref(out))
+                                  pl.splitk, int(cfg.pdl), 0, ctypes.byref(out))
     if rc != 0:
         raise LowbitError(f"occupancy query for {cfg.name} failed: {lib.lowbit_cuda_error_string(rc).decode()}")
     return out.value
@@ -373,7 +362,7 @@ def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: tor
             None if ws is None else ws.data_ptr(), None if cnt is None else cnt.data_ptr(), M, pw.N, K, pw.group)
     if cfg.NB:
         rc = lib.lowbit_wq_warp_split(*args, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split, pl.splitk,
-                                      int(cfg.pdl), int(cfg.ring), stream, None)
+                                      int(cfg.pdl), stream, None)
     else:
         rc = lib.lowbit_wq_small_m(*args, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.xs_chunks,
                                    pl.splitk, int(cfg.pdl), stream)

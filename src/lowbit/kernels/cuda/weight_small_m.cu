@@ -73,6 +73,10 @@ __device__ __forceinline__ void pdl_wait() {
 }
 __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
 
+// Dynamic shared memory a kernel may take without opting in: 48 KB less its static shared memory (both kernels
+// declare a 4-byte `last_block`), so a plan of exactly 48 KB needs the attribute too (without it: "invalid argument").
+constexpr int kDynSmemDefault = 48 * 1024 - 256;
+
 // <<<>>> or, with p.pdl, cudaLaunchKernelEx with programmatic stream serialization (captured into a CUDA graph as a
 // programmatic edge).
 template <typename Kern>
@@ -91,7 +95,9 @@ int launch_kernel(Kern kern, dim3 grid, int threads, int smem, cudaStream_t stre
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
   cfg.numAttrs = 1;
-  return (int)cudaLaunchKernelEx(&cfg, kern, p);
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kern, p);
+  cudaGetLastError();  // returned here: not left behind for the next launch's cudaGetLastError to report as its own
+  return (int)e;
 }
 
 __device__ __forceinline__ float ld_scalar(const void* p, int kind, long long i) {
@@ -128,30 +134,6 @@ __device__ __forceinline__ void ldg_words(const uint32_t* p, uint32_t* w) {
     asm("ld.global.nc.L1::no_allocate.L2::256B.v2.u32 {%0, %1}, [%2];" : "=r"(w[0]), "=r"(w[1]) : "l"(p));
   } else {
     asm("ld.global.nc.L1::no_allocate.L2::256B.u32 %0, [%1];" : "=r"(w[0]) : "l"(p));
-  }
-}
-
-// LW words global -> shared without registers (cp.async: 16 bytes L2-only, 4 / 8 bytes through L1).
-template <int LW>
-__device__ __forceinline__ void cp_async_words(uint32_t* dst, const uint32_t* src) {
-  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
-  if constexpr (LW == 4) asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d), "l"(src) : "memory");
-  else asm volatile("cp.async.ca.shared.global [%0], [%1], %2;" ::"r"(d), "l"(src), "n"(4 * LW) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-
-template <int LW>
-__device__ __forceinline__ void lds_words(const uint32_t* p, uint32_t* w) {
-  if constexpr (LW == 4) {
-    const uint4 v = *reinterpret_cast<const uint4*>(p);
-    w[0] = v.x; w[1] = v.y; w[2] = v.z; w[3] = v.w;
-  } else if constexpr (LW == 2) {
-    const uint2 v = *reinterpret_cast<const uint2*>(p);
-    w[0] = v.x; w[1] = v.y;
-  } else {
-    w[0] = *p;
   }
 }
 
@@ -441,13 +423,8 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
 //
 // MT activation tiles of 8 rows (1: M <= 8, 2: M <= 16) share each dequantized A fragment.
 //
-// RING: the ring of NB chunks is in shared memory instead of registers, filled by cp.async (each lane copies its own
-// words and reads them back itself, so no barrier): the registers hold only the chunk being computed, so the ring can
-// be deeper than the registers allow (at M 9-16 the register ring fits NB 3 at most) and more bytes are in flight per
-// SM. The scales / zero-points keep their register ring (a few bytes per chunk).
-//
-// Shared memory: the warps' partials [W][16 RT][8 MT] fp32 (RING: after the rings, in the same bytes).
-template <int LW, int RT, int NB, bool ZP, int MT, bool RING = false>
+// Shared memory: the warps' partials [W][16 RT][8 MT] fp32.
+template <int LW, int RT, int NB, bool ZP, int MT>
 __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
   constexpr int CK = 4 * LW * 8;  // k per chunk
   constexpr int WPC = 4 * LW;     // words per row per chunk
@@ -481,20 +458,16 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
             tig * LW;
   }
 
-  uint32_t bw[RING ? 1 : NB][RT][2][LW];
+  uint32_t bw[NB][RT][2][LW];
   uint32_t bs[NB][RT][2];
   int bz[NB][RT][2];
-  // RING: this warp's ring, [NB][RT][2][32 lanes][LW] words (a lane's words contiguous: one copy, one vector read)
-  uint32_t* ring = reinterpret_cast<uint32_t*>(red) + (RING ? warp * NB * RT * 2 * 32 * LW : 0);
-  auto slot = [&](int b, int rt, int h) { return ring + (((b * RT + rt) * 2 + h) * 32 + lane) * LW; };
   auto issue = [&](int b, int i) {  // this warp's chunk i into buffer b
     const int grp = (c_begin + i * nw) * CK / p.group;
 #pragma unroll
     for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        if constexpr (RING) cp_async_words<LW>(slot(b, rt, h), rowp[rt][h] + (long long)i * nw * WPC);
-        else ldg_words<LW>(rowp[rt][h] + (long long)i * nw * WPC, bw[b][rt][h]);
+        ldg_words<LW>(rowp[rt][h] + (long long)i * nw * WPC, bw[b][rt][h]);
         const long long gi = (long long)grp * p.N + min(rown[rt][h], p.N - 1);
         bs[b][rt][h] = ld_raw(p.scale, p.scale_kind, gi);
         if constexpr (ZP) bz[b][rt][h] = (int)__ldg(p.zero + gi);
@@ -512,13 +485,6 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
   const uint32_t ones[4] = {0x3F803F80u, 0x3F803F80u, 0x3F803F80u, 0x3F803F80u};  // bf16x2 (1, 1)
 
   auto compute = [&](int b, int i) {
-    const int bb = RING ? 0 : b;  // the register copy of buffer b
-    if constexpr (RING) {
-#pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
-#pragma unroll
-        for (int h = 0; h < 2; ++h) lds_words<LW>(slot(b, rt, h), bw[0][rt][h]);
-    }
     uint4 xv[MT][LW];
 #pragma unroll
     for (int t = 0; t < MT; ++t)
@@ -551,7 +517,7 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
         for (int t = 0; t < MT; ++t) mma_bf16(xsum[t], ones, bx[t][2 * hs], bx[t][2 * hs + 1]);
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) {
-          const uint32_t wa = bw[bb][rt][0][j], wb = bw[bb][rt][1][j];
+          const uint32_t wa = bw[b][rt][0][j], wb = bw[b][rt][1][j];
           const uint32_t a[4] = {nib_pair(wa >> (8 * hs)), nib_pair(wb >> (8 * hs)), nib_pair(wa >> (8 * hs + 4)),
                                  nib_pair(wb >> (8 * hs + 4))};
 #pragma unroll
@@ -583,27 +549,17 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
         for (int h = 0; h < 2; ++h) prefetch_l2(rowp[rt][h] + (long long)b * nw * WPC);
   pdl_wait();
 #pragma unroll
-  for (int b = 0; b < NB - 1; ++b) {
+  for (int b = 0; b < NB - 1; ++b)
     if (b < nu) issue(b, b);
-    if constexpr (RING) cp_async_commit();  // one group per chunk slot, empty or not: the wait counts groups
-  }
   for (int i0 = 0; i0 < nu; i0 += NB) {
 #pragma unroll
     for (int b = 0; b < NB; ++b) {
       const int i = i0 + b;
       if (i < nu) {
         if (i + NB - 1 < nu) issue((b + NB - 1) % NB, i + NB - 1);
-        if constexpr (RING) {
-          cp_async_commit();
-          cp_async_wait<NB - 1>();  // chunk i's group has landed
-        }
         compute(b, i);
       }
     }
-  }
-  if constexpr (RING) {
-    cp_async_wait<0>();
-    __syncthreads();  // every warp is done with its ring before the partials reuse the bytes
   }
 
   // C fragment: acc[rt][t][i] is (weight row rt * 16 + gid + 8 * (i >= 2), activation row 8 t + 2 tig + (i & 1))
@@ -630,21 +586,17 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
   if (p.splitk > 1) finish_split(p, n_block, rows_per_block, &last_block);
 }
 
-// Dynamic shared memory of one wq_warp_split block: the warps' partials (RING: or the warps' rings, if larger).
-static int warp_split_smem(int rt, int warps, int mt, int ring_nb = 0, int lw = 4) {
-  const int partials = warps * rt * 16 * 8 * mt * 4;
-  const int rings = warps * ring_nb * rt * 2 * 32 * lw * 4;
-  return partials > rings ? partials : rings;
-}
+// Dynamic shared memory of one wq_warp_split block: the warps' partials.
+static int warp_split_smem(int rt, int warps, int mt) { return warps * rt * 16 * 8 * mt * 4; }
 
-template <int LW, int RT, int NB, bool ZP, int MT, bool RING = false>
+template <int LW, int RT, int NB, bool ZP, int MT>
 int launch_warp_split(const Params& p, int warps, cudaStream_t stream, int* occupancy) {
-  auto kern = wq_warp_split<LW, RT, NB, ZP, MT, RING>;
-  const int smem = warp_split_smem(RT, warps, MT, RING ? NB : 0, LW);
+  auto kern = wq_warp_split<LW, RT, NB, ZP, MT>;
+  const int smem = warp_split_smem(RT, warps, MT);
   static int smem_set[64] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
-  if (smem > 48 * 1024 && (dev >= 64 || smem > smem_set[dev])) {
+  if (smem > kDynSmemDefault && (dev >= 64 || smem > smem_set[dev])) {
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return (int)e;
     if (dev < 64) smem_set[dev] = smem;
@@ -658,29 +610,12 @@ int launch_warp_split(const Params& p, int warps, cudaStream_t stream, int* occu
 }
 
 template <int LW, bool ZP>
-int warp_split_by_rt_nb(const Params& p, int rt, int nb, int warps, cudaStream_t s, int* occ, bool ring) {
+int warp_split_by_rt_nb(const Params& p, int rt, int nb, int warps, cudaStream_t s, int* occ) {
   const bool two = p.M > 8;  // MT 2: rows 8-15 of the activations in a second B tile
 #ifdef LOWBIT_COMPILE_CHECK
-  if (rt == 1 && nb == 4 && !ring) return two ? launch_warp_split<LW, 1, 4, ZP, 2>(p, warps, s, occ)
-                                              : launch_warp_split<LW, 1, 4, ZP, 1>(p, warps, s, occ);
-  if (rt == 1 && nb == 4 && ring) return two ? launch_warp_split<LW, 1, 4, ZP, 2, true>(p, warps, s, occ)
-                                             : launch_warp_split<LW, 1, 4, ZP, 1, true>(p, warps, s, occ);
+  if (rt == 1 && nb == 4) return two ? launch_warp_split<LW, 1, 4, ZP, 2>(p, warps, s, occ)
+                                     : launch_warp_split<LW, 1, 4, ZP, 1>(p, warps, s, occ);
 #else
-  if (ring) {
-    if (!two) {
-      if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 1, true>(p, warps, s, occ);
-      if (rt == 1 && nb == 6) return launch_warp_split<LW, 1, 6, ZP, 1, true>(p, warps, s, occ);
-      if (rt == 1 && nb == 8) return launch_warp_split<LW, 1, 8, ZP, 1, true>(p, warps, s, occ);
-      if (rt == 2 && nb == 4) return launch_warp_split<LW, 2, 4, ZP, 1, true>(p, warps, s, occ);
-      if (rt == 2 && nb == 6) return launch_warp_split<LW, 2, 6, ZP, 1, true>(p, warps, s, occ);
-    } else {
-      if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 2, true>(p, warps, s, occ);
-      if (rt == 1 && nb == 6) return launch_warp_split<LW, 1, 6, ZP, 2, true>(p, warps, s, occ);
-      if (rt == 2 && nb == 4) return launch_warp_split<LW, 2, 4, ZP, 2, true>(p, warps, s, occ);
-      if (rt == 2 && nb == 6) return launch_warp_split<LW, 2, 6, ZP, 2, true>(p, warps, s, occ);
-    }
-    return -6;
-  }
   if (!two) {
     if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP, 1>(p, warps, s, occ);
     if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 1>(p, warps, s, occ);
@@ -702,7 +637,7 @@ int launch(const Params& p, int warps, int smem, cudaStream_t stream) {
   static int smem_set[64] = {0};  // per device: the dynamic shared memory limit raised so far
   int dev = 0;
   cudaGetDevice(&dev);
-  if (smem > 48 * 1024 && (dev >= 64 || smem > smem_set[dev])) {
+  if (smem > kDynSmemDefault && (dev >= 64 || smem > smem_set[dev])) {
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return (int)e;
     if (dev < 64) smem_set[dev] = smem;
@@ -807,17 +742,14 @@ int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* 
 }
 
 // y = x @ W^T for 4-bit weights and 1 <= M <= 16 through wq_warp_split (warps per block 4, 8 or 16; rt 1 or 2 row
-// tiles per warp; nb chunks in each warp's ring, in shared memory iff ring; zero-points iff zero != null). Same return
-// codes as above, -6: no instance for this (rt, nb, M, ring). With occupancy != null nothing is launched: *occupancy =
-// blocks per SM.
-int lowbit_wq_warp_split_smem(int rt, int warps, int M, int ring_nb, int lw) {
-  return warp_split_smem(rt, warps, M > 8 ? 2 : 1, ring_nb, lw);
-}
+// tiles per warp; nb chunks in each warp's ring; zero-points iff zero != null). Same return codes as above, -6: no
+// instance for this (rt, nb, M). With occupancy != null nothing is launched: *occupancy = blocks per SM.
+int lowbit_wq_warp_split_smem(int rt, int warps, int M) { return warp_split_smem(rt, warps, M > 8 ? 2 : 1); }
 
 int lowbit_wq_warp_split(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
                          const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
                          float* ws, unsigned* counters, int M, int N, int K, int group, int lw, int rt, int nb,
-                         int warps, int chunks_per_split, int splitk, int pdl, int ring, unsigned long long stream,
+                         int warps, int chunks_per_split, int splitk, int pdl, unsigned long long stream,
                          int* occupancy) {
   if (M < 1 || M > 16) return -1;
   if (warps != 4 && warps != 8 && warps != 16) return -4;
@@ -825,7 +757,7 @@ int lowbit_wq_warp_split(const void* x, long long ldx, const void* qw, const voi
                                K, group, chunks_per_split, 0, splitk, pdl);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool zp = zero != nullptr;
-#define LOWBIT_WS(LW_) return zp ? warp_split_by_rt_nb<LW_, true>(p, rt, nb, warps, s, occupancy, ring != 0) : warp_split_by_rt_nb<LW_, false>(p, rt, nb, warps, s, occupancy, ring != 0);
+#define LOWBIT_WS(LW_) return zp ? warp_split_by_rt_nb<LW_, true>(p, rt, nb, warps, s, occupancy) : warp_split_by_rt_nb<LW_, false>(p, rt, nb, warps, s, occupancy);
   if (lw == 4) { LOWBIT_WS(4) }
   if (lw == 2) { LOWBIT_WS(2) }
   if (lw == 1) { LOWBIT_WS(1) }
@@ -839,7 +771,7 @@ const char* lowbit_cuda_error_string(int code) {
   if (code == -3) return "no instance for this words-per-lane (1, 2 or 4)";
   if (code == -4) return "no instance for this warps-per-block (2, 4 or 8)";
   if (code == -5) return "xs_chunks must be >= 1";
-  if (code == -6) return "no warp-split instance for this (rows-per-warp, ring depth, M, ring in shared memory)";
+  if (code == -6) return "no warp-split instance for this (rows-per-warp, ring depth, M)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
