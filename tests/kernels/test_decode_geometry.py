@@ -326,3 +326,25 @@ def test_geo_bench_parse_config_reads_fields_and_names_bad_ones():
     for bad in ("block=64", "heads=eight", "heads"):
         with pytest.raises(LowbitError, match="GeoConfig fields"):
             geo_bench.parse_config(bad)
+
+
+def test_latent_launch_follows_the_batch():
+    """The MLA latent's launch fields at few (sequence, KV head) pairs (few_pairs, from the H200 sweep by batch);
+    fields the caller set win; other geometries and larger batches keep the shape defaults."""
+    from lowbit.kernels.decode_geometry import GeoConfig
+
+    base = GeoConfig()
+    tp8, full = (16, 512, 576, True), (128, 512, 576, True)
+    d16 = base.resolve(*tp8)
+    assert base.resolve(*tp8, pairs=16) == d16 and base.resolve(*tp8, pairs=4) == d16
+    b1 = base.resolve(*tp8, pairs=1)
+    assert (b1.heads, b1.block_t, b1.num_warps, b1.q_loop) == (8, 64, 4, False)
+    b1d = base.resolve(*tp8, pairs=1, dense_mid=True)
+    assert (b1d.heads, b1d.block_t, b1d.num_warps, b1d.q_loop) == (8, 128, 8, False)
+    f1, f4, f16 = (base.resolve(*full, pairs=p) for p in (1, 4, 16))
+    assert (f1.heads, f1.block_t, f1.num_warps) == (16, 128, 8)
+    assert (f4.heads, f4.block_t, f4.num_warps) == (16, 64, 4)
+    assert f16 == base.resolve(*full) and (f16.heads, f16.block_t) == (32, 32)
+    assert base.resolve(*full, pairs=4, dense_mid=True) == base.resolve(*full)  # bf16 latent: defaults won
+    assert GeoConfig(block_t=32).resolve(*full, pairs=4).block_t == 32  # the caller's field stays
+    assert base.resolve(1, 128, 192, False, pairs=1) == base.resolve(1, 128, 192, False)  # K192/V128: no change

@@ -49,7 +49,7 @@ codes: the bf16 latent baseline of the benchmark, same kernel, one bf16 MMA per 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -517,14 +517,20 @@ class GeoConfig:
     waves: int | None = None
     zero_mma: bool | None = None
 
-    def resolve(self, G: int, DV: int, DK: int | None = None, shared: bool = False) -> GeoConfig:
+    def resolve(self, G: int, DV: int, DK: int | None = None, shared: bool = False, pairs: int | None = None,
+                dense_mid: bool = False) -> GeoConfig:
         """Fill the None fields from the shape (G query heads per KV head, value width DV, key width DK
         incl. a dense key part). From the H200 sweep (python -m lowbit.kernels.geo_bench --sweep, L32k):
         narrow values (K192/V128, G = 1): 128-token tiles, one warp (B16 1.66 ms vs 1.89 for 64 x 1
         and 2.85 for 64 x 4); the MLA latent with > 16 heads: 32 heads a program, 32-token tiles
         (B16 int2 1.18 ms vs 1.61 for 16 heads x 64); otherwise (16 heads x 512, Gemma-4 K = V) 16
         heads, 64 tokens, 4 warps. q_loop when q's segments (DK x heads fp16) would hold more than 32
-        registers a thread; zero_mma on (neutral to +10%)."""
+        registers a thread; zero_mma on (neutral to +10%).
+        pairs (B x Hkv) and dense_mid (the bf16 latent path): the MLA latent with few sequences has few programs
+        per split, and other tiles win (`few_pairs`)."""
+        few = few_pairs(G, DV, shared, pairs, dense_mid)
+        if few:
+            return replace(self, **{k: v for k, v in few.items() if getattr(self, k) is None}).resolve(G, DV, DK, shared)
         DK = DK or DV
         wide = shared and G > 16
         heads = self.heads or min(_pow2(G), 32 if wide else 16)
@@ -537,6 +543,29 @@ class GeoConfig:
         return GeoConfig(block_t=bt, heads=heads, num_splits=self.num_splits, num_warps=warps,
                          num_stages=self.num_stages or 2, dense_block=dbt, q_loop=bool(q_loop),
                          waves=self.waves or 4, zero_mma=True if self.zero_mma is None else bool(self.zero_mma))
+
+
+def few_pairs(G: int, DV: int, shared: bool, pairs: int | None, dense_mid: bool) -> dict:
+    """Launch fields for the MLA latent (shared, DV >= 512) with few (sequence, KV head) pairs, measured on an H200
+    at L32k (`results/geometry/geo_sweep_latent_by_batch_s17_NVIDIA_H200.json`, eight configs per cell; ms, the
+    choice vs the shape default): tp8 (16 heads) B1 int2 64-token tiles, 8 heads a program, q in registers 0.031 vs
+    0.033, bf16 128 x 8 heads x 8 warps 0.042 vs 0.108; 128 heads B1 int2 128 x 16 x 8 warps 0.130 vs 0.135, B4
+    int2 64 x 16 x 4 warps 0.347 vs 0.529. At B4 (tp8) and B16 the shape defaults were best. B2-B3 (128 heads) take
+    B4's choice by interpolation, not measurement; B5-B15 keep the defaults ({})."""
+    if not shared or DV < 512 or pairs is None:
+        return {}
+    if G <= 16:
+        if pairs != 1:
+            return {}
+        return (dict(heads=8, q_loop=False, block_t=128, num_warps=8) if dense_mid
+                else dict(heads=8, q_loop=False, block_t=64, num_warps=4))
+    if dense_mid:
+        return {}
+    if pairs == 1:
+        return dict(heads=16, block_t=128, num_warps=8)
+    if 2 <= pairs <= 4:
+        return dict(heads=16, block_t=64, num_warps=4)
+    return {}
 
 
 @dataclass(frozen=True)
@@ -611,7 +640,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
     """Common launch: kmid/vmid (codes, scale, zero) or None; sink/recent (k, v, pe, lens) or None."""
     B, Hq, _ = q.shape
     dev = q.device
-    cfg = (config or GeoConfig()).resolve(Hq // Hkv, DV, DK + DR, shared)
+    cfg = (config or GeoConfig()).resolve(Hq // Hkv, DV, DK + DR, shared, pairs=B * Hkv, dense_mid=dense_mid)
     BT, BTD = int(cfg.block_t), int(cfg.dense_block)
     for name, v in (("block_t", BT), ("dense_block", BTD)):
         if v < 16 or v & (v - 1):
