@@ -45,7 +45,7 @@ KV_SCHEME_VERSION = 1
 KV_BITS = (2, 3, 4, 8, 16)
 LLOYD_MAX_BITS = (2, 3, 4)
 AXES = ("token", "channel")
-GRIDS = ("minmax", "std")  # where a uniform grid's range comes from (see TensorQuant)
+GRIDS = ("minmax", "std", "mse")  # where a uniform grid's range comes from (see TensorQuant)
 ZEROS = ("group", "none")  # whether a per-group zero is stored (see TensorQuant.zero)
 DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
@@ -113,7 +113,10 @@ class TensorQuant:
     grid: "minmax" (a uniform grid over each group's [min, max], shrunk by clip) or "std" (a
           uniform grid at the Gaussian-optimal step from each group's mean and std,
           lowbit.quant.affine.quantize_std; 2-4 bits). Both store scale/zero and dequantize as
-          codes * scale + zero, so the fused kernel reads either.
+          codes * scale + zero, so the fused kernel reads either. "mse" (scale-only groups, 2-4 bits):
+          the std grid with each group's step searched over multiples of it (lowbit.quant.affine.MSE_STEPS)
+          for the least squared error at write time; stored and read exactly as "std" (the encoder alone
+          differs, so every reader of "std" scale-only groups, the fused kernel included, reads it).
     zero: "group" (an fp16 zero per group beside the scale: bits + 32/group per element) or "none"
           (scale only, the grid centred on 0: x_hat = (codes - mid) * scale, mid = (2**bits - 1) / 2;
           bits + 16/group, i.e. int2 at group 64 costs 2.25 b/elt instead of 2.5). With "none" the std
@@ -168,14 +171,17 @@ class TensorQuant:
                 raise LowbitError("Lloyd-Max levels must be strictly ascending; refit them")
             object.__setattr__(self, "levels", lv)
         if self.grid not in GRIDS:
-            raise LowbitError(f"grid {self.grid!r} unknown; use 'minmax' (range from min/max) or 'std' (from mean/std)")
-        if self.grid == "std":
+            raise LowbitError(f"grid {self.grid!r} unknown; use 'minmax' (range from min/max), 'std' (from mean/std) "
+                              "or 'mse' (scale-only: the std step searched per group)")
+        if self.grid == "mse" and self.quantized and self.zero != "none":
+            raise LowbitError("grid 'mse' searches the scale of scale-only groups; set zero 'none' or use grid 'std'")
+        if self.grid in ("std", "mse"):
             if self.quantized and self.bits not in LLOYD_MAX_BITS:
-                raise LowbitError(f"the std grid is for {LLOYD_MAX_BITS} bits, got {self.bits}; use grid 'minmax'")
+                raise LowbitError(f"the {self.grid} grid is for {LLOYD_MAX_BITS} bits, got {self.bits}; use grid 'minmax'")
             if self.lloyd_max:
-                raise LowbitError("grid 'std' is a uniform grid; Lloyd-Max levels replace it: pick one")
+                raise LowbitError(f"grid {self.grid!r} is a uniform grid; Lloyd-Max levels replace it: pick one")
             if self.clip != 1.0 or self.symmetric:
-                raise LowbitError("grid 'std' sets its range from the group's std; drop the clip ratio and 'symmetric'")
+                raise LowbitError(f"grid {self.grid!r} sets its range from the group's std; drop the clip ratio and 'symmetric'")
         if self.zero not in ZEROS:
             raise LowbitError(f"zero {self.zero!r} unknown; use 'group' (an fp16 zero per group) or 'none' (scale only)")
         if self.zero == "none" and self.quantized:
@@ -227,7 +233,7 @@ class TensorQuant:
             parts.append("per-channel over page-token blocks")
         else:
             parts += ["per-token", f"g{self.group}" if self.group is not None else "g<=128"]
-        parts.append(("lloyd-max" + (" fitted" if self.levels else "")) if self.lloyd_max else ("std-grid" if self.grid == "std" else ("sym" if self.symmetric else "asym")))
+        parts.append(("lloyd-max" + (" fitted" if self.levels else "")) if self.lloyd_max else ("std-grid" if self.grid == "std" else "mse-grid" if self.grid == "mse" else ("sym" if self.symmetric else "asym")))
         if self.clip != 1.0:
             parts.append(f"clip {self.clip:g}")
         if self.zero == "none":
@@ -429,7 +435,7 @@ def _with_bits(t: TensorQuant, bits: int) -> TensorQuant:
     if t.zero == "none" and t.quantized:  # scale-only storage at every width: std grid (2-4 bits), symmetric at 8
         if bits == 8:
             return TensorQuant(bits=8, symmetric=True, axis=t.axis, group=group, zero="none")
-        return TensorQuant(bits=bits, axis=t.axis, group=group, grid="std", zero="none")
+        return TensorQuant(bits=bits, axis=t.axis, group=group, grid="mse" if t.grid == "mse" else "std", zero="none")
     grid = "std" if bits == 2 and t.axis == "token" else "minmax"
     return TensorQuant(bits=bits, axis=t.axis, group=group, grid=grid)
 

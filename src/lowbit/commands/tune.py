@@ -37,7 +37,8 @@ def add_arguments(p) -> None:
                         "key-affine (python -m lowbit.kv.key_affine) dirs (default hadamard)")
     p.add_argument("--grids", default="std,lloyd-max",
                    help="2-bit grid candidates: std, lloyd-max, scale-only (the std grid without a stored zero: "
-                        "int2 at head_dim 64 costs 2.25 b/elt instead of 2.5; best after a key shift) "
+                        "int2 at head_dim 64 costs 2.25 b/elt instead of 2.5; best after a key shift), scale-only-mse (the same "
+                        "storage, each group's step searched for the least squared error when written) "
                         "(default std,lloyd-max)")
     p.add_argument("--sink", type=int, default=None, help="sink tokens kept in the model dtype (default 64)")
     p.add_argument("--recent", type=int, default=None, help="recent tokens kept in the model dtype (default 256)")

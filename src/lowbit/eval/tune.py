@@ -33,7 +33,9 @@ from lowbit.errors import LowbitError
 BITS = (2, 4, 8)
 # 2-bit grid candidates. "scale-only": the std grid with no zero stored (lowbit.recipe.TensorQuant zero
 # "none"): int2 at group 64 costs 2.25 b/elt instead of 2.5, so the budget left buys more 4-bit tensors.
-GRIDS = ("std", "lloyd-max", "scale-only")
+# "scale-only-mse": the same storage, each group's step searched for the least squared error at write time
+# (TensorQuant grid "mse"; read exactly as scale-only, so the fused kernel serves it).
+GRIDS = ("std", "lloyd-max", "scale-only", "scale-only-mse")
 DEFAULT_GRIDS = ("std", "lloyd-max")
 DEFAULT_ROTATIONS = ("hadamard",)
 
@@ -45,14 +47,15 @@ def base_scheme(rotation, grid: str, *, sink=None, recent=None, page=None):
     if grid not in GRIDS:
         raise LowbitError(f"2-bit grid {grid!r} unknown; use {', '.join(GRIDS)}")
     return parse_kv_scheme("int2", sink=sink, recent=recent, page=page, rotation=rotation,
-                           lloyd_max=grid == "lloyd-max", zero="none" if grid == "scale-only" else None)
+                           lloyd_max=grid == "lloyd-max", zero="none" if grid.startswith("scale-only") else None,
+                           grid="mse" if grid == "scale-only-mse" else None)
 
 
 def family(grid: str, bits: int) -> str:
     """The grid a tensor of a base with 2-bit grid `grid` uses at `bits` (the key of its measured errors):
     the 2-bit grid itself, "minmax" for the overrides of a base with stored zeros, "scale-only" at every
     width for the scale-only base."""
-    if grid == "scale-only":
+    if grid.startswith("scale-only"):
         return grid
     return grid if bits == 2 else "minmax"
 
@@ -202,7 +205,7 @@ def _variants(geometry, rotations, grids, tiers):
         for t, name in ((0, "k{b}v16"), (1, "k16v{b}")):
             for b in BITS:
                 for g in dict.fromkeys(family(g_, b) for g_ in grids):
-                    if g == "scale-only":  # the TensorQuant a scale-only base's tensor has at b bits
+                    if g.startswith("scale-only"):  # the TensorQuant a scale-only base's tensor has at b bits
                         s = parse_kv_scheme(name.format(b=b), rotation=r, **tiers)
                         tq = _with_bits(base_scheme(r, g, **tiers).k, b)
                         s = replace(s, k=tq if t == 0 else s.k, v=tq if t == 1 else s.v)
@@ -365,8 +368,10 @@ def recipe_toml(res: TuneResult, *, command: str = "", out=None) -> str:
              f"page = {s.page}"]
     if b.grid == "lloyd-max":
         lines.append("lloyd_max = true")
-    if b.grid == "scale-only":
+    if b.grid.startswith("scale-only"):
         lines.append('zero = "none"')
+    if b.grid == "scale-only-mse":
+        lines.append('grid = "mse"')
     lines += ["", "[kv.layer_bits]"] + [f'"{i}" = "{name}"' for i, name in s.layer_bits]
     d = h.dense()
     tune_doc = {

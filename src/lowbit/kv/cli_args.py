@@ -25,9 +25,10 @@ def add_kv_arguments(parser, *, kv_default: str | None = None) -> None:
     g.add_argument("--recent", type=int, default=None, help="last tokens kept unquantized (default 256)")
     g.add_argument("--page", type=int, default=None, help="tokens moved from the recent ring to the middle at once (default 16)")
     g.add_argument("--clip", default=None, metavar="K,V", help="clip ratio, one value or K,V (e.g. 0.96,0.92)")
-    g.add_argument("--grid", default=None, choices=("minmax", "std"),
+    g.add_argument("--grid", default=None, choices=("minmax", "std", "mse"),
                    help="uniform grid range: each group's min/max (minmax) or the Gaussian-optimal step from its mean/std "
-                        "(std; the default for 2-bit per-token tensors without --clip/--lloyd-max)")
+                        "(std; the default for 2-bit per-token tensors without --clip/--lloyd-max), or with --zero none the std "
+                        "step searched per group for the least squared error when written (mse)")
     g.add_argument("--zero", default=None, metavar="group|none",
                    help="per-group zero storage, one value or K,V: group (an fp16 zero beside each scale, default) or "
                         "none (scale only, the grid centred on 0: int2 at group 64 costs 2.25 b/elt, not 2.5)")

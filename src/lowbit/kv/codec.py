@@ -14,7 +14,8 @@ Stored fields (what `encode` returns, per middle row block; T rows, D = head_dim
                                zero = -mid * scale, mid = (2**bits - 1) / 2, lowbit.quant.affine.centre)
     bits == 16:                dense [B, H, T, D] in the model dtype (no quantization)
 cbits is the container width: 3-bit codes are packed as 4-bit. Dequantization is always
-    x_hat = codes * scale + zero                    (uniform grid, lowbit.quant.affine; min/max or std placed)
+    x_hat = codes * scale + zero                    (uniform grid, lowbit.quant.affine; min/max or std placed;
+                                                     grid "mse": the std step searched per group at encode)
     x_hat = levels[codes] * scale + zero            (Lloyd-Max: scale = std, zero = mean)
 """
 
@@ -49,7 +50,7 @@ class TensorCodec:
         self.stores_zero = tq.stores_zero  # False: scale-only groups (zero = -centre * scale)
         self.centre = affine.centre(tq.bits) if tq.quantized else 0.0
         self.unit_step: float | None = None  # the std grid's step per unit std, resolved once
-        if tq.quantized and tq.grid == "std" and not tq.lloyd_max:
+        if tq.quantized and tq.grid in ("std", "mse") and not tq.lloyd_max:
             from lowbit.quant.lloyd_max import gaussian_uniform_step
 
             self.unit_step = gaussian_uniform_step(tq.bits)
@@ -124,9 +125,10 @@ class TensorCodec:
             q = lloyd_max.encode(x, self.levels.to(x.device), group, stat_dtype=SCALE_DTYPE)
             return q.codes, q.std, q.mean
         if not self.stores_zero:  # scale-only: the grid centred on 0
-            q = affine.quantize_centred(x, tq.bits, group, grid="std" if tq.grid == "std" else "absmax",
+            q = affine.quantize_centred(x, tq.bits, group, grid="absmax" if tq.grid == "minmax" else "std",
                                         clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE, checks=checks,
-                                        unit_step=self.unit_step)
+                                        unit_step=self.unit_step,
+                                        search=affine.MSE_STEPS if tq.grid == "mse" else ())
         elif tq.grid == "std":
             q = affine.quantize_std(x, tq.bits, group, scale_dtype=SCALE_DTYPE, checks=checks, unit_step=self.unit_step)
         else:

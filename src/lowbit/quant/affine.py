@@ -204,6 +204,11 @@ def centre(bits: int) -> float:
     return ((1 << int(bits)) - 1) * 0.5
 
 
+# Step multiples the "mse" grid (lowbit.recipe.TensorQuant grid "mse") tries per group around the std grid's step:
+# denser near 1, where most groups of rotated K/V land; wider above 1 for heavy-tailed groups.
+MSE_STEPS = (0.75, 0.85, 0.92, 1.0, 1.08, 1.16, 1.3, 1.45)
+
+
 def quantize_centred(
     x: torch.Tensor,
     bits: int,
@@ -214,6 +219,7 @@ def quantize_centred(
     scale_dtype: torch.dtype = torch.float32,
     checks: bool = True,
     unit_step: float | None = None,
+    search: tuple[float, ...] = (),
 ) -> AffineQuantized:
     """A grid centred on 0 whose only per-group parameter is the scale (nothing else is stored).
 
@@ -227,6 +233,10 @@ def quantize_centred(
     scale_dtype and the codes computed against the rounded scale; an all-zero group gets scale 0
     (reconstructs 0 exactly). Returns AffineQuantized(scale in scale_dtype, zero float32 = -mid * scale,
     symmetric=True).
+
+    search: step multiples to try besides 1 (e.g. MSE_STEPS): each group keeps the rounded scale whose
+    reconstruction has the least squared error (ties keep the earlier candidate, 1 first). Only the
+    encoder changes: what is stored, and how it is read, is the same as without the search.
     """
     from lowbit.quant.lloyd_max import gaussian_uniform_step
 
@@ -244,15 +254,31 @@ def quantize_centred(
     if checks and not torch.isfinite(step).all():
         raise LowbitError("quantize got inf or NaN values in x; clean the input before quantizing")
     live = step > 0
-    scale = step if scale_dtype == torch.float32 else _round_up(step, scale_dtype).float()
-    scale = torch.where(live, scale, torch.zeros_like(scale))
+    mid = centre(bits)
+    best = None  # (squared error [..., G], scale float32 [..., G], codes [..., G, g])
+    for f in (1.0, *(float(c) for c in search if float(c) != 1.0)):
+        if not f > 0:
+            raise LowbitError(f"scale search multiple {f} must be > 0")
+        st = step * f
+        scale = st if scale_dtype == torch.float32 else _round_up(st, scale_dtype).float()
+        scale = torch.where(live, scale, torch.zeros_like(scale))
+        inv = torch.where(live, 1.0 / torch.where(live, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+        codes = torch.round(xg * inv.unsqueeze(-1) + mid).clamp_(0, qmax)
+        if not search:
+            best = (None, scale, codes)
+            break
+        err = ((codes - mid) * scale.unsqueeze(-1) - xg).pow(2).sum(-1)  # [..., G]
+        if best is None:
+            best = (err, scale, codes)
+            continue
+        better = err < best[0]  # branch-free: a captured decode step encodes through here
+        best = (torch.where(better, err, best[0]), torch.where(better, scale, best[1]),
+                torch.where(better.unsqueeze(-1), codes, best[2]))
+    _, scale, codes = best
     scale_s = scale.to(scale_dtype)
     if checks and not torch.isfinite(scale_s).all():
         raise LowbitError(f"scale overflows {scale_dtype}; values too large for it, use scale_dtype=torch.float32")
-    mid = centre(bits)
-    inv = torch.where(live, 1.0 / torch.where(live, scale, torch.ones_like(scale)), torch.zeros_like(scale))
-    codes = torch.round(xg * inv.unsqueeze(-1) + mid).clamp_(0, qmax).to(torch.uint8)
-    return AffineQuantized(codes.reshape(x.shape), scale_s, -mid * scale, bits, g, True, r)
+    return AffineQuantized(codes.to(torch.uint8).reshape(x.shape), scale_s, -mid * scale, bits, g, True, r)
 
 
 def dequantize(q: AffineQuantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
