@@ -255,10 +255,11 @@ def quantize_centred(
         raise LowbitError("quantize got inf or NaN values in x; clean the input before quantizing")
     live = step > 0
     mid = centre(bits)
+    factors = (1.0, *(float(c) for c in search if float(c) != 1.0))
+    if not all(f > 0 for f in factors):
+        raise LowbitError(f"scale search multiples must be > 0, got {tuple(search)}")
     best = None  # (squared error [..., G], scale float32 [..., G], codes [..., G, g])
-    for f in (1.0, *(float(c) for c in search if float(c) != 1.0)):
-        if not f > 0:
-            raise LowbitError(f"scale search multiple {f} must be > 0")
+    for f in factors:
         st = step * f
         scale = st if scale_dtype == torch.float32 else _round_up(st, scale_dtype).float()
         scale = torch.where(live, scale, torch.zeros_like(scale))
