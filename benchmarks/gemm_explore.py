@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-xpf | --cuda-pdl | --cuda-quick | --a8 | --a8-split
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --a8 | --a8-split
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
@@ -11,7 +11,6 @@ the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-
 --cuda-ws: the warp-split CUDA kernel (4-bit, M <= 16; CudaConfig.NB > 0) in its instances beside the x-staging
 kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (the packed weight's bytes) at M=1.
 --cuda-ws16: the same at M = 16 alone (the two-activation-tile instances), every launch with PDL.
---cuda-xpf: the warp-split launches with and without x prefetched into L1 a ring depth ahead (CudaConfig.xpf).
 
 --cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
 
@@ -272,38 +271,6 @@ def explore_cuda_ws16(rows, log):
             rows.append(row)
 
 
-def explore_cuda_xpf(rows, log):
-    """--cuda-xpf: the warp-split kernel with each chunk's x lines prefetched into L1 when its weights are issued
-    (CudaConfig.xpf) beside the same launch without, W4A16 g128 at M 1 / 8 / 16 on the 8B and fused shapes: the
-    table's cell for the shape and M, and the warp-split instances for that M, every launch with PDL as the table's."""
-    from dataclasses import replace
-
-    from lowbit.kernels import weight_cuda
-    from lowbit.kernels.weight_dispatch import Dispatch
-
-    table = Dispatch.for_device("cuda")
-    t0 = time.time()
-    for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
-        for M in (1, 8, 16):
-            pw = random_weight("w4a16-g128", N, K, "cuda")
-            tabled = table.choose("w4a16", M, pw).config
-            del pw
-            shapes = weight_cuda.WARP_SPLIT_SHAPES_MT2 if M > 8 else weight_cuda.WARP_SPLIT_SHAPES
-            base = [CudaConfig(rt, w, 0, NB=nb, pdl=True) for rt, nb in sorted(shapes) for w in (4, 8)]
-            if isinstance(tabled, CudaConfig) and tabled.NB and tabled not in base:
-                base.insert(0, tabled)
-            cfgs = [c for b in base for c in (b, replace(b, xpf=True))]
-            row = explore_cell("w4a16-g128", shape, K, N, M, cfgs, "cuda-xpf", log, t0)
-            row["tabled"] = getattr(tabled, "name", None)
-            ok = {k: v for k, v in row["candidates"].items() if isinstance(v, float) and isinstance(
-                row["rel_l2"].get(k), float) and row["rel_l2"][k] < 1e-3}
-            pair = [min((v, k) for k, v in ok.items() if ("-xpf" in k) == x) if any(("-xpf" in k) == x for k in ok)
-                    else (float("nan"), "none") for x in (False, True)]
-            log(f"XPF {shape:<14} M={M:<3} without {pair[0][0] * 1e3:6.1f} us {pair[0][1]:<32} with "
-                f"{pair[1][0] * 1e3:6.1f} us {pair[1][1]}  bf16 {row['bf16_ms'] * 1e3:6.1f} us")
-            rows.append(row)
-
-
 def explore_cuda_pdl(rows, log):
     """--cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch
     (CudaConfig.pdl: the weight's first lines prefetched into L2 and the launch overlapped with the previous kernel's
@@ -479,8 +446,6 @@ if __name__ == "__main__":
             explore_cuda_ws(res["explore"], print)
         if "--cuda-ws16" in sys.argv:
             explore_cuda_ws16(res["explore"], print)
-        if "--cuda-xpf" in sys.argv:
-            explore_cuda_xpf(res["explore"], print)
         if "--cuda-quick" in sys.argv:
             explore_cuda_quick(res["explore"], print)
         if "--final" in sys.argv:
@@ -496,7 +461,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-xpf", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split", "--swap")
+        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

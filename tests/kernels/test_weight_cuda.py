@@ -308,8 +308,7 @@ def test_linear_refuses_cpu_tensors_before_any_launch():
 
 WS_CONFIGS = [CudaConfig(1, 4, 0, NB=3), CudaConfig(1, 8, 0, NB=4), CudaConfig(1, 16, 0, NB=6),
               CudaConfig(2, 8, 0, NB=3), CudaConfig(2, 4, 0, NB=4), CudaConfig(1, 8, 3, NB=4),
-              CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 3, NB=4, pdl=True),
-              CudaConfig(2, 4, 0, NB=3, pdl=True, xpf=True), CudaConfig(1, 8, 3, NB=4, xpf=True)]
+              CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 3, NB=4, pdl=True)]
 
 
 def test_warp_split_names_conditions_and_plan():
@@ -320,11 +319,6 @@ def test_warp_split_names_conditions_and_plan():
     assert CudaConfig.from_name("cuda-ws-rt2-w4-nb3-sk0-pdl") == CudaConfig(2, 4, 0, NB=3, pdl=True)
     assert CudaConfig(2, 8, 0, 4, pdl=True).name == "cuda-rt2-w8-sk0-wv4-pdl"
     assert CudaConfig.from_name("cuda-rt2-w8-sk0-wv4-pdl") == CudaConfig(2, 8, 0, 4, pdl=True)
-    xpf = CudaConfig(2, 4, 0, 4, NB=3, pdl=True, xpf=True)
-    assert xpf.name == "cuda-ws-rt2-w4-nb3-sk0-wv4-xpf-pdl" and CudaConfig.from_name(xpf.name) == xpf
-    assert CudaConfig.from_name("cuda-ws-rt1-w8-nb4-sk0-xpf") == CudaConfig(1, 8, 0, NB=4, xpf=True)
-    with pytest.raises(ValueError, match="not a CudaConfig name"):
-        CudaConfig.from_name("cuda-rt2-w8-sk0-xpf")  # x prefetch is the warp-split kernel's
     w4, w8 = random_weight("w4a16-g128", 33, 256, "cpu"), random_weight("w8a16", 33, 256, "cpu")
     assert wc.why_not(w4, torch.bfloat16, 8, cfg) is None
     assert wc.why_not(w4, torch.bfloat16, 16, cfg) is None  # two activation tiles
@@ -333,7 +327,6 @@ def test_warp_split_names_conditions_and_plan():
     assert wc.why_not(w4, torch.bfloat16, 17) is None  # the x-staging kernel still takes M 17
     assert "4-bit only" in wc.why_not(w8, torch.bfloat16, 1, cfg)
     assert "no warp-split instance" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(2, 8, 0, NB=6))
-    assert "warp-split option" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(2, 8, 0, xpf=True))
     d = Dispatch([Cell("w4a16", 1, 16, "cuda", cfg), Cell("w4a16", 1, 16, "triton", GemmConfig())], "test")
     assert d.choose("w4a16", 9, w4, torch.bfloat16).path == ("cuda" if wc.nvcc_missing() is None else "triton")
     d6 = Dispatch([Cell("w4a16", 1, 16, "cuda", CudaConfig(1, 8, 0, NB=6)), Cell("w4a16", 1, 16, "triton", GemmConfig())],
@@ -418,8 +411,7 @@ def test_table_builder_shape_cells_and_dispatch_by_shape(tmp_path):
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("cfg", [CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 4, NB=4, pdl=True),
-                                 CudaConfig(2, 4, 0, NB=3, pdl=True, xpf=True), CudaConfig(2, 8, 0, pdl=True),
-                                 CudaConfig(2, 4, 3, pdl=True)])
+                                 CudaConfig(2, 8, 0, pdl=True), CudaConfig(2, 4, 3, pdl=True)])
 def test_gpu_pdl_chain_in_a_graph_reads_the_previous_output(cfg):
     """Programmatic dependent launches chained through their data (each linear's input is the previous one's output,
     split-K workspaces and counters in between), captured in one graph: the same as the twin's chain, every replay."""

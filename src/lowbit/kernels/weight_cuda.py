@@ -70,7 +70,6 @@ class CudaConfig:
     waves: int = 2
     NB: int = 0
     pdl: bool = False  # launched as a programmatic dependent: prologue overlaps the previous kernel's tail
-    xpf: bool = False  # warp-split: each chunk's x lines prefetched into L1 when its weights are issued
 
     @classmethod
     def from_name(cls, name: str) -> CudaConfig:
@@ -78,19 +77,17 @@ class CudaConfig:
 
         pdl = name.endswith("-pdl")
         base = name[:-4] if pdl else name
-        xpf = base.endswith("-xpf")
-        base = base[:-4] if xpf else base
         m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)(?:-wv(\d+))?", base)
-        if m is not None and not xpf:
+        if m is not None:
             return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2), pdl=pdl)
         m = re.fullmatch(r"cuda-ws-rt(\d+)-w(\d+)-nb(\d+)-sk(\d+)(?:-wv(\d+))?", base)
         if m is None:
             raise ValueError(f"not a CudaConfig name: {name!r}")
-        return cls(int(m[1]), int(m[2]), int(m[4]), int(m[5] or 2), int(m[3]), pdl, xpf)
+        return cls(int(m[1]), int(m[2]), int(m[4]), int(m[5] or 2), int(m[3]), pdl)
 
     @property
     def name(self) -> str:
-        wv = ("" if self.waves == 2 else f"-wv{self.waves}") + ("-xpf" if self.xpf else "") + ("-pdl" if self.pdl else "")
+        wv = ("" if self.waves == 2 else f"-wv{self.waves}") + ("-pdl" if self.pdl else "")
         if self.NB:
             return f"cuda-ws-rt{self.RT}-w{self.warps}-nb{self.NB}-sk{self.SPLITK}{wv}"
         return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}{wv}"
@@ -183,7 +180,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I,
                                       ctypes.c_ulonglong]
     lib.lowbit_wq_small_m.restype = I
-    lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I,
+    lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I,
                                          ctypes.c_ulonglong, ctypes.POINTER(I)]
     lib.lowbit_wq_warp_split.restype = I
     lib.lowbit_wq_warp_split_smem.argtypes = [I, I, I]
@@ -234,8 +231,6 @@ WARP_SPLIT_SHAPES_MT2 = {(1, 3), (1, 4), (2, 3)}  # and for 9 <= M <= 16 (two ac
 def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: CudaConfig | None = None) -> str | None:
     """None when the kernel (config's: the warp-split one if config.NB) runs this weight (and input dtype / M),
     else why not (the dispatch falls through)."""
-    if config is not None and config.xpf and not config.NB:
-        return f"{config.name}: x prefetch (xpf) is a warp-split option (NB > 0)"
     if config is not None and config.NB:
         if pw.bits != 4:
             return f"the warp-split CUDA kernel is 4-bit only, not {pw.kind}"
@@ -321,7 +316,7 @@ def warp_split_occupancy(pw, M: int, cfg: CudaConfig, device) -> int:
     out = ctypes.c_int(0)
     rc = lib.lowbit_wq_warp_split(None, 0, None, None, 0, None if pw.zero is None else 1, None, 0, None, 0, 0, None,
                                   None, M, pw.N, pw.K, pw.group, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split,
-                                  pl.splitk, int(cfg.pdl), int(cfg.xpf), 0, ctypes.byref(out))
+                                  pl.splitk, int(cfg.pdl), 0, ctypes.byref(out))
     if rc != 0:
         raise LowbitError(f"occupancy query for {cfg.name} failed: {lib.lowbit_cuda_error_string(rc).decode()}")
     return out.value
@@ -367,7 +362,7 @@ def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: tor
             None if ws is None else ws.data_ptr(), None if cnt is None else cnt.data_ptr(), M, pw.N, K, pw.group)
     if cfg.NB:
         rc = lib.lowbit_wq_warp_split(*args, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split, pl.splitk,
-                                      int(cfg.pdl), int(cfg.xpf), stream, None)
+                                      int(cfg.pdl), stream, None)
     else:
         rc = lib.lowbit_wq_small_m(*args, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.xs_chunks,
                                    pl.splitk, int(cfg.pdl), stream)

@@ -55,7 +55,6 @@ struct Params {
   int splitk;              // gridDim.y
   int scale_kind, bias_kind, out_kind;
   int pdl;                 // launched as a programmatic dependent (cudaLaunchKernelEx; sm_90+)
-  int x_prefetch;          // warp-split: x's lines of a chunk prefetched into L1 when its weights are issued
 };
 
 // Programmatic dependent launch: let the next PDL-launched kernel be scheduled once every block of this one runs,
@@ -73,8 +72,6 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
-// Only after pdl_wait: L1 is not coherent with the previous kernel's writes.
-__device__ __forceinline__ void prefetch_l1(const void* ptr) { asm volatile("prefetch.global.L1 [%0];" ::"l"(ptr)); }
 
 // Dynamic shared memory a kernel may take without opting in: 48 KB less its static shared memory (both kernels
 // declare a 4-byte `last_block`), so a plan of exactly 48 KB needs the attribute too (without it: "invalid argument").
@@ -476,12 +473,6 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
         if constexpr (ZP) bz[b][rt][h] = (int)__ldg(p.zero + gi);
         else bz[b][rt][h] = 0;
       }
-    // x of chunk i into L1 now, NB - 1 chunks before `compute` loads it into registers (no registers held): at
-    // M = 16 the kernel stalled on those loads, issued at the top of each chunk (ncu, NOTES round 14).
-    if (p.x_prefetch)
-#pragma unroll
-      for (int t = 0; t < MT; ++t)
-        if (has_x[t]) prefetch_l1(xp[t] + (long long)i * nw * (CK / 8));
   };
 
   float acc[RT][MT][4];
@@ -687,7 +678,7 @@ static int mt_for(int M) { return M <= 8 ? 1 : (M <= 16 ? 2 : (M <= 32 ? 4 : 8))
 static Params make_params(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
                           const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
                           float* ws, unsigned* counters, int M, int N, int K, int group, int chunks_per_split,
-                          int xs_chunks, int splitk, int pdl, int x_prefetch) {
+                          int xs_chunks, int splitk, int pdl) {
   Params p = {};
   p.x = reinterpret_cast<const __nv_bfloat16*>(x);
   p.ldx = ldx;
@@ -707,7 +698,6 @@ static Params make_params(const void* x, long long ldx, const void* qw, const vo
   p.xs_chunks = xs_chunks;
   p.splitk = splitk;
   p.scale_kind = scale_kind;
-  p.x_prefetch = x_prefetch;
   p.bias_kind = bias_kind;
   p.out_kind = out_kind;
   p.pdl = pdl;
@@ -731,7 +721,7 @@ int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* 
   if (xs_chunks < 1) return -5;
   if (warps != 2 && warps != 4 && warps != 8) return -4;
   const Params p = make_params(x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters, M, N,
-                               K, group, chunks_per_split, xs_chunks, splitk, pdl, 0);
+                               K, group, chunks_per_split, xs_chunks, splitk, pdl);
   const int smem = lowbit_wq_small_m_smem(bits, M, lw, xs_chunks);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const int mt = mt_for(M);
@@ -759,12 +749,12 @@ int lowbit_wq_warp_split_smem(int rt, int warps, int M) { return warp_split_smem
 int lowbit_wq_warp_split(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
                          const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
                          float* ws, unsigned* counters, int M, int N, int K, int group, int lw, int rt, int nb,
-                         int warps, int chunks_per_split, int splitk, int pdl, int x_prefetch,
-                         unsigned long long stream, int* occupancy) {
+                         int warps, int chunks_per_split, int splitk, int pdl, unsigned long long stream,
+                         int* occupancy) {
   if (M < 1 || M > 16) return -1;
   if (warps != 4 && warps != 8 && warps != 16) return -4;
   const Params p = make_params(x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters, M, N,
-                               K, group, chunks_per_split, 0, splitk, pdl, x_prefetch);
+                               K, group, chunks_per_split, 0, splitk, pdl);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool zp = zero != nullptr;
 #define LOWBIT_WS(LW_) return zp ? warp_split_by_rt_nb<LW_, true>(p, rt, nb, warps, s, occupancy) : warp_split_by_rt_nb<LW_, false>(p, rt, nb, warps, s, occupancy);
