@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --a8 | --a8-split
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --a8 | --a8-split | --a8-retime
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
@@ -15,7 +15,8 @@ kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (t
 --cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
 
 --a8: A8 weights (w8a8, w4a8-g128) at the table's representative M: the tabled int8 cell beside "a16-xq" (the
-activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K.
+activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K. --a8-retime: W8A8 re-timed at every
+table M after its weight tile went straight into the dot (s18), with larger tiles at M >= 256.
 
 --swap: A16 with the operands swapped (the weight tile as the dot's first operand) at M 4-1024. (A --swap-split run,
 W4A16 swapped with the split unpack, measured 0.06-0.62x: results/weights/gemm_explore_swap_split_*; that variant was
@@ -323,6 +324,27 @@ def explore_a8_split(rows, log):
             rows.append(explore_cell("w8a8", shape, K, N, M, cfgs, "a8-split", log, t0))
 
 
+def explore_a8_retime(rows, log):
+    """--a8-retime: W8A8's int8 kernel after its weight tile went straight into the dot (s18; before, it went through
+    int32 registers and was stored back for the dot): every M the table's W8A8 buckets are built from, with the tiles
+    and splits a8-split explored at M <= 256 and, at M >= 256, the 128-row tiles with deeper pipelines, 256-wide tiles
+    and BK 256, activation quantization as its own launch (the fused form was 4-5x slower), on the 8B and fused
+    shapes."""
+    t0 = time.time()
+    tiles = {16: ((16, 64, 4), (32, 64, 4)), 32: ((32, 64, 4), (32, 128, 4)), 64: ((64, 64, 4), (64, 128, 4)),
+             256: ((64, 128, 4), (128, 128, 8))}
+    big = ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 256, 128, 8, 4),
+           (256, 128, 128, 8, 3), (256, 128, 128, 8, 4), (128, 128, 256, 8, 3), (64, 128, 128, 4, 4))
+    for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
+        for M in (16, 32, 64, 256, 1024, 4096):
+            cfgs = [GemmConfig(BM=bm, BN=bn, BK=128, SPLIT_K=sk, num_warps=nw, num_stages=3, fused_aq=False)
+                    for bm, bn, nw in tiles.get(M, ()) for sk in (1, 2, 4, 8)]
+            if M >= 256:
+                cfgs += [c for c in (GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=st, fused_aq=False)
+                                     for bm, bn, bk, nw, st in big) if c not in cfgs]
+            rows.append(explore_cell("w8a8", shape, K, N, M, cfgs, "a8-retime", log, t0))
+
+
 def swap_configs(M: int, w4: bool):
     """Swapped-operand A16 tiles (the weight rows as the dot's M side: 64 per 4-warp warpgroup) for M; BM is the
     activation rows, the smallest of 16, 32, 64, 128 that holds M (128 above)."""
@@ -454,6 +476,8 @@ if __name__ == "__main__":
             explore_a8(res["explore"], print)
         if "--a8-split" in sys.argv:
             explore_a8_split(res["explore"], print)
+        if "--a8-retime" in sys.argv:
+            explore_a8_retime(res["explore"], print)
         def save():
             with open(out, "w") as f:
                 json.dump(res, f, indent=1)
@@ -461,7 +485,8 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split", "--swap")
+        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
+                "--a8-retime", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

@@ -351,7 +351,7 @@ if triton is not None:
         for it in range(K_ITERS):  # = K // SPLIT_K // BK
             kk = k0 + it * BK
             rk = kk + tl.arange(0, BK)
-            if not (UNPACK >= 2 and not A8):
+            if not (UNPACK >= 2 and not A8) and not (A8 and BITS == 8):
                 wi = _load_wtile(w_ptr, rn, kk, N, K, BITS, UNPACK, BN, BK)  # int32 [BN, BK]
             if A8:
                 if FUSED_AQ:
@@ -359,7 +359,12 @@ if triton is not None:
                     aq = _act_codes(a, sx[:, None], ADT)
                 else:
                     aq = tl.load(x_ptr + rm[:, None] * stride_xm + rk[None, :], mask=mmask, other=0)
-                wq = (wi - half).to(tl.int8)
+                if BITS == 8:
+                    # int8 codes loaded straight into the dot, so the pipeliner can stage them asynchronously in
+                    # shared memory (through int32 registers they were loaded synchronously, then stored back)
+                    wq = tl.load(w_ptr + rn[:, None] * K + rk[None, :], mask=rn[:, None] < N, other=0)
+                else:
+                    wq = (wi - half).to(tl.int8)
                 part = tl.dot(aq, tl.trans(wq), out_dtype=tl.int32)  # [BM, BN]
                 if PER_CHANNEL:
                     acc_i += part
