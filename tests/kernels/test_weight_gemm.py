@@ -67,6 +67,9 @@ CASES = [  # (scheme, M, N, K, config)
     ("w4a16-g64-asym", 3, 33, 256, GemmConfig(BM=16, BN=16, BK=64, SPLIT_K=2, swap=True)),
     ("w8a16", 17, 33, 192, GemmConfig(BM=16, BN=16, BK=64, swap=True)),
     ("w8a16", 3, 40, 128, GemmConfig(BM=32, BN=16, BK=32, SPLIT_K=2, swap=True)),
+    # W8A8 through TMA descriptors: rows and columns past the tensor's end read as 0 (M 17 over 16-row tiles, N 33)
+    ("w8a8", 17, 33, 128, GemmConfig(BM=16, BN=16, BK=32, fused_aq=False, tma=True)),
+    ("w8a8", 3, 40, 96, GemmConfig(BM=16, BN=32, BK=32, fused_aq=False, tma=True, GROUP_M=2)),
 ]
 
 
@@ -90,6 +93,23 @@ def test_swap_refuses_what_it_has_no_kernel_for():
         wg.linear(x, random_weight("w4a16-g128", 33, 256, "cpu"), GemmConfig(BM=16, BN=16, BK=128, unpack="split", swap=True))
     with pytest.raises(ValueError, match="A16 only"):
         wg.linear(x, random_weight("w8a8", 33, 256, "cpu"), GemmConfig(BM=16, BN=16, BK=64, swap=True))
+
+
+@interp
+def test_tma_config_names_and_refusals():
+    cfg = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, fused_aq=False, tma=True)
+    assert cfg.name == "bm128-bn128-bk128-sk1-w8-s3-aq2-tma" and GemmConfig.from_name(cfg.name) == cfg
+    x = torch.randn(3, 128).bfloat16()
+    with pytest.raises(ValueError, match="W8A8 per-channel symmetric weights only"):
+        wg.linear(x, random_weight("w8a16", 33, 128, "cpu"), GemmConfig(BM=16, BN=16, BK=32, fused_aq=False, tma=True))
+    with pytest.raises(ValueError, match="no split-K"):
+        wg.linear(x, random_weight("w8a8", 33, 128, "cpu"), GemmConfig(BM=16, BN=16, BK=32, tma=True))
+    # a tabled TMA cell is passed over for a weight it cannot take, to the next cell that covers M
+    w8a16 = random_weight("w8a16", 33, 128, "cpu")
+    d = Dispatch([Cell("w8a16", 1, 16, "triton", cfg), Cell("w8a16", 1, 16, "triton", GemmConfig())], "test")
+    assert d.choose("w8a16", 3, w8a16, torch.bfloat16).config == GemmConfig()
+    a8 = Dispatch([Cell("w8a8", 1, 16, "triton", cfg)], "test")
+    assert a8.choose("w8a8", 3, random_weight("w8a8", 33, 128, "cpu"), torch.bfloat16).config == cfg
 
 
 @interp
@@ -203,6 +223,21 @@ def test_gpu_cells_match_twin(scheme):
     rows, _ = audit_weights("cuda", schemes=(scheme,), shapes=[("odd", 4096, 1001), ("llama down", 14336, 4096)],
                             ms=(1, 3, 17, 99, 999))
     assert rows and all(r.ok for r in rows), [r for r in rows if not r.ok]
+
+
+@gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 3, 17, 99, 999])
+def test_gpu_w8a8_tma_configs_match_twin(M):
+    pw = random_weight("w8a8", 1001, 4096, "cuda", seed=M)
+    pw.bias = torch.randn(1001, device="cuda").bfloat16() if M == 17 else None
+    x = torch.randn(M, 4096, device="cuda").bfloat16()
+    ref = wg.linear_twin(x, pw, out_dtype=torch.float32)
+    for cfg in (GemmConfig(BM=128, BN=128, BK=128, num_warps=8, fused_aq=False, tma=True),
+                GemmConfig(BM=128, BN=256, BK=128, num_warps=8, num_stages=4, fused_aq=False, tma=True),
+                GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, fused_aq=False, tma=True)):
+        y = wg.linear(x, pw, cfg, out_dtype=torch.float32)
+        assert torch.isfinite(y).all() and rel(y, ref) < 1e-3, (cfg.name, rel(y, ref))
 
 
 @gpu

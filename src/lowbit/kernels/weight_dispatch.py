@@ -178,6 +178,10 @@ def takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
     """Whether the cell's path runs this weight: only the CUDA kernel has conditions beyond (kind, M)."""
     if cell.path == "a16-xq":
         return takes(cell.config.cell(pw.bits), as_a16(pw), torch.bfloat16, M)
+    if cell.path == "triton" and getattr(cell.config, "tma", False):
+        from lowbit.kernels.weight_gemm import tma_why_not
+
+        return tma_why_not(pw, cell.config) is None
     if cell.path != "cuda":
         return True
     from lowbit.kernels import weight_cuda
