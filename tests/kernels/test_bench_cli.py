@@ -128,3 +128,17 @@ def test_bad_arguments_are_one_line_errors(tmp_path, monkeypatch, capsys, fake_g
     assert main(["bench", "decode-attention", flag, value]) == 2
     assert match in _one_line_error(capsys)
     assert fake_gpu == [] and not (tmp_path / "lowbit-results").exists()
+
+
+def test_bits_specs_scale_only_rows_and_bytes():
+    assert cmd._bit_specs("2,2so,4so,8") == ((2, 2), (2, 2, "so"), (4, 4, "so"), (8, 8))
+    for bad in ("8so", "3", "2,x", " , "):
+        with pytest.raises(LowbitError, match="--bits"):
+            cmd._bit_specs(bad)
+    assert [kbench.bits_tag(s) for s in cmd._bit_specs("2,2so")] == ["k2v2", "k2v2so"]
+    # scale-only groups hold one fp16 per group (no zero): smollm2's D 64 int2 is 16 + 2 bytes a tensor per token
+    assert kbench.packed_bytes(1, 3, 10, 64, 2, 64, scale_only=True) == 2 * 3 * 10 * (16 + 2)
+    assert kbench.packed_bytes(1, 3, 10, 64, 2, 64) == 2 * 3 * 10 * (16 + 4)
+    row = {"geometry": "g", "B": 1, "L": 8, "sdpa_ms": 1.0, "sdpa_tbs": 1.0,
+           "k2v2so_ms": 0.5, "k2v2so_ratio": 2.0, "k2v2so_tbs": 0.1}
+    assert "k2v2so 0.500 ms x2.00" in kbench.format_row(row, cmd._bit_specs("2,2so"))

@@ -325,6 +325,18 @@ def _check_a8_codes(M, K, dtype, device, cfgs, w4_group=16):
 
 
 @interp
+@pytest.mark.parametrize("K", [112, 4096, 16400])
+def test_row_quantizer_one_pass_and_two_pass_rows(K):
+    """quantize_rows reads a row of <= 16384 once (registers) and a longer one twice: both are the one quantizer."""
+    from lowbit.weights.act_quant import quantize_activations_per_token
+
+    x = _a8_rows(3, K, torch.bfloat16, seed=K)
+    q, s = quantize_activations_per_token(x)
+    qk, sk = wg.quantize_rows(x)
+    assert torch.equal(qk, q) and torch.equal(sk, s[:, 0])
+
+
+@interp
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=lambda d: str(d)[6:])
 @pytest.mark.parametrize("M", [1, 3, 17])
 def test_a8_activation_codes_and_scales_are_the_one_quantizers(M, dtype):

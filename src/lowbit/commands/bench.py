@@ -19,6 +19,20 @@ HELP = ("GPU benchmarks: `bench decode-attention` (the kernel vs bf16 SDPA flash
         "decode steps vs transformers eager and compiled bf16); `bench images`: the DiT capacity matrix (CPU or GPU)")
 
 
+def _bit_specs(s: str) -> tuple[tuple, ...]:
+    """--bits "2,2so,4" -> ((2, 2), (2, 2, "so"), (4, 4)), or a one-line error."""
+    out = []
+    for tok in (t.strip() for t in s.split(",") if t.strip()):
+        so = tok.endswith("so")
+        b = tok[:-2] if so else tok
+        if b not in (("2", "4") if so else ("2", "4", "8")):
+            raise LowbitError(f"--bits takes 2, 4, 8 and 2so, 4so (scale-only groups), got {tok!r}")
+        out.append((int(b), int(b), "so") if so else (int(b), int(b)))
+    if not out:
+        raise LowbitError("--bits is empty; e.g. --bits 2,4,8 or --bits 2,2so")
+    return tuple(out)
+
+
 def _ints(s: str) -> tuple[int, ...]:
     """'1,16,4k' -> (1, 16, 4096)."""
     out = []
@@ -78,7 +92,8 @@ def add_arguments(parser) -> None:
                              "Hq 4 / Hkv 1 / D 256), or the geometry kernel's deepseek-v3-latent, "
                              "deepseek-v3-latent-tp8, kimi-k192v128, gemma4-full512; decode: one random-weight model "
                              "geometry (default llama3-8b)")
-    parser.add_argument("--bits", default="2,4,8", help="K=V bit widths to time (default 2,4,8)")
+    parser.add_argument("--bits", default="2,4,8", help="decode-attention: K=V bit widths to time (default 2,4,8); "
+                        "2so / 4so: scale-only groups (no zero stored: the shipped @2.5 recipes' format)")
     parser.add_argument("--mem-cap-gb", type=float, default=60.0, help="skip shapes whose bf16 KV exceeds this")
     parser.add_argument("--out", metavar="JSON",
                         help="write results to this new file "
@@ -173,7 +188,7 @@ def run(args) -> int:
     bad = [g for g in geos if g not in bench.GEOMETRIES and g not in geo_bench.GEOMETRIES]
     if bad:
         raise LowbitError(f"unknown geometry {bad}; use {sorted(bench.GEOMETRIES) + sorted(geo_bench.GEOMETRIES)}")
-    bits = tuple((b, b) for b in _ints(args.bits))
+    bits = _bit_specs(args.bits)
     path = resolve_out(args.out, args.what, torch.cuda.get_device_name(0))
     classic = tuple(g for g in geos if g in bench.GEOMETRIES)
     new = tuple(g for g in geos if g in geo_bench.GEOMETRIES)  # issue-19 geometries: the geometry kernel
@@ -181,7 +196,7 @@ def run(args) -> int:
     if classic:
         res = bench.run(_ints(args.batch), _ints(args.length), classic, bits, mem_cap_gb=args.mem_cap_gb)
     if new:
-        geo_bits = tuple(b for b, _ in bits if b in (2, 4, 8))
+        geo_bits = tuple(b[0] for b in bits if len(b) == 2 and b[0] in (2, 4, 8))
         more = geo_bench.run(_ints(args.batch), _ints(args.length), new, geo_bits, mem_cap_gb=args.mem_cap_gb)
         res = {"env": res["env"] or more["env"], "rows": res["rows"] + more["rows"]}
     write_new(path, res)

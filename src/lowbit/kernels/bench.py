@@ -20,14 +20,22 @@ L2_BYTES = 60 * 2**20
 GEOMETRIES = {
     # name: (Hq, Hkv, D, group)
     "llama3-8b": (32, 8, 128, 128),
-    "gemma3-1b": (4, 1, 256, 128),
+    "gemma3-1b": (4, 1, 256, 128),  # also gemma3-270m's attention geometry
+    "smollm2-135m": (9, 3, 64, 64),
+    "qwen2.5-coder-0.5b": (14, 2, 64, 64),
 }
 
 
-def packed_bytes(B, Hkv, L, D, bits, group) -> int:
-    """Bytes the kernel must read for K + V: codes plus fp16 scale and zero per group."""
-    per_tensor = D * bits // 8 + 4 * (D // group)
+def packed_bytes(B, Hkv, L, D, bits, group, scale_only: bool = False) -> int:
+    """Bytes the kernel must read for K + V: codes plus fp16 scale and zero per group (scale-only groups: the
+    scale alone)."""
+    per_tensor = D * bits // 8 + (2 if scale_only else 4) * (D // group)
     return 2 * B * Hkv * L * per_tensor
+
+
+def bits_tag(spec: tuple) -> str:
+    """(kbits, vbits) -> "k2v2"; (kbits, vbits, "so") -> "k2v2so" (scale-only groups, the shipped @2.5 recipes')."""
+    return f"k{spec[0]}v{spec[1]}" + ("so" if len(spec) > 2 and spec[2] == "so" else "")
 
 
 def dense_bytes(B, Hkv, L, D) -> int:
@@ -109,8 +117,9 @@ def sdpa_case(B, Hq, Hkv, D, L, nbuf, seed=0):
     return [mk(k, v) for k, v in sets], sets
 
 
-def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0):
-    """Callables running the fused kernel over nbuf packed KV sets (random codes and scales)."""
+def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0, scale_only: bool = False):
+    """Callables running the fused kernel over nbuf packed KV sets (random codes and scales; scale_only: no zero
+    stored, the kernel takes the centre code, as lowbit.kv.codec writes zero "none" groups)."""
     from lowbit.kernels.decode_attention import decode_attention
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -124,13 +133,14 @@ def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0):
             t[n + "c"] = torch.randint(0, 256, (B, Hkv, L, D * bits // 8), device="cuda", dtype=torch.uint8,
                                        generator=g)
             t[n + "s"] = (torch.rand(B, Hkv, L, ng, device="cuda", generator=g) * 0.1 + 0.01).half()
-            t[n + "z"] = (-torch.rand(B, Hkv, L, ng, device="cuda", generator=g)).half()
+            t[n + "z"] = None if scale_only else (-torch.rand(B, Hkv, L, ng, device="cuda", generator=g)).half()
         sets.append(t)
+    centre = dict(k_centre=((1 << kbits) - 1) / 2, v_centre=((1 << vbits) - 1) / 2) if scale_only else {}
 
     def mk(t):
         def f():  # the set keeps what its last call launched (t["launch"]: decode_attention.Launch)
             o, t["launch"] = decode_attention(q, t["kc"], t["ks"], t["kz"], t["vc"], t["vs"], t["vz"], k_bits=kbits,
-                                              v_bits=vbits, config=cfg, out=out, return_launch=True)
+                                              v_bits=vbits, config=cfg, out=out, return_launch=True, **centre)
             return o
         return f
 
@@ -158,8 +168,9 @@ def env_info() -> dict:
 def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-8b", "gemma3-1b"),
         bits=((2, 2), (4, 4), (8, 8)), configs=None, mem_cap_gb: float = 60.0, event_timing: bool = False,
         log=print) -> dict:
-    """The decode-attention table. configs: {(geometry, B, L, kbits): KernelConfig} (default: the
-    kernel's own choice). Returns a JSON-able dict with env, rows and the ratios."""
+    """The decode-attention table. bits: (kbits, vbits) or (kbits, vbits, "so") for scale-only groups (tag
+    "k2v2so"). configs: {(geometry, B, L, kbits): KernelConfig} (default: the kernel's own choice). Returns a
+    JSON-able dict with env, rows and the ratios."""
     from lowbit.kernels.decode_attention import KernelConfig
 
     configs = configs or {}
@@ -180,13 +191,14 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
                 if event_timing:
                     row["sdpa_event_ms"] = event_time_ms(fns)
                 del fns, keep
-                for kb, vb in bits:
-                    pb = packed_bytes(B, Hkv, L, D, kb, group)
+                for spec in bits:
+                    kb, vb, so = spec[0], spec[1], bits_tag(spec).endswith("so")
+                    pb = packed_bytes(B, Hkv, L, D, kb, group, so)
                     nbk = n_buffers(pb, mem_cap_gb * 1e9)
                     cfg = configs.get((geo, B, L, kb)) or KernelConfig()
-                    fns, keep = kernel_case(B, Hq, Hkv, D, L, kb, vb, group, nbk, cfg)
+                    fns, keep = kernel_case(B, Hq, Hkv, D, L, kb, vb, group, nbk, cfg, scale_only=so)
                     t = graph_time_ms(fns)
-                    tag = f"k{kb}v{vb}"
+                    tag = bits_tag(spec)
                     row[f"{tag}_ms"] = t
                     row[f"{tag}_ratio"] = t_ref / t
                     row[f"{tag}_tbs"] = pb / t / 1e9
@@ -205,8 +217,8 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
 
 def format_row(r: dict, bits=((2, 2), (4, 4), (8, 8))) -> str:
     s = f"{r['geometry']:<10} B{r['B']:<3} L{r['L']:<7} sdpa {r['sdpa_ms']:.3f} ms ({r['sdpa_tbs']:.2f} TB/s)"
-    for kb, vb in bits:
-        tag = f"k{kb}v{vb}"
+    for spec in bits:
+        tag = bits_tag(spec)
         if f"{tag}_ms" in r:
             s += f" | {tag} {r[f'{tag}_ms']:.3f} ms x{r[f'{tag}_ratio']:.2f} {r[f'{tag}_tbs']:.2f} TB/s"
     return s
