@@ -593,24 +593,26 @@ if triton is not None:
         is read once and kept in registers; a longer one is read twice (amax, then codes)."""
         row = tl.program_id(0)
         if BK >= K:
-            rk = tl.arange(0, BK)
-            a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
-            s = _act_scale(tl.max(tl.abs(a.to(tl.float32)), axis=0), ADT, A_EPS)
-            tl.store(q_ptr + row * K + rk, _act_codes(a, s, ADT).to(tl.float32).to(q_ptr.dtype.element_ty), mask=rk < K)
+            rk1 = tl.arange(0, BK)
+            x1 = tl.load(x_ptr + row * stride_xm + rk1, mask=rk1 < K, other=0.0)
+            s1 = _act_scale(tl.max(tl.abs(x1.to(tl.float32)), axis=0), ADT, A_EPS)
+            tl.store(q_ptr + row * K + rk1, _act_codes(x1, s1, ADT).to(tl.float32).to(q_ptr.dtype.element_ty),
+                     mask=rk1 < K)
+            tl.store(s_ptr + row, s1)
+        else:
+            amax = tl.zeros([BK], dtype=tl.float32)
+            for it in range(tl.cdiv(K, BK)):
+                rk = it * BK + tl.arange(0, BK)
+                a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(a))
+            s = _act_scale(tl.max(amax, axis=0), ADT, A_EPS)
+            for it in range(tl.cdiv(K, BK)):
+                rk = it * BK + tl.arange(0, BK)
+                xb = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
+                # through float32: Triton's interpreter casts int8 straight to bf16 as garbage
+                tl.store(q_ptr + row * K + rk, _act_codes(xb, s, ADT).to(tl.float32).to(q_ptr.dtype.element_ty),
+                         mask=rk < K)
             tl.store(s_ptr + row, s)
-            return
-        amax = tl.zeros([BK], dtype=tl.float32)
-        for it in range(tl.cdiv(K, BK)):
-            rk = it * BK + tl.arange(0, BK)
-            a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(a))
-        s = _act_scale(tl.max(amax, axis=0), ADT, A_EPS)
-        for it in range(tl.cdiv(K, BK)):
-            rk = it * BK + tl.arange(0, BK)
-            a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
-            # through float32: Triton's interpreter casts int8 straight to bf16 as garbage
-            tl.store(q_ptr + row * K + rk, _act_codes(a, s, ADT).to(tl.float32).to(q_ptr.dtype.element_ty), mask=rk < K)
-        tl.store(s_ptr + row, s)
 
     @triton.jit
     def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, BITS: tl.constexpr, HAS_ZP: tl.constexpr,
