@@ -1,8 +1,6 @@
 #!/usr/bin/env bash
 # One device call (issue 17, H200, ~3 min): the A8 GPU tests, then `lowbit bench gemm` (run as call 6 with one-pass rows up to
 # K 16384, and as call 7 with one-pass rows up to K 8192; call 5 had refused the early `return` of the first version).
-# one-pass branch ended in an early `return`, which Triton's compiler refused; now if / else): the A8 GPU tests, then
-# `lowbit bench gemm`.
 # Usage: scripts/gpu_s18_call6.sh "$OUT"      (carry .gpu/cuda)
 set -u
 OUT=${1:-${OUT:-/tmp/out}}; mkdir -p "$OUT"
