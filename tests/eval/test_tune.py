@@ -153,11 +153,13 @@ def test_the_shipped_index_matches_its_files():
         assert hashlib.sha256(p.read_bytes()).hexdigest() == e["sha256"], name
         s = load_recipe(name)
         assert s.quantized
-        if isinstance(s.rotation, RotationRef):  # a shipped key affine: inside the package, pinned
-            f = Path(s.rotation.path) / "key_affine.safetensors"
+        if isinstance(s.rotation, RotationRef):  # a shipped key affine or rotation set: inside the package, pinned
+            d = Path(s.rotation.path)
+            f = d / ("key_affine.safetensors" if (d / "key_affine.safetensors").is_file() else "rotations.safetensors")
             assert f.is_file() and lowbit.recipes.RECIPES_DIR in f.parents, name
             assert hashlib.sha256(f.read_bytes()).hexdigest() == s.rotation.sha256, name
     assert "qwen2.5-coder-1.5b@2.5" in idx
+    assert (lowbit.recipes.RECIPES_DIR / "rotations" / "smollm2-135m_per-head" / "rotations.safetensors").is_file()
 
 
 def test_tune_measures_a_key_affine_candidate_with_its_maps_and_pins_it(tiny_dir, corpus, tmp_path, capsys):
