@@ -142,3 +142,11 @@ def test_bits_specs_scale_only_rows_and_bytes():
     row = {"geometry": "g", "B": 1, "L": 8, "sdpa_ms": 1.0, "sdpa_tbs": 1.0,
            "k2v2so_ms": 0.5, "k2v2so_ratio": 2.0, "k2v2so_tbs": 0.1}
     assert "k2v2so 0.500 ms x2.00" in kbench.format_row(row, cmd._bit_specs("2,2so"))
+
+
+def test_scale_only_rows_on_geometry_kernel_geometries_are_refused_before_any_timing(tmp_path, monkeypatch, capsys,
+                                                                                      fake_gpu):
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "decode-attention", "--geometry", "llama3-8b,kimi-k192v128", "--bits", "2,2so"]) == 2
+    assert "scale-only" in _one_line_error(capsys)
+    assert fake_gpu == [] and not (tmp_path / "lowbit-results").exists()

@@ -326,8 +326,9 @@ def _check_a8_codes(M, K, dtype, device, cfgs, w4_group=16):
 
 @interp
 @pytest.mark.parametrize("K", [112, 4096, 8208])
-def test_row_quantizer_one_pass_and_two_pass_rows(K):
-    """quantize_rows reads a row of <= 8192 once (registers) and a longer one twice: both are the one quantizer."""
+def test_row_quantizer_rows_of_one_and_many_tiles(K):
+    """quantize_rows over a row shorter than its 1024-wide tile, a few tiles, and a ragged last tile: the one
+    quantizer's codes and scales."""
     from lowbit.weights.act_quant import quantize_activations_per_token
 
     x = _a8_rows(3, K, torch.bfloat16, seed=K)

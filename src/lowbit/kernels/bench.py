@@ -192,7 +192,7 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
                     row["sdpa_event_ms"] = event_time_ms(fns)
                 del fns, keep
                 for spec in bits:
-                    kb, vb, so = spec[0], spec[1], bits_tag(spec).endswith("so")
+                    kb, vb, so = spec[0], spec[1], spec[2:] == ("so",)
                     pb = packed_bytes(B, Hkv, L, D, kb, group, so)
                     nbk = n_buffers(pb, mem_cap_gb * 1e9)
                     cfg = configs.get((geo, B, L, kb)) or KernelConfig()

@@ -589,30 +589,20 @@ if triton is not None:
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, stride_xm, BK: tl.constexpr, ADT: tl.constexpr,
                            A_EPS: tl.constexpr):
-        """One row per program: the one quantizer's s and q (module docstring). A row that fits one tile (BK >= K)
-        is read once and kept in registers; a longer one is read twice (amax, then codes)."""
+        """One row per program: the one quantizer's s and q (module docstring)."""
         row = tl.program_id(0)
-        if BK >= K:
-            rk1 = tl.arange(0, BK)
-            x1 = tl.load(x_ptr + row * stride_xm + rk1, mask=rk1 < K, other=0.0)
-            s1 = _act_scale(tl.max(tl.abs(x1.to(tl.float32)), axis=0), ADT, A_EPS)
-            tl.store(q_ptr + row * K + rk1, _act_codes(x1, s1, ADT).to(tl.float32).to(q_ptr.dtype.element_ty),
-                     mask=rk1 < K)
-            tl.store(s_ptr + row, s1)
-        else:
-            amax = tl.zeros([BK], dtype=tl.float32)
-            for it in range(tl.cdiv(K, BK)):
-                rk = it * BK + tl.arange(0, BK)
-                a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(a))
-            s = _act_scale(tl.max(amax, axis=0), ADT, A_EPS)
-            for it in range(tl.cdiv(K, BK)):
-                rk = it * BK + tl.arange(0, BK)
-                xb = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
-                # through float32: Triton's interpreter casts int8 straight to bf16 as garbage
-                tl.store(q_ptr + row * K + rk, _act_codes(xb, s, ADT).to(tl.float32).to(q_ptr.dtype.element_ty),
-                         mask=rk < K)
-            tl.store(s_ptr + row, s)
+        amax = tl.zeros([BK], dtype=tl.float32)
+        for it in range(tl.cdiv(K, BK)):
+            rk = it * BK + tl.arange(0, BK)
+            a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(a))
+        s = _act_scale(tl.max(amax, axis=0), ADT, A_EPS)
+        for it in range(tl.cdiv(K, BK)):
+            rk = it * BK + tl.arange(0, BK)
+            a = tl.load(x_ptr + row * stride_xm + rk, mask=rk < K, other=0.0)
+            # through float32: Triton's interpreter casts int8 straight to bf16 as garbage
+            tl.store(q_ptr + row * K + rk, _act_codes(a, s, ADT).to(tl.float32).to(q_ptr.dtype.element_ty), mask=rk < K)
+        tl.store(s_ptr + row, s)
 
     @triton.jit
     def _dequant_kernel(w_ptr, s_ptr, z_ptr, out_ptr, N, K, BITS: tl.constexpr, HAS_ZP: tl.constexpr,
@@ -664,12 +654,10 @@ def quantize_rows(x: torch.Tensor, codes_dtype: torch.dtype = torch.int8) -> tup
     M, K = x.shape
     q = torch.empty(M, K, dtype=codes_dtype, device=x.device)
     s = torch.empty(M, dtype=torch.float32, device=x.device)
-    # a row of <= 8192 is read once, in registers (K 4096: W8A8 gate/up M=4096 1.51x bf16 vs 1.45x read twice);
-    # at 16384 one pass was slower than two (down, K 14336: 496 vs 409 us; results/weights/gemm_s18_call6_*)
-    BK = triton.next_power_of_2(K)
-    BK = BK if BK <= 8192 else 1024
-    _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), BK=BK, ADT=_adt(x.dtype), A_EPS=act_eps(x.dtype),
-                             num_warps=4 if BK <= 4096 else 8)
+    # read twice (amax, then codes): a one-pass form (s18, the row in registers up to K 8192 / 16384) was not
+    # measurably faster at K 4096 and slower at K 14336 (NOTES round 15), so it was removed
+    _quant_rows_kernel[(M,)](x, q, s, K, x.stride(0), BK=min(1024, triton.next_power_of_2(K)), ADT=_adt(x.dtype),
+                             A_EPS=act_eps(x.dtype))
     return q, s
 
 
