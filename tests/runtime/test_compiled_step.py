@@ -17,7 +17,6 @@ from tests.runtime.test_generate import _model
 
 STEPS = 11
 LENS = (5, 13, 9)  # ragged prompts; with sink 4 + recent 8 slot 1 reaches the packed middle at once
-_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def _plan(m, sname):
@@ -25,9 +24,10 @@ def _plan(m, sname):
     return resolve(kv, ModelGeometry.from_config(m.config))
 
 
-@pytest.mark.parametrize("family,sname", [("llama", "int2"), ("llama", "bf16"), ("qwen2", "int4"),
-                                          ("gemma3", "int2")])
-def test_compiled_body_equals_the_eager_step(family, sname):
+@pytest.mark.parametrize("family,sname,regions", [("llama", "int2", "layers"), ("llama", "int2", "whole"),
+                                                  ("llama", "bf16", "layers"), ("qwen2", "int4", "layers"),
+                                                  ("gemma3", "int2", "layers"), ("gemma3", "int2", "whole")])
+def test_compiled_body_equals_the_eager_step(family, sname, regions):
     m = _model(family)
     plan = _plan(m, sname)
     step = ModelStep(m)
@@ -40,7 +40,8 @@ def test_compiled_body_equals_the_eager_step(family, sname):
     torch._dynamo.reset()
     counters = torch._dynamo.utils.counters
     counters.clear()
-    fn = compile_decode(step, cmp_c, backend="aot_eager")
+    fn = compile_decode(step, cmp_c, backend="aot_eager", regions=regions)
+    assert fn.graphs_per_bucket == (len(m.model.layers) + 2 if regions == "layers" else 1)
     ids = torch.stack(first + [torch.tensor(7)])[:, None]  # [4, 1]; slot 3 holds nothing and stays inactive
     active = torch.tensor([True, True, True, False])
     buf_ids, logits = ids.clone(), torch.zeros(4, m.config.vocab_size)
@@ -57,7 +58,7 @@ def test_compiled_body_equals_the_eager_step(family, sname):
             err = float((logits[:3] - ref[:3]).abs().max() / ref[:3].abs().max())
             assert err < 1e-5, (i, err)
             toks.append(ref_ids[:3, 0].clone())
-    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == fn.graphs_per_bucket and not counters["graph_break"]
     assert torch.equal(buf_ids, ref_ids) and int(buf_ids[3]) == 7
     assert len(set(torch.stack(toks).flatten().tolist())) > 4  # the tokens vary: a comparison that can fail
     assert cmp_c.lens.tolist() == ref_c.lens.tolist() == [n + STEPS for n in LENS] + [0]
@@ -93,21 +94,25 @@ def test_one_graph_per_bucket_and_a_smaller_bucket_leaves_other_slots_alone():
         with torch.compiler.set_stance("fail_on_recompile"):
             fn(ids, active, logits, 1)
             fn(ids, active, logits, 3)
-    assert counters["stats"]["unique_graphs"] == 2 and not counters["graph_break"]
+    assert counters["stats"]["unique_graphs"] == 2 * fn.graphs_per_bucket and not counters["graph_break"]
     assert cache.lens.tolist() == [6 + 4, 14 + 2, 3 + 2]
 
 
-def test_decode_graphs_refuses_cpu_and_bench_names_the_compiled_paths():
-    from lowbit.runtime.bench import PATHS, SCHEMES, WEIGHT_PATHS
+def test_decode_graphs_refuses_cpu_and_bench_paths_are_the_schema_names():
+    from lowbit.runtime import bench
     from lowbit.runtime.step import DecodeGraphs
 
     m = _model("llama")
     cache = StaticKVCache(m, _plan(m, "int2"), slots=1, max_context=16)
     with pytest.raises(LowbitError, match="needs a CUDA cache"):
         DecodeGraphs(ModelStep(m), cache, buckets=(1,), compile=True)
-    for p in ("lowbit-int2-compiled", "lowbit-int4-compiled", "lowbit-w4a16-int2-compiled"):
-        assert p in PATHS and SCHEMES[p] == SCHEMES[p.removesuffix("-compiled")]
-    assert WEIGHT_PATHS["lowbit-w4a16-int2-compiled"] == WEIGHT_PATHS["lowbit-w4a16-int2"]
+    with pytest.raises(LowbitError, match="compile regions 'all' unknown"):
+        compile_decode(ModelStep(m), cache, backend="aot_eager", regions="all")
+    # the decode_e2e schema's path names; how the lowbit rows ran is a field of each row, not a path suffix
+    schema = {"hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2", "lowbit-w4a16-int2"}
+    assert schema <= set(bench.PATHS) and not any(p.endswith("-compiled") for p in bench.PATHS)
+    with pytest.raises(LowbitError, match="compile 'yes' unknown"):
+        bench.run("tiny-llama", (1,), (64,), ("lowbit-int2",), compile="yes")
 
 
 def test_inductor_pdl_is_an_inductor_option_with_a_clear_error():
@@ -200,16 +205,16 @@ def test_compiled_body_runs_the_fused_kernel_as_one_op():
 
 def test_a_bucket_that_does_not_compile_is_an_error():
     """What DecodeGraphs(compile=True) runs for each bucket's first call: a body that dynamo cannot compile
-    again (recompile limit 1, used by the first bucket) raises, and so does a call that made no new graph."""
+    again (built for one bucket, which the first call used) raises, and so does a call that made no new graph."""
     from lowbit.runtime.step import first_compiled_call
 
     m = _model("llama")
     step = ModelStep(m)
     cache = StaticKVCache(m, _plan(m, "int2"), slots=2, max_context=24)
     torch._dynamo.reset()
-    fn = compile_decode(step, cache, backend="aot_eager")
+    fn = compile_decode(step, cache, backend="aot_eager", max_buckets=1)
     ids, active, logits = torch.tensor([[4], [9]]), torch.ones(2, dtype=torch.bool), torch.zeros(2, 99)
-    with torch.no_grad(), torch._dynamo.config.patch(**{_LIMIT: 1}):
+    with torch.no_grad():
         assert first_compiled_call(fn, ids, active, logits, 2) > 0
         with pytest.raises(LowbitError, match="gave 0 graph"):  # bucket 2 again: compiled already, no new graph
             first_compiled_call(fn, ids, active, logits, 2)

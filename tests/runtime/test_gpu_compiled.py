@@ -10,7 +10,6 @@ from tests.runtime.test_gpu_runtime import _kernels_compiled, _model
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 pytestmark = [pytest.mark.gpu, cuda]
-_LIMIT = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
 
 
 def _with_key_affine(plan):
@@ -29,7 +28,7 @@ def _with_key_affine(plan):
     return replace(plan, layers=tuple(layers))
 
 
-def _follow(model, cfg, kv, steps=40, key_affine=False, inductor_pdl=False):
+def _follow(model, cfg, kv, steps=40, key_affine=False, inductor_pdl=False, regions="layers"):
     """Eager reference cache and compiled captured cache over 3 ragged prompts + 1 inactive slot, teacher
     forced by the reference's tokens -> (ref cache, captured cache, graphs, max relative logit error)."""
     from lowbit.kv.plan import resolve
@@ -45,7 +44,8 @@ def _follow(model, cfg, kv, steps=40, key_affine=False, inductor_pdl=False):
     prompts = [torch.randint(0, cfg.vocab_size, (n,), device="cuda", generator=g) for n in (700, 333, 999)]
     ref_c, cap_c = (StaticKVCache(model, plan, slots=4, max_context=1200) for _ in range(2))
     torch._dynamo.reset()
-    graphs = DecodeGraphs(step, cap_c, buckets=(1, 4), compile=True, inductor_pdl=inductor_pdl)  # on the empty cache
+    graphs = DecodeGraphs(step, cap_c, buckets=(1, 4), compile=True, inductor_pdl=inductor_pdl,  # on the empty cache
+                          regions=regions)
     assert graphs.compiled and sorted(graphs.compile_s) == [1, 4]
     for c in (ref_c, cap_c):
         for b, p in enumerate(prompts):
@@ -129,9 +129,20 @@ def test_compiled_captured_step_with_inductor_pdl():
     assert err < 2e-2, err
 
 
+def test_whole_graph_regions_follow_the_eager_step():
+    """regions="whole" (the step as one compiled graph, what the default per-layer regions replace in compile
+    time) follows the eager step as the default does."""
+    if not _kernels_compiled():
+        pytest.skip("the fused kernel was imported under the Triton interpreter")
+    model, cfg = _model()
+    _, _, graphs, err = _follow(model, cfg, "int2", steps=12, regions="whole")
+    assert err < 2e-2, err
+    assert graphs.regions == "whole"
+
+
 def test_a_recompile_is_an_error_not_an_eager_step():
-    """A dynamo state that cannot compile another graph (recompile limit 1, already used by another cache):
-    DecodeGraphs(compile=True) raises instead of capturing an eager body."""
+    """A dynamo state that cannot compile another graph (the layer region's recompile limit, layers x buckets,
+    already used by another cache's graphs): DecodeGraphs(compile=True) raises instead of capturing an eager body."""
     from lowbit.errors import LowbitError
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
@@ -142,7 +153,6 @@ def test_a_recompile_is_an_error_not_an_eager_step():
     plan = resolve("int2", ModelGeometry.from_config(cfg, name="tiny"), device="cuda")
     step = ModelStep(model)
     torch._dynamo.reset()
-    with torch._dynamo.config.patch(**{_LIMIT: 1}):
-        DecodeGraphs(step, StaticKVCache(model, plan, slots=2, max_context=300), buckets=(2,), compile=True)
-        with pytest.raises(LowbitError, match="graph"):
-            DecodeGraphs(step, StaticKVCache(model, plan, slots=2, max_context=300), buckets=(1,), compile=True)
+    DecodeGraphs(step, StaticKVCache(model, plan, slots=2, max_context=300), buckets=(2,), compile=True)
+    with pytest.raises(LowbitError, match="graph"):
+        DecodeGraphs(step, StaticKVCache(model, plan, slots=2, max_context=300), buckets=(1,), compile=True)

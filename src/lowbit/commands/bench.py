@@ -66,11 +66,13 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompt-len", type=int, default=4096, help="serve-engine: prompt tokens (default 4096)")
     parser.add_argument("--max-tokens", type=int, default=64, help="serve-engine: tokens per request (default 64)")
     parser.add_argument("--paths", default="hf-eager-bf16,hf-static-compile-bf16,lowbit-bf16,lowbit-int4,lowbit-int2",
-                        help="decode: which paths to time (default these five; also lowbit-w4a16-int2, the "
-                             "runtime with its decode body torch.compile'd before capture lowbit-int2-compiled / "
-                             "lowbit-int4-compiled / lowbit-w4a16-int2-compiled, and "
+                        help="decode: which paths to time (default these five; also lowbit-w4a16-int2 and "
                              "hf-generate-compile-lowbit-int2/-int4/-bf16: transformers' compiled generate over "
                              "lowbit's GenerateCache)")
+    parser.add_argument("--compile", choices=("layers", "whole", "off"), default="layers",
+                        help="decode: how the lowbit rows run their captured step: layers (default) torch.compile'd "
+                             "per decoder layer (seconds to compile), whole as one compiled graph (minutes on an 8B "
+                             "model), off the eager step captured; rows record compiled and compile_regions")
     parser.add_argument("--steps", type=int, default=20, help="decode: timed steps per row (default 20)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="decode: the lowbit runtime rows without fused q/k/v and gate/up GEMMs (what the runtime "
@@ -178,7 +180,7 @@ def run(args) -> int:
         res = e2e.run(args.geometry or "llama3-8b", _ints(args.batch), _ints(args.length),
                       tuple(p.strip() for p in args.paths.split(",") if p.strip()), steps=args.steps,
                       prefill_len=args.prefill, fuse=not args.no_fuse, fold=not args.no_fold,
-                      inductor_pdl={"auto": None, "on": True, "off": False}[args.inductor_pdl])
+                      inductor_pdl={"auto": None, "on": True, "off": False}[args.inductor_pdl], compile=args.compile)
         write_new(path, res)
         print(f"wrote {path}")
         return 0

@@ -6,9 +6,10 @@ Paths (one run, same model weights):
     lowbit-bf16             lowbit runtime: StaticKVCache with nothing quantized, one CUDA graph per step
     lowbit-int4 / -int2     lowbit runtime, the packed middle read by the fused kernel, one CUDA graph
     lowbit-w4a16-int2       lowbit-int2 with the decoder linears W4A16 (RTN) on the CUDA weight kernels
-    lowbit-*-compiled       the same runtime with the decode body torch.compile'd (Inductor, full graph,
-                            static shapes, the kernels as custom ops) before capture; the row records
-                            compiled: true, the compile seconds and the graphs dynamo made
+    The lowbit rows run the step as `compile` says (one run, every lowbit row alike): "layers" (the default)
+    torch.compile'd per decoder layer (Inductor, full graph, static shapes, the kernels as custom ops) before
+    capture, "whole" the step as one compiled graph, "off" the eager step captured; a row records compiled,
+    compile_regions, the compile seconds and the graphs dynamo made.
     hf-generate-compile-lowbit-int2 / -int4 / -bf16
                             transformers' own model.generate with the lowbit GenerateCache as its cache and
                             transformers' own compile of the decode forward (its default CompileConfig:
@@ -42,15 +43,15 @@ GEOMETRIES = {
 # transformers' generate + compile over the lowbit cache (lowbit.runtime.generate.GenerateCache)
 GEN_PATHS = {"hf-generate-compile-lowbit-int2": "int2", "hf-generate-compile-lowbit-int4": "int4",
              "hf-generate-compile-lowbit-bf16": "bf16"}
-# the lowbit runtime with the decode body torch.compile'd (Inductor) before capture: DecodeGraphs(compile=True)
-COMPILED_PATHS = ("lowbit-int4-compiled", "lowbit-int2-compiled", "lowbit-w4a16-int2-compiled")
 PATHS = ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "lowbit-int4", "lowbit-int2", "lowbit-w4a16-int2",
-         *COMPILED_PATHS, *GEN_PATHS)
+         *GEN_PATHS)
 SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2", "lowbit-w4a16-int2": "int2",
-           **{p: {"lowbit-int4-compiled": "int4"}.get(p, "int2") for p in COMPILED_PATHS}, **GEN_PATHS}
+           **GEN_PATHS}
 # paths whose decoder linears are weight-quantized (RTN of the random weights, through lowbit.weights.grid),
 # run after the bf16-weight paths: the model is converted in place once
-WEIGHT_PATHS = {"lowbit-w4a16-int2": "w4a16-g128", "lowbit-w4a16-int2-compiled": "w4a16-g128"}
+WEIGHT_PATHS = {"lowbit-w4a16-int2": "w4a16-g128"}
+# how the lowbit rows run their captured step: DecodeGraphs(compile=..., regions=...)
+COMPILE_MODES = ("layers", "whole", "off")
 
 
 def quantize_linears(model, scheme_name: str, log=print, *, fuse: bool = True) -> dict:
@@ -180,7 +181,7 @@ def _fill_static(cache, L: int, gen) -> None:
     cache.lens.fill_(L)
 
 
-def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor_pdl=None):
+def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor_pdl=None, compile="layers"):
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.fold import fold_value_rotation
@@ -190,7 +191,7 @@ def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor
     geo = ModelGeometry.from_config(cfg, name="random-llama")
     plan = resolve(SCHEMES[path], geo, device="cuda")
     cache = StaticKVCache(model, plan, slots=B, max_context=L + steps + 16)
-    compiled = path in COMPILED_PATHS
+    compiled = compile != "off"
     if compiled:  # a fresh dynamo state: each row's new cache object would count as a recompile of the body
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -201,7 +202,8 @@ def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor
         # V's rotation into v_proj / o_proj (lowbit.runtime.fold), undone after the row as the fusion is
         folded = fold_value_rotation(model, cache) if fold else None
         graphs = DecodeGraphs(step, cache, buckets=(B,), compile=compiled,  # on the empty cache, then fill
-                              inductor_pdl=inductor_pdl if compiled else False)
+                              inductor_pdl=inductor_pdl if compiled else False,
+                              regions=compile if compiled else "layers")
         capture_s = time.perf_counter() - t
         row = _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s)
         row["folded_value_rotation"] = len(folded.layers) if folded else 0
@@ -228,7 +230,7 @@ def _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s) -> dict:
            "kv_bytes": cache.bytes_held(), "compiled_writes": cache.compile_writes,
            "capture_s": capture_s, "decode_backends": sorted(plan.backend_names("decode")),
            "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask",
-           "compiled": graphs.compiled,
+           "compiled": graphs.compiled, "compile_regions": graphs.regions,
            "fused_projections": sum(isinstance(m, FusedHead) for m in step.model.modules()),
            "unfused": step.fused.skipped[:3] if step.fused else []}
     if graphs.compiled:
@@ -436,14 +438,19 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
 
 
 def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, prefill_len: int = 0,
-        prefill_chunk: int = 2048, fuse: bool = True, fold: bool = True, inductor_pdl: bool | None = None) -> dict:
+        prefill_chunk: int = 2048, fuse: bool = True, fold: bool = True, inductor_pdl: bool | None = None,
+        compile: str = "layers") -> dict:
     """Every (path, B, L) row; rows that do not fit in the GPU memory left are recorded with fits false.
     prefill_len > 0 also times one prompt of that many tokens (`prefill` list of the result). fuse: the
     lowbit runtime rows with q/k/v and gate/up as one GEMM each (lowbit.runtime.fuse), as the runtime runs;
     fold: with V's rotation folded into v_proj / o_proj (lowbit.runtime.fold), likewise. inductor_pdl: the
     compiled rows with Inductor's PDL codegen (True / False; None: where this torch has it, as the runtime runs;
-    runtime.step.resolve_inductor_pdl)."""
+    runtime.step.resolve_inductor_pdl). compile: how every lowbit row runs its step (COMPILE_MODES, module
+    docstring)."""
     import transformers
+
+    if compile not in COMPILE_MODES:
+        raise LowbitError(f"compile {compile!r} unknown; use one of {', '.join(COMPILE_MODES)}")
 
     for p in paths:
         if p not in PATHS:
@@ -454,7 +461,7 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "transformers": transformers.__version__,
            "geometry": geometry, "weights_bytes": weights, "steps": steps, "fuse_projections": fuse,
-           "fold_value_rotation": fold}
+           "fold_value_rotation": fold, "lowbit_compile": compile}
     try:
         import triton
 
@@ -471,11 +478,12 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
         if group and group[0] in WEIGHT_PATHS:
             env["weights"] = {"scheme": WEIGHT_PATHS[group[0]],
                               **quantize_linears(model, WEIGHT_PATHS[group[0]], log, fuse=fuse)}
-        _rows_for(group, model, cfg, contexts, batches, steps, rows, log, fuse, fold, inductor_pdl)
+        _rows_for(group, model, cfg, contexts, batches, steps, rows, log, fuse, fold, inductor_pdl, compile)
     return {"env": env, "rows": rows, "prefill": pre}
 
 
-def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True, fold=True, inductor_pdl=None):
+def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True, fold=True, inductor_pdl=None,
+              compile="layers"):
     for L in contexts:
         for B in batches:
             for path in paths:
@@ -494,7 +502,8 @@ def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True,
                     if path in GEN_PATHS or path.startswith("hf-"):
                         r = (_row_hf_generate if path in GEN_PATHS else _row_hf)(path, model, cfg, B, L, steps)
                     else:
-                        r = _row_lowbit(path, model, cfg, B, L, steps, fuse=fuse, fold=fold, inductor_pdl=inductor_pdl)
+                        r = _row_lowbit(path, model, cfg, B, L, steps, fuse=fuse, fold=fold, inductor_pdl=inductor_pdl,
+                                        compile=compile)
                 except torch.cuda.OutOfMemoryError as e:
                     rows.append({**base, "fits": False, "kv_bytes": need, "ms_per_step": None, "tok_s": None,
                                  "gpu_ms_per_step": None, "peak_gb": None, "note": f"out of memory: {str(e)[:120]}"})

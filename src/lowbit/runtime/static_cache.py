@@ -409,7 +409,12 @@ class StaticKVCache(Cache):
         if not 1 <= batch <= self.slots:
             raise LowbitError(f"decode batch {batch} outside 1..{self.slots} slots")
         self._mode = ("decode", batch)
-        self._step = {}  # per-step index tensors, made by the first layer that needs them, read by the rest
+        # per-step index tensors, made here once and read by every layer: a layer compiled on its own (the
+        # runtime's per-layer regions) then traces the same way whichever layer it is
+        self._step = {}
+        self._step_index(batch, self.lens.device)
+        for layer in self.layers:
+            self._step_tier_lens(layer, batch)
 
     def begin_prefill(self, slot: int, start: int, length: int) -> None:
         if not 0 <= slot < self.slots:

@@ -78,12 +78,24 @@ class ModelStep:
 
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cache, *, last_only: bool = True):
         """input_ids, position_ids [B, L] -> logits [B, V] (last position) or [B, L, V], float32."""
-        h = self.inner.embed_tokens(input_ids)
-        pes = self._position_embeddings(h, position_ids)
-        kw = {self.cache_kw: cache}
+        h, pes = self.embed(input_ids, position_ids)
         for layer, pe in zip(self.inner.layers, pes):
-            out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe, **kw)
-            h = out[0] if isinstance(out, tuple) else out
+            h = self.layer_forward(layer, h, position_ids, pe, cache)
+        return self.head(h, last_only=last_only)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """input_ids, position_ids [B, L] -> (hidden [B, L, hidden], one (cos, sin) per layer)."""
+        h = self.inner.embed_tokens(input_ids)
+        return h, self._position_embeddings(h, position_ids)
+
+    def layer_forward(self, layer, h: torch.Tensor, position_ids: torch.Tensor, pe, cache) -> torch.Tensor:
+        """One transformers decoder layer over the runtime cache: hidden [B, L, hidden] -> [B, L, hidden]."""
+        out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe,
+                    **{self.cache_kw: cache})
+        return out[0] if isinstance(out, tuple) else out
+
+    def head(self, h: torch.Tensor, *, last_only: bool = True) -> torch.Tensor:
+        """hidden [B, L, hidden] -> logits [B, V] (last position) or [B, L, V], float32 (final norm, soft-cap)."""
         h = self.inner.norm(h)
         if last_only:
             h = h[:, -1]
@@ -102,9 +114,25 @@ def decode_body(step: ModelStep, cache, ids: torch.Tensor, active: torch.Tensor,
     ids [>=b, 1] long: the last token of each slot in, the argmax out where active [>=b] (else kept);
     logits [>=b, V] float32: this step's logits; cache.lens[:b] += active[:b]. b: a python int (the bucket).
     """
+    h, pos, pes = decode_in(step, cache, ids, b)
+    for layer, pe in zip(step.inner.layers, pes):
+        h = step.layer_forward(layer, h, pos, pe, cache)
+    decode_out(step, cache, h, ids, active, logits, b)
+
+
+def decode_in(step: ModelStep, cache, ids: torch.Tensor, b: int):
+    """The step's prologue: -> (hidden [b, 1, hidden], positions [b, 1], one (cos, sin) per layer). The cache's
+    per-step indices are made here, once, so every layer reads them (and traces the same way)."""
     cache.begin_decode(b)
     pos = cache.lens[:b].long().unsqueeze(1)
-    lg = step(ids[:b], pos, cache)
+    h, pes = step.embed(ids[:b], pos)
+    return h, pos, pes
+
+
+def decode_out(step: ModelStep, cache, h: torch.Tensor, ids: torch.Tensor, active: torch.Tensor,
+               logits: torch.Tensor, b: int) -> None:
+    """The step's epilogue: logits, the greedy token where active, lens += active."""
+    lg = step.head(h)
     logits[:b].copy_(lg)
     ids[:b, 0].copy_(torch.where(active[:b], lg.argmax(-1), ids[:b, 0]))
     cache.advance(active[:b])
@@ -136,13 +164,23 @@ def resolve_inductor_pdl(requested: bool | None, backend) -> bool:
     return bool(requested)
 
 
-def compile_decode(step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool | None = None):
-    """decode_body(step, cache, ...) as one torch.compile'd function: fn(ids, active, logits, b).
+REGIONS = ("layers", "whole")
+
+
+class CompiledDecode:
+    """decode_body(step, cache, ...) torch.compile'd: call as fn(ids, active, logits, b).
+
+    regions "layers" (the default): three compiled regions, the prologue (decode_in), one decoder layer
+    (ModelStep.layer_forward, one compiled function for every layer) and the epilogue (decode_out). dynamo
+    traces each layer (its index picks its cache tensors), but the layers' graphs are the same graph, so
+    Inductor compiles one and its FX graph cache serves the rest: a bucket of an 8B model compiles in seconds
+    instead of minutes. What it gives up: fusing one layer's last residual add with the next layer's norm.
+    regions "whole": decode_body as one graph (Inductor sees every layer at once).
 
     Inductor fuses what the eager step runs as ~30 small kernels per layer (RMSNorm, RoPE, SiLU*mul,
     residual adds, casts, the cache writes); the fused decode kernel and packed-weight linears are
     custom ops (lowbit.runtime.ops), one node each. fullgraph: a graph break is an error, never a partly
-    eager step. dynamic=False: one graph per bucket b (a python int, guarded). No Inductor CUDA graphs
+    eager step. dynamic=False: graphs per bucket b (a python int, guarded). No Inductor CUDA graphs
     (DecodeGraphs captures the step itself). emulate_precision_casts: the codec's float32 -> fp16 ->
     float32 rounding of scales is kept (as the compiled writes keep it), so codes match the eager step.
     backend: "inductor", or another torch.compile backend (a name such as "aot_eager": the same trace
@@ -150,29 +188,72 @@ def compile_decode(step: ModelStep, cache, *, backend="inductor", inductor_pdl: 
     inductor_pdl: Inductor's programmatic-dependent-launch codegen (torch's config.triton.enable_pdl, a prototype):
     each generated kernel may start while the previous one drains and waits in-kernel for what it reads; None (the
     default) resolves it with resolve_inductor_pdl: on where Inductor has it.
+    max_buckets: how many buckets this function will compile (dynamo's recompile limit for the layer region is
+    layers x max_buckets; one more bucket is an error, not an eager step).
 
     Sets on the cache what a traced step needs: no host-synchronising input checks, the decode writes
     traced into this graph (not a nested compiled writer), and the writers made before the first trace
     (made inside it, their registry would change under the guards and force a recompile)."""
-    from lowbit.runtime.ops import register_packed_linears
-    from lowbit.runtime.static_cache import _writer
 
-    cache.checks = False
-    cache.compile_writes = False
-    for layer in cache.layers:
-        _writer(layer, cache.checks, cache.compile_writes)
-    register_packed_linears(step.model)
-    opts = {"emulate_precision_casts": True, "triton.cudagraphs": False} if backend == "inductor" else None
-    if resolve_inductor_pdl(inductor_pdl, backend):
-        opts["triton.enable_pdl"] = True
-    fn = functools.partial(decode_body, step, cache)
-    return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=opts)
+    def __init__(self, step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool | None = None,
+                 regions: str = "layers", max_buckets: int = len(DEFAULT_BUCKETS)):
+        from lowbit.runtime.ops import register_packed_linears
+        from lowbit.runtime.static_cache import _writer
+
+        if regions not in REGIONS:
+            raise LowbitError(f"compile regions {regions!r} unknown; use one of {', '.join(REGIONS)}")
+        cache.checks = False
+        cache.compile_writes = False
+        for layer in cache.layers:
+            _writer(layer, cache.checks, cache.compile_writes)
+        register_packed_linears(step.model)
+        self.step, self.cache, self.regions = step, cache, regions
+        opts = {"emulate_precision_casts": True, "triton.cudagraphs": False} if backend == "inductor" else None
+        self.inductor_pdl = resolve_inductor_pdl(inductor_pdl, backend)
+        if self.inductor_pdl:
+            opts["triton.enable_pdl"] = True
+
+        def compiled(fn):
+            return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False, options=opts)
+
+        n = len(step.inner.layers)
+        if regions == "whole":
+            self._whole = compiled(functools.partial(decode_body, step, cache))
+            self.graphs_per_bucket, limit = 1, max_buckets
+        else:
+            self._in = compiled(functools.partial(decode_in, step, cache))
+            self._layer = compiled(step.layer_forward)
+            self._out = compiled(functools.partial(decode_out, step, cache))
+            self.graphs_per_bucket, limit = n + 2, n * max_buckets
+        key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
+        acc = ("accumulated_recompile_limit" if hasattr(torch._dynamo.config, "accumulated_recompile_limit")
+               else "accumulated_cache_size_limit")
+        self._limits = {key: max(limit, 1), acc: max(limit * 2, getattr(torch._dynamo.config, acc))}
+
+    def __call__(self, ids: torch.Tensor, active: torch.Tensor, logits: torch.Tensor, b: int) -> None:
+        with torch._dynamo.config.patch(**self._limits):
+            if self.regions == "whole":
+                self._whole(ids, active, logits, b)
+                return
+            step, cache = self.step, self.cache
+            h, pos, pes = self._in(ids, b)
+            for layer, pe in zip(step.inner.layers, pes):
+                h = self._layer(layer, h, pos, pe, cache)
+            self._out(h, ids, active, logits, b)
 
 
-def first_compiled_call(fn, ids: torch.Tensor, active: torch.Tensor, logits: torch.Tensor, b: int) -> float:
+def compile_decode(step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool | None = None,
+                   regions: str = "layers", max_buckets: int = len(DEFAULT_BUCKETS)) -> CompiledDecode:
+    """decode_body(step, cache, ...) torch.compile'd (CompiledDecode): fn(ids, active, logits, b)."""
+    return CompiledDecode(step, cache, backend=backend, inductor_pdl=inductor_pdl, regions=regions,
+                          max_buckets=max_buckets)
+
+
+def first_compiled_call(fn: CompiledDecode, ids: torch.Tensor, active: torch.Tensor, logits: torch.Tensor,
+                        b: int) -> float:
     """The call of a compile_decode function that compiles bucket b -> its seconds. It must add exactly
-    one graph and no graph break; anything else (a break, dynamo's recompile limit hit, which would run
-    the body eagerly or fail) raises a LowbitError."""
+    fn.graphs_per_bucket graphs and no graph break; anything else (a break, dynamo's recompile limit hit,
+    which would run the body eagerly or fail) raises a LowbitError."""
     import time
 
     exc = torch._dynamo.exc
@@ -188,10 +269,10 @@ def first_compiled_call(fn, ids: torch.Tensor, active: torch.Tensor, logits: tor
     s = time.perf_counter() - t
     new = int(counters["stats"].get("unique_graphs", 0)) - graphs0
     breaks = sum(counters["graph_break"].values()) - breaks0
-    if new != 1 or breaks:
+    if new != fn.graphs_per_bucket or breaks:
         raise LowbitError(f"compiling the decode step for bucket {b} gave {new} graph(s) and {breaks} graph "
-                          "break(s), expected 1 and 0 (the body would run partly eagerly); if dynamo's recompile "
-                          "limit was hit, call torch._dynamo.reset() or capture fewer buckets")
+                          f"break(s), expected {fn.graphs_per_bucket} and 0 (the body would run partly eagerly); if "
+                          "dynamo's recompile limit was hit, call torch._dynamo.reset() or capture fewer buckets")
     return s
 
 
@@ -203,14 +284,14 @@ class DecodeGraphs:
     the next replay continues without the host. logits[:b] holds the last step's logits.
 
     compile=True: the captured body is decode_body through torch.compile (compile_decode: Inductor,
-    full graph, static shapes), compiled by the first warm-up call of each bucket, then captured as
-    the eager body is. A graph break, a bucket that did not compile (e.g. dynamo's recompile limit hit,
+    full graph, static shapes, per-layer regions unless regions="whole"), compiled by the first warm-up call
+    of each bucket, then captured as the eager body is. A graph break, a bucket that did not compile (e.g. dynamo's recompile limit hit,
     which would run the body eagerly) or a recompile at a later warm-up or at capture raises.
     `compiled` says which body the graphs hold.
     """
 
     def __init__(self, step: ModelStep, cache, buckets=DEFAULT_BUCKETS, *, warmup: int = 2, compile: bool = False,
-                 backend: str = "inductor", inductor_pdl: bool | None = None):
+                 backend: str = "inductor", inductor_pdl: bool | None = None, regions: str = "layers"):
         if cache.device.type != "cuda":
             raise LowbitError("CUDA graph capture needs a CUDA cache; on CPU run the step eagerly (ModelStep)")
         if bool(cache.lens.any()):
@@ -231,7 +312,9 @@ class DecodeGraphs:
         if inductor_pdl and not compile:
             raise LowbitError("inductor_pdl is an option of the compiled body: pass compile=True")
         self.inductor_pdl = bool(compile) and resolve_inductor_pdl(inductor_pdl, backend)  # what the graphs hold
-        self._fn = (compile_decode(step, cache, backend=backend, inductor_pdl=self.inductor_pdl) if compile
+        self.regions = regions if compile else None  # CompiledDecode's regions: "layers" | "whole"
+        self._fn = (compile_decode(step, cache, backend=backend, inductor_pdl=self.inductor_pdl, regions=regions,
+                                   max_buckets=len(buckets)) if compile
                     else functools.partial(decode_body, step, cache))
         self.compile_s: dict[int, float] = {}  # bucket -> seconds of its first (compiling) warm-up call
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
