@@ -69,10 +69,11 @@ def add_arguments(parser) -> None:
                         help="decode: which paths to time (default these five; also lowbit-w4a16-int2 and "
                              "hf-generate-compile-lowbit-int2/-int4/-bf16: transformers' compiled generate over "
                              "lowbit's GenerateCache)")
-    parser.add_argument("--compile", choices=("layers", "whole", "off"), default="layers",
-                        help="decode: how the lowbit rows run their captured step: layers (default) torch.compile'd "
-                             "per decoder layer (seconds to compile), whole as one compiled graph (minutes on an 8B "
-                             "model), off the eager step captured; rows record compiled and compile_regions")
+    parser.add_argument("--compile", choices=("whole", "layers", "off"), default="whole",
+                        help="decode: how the lowbit rows run their captured step: whole (default) torch.compile'd as "
+                             "one graph (the faster step; ~2 min a row on an 8B model), layers compiled per decoder "
+                             "layer (~45 s a row, a slower step), off the eager step captured; rows record compiled "
+                             "and compile_regions")
     parser.add_argument("--steps", type=int, default=20, help="decode: timed steps per row (default 20)")
     parser.add_argument("--no-fuse", action="store_true",
                         help="decode: the lowbit runtime rows without fused q/k/v and gate/up GEMMs (what the runtime "

@@ -6,10 +6,11 @@ Paths (one run, same model weights):
     lowbit-bf16             lowbit runtime: StaticKVCache with nothing quantized, one CUDA graph per step
     lowbit-int4 / -int2     lowbit runtime, the packed middle read by the fused kernel, one CUDA graph
     lowbit-w4a16-int2       lowbit-int2 with the decoder linears W4A16 (RTN) on the CUDA weight kernels
-    The lowbit rows run the step as `compile` says (one run, every lowbit row alike): "layers" (the default)
-    torch.compile'd per decoder layer (Inductor, full graph, static shapes, the kernels as custom ops) before
-    capture, "whole" the step as one compiled graph, "off" the eager step captured; a row records compiled,
-    compile_regions, the compile seconds and the graphs dynamo made.
+    The lowbit rows run the step as `compile` says (one run, every lowbit row alike): "whole" (the default)
+    torch.compile'd as one graph (Inductor, full graph, static shapes, the kernels as custom ops) before
+    capture, "layers" compiled per decoder layer (runtime.step.CompiledDecode: faster to compile, a slower
+    step), "off" the eager step captured; a row records compiled, compile_regions, the compile seconds and
+    the graphs dynamo made.
     hf-generate-compile-lowbit-int2 / -int4 / -bf16
                             transformers' own model.generate with the lowbit GenerateCache as its cache and
                             transformers' own compile of the decode forward (its default CompileConfig:
@@ -51,7 +52,7 @@ SCHEMES = {"lowbit-bf16": "bf16", "lowbit-int4": "int4", "lowbit-int2": "int2", 
 # run after the bf16-weight paths: the model is converted in place once
 WEIGHT_PATHS = {"lowbit-w4a16-int2": "w4a16-g128"}
 # how the lowbit rows run their captured step: DecodeGraphs(compile=..., regions=...)
-COMPILE_MODES = ("layers", "whole", "off")
+COMPILE_MODES = ("whole", "layers", "off")
 
 
 def quantize_linears(model, scheme_name: str, log=print, *, fuse: bool = True) -> dict:
@@ -181,7 +182,7 @@ def _fill_static(cache, L: int, gen) -> None:
     cache.lens.fill_(L)
 
 
-def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor_pdl=None, compile="layers"):
+def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor_pdl=None, compile="whole"):
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.fold import fold_value_rotation
@@ -203,7 +204,7 @@ def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor
         folded = fold_value_rotation(model, cache) if fold else None
         graphs = DecodeGraphs(step, cache, buckets=(B,), compile=compiled,  # on the empty cache, then fill
                               inductor_pdl=inductor_pdl if compiled else False,
-                              regions=compile if compiled else "layers")
+                              regions=compile if compiled else "whole")
         capture_s = time.perf_counter() - t
         row = _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s)
         row["folded_value_rotation"] = len(folded.layers) if folded else 0
@@ -439,7 +440,7 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
 
 def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, prefill_len: int = 0,
         prefill_chunk: int = 2048, fuse: bool = True, fold: bool = True, inductor_pdl: bool | None = None,
-        compile: str = "layers") -> dict:
+        compile: str = "whole") -> dict:
     """Every (path, B, L) row; rows that do not fit in the GPU memory left are recorded with fits false.
     prefill_len > 0 also times one prompt of that many tokens (`prefill` list of the result). fuse: the
     lowbit runtime rows with q/k/v and gate/up as one GEMM each (lowbit.runtime.fuse), as the runtime runs;
@@ -483,7 +484,7 @@ def run(geometry: str, batches, contexts, paths, *, steps: int = 20, log=print, 
 
 
 def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True, fold=True, inductor_pdl=None,
-              compile="layers"):
+              compile="whole"):
     for L in contexts:
         for B in batches:
             for path in paths:

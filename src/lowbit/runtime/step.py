@@ -164,18 +164,19 @@ def resolve_inductor_pdl(requested: bool | None, backend) -> bool:
     return bool(requested)
 
 
-REGIONS = ("layers", "whole")
+REGIONS = ("whole", "layers")
 
 
 class CompiledDecode:
     """decode_body(step, cache, ...) torch.compile'd: call as fn(ids, active, logits, b).
 
-    regions "layers" (the default): three compiled regions, the prologue (decode_in), one decoder layer
-    (ModelStep.layer_forward, one compiled function for every layer) and the epilogue (decode_out). dynamo
-    traces each layer (its index picks its cache tensors), but the layers' graphs are the same graph, so
-    Inductor compiles one and its FX graph cache serves the rest: a bucket of an 8B model compiles in seconds
-    instead of minutes. What it gives up: fusing one layer's last residual add with the next layer's norm.
-    regions "whole": decode_body as one graph (Inductor sees every layer at once).
+    regions "whole" (the default): decode_body as one graph; Inductor fuses across layer boundaries (one layer's
+    residual add with the next layer's norm and RoPE), the faster step: Llama-3-8B int2 B1 L32k 5.32 ms/step on
+    the H200, but ~115 s to compile a bucket. regions "layers": three compiled regions, the prologue
+    (decode_in), one decoder layer (ModelStep.layer_forward, one compiled function for every layer) and the
+    epilogue (decode_out); dynamo traces each layer (its index picks its cache tensors), but the layers' graphs
+    are the same graph, so Inductor compiles one and its FX graph cache serves the rest: ~45 s a bucket, 6.03
+    ms/step (benchmarks/results/runtime/decode_e2e_*_s19_*).
 
     Inductor fuses what the eager step runs as ~30 small kernels per layer (RMSNorm, RoPE, SiLU*mul,
     residual adds, casts, the cache writes); the fused decode kernel and packed-weight linears are
@@ -196,7 +197,7 @@ class CompiledDecode:
     (made inside it, their registry would change under the guards and force a recompile)."""
 
     def __init__(self, step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool | None = None,
-                 regions: str = "layers", max_buckets: int = len(DEFAULT_BUCKETS)):
+                 regions: str = "whole", max_buckets: int = len(DEFAULT_BUCKETS)):
         from lowbit.runtime.ops import register_packed_linears
         from lowbit.runtime.static_cache import _writer
 
@@ -243,7 +244,7 @@ class CompiledDecode:
 
 
 def compile_decode(step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool | None = None,
-                   regions: str = "layers", max_buckets: int = len(DEFAULT_BUCKETS)) -> CompiledDecode:
+                   regions: str = "whole", max_buckets: int = len(DEFAULT_BUCKETS)) -> CompiledDecode:
     """decode_body(step, cache, ...) torch.compile'd (CompiledDecode): fn(ids, active, logits, b)."""
     return CompiledDecode(step, cache, backend=backend, inductor_pdl=inductor_pdl, regions=regions,
                           max_buckets=max_buckets)
@@ -284,14 +285,14 @@ class DecodeGraphs:
     the next replay continues without the host. logits[:b] holds the last step's logits.
 
     compile=True: the captured body is decode_body through torch.compile (compile_decode: Inductor,
-    full graph, static shapes, per-layer regions unless regions="whole"), compiled by the first warm-up call
+    full graph, static shapes, one graph unless regions="layers"), compiled by the first warm-up call
     of each bucket, then captured as the eager body is. A graph break, a bucket that did not compile (e.g. dynamo's recompile limit hit,
     which would run the body eagerly) or a recompile at a later warm-up or at capture raises.
     `compiled` says which body the graphs hold.
     """
 
     def __init__(self, step: ModelStep, cache, buckets=DEFAULT_BUCKETS, *, warmup: int = 2, compile: bool = False,
-                 backend: str = "inductor", inductor_pdl: bool | None = None, regions: str = "layers"):
+                 backend: str = "inductor", inductor_pdl: bool | None = None, regions: str = "whole"):
         if cache.device.type != "cuda":
             raise LowbitError("CUDA graph capture needs a CUDA cache; on CPU run the step eagerly (ModelStep)")
         if bool(cache.lens.any()):
@@ -312,7 +313,7 @@ class DecodeGraphs:
         if inductor_pdl and not compile:
             raise LowbitError("inductor_pdl is an option of the compiled body: pass compile=True")
         self.inductor_pdl = bool(compile) and resolve_inductor_pdl(inductor_pdl, backend)  # what the graphs hold
-        self.regions = regions if compile else None  # CompiledDecode's regions: "layers" | "whole"
+        self.regions = regions if compile else None  # CompiledDecode's regions: "whole" | "layers"
         self._fn = (compile_decode(step, cache, backend=backend, inductor_pdl=self.inductor_pdl, regions=regions,
                                    max_buckets=len(buckets)) if compile
                     else functools.partial(decode_body, step, cache))
