@@ -3,7 +3,7 @@ lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carrie
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
     python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --a8 | --a8-split | --a8-retime | --a8-tma
-                                          | --a8-ps | --swap]
+                                          | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
 the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
@@ -17,8 +17,7 @@ kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (t
 --a8: A8 weights (w8a8, w4a8-g128) at the table's representative M: the tabled int8 cell beside "a16-xq" (the
 activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K. --a8-retime: W8A8 re-timed at every
 table M after its weight tile went straight into the dot (s18), with larger tiles at M >= 256. --a8-tma: W8A8
-through TMA descriptors (GemmConfig.tma) beside the table's tiles. --a8-ps: the persistent TMA kernel
-(GemmConfig.persistent, one program per SM walking the tiles) beside the one-tile-per-program TMA kernel, M 256-4096.
+through TMA descriptors (GemmConfig.tma) beside the table's tiles.
 
 --swap: A16 with the operands swapped (the weight tile as the dot's first operand) at M 4-1024. (A --swap-split run,
 W4A16 swapped with the split unpack, measured 0.06-0.62x: results/weights/gemm_explore_swap_split_*; that variant was
@@ -367,19 +366,6 @@ def explore_a8_tma(rows, log):
             rows.append(explore_cell("w8a8", shape, K, N, M, cfgs, "a8-tma", log, t0))
 
 
-def explore_a8_ps(rows, log):
-    """--a8-ps: W8A8 through the persistent TMA kernel (GemmConfig.persistent) beside the one-program-per-tile TMA
-    kernel with the same tiles, in the same process, at M 256 / 1024 / 4096 on the 8B and fused shapes."""
-    t0 = time.time()
-    tiles = ((128, 128, 128, 8, 3), (128, 128, 128, 8, 4), (128, 256, 128, 8, 3), (128, 256, 64, 8, 4),
-             (256, 128, 128, 8, 3))
-    for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
-        for M in (256, 1024, 4096):
-            cfgs = [GemmConfig(BM=bm, BN=bn, BK=bk, num_warps=nw, num_stages=st, fused_aq=False, tma=True,
-                               persistent=ps) for bm, bn, bk, nw, st in tiles for ps in (False, True)]
-            rows.append(explore_cell("w8a8", shape, K, N, M, cfgs, "a8-ps", log, t0))
-
-
 def swap_configs(M: int, w4: bool):
     """Swapped-operand A16 tiles (the weight rows as the dot's M side: 64 per 4-warp warpgroup) for M; BM is the
     activation rows, the smallest of 16, 32, 64, 128 that holds M (128 above)."""
@@ -515,8 +501,6 @@ if __name__ == "__main__":
             explore_a8_retime(res["explore"], print)
         if "--a8-tma" in sys.argv:
             explore_a8_tma(res["explore"], print)
-        if "--a8-ps" in sys.argv:
-            explore_a8_ps(res["explore"], print)
         def save():
             with open(out, "w") as f:
                 json.dump(res, f, indent=1)
@@ -525,7 +509,7 @@ if __name__ == "__main__":
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
         only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
-                "--a8-retime", "--a8-tma", "--a8-ps", "--swap")
+                "--a8-retime", "--a8-tma", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)
         if "--no-gemlite" not in sys.argv and not any(a in sys.argv for a in only):

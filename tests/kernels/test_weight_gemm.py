@@ -70,9 +70,6 @@ CASES = [  # (scheme, M, N, K, config)
     # W8A8 through TMA descriptors: rows and columns past the tensor's end read as 0 (M 17 over 16-row tiles, N 33)
     ("w8a8", 17, 33, 128, GemmConfig(BM=16, BN=16, BK=32, fused_aq=False, tma=True)),
     ("w8a8", 3, 40, 96, GemmConfig(BM=16, BN=32, BK=32, fused_aq=False, tma=True, GROUP_M=2)),
-    # persistent: 4 programs (the interpreter's SM count) walk 2 x 3 and 1 x 9 tiles, the last program fewer
-    ("w8a8", 17, 33, 128, GemmConfig(BM=16, BN=16, BK=32, fused_aq=False, tma=True, persistent=True)),
-    ("w8a8", 3, 139, 96, GemmConfig(BM=16, BN=16, BK=32, fused_aq=False, tma=True, persistent=True, GROUP_M=2)),
 ]
 
 
@@ -102,11 +99,7 @@ def test_swap_refuses_what_it_has_no_kernel_for():
 def test_tma_config_names_and_refusals():
     cfg = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, fused_aq=False, tma=True)
     assert cfg.name == "bm128-bn128-bk128-sk1-w8-s3-aq2-tma" and GemmConfig.from_name(cfg.name) == cfg
-    ps = GemmConfig(BM=128, BN=128, BK=128, num_warps=8, fused_aq=False, tma=True, persistent=True)
-    assert ps.name == cfg.name + "-ps" and GemmConfig.from_name(ps.name) == ps
     x = torch.randn(3, 128).bfloat16()
-    with pytest.raises(ValueError, match="persistent is an option of the TMA kernel only"):
-        wg.linear(x, random_weight("w8a8", 33, 128, "cpu"), GemmConfig(BM=16, BN=16, BK=32, persistent=True))
     with pytest.raises(ValueError, match="W8A8 per-channel symmetric weights only"):
         wg.linear(x, random_weight("w8a16", 33, 128, "cpu"), GemmConfig(BM=16, BN=16, BK=32, fused_aq=False, tma=True))
     with pytest.raises(ValueError, match="no split-K"):
@@ -242,10 +235,7 @@ def test_gpu_w8a8_tma_configs_match_twin(M):
     ref = wg.linear_twin(x, pw, out_dtype=torch.float32)
     for cfg in (GemmConfig(BM=128, BN=128, BK=128, num_warps=8, fused_aq=False, tma=True),
                 GemmConfig(BM=128, BN=256, BK=128, num_warps=8, num_stages=4, fused_aq=False, tma=True),
-                GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, fused_aq=False, tma=True),
-                GemmConfig(BM=128, BN=128, BK=128, num_warps=8, fused_aq=False, tma=True, persistent=True),
-                GemmConfig(BM=128, BN=256, BK=128, num_warps=8, num_stages=3, fused_aq=False, tma=True,
-                           persistent=True)):
+                GemmConfig(BM=64, BN=128, BK=128, num_warps=4, num_stages=4, fused_aq=False, tma=True)):
         y = wg.linear(x, pw, cfg, out_dtype=torch.float32)
         assert torch.isfinite(y).all() and rel(y, ref) < 1e-3, (cfg.name, rel(y, ref))
 

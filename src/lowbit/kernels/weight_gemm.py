@@ -181,28 +181,25 @@ class GemmConfig:
     fused_aq: bool = True
     swap: bool = False
     tma: bool = False  # W8A8 per-channel only: both int8 operands through TMA descriptors (_w8a8_tma_kernel)
-    persistent: bool = False  # with tma: one program per SM over the tiles (_w8a8_tma_persistent_kernel)
 
     @classmethod
     def from_name(cls, name: str) -> GemmConfig:
         """Inverse of `name` (the dispatch tables store names)."""
         import re
 
-        m = re.fullmatch(r"bm(\d+)-bn(\d+)-bk(\d+)-sk(\d+)-w(\d+)-s(\d+)(-rs|-pr|-sp)?(-aq2)?(-sw)?(-tma)?(-ps)?",
-                         name)
+        m = re.fullmatch(r"bm(\d+)-bn(\d+)-bk(\d+)-sk(\d+)-w(\d+)-s(\d+)(-rs|-pr|-sp)?(-aq2)?(-sw)?(-tma)?", name)
         if m is None:
             raise ValueError(f"not a GemmConfig name: {name!r}")
         unpack = {None: "gather", "-rs": "reshape", "-pr": "pairs", "-sp": "split"}[m[7]]
         return cls(BM=int(m[1]), BN=int(m[2]), BK=int(m[3]), SPLIT_K=int(m[4]), num_warps=int(m[5]),
                    num_stages=int(m[6]), unpack=unpack, fused_aq=m[8] is None, swap=m[9] is not None,
-                   tma=m[10] is not None, persistent=m[11] is not None)
+                   tma=m[10] is not None)
 
     @property
     def name(self) -> str:
         s = f"bm{self.BM}-bn{self.BN}-bk{self.BK}-sk{self.SPLIT_K}-w{self.num_warps}-s{self.num_stages}"
         return (s + {"gather": "", "reshape": "-rs", "pairs": "-pr", "split": "-sp"}[self.unpack]
-                + ("" if self.fused_aq else "-aq2") + ("-sw" if self.swap else "") + ("-tma" if self.tma else "")
-                + ("-ps" if self.persistent else ""))
+                + ("" if self.fused_aq else "-aq2") + ("-sw" if self.swap else "") + ("-tma" if self.tma else ""))
 
 
 if triton is not None:
@@ -560,20 +557,25 @@ if triton is not None:
             tl.atomic_add(yp, acc, mask=ymask)
 
     @triton.jit
-    def _grouped_tile(tile, M, N, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
-        """(row block, column block) of output tile `tile` in grouped order: GROUP_M row blocks share each column
-        block while it is in L2."""
+    def _w8a8_tma_kernel(a_desc, w_desc, sx_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_ym,
+                         HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                         GROUP_M: tl.constexpr):
+        """y [M, N] = (a_codes [M, K] int8 @ w [N, K] int8^T) * sx[m] * s[n] (+ bias): W8A8 per-channel with the
+        activation codes from quantize_rows. Both tiles come through TMA descriptors, so Hopper's pipeliner stages
+        them with the copy engine and mbarriers instead of per-thread loads; out-of-range rows and columns read 0."""
+        pid = tl.program_id(0)
         num_m = tl.cdiv(M, BM)
         num_n = tl.cdiv(N, BN)
-        width = GROUP_M * num_n
-        first_m = (tile // width) * GROUP_M
+        width = GROUP_M * num_n  # grouped ordering: GROUP_M row blocks share each column block while it is in L2
+        first_m = (pid // width) * GROUP_M
         gsize = tl.minimum(num_m - first_m, GROUP_M)
-        return first_m + (tile % width) % gsize, (tile % width) // gsize
-
-    @triton.jit
-    def _w8a8_store(acc, pid_m, pid_n, sx_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
-                    BM: tl.constexpr, BN: tl.constexpr):
-        """y tile = acc [BM, BN] int32 * sx[m] * s[n] (+ bias), masked to [M, N]."""
+        pid_m = first_m + (pid % width) % gsize
+        pid_n = (pid % width) // gsize
+        acc = tl.zeros([BM, BN], dtype=tl.int32)
+        for kk in range(0, K, BK):
+            a = a_desc.load([pid_m * BM, kk])  # [BM, BK] int8
+            w = w_desc.load([pid_n * BN, kk])  # [BN, BK] int8
+            acc += tl.dot(a, w.T, out_dtype=tl.int32)
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         sx = tl.load(sx_ptr + rm, mask=rm < M, other=0.0)
@@ -583,56 +585,6 @@ if triton is not None:
             out += tl.load(b_ptr + rn, mask=rn < N, other=0.0).to(tl.float32)[None, :]
         tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], out.to(y_ptr.dtype.element_ty),
                  mask=(rm[:, None] < M) & (rn[None, :] < N))
-
-    @triton.jit
-    def _w8a8_tma_kernel(a_desc, w_desc, sx_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_ym,
-                         HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                         GROUP_M: tl.constexpr):
-        """y [M, N] = (a_codes [M, K] int8 @ w [N, K] int8^T) * sx[m] * s[n] (+ bias): W8A8 per-channel with the
-        activation codes from quantize_rows. Both tiles come through TMA descriptors, so Hopper's pipeliner stages
-        them with the copy engine and mbarriers instead of per-thread loads; out-of-range rows and columns read 0.
-        One program per output tile."""
-        pid_m, pid_n = _grouped_tile(tl.program_id(0), M, N, BM, BN, GROUP_M)
-        acc = tl.zeros([BM, BN], dtype=tl.int32)
-        for kk in range(0, K, BK):
-            a = a_desc.load([pid_m * BM, kk])  # [BM, BK] int8
-            w = w_desc.load([pid_n * BN, kk])  # [BN, BK] int8
-            acc += tl.dot(a, w.T, out_dtype=tl.int32)
-        _w8a8_store(acc, pid_m, pid_n, sx_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, BM, BN)
-
-    @triton.jit
-    def _w8a8_tma_tile(a_desc, w_desc, sx_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr, stride_ym, tile,
-                       HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       GROUP_M: tl.constexpr):
-        """One output tile of _w8a8_tma_persistent_kernel."""
-        pid_m, pid_n = _grouped_tile(tile, M, N, BM, BN, GROUP_M)
-        acc = tl.zeros([BM, BN], dtype=tl.int32)
-        for kk in range(0, K, BK):
-            a = a_desc.load([pid_m * BM, kk])  # [BM, BK] int8
-            w = w_desc.load([pid_n * BN, kk])  # [BN, BK] int8
-            acc += tl.dot(a, w.T, out_dtype=tl.int32)
-        _w8a8_store(acc, pid_m, pid_n, sx_ptr, s_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS, BM, BN)
-
-    @triton.jit
-    def _w8a8_tma_persistent_kernel(a_desc, w_desc, sx_ptr, s_ptr, b_ptr, y_ptr, M, N, K: tl.constexpr,
-                                    stride_ym, HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                                    BK: tl.constexpr, GROUP_M: tl.constexpr, NUM_PROGS: tl.constexpr,
-                                    WALK_WHILE: tl.constexpr):
-        """_w8a8_tma_kernel with NUM_PROGS programs (<= the SM count) walking the output tiles: the tile loop and
-        the K loop are flattened into one pipelined loop (tl.range flatten), so the next tile's first TMA loads
-        are in flight while this tile's epilogue runs, and no wave leaves SMs idle at its end. WALK_WHILE (the CPU
-        interpreter, whose range() cannot take a program-dependent bound): the same walk as a while loop."""
-        num_tiles = tl.cdiv(M, BM) * tl.cdiv(N, BN)
-        if WALK_WHILE:
-            tile = tl.program_id(0)
-            while tile < num_tiles:
-                _w8a8_tma_tile(a_desc, w_desc, sx_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_ym, tile, HAS_BIAS,
-                               BM, BN, BK, GROUP_M)
-                tile += NUM_PROGS
-        else:
-            for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, flatten=True):
-                _w8a8_tma_tile(a_desc, w_desc, sx_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_ym, tile, HAS_BIAS,
-                               BM, BN, BK, GROUP_M)
 
     @triton.jit
     def _quant_rows_kernel(x_ptr, q_ptr, s_ptr, K: tl.constexpr, stride_xm, BK: tl.constexpr, ADT: tl.constexpr,
@@ -724,8 +676,6 @@ def linear(x: torch.Tensor, pw: PackedWeight, config: GemmConfig | None = None,
     if pw.a_bits == 8 and x.device.type == "cuda" and BK < 32:
         raise ValueError(f"the int8 GEMM needs a K tile of at least 32 on CUDA (Triton's int8 dot); K={K}, group "
                          f"{pw.group} and config {cfg.name} leave {BK}: use a group that is a multiple of 32")
-    if cfg.persistent and not cfg.tma:
-        raise ValueError(f"config {cfg.name}: persistent is an option of the TMA kernel only (-tma-ps)")
     if cfg.swap:
         return _linear_swap(x, pw, cfg, out_dtype, BK, sk)
     if cfg.tma:
@@ -755,23 +705,14 @@ def tma_why_not(pw: PackedWeight, cfg: GemmConfig) -> str | None:
         return f"tma config {cfg.name}: W8A8 per-channel symmetric weights only, not {pw.kind}"
     if cfg.fused_aq or cfg.SPLIT_K != 1 or cfg.swap:
         return f"tma config {cfg.name}: takes activation codes from their own kernel (-aq2), no split-K, no swap"
-
     if pw.K % 16:
         return f"tma config {cfg.name}: K={pw.K} must be a multiple of 16 (the descriptors' row stride)"
     return None
 
 
-def _sm_count(device: torch.device) -> int:
-    """Programs of a persistent launch: the device's SMs (CPU interpreter: 4, enough to walk several tiles each)."""
-    if device.type != "cuda":
-        return 4
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _linear_w8a8_tma(x: torch.Tensor, pw: PackedWeight, cfg: GemmConfig, out_dtype: torch.dtype,
                      BK: int) -> torch.Tensor:
-    """`linear` through _w8a8_tma_kernel (cfg.tma), or _w8a8_tma_persistent_kernel (cfg.persistent: grid = min(tiles,
-    SMs)): W8A8 per-channel, activation codes from quantize_rows."""
+    """`linear` through _w8a8_tma_kernel (cfg.tma): W8A8 per-channel, activation codes from quantize_rows."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     reason = tma_why_not(pw, cfg)
@@ -781,13 +722,10 @@ def _linear_w8a8_tma(x: torch.Tensor, pw: PackedWeight, cfg: GemmConfig, out_dty
     y = torch.empty(x.shape[0], pw.N, dtype=out_dtype, device=x.device)
     a_desc = TensorDescriptor.from_tensor(xq, [cfg.BM, BK])
     w_desc = TensorDescriptor.from_tensor(pw.qweight, [cfg.BN, BK])
-    tiles = triton.cdiv(x.shape[0], cfg.BM) * triton.cdiv(pw.N, cfg.BN)
-    kernel = _w8a8_tma_persistent_kernel if cfg.persistent else _w8a8_tma_kernel
-    progs = min(tiles, _sm_count(x.device)) if cfg.persistent else tiles
-    extra = {"NUM_PROGS": progs, "WALK_WHILE": x.device.type == "cpu"} if cfg.persistent else {}
-    kernel[(progs,)](a_desc, w_desc, sx, pw.scale, pw.bias if pw.bias is not None else pw.scale, y,
-                     x.shape[0], pw.N, pw.K, y.stride(0), HAS_BIAS=pw.bias is not None, BM=cfg.BM, BN=cfg.BN,
-                     BK=BK, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+    grid = (triton.cdiv(x.shape[0], cfg.BM) * triton.cdiv(pw.N, cfg.BN),)
+    _w8a8_tma_kernel[grid](a_desc, w_desc, sx, pw.scale, pw.bias if pw.bias is not None else pw.scale, y,
+                           x.shape[0], pw.N, pw.K, y.stride(0), HAS_BIAS=pw.bias is not None, BM=cfg.BM, BN=cfg.BN,
+                           BK=BK, GROUP_M=cfg.GROUP_M, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
 
 
