@@ -469,5 +469,25 @@ def test_compile_needs_the_captured_path_on_cuda(rt):
         build(rt, engine="single", compile=True)
     with pytest.raises(LowbitError, match="--compile compiles the captured decode step: it needs the graphs"):
         build(rt, engine="batch", decode_path="eager", compile=True)
+    with pytest.raises(LowbitError, match="--compile compiles the captured decode step: it needs the graphs"):
+        build(rt, engine="batch", decode_path="eager", compile="layers")
+    with pytest.raises(LowbitError, match="--compile 'all' unknown; use one of whole, layers"):
+        build(rt, engine="batch", decode_path="eager", compile="all")
     engine, _ = build(rt, engine="batch", decode_path="eager")
     assert engine.info["compiled"] is False and engine.info["fused_projections"] == 0  # eager on CPU: unfused
+    assert engine.info["compile_regions"] is None
+
+
+def test_serve_compile_flag_parses_to_regions():
+    """`--compile` alone is the one-graph compile, `--compile layers` the per-layer regions; others are refused."""
+    import argparse
+
+    from lowbit.commands import serve as cmd
+
+    p = argparse.ArgumentParser()
+    cmd.add_arguments(p)
+    assert p.parse_args(["m", "--compile"]).compile == "whole"
+    assert p.parse_args(["m", "--compile", "layers"]).compile == "layers"
+    assert p.parse_args(["m"]).compile is None
+    with pytest.raises(SystemExit):
+        p.parse_args(["m", "--compile", "all"])

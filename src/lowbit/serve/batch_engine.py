@@ -99,12 +99,12 @@ class BatchEngine(Worker):
 
     def __init__(self, runtime, metrics: Metrics | None = None, *, slots: int = DEFAULT_MAX_ACTIVE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait",
-                 batch_invariant: bool = False, compile: bool = False):
+                 batch_invariant: bool = False, compile: bool | str = False):
         from lowbit.kv.cache import model_device
         from lowbit.kv.plan import resolve
         from lowbit.runtime.fold import fold_value_rotation
         from lowbit.runtime.static_cache import StaticKVCache
-        from lowbit.runtime.step import DecodeGraphs, ModelStep
+        from lowbit.runtime.step import REGIONS, DecodeGraphs, ModelStep
 
         if slots < 1:
             raise LowbitError(f"--max-active {slots}: need at least 1 slot")
@@ -121,7 +121,10 @@ class BatchEngine(Worker):
         if mode == "graphs" and device.type != "cuda":
             raise LowbitError(f"CUDA graph capture needs the model on CUDA, it is on {device.type}; "
                               "use the eager decode path (--decode-path eager) or load the model on a GPU")
-        if compile and mode != "graphs":
+        regions = {True: "whole", False: None}.get(compile, compile)  # --compile [whole|layers]
+        if regions not in (None, *REGIONS):
+            raise LowbitError(f"--compile {compile!r} unknown; use one of {', '.join(REGIONS)}")
+        if regions and mode != "graphs":
             raise LowbitError("--compile compiles the captured decode step: it needs the graphs decode path on CUDA "
                               f"(this engine runs {mode}); drop --compile or serve on a GPU")
         # a family without a step path: the error names those that have one. On the captured path q/k/v and
@@ -146,10 +149,11 @@ class BatchEngine(Worker):
         self.eos = {int(t) for t in runtime.eos_token_ids}
         self.batch_invariant = bool(batch_invariant)
         buckets = (slots,) if self.batch_invariant else buckets_for(slots)  # invariant: one full-width graph
-        self.graphs = DecodeGraphs(self.step, self.cache, buckets, compile=compile) if mode == "graphs" else None
+        self.graphs = (DecodeGraphs(self.step, self.cache, buckets, compile=bool(regions), regions=regions or "whole")
+                       if mode == "graphs" else None)
         self.path = f"batch-{mode}"
         self.info = {"engine": "batch", "path": mode, "slots": slots, "when_full": when_full,
-                     "compiled": bool(compile),
+                     "compiled": bool(regions), "compile_regions": regions,
                      "inductor_pdl": bool(self.graphs and self.graphs.inductor_pdl),
                      "fused_projections": self.step.fused.groups if self.step.fused else 0,
                      "folded_value_rotation": len(self.folded.layers) if self.folded else 0,

@@ -28,13 +28,13 @@ ENGINES = ("auto", "batch", "single")
 
 def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
           engine: str = "auto", decode_path: str = "auto", when_full: str = "wait", batch_invariant: bool = False,
-          compile: bool = False):
+          compile: bool | str = False):
     """(engine, app) for a lowbit.serve.runtime.Runtime; the engine is not started yet.
 
     engine: "batch" (lowbit.serve.batch_engine: continuous batching over one static cache of
     `max_active` slots; decode_path "graphs" | "eager" | "auto", when_full "wait" | "reject",
     batch_invariant: every step at full width, so tokens do not depend on the load; compile: the captured
-    step torch.compile'd first, DecodeGraphs(compile=True)),
+    step torch.compile'd first, True or "whole" as one graph, "layers" per decoder layer (DecodeGraphs regions)),
     "single" (lowbit.serve.engine: one cache and one forward per request), or "auto": batch when the
     model is on CUDA, single on CPU (its per-request caches hold only what is used)."""
     if max_active < 1:
@@ -65,7 +65,7 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
 
 
 def _build_batch(runtime, slots: int, prefill_chunk: int, decode_path: str, when_full: str, batch_invariant: bool,
-                 compile: bool = False):
+                 compile: bool | str = False):
     from lowbit.serve.batch_engine import BatchEngine
 
     engine = BatchEngine(runtime, slots=slots, prefill_chunk=prefill_chunk, mode=decode_path, when_full=when_full,
