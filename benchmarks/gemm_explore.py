@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --a8 | --a8-split | --a8-retime | --a8-tma
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --cuda-lb | --a8 | --a8-split | --a8-retime | --a8-tma
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
@@ -10,7 +10,8 @@ the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-
 
 --cuda-ws: the warp-split CUDA kernel (4-bit, M <= 16; CudaConfig.NB > 0) in its instances beside the x-staging
 kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (the packed weight's bytes) at M=1.
---cuda-ws16: the same at M = 16 alone (the two-activation-tile instances), every launch with PDL.
+--cuda-ws16: the same at M = 16 alone (the two-activation-tile instances), every launch with PDL. --cuda-lb: the
+warp-split instances under launch bound 256 (up to 255 registers) beside the default 512 (128 registers), M 1 / 4 / 16.
 
 --cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
 
@@ -273,6 +274,28 @@ def explore_cuda_ws16(rows, log):
             rows.append(row)
 
 
+def explore_cuda_lb(rows, log):
+    """--cuda-lb: the warp-split kernel's instances under launch bound 256 (CudaConfig.bound: up to 255 registers a
+    thread, at most 8 warps) beside the same launches under the default bound 512 (128 registers, where the RT 2 and
+    two-activation-tile instances spill), W4A16 g128 at M 1 / 4 / 16 on the 8B and fused shapes, with PDL as the table's
+    cells run; blocks per SM recorded for each."""
+    from dataclasses import replace
+
+    from lowbit.kernels import weight_cuda
+
+    t0 = time.time()
+    for M in (1, 4, 16):
+        shapes = weight_cuda.WARP_SPLIT_SHAPES_MT2 if M > 8 else weight_cuda.WARP_SPLIT_SHAPES
+        base = [CudaConfig(rt, w, 0, NB=nb, pdl=True) for rt, nb in sorted(shapes) for w in (4, 8)]
+        cfgs = base + [replace(c, bound=256) for c in base]
+        for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
+            row = explore_cell("w4a16-g128", shape, K, N, M, cfgs, "cuda-lb", log, t0)
+            pw = random_weight("w4a16-g128", N, K, "cuda")
+            row["blocks_per_sm"] = {c.name: weight_cuda.warp_split_occupancy(pw, M, c, "cuda") for c in cfgs}
+            del pw
+            rows.append(row)
+
+
 def explore_cuda_pdl(rows, log):
     """--cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch
     (CudaConfig.pdl: the weight's first lines prefetched into L2 and the launch overlapped with the previous kernel's
@@ -489,6 +512,8 @@ if __name__ == "__main__":
             explore_cuda_ws(res["explore"], print)
         if "--cuda-ws16" in sys.argv:
             explore_cuda_ws16(res["explore"], print)
+        if "--cuda-lb" in sys.argv:
+            explore_cuda_lb(res["explore"], print)
         if "--cuda-quick" in sys.argv:
             explore_cuda_quick(res["explore"], print)
         if "--final" in sys.argv:
@@ -508,7 +533,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
+        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-lb", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
                 "--a8-retime", "--a8-tma", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)

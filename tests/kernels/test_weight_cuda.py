@@ -308,7 +308,9 @@ def test_linear_refuses_cpu_tensors_before_any_launch():
 
 WS_CONFIGS = [CudaConfig(1, 4, 0, NB=3), CudaConfig(1, 8, 0, NB=4), CudaConfig(1, 16, 0, NB=6),
               CudaConfig(2, 8, 0, NB=3), CudaConfig(2, 4, 0, NB=4), CudaConfig(1, 8, 3, NB=4),
-              CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 3, NB=4, pdl=True)]
+              CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 3, NB=4, pdl=True),
+              # launch bound 256: the same code with up to 255 registers (no spills), at most 8 warps
+              CudaConfig(2, 8, 0, NB=3, bound=256), CudaConfig(1, 4, 3, NB=4, pdl=True, bound=256)]
 
 
 def test_warp_split_names_conditions_and_plan():
@@ -327,6 +329,12 @@ def test_warp_split_names_conditions_and_plan():
     assert wc.why_not(w4, torch.bfloat16, 17) is None  # the x-staging kernel still takes M 17
     assert "4-bit only" in wc.why_not(w8, torch.bfloat16, 1, cfg)
     assert "no warp-split instance" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(2, 8, 0, NB=6))
+    lb = CudaConfig(2, 8, 0, 4, NB=3, pdl=True, bound=256)
+    assert lb.name == "cuda-ws-rt2-w8-nb3-sk0-wv4-lb256-pdl" and CudaConfig.from_name(lb.name) == lb
+    assert wc.why_not(w4, torch.bfloat16, 16, lb) is None
+    assert "at most 8 warps" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(1, 16, 0, NB=4, bound=256))
+    assert "at most 8 warps" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(1, 8, 0, NB=4, bound=128))
+    assert "option of the warp-split kernel" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(2, 8, 0, bound=256))
     d = Dispatch([Cell("w4a16", 1, 16, "cuda", cfg), Cell("w4a16", 1, 16, "triton", GemmConfig())], "test")
     assert d.choose("w4a16", 9, w4, torch.bfloat16).path == ("cuda" if wc.nvcc_missing() is None else "triton")
     d6 = Dispatch([Cell("w4a16", 1, 16, "cuda", CudaConfig(1, 8, 0, NB=6)), Cell("w4a16", 1, 16, "triton", GemmConfig())],

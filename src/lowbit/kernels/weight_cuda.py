@@ -70,6 +70,9 @@ class CudaConfig:
     waves: int = 2
     NB: int = 0
     pdl: bool = False  # launched as a programmatic dependent: prologue overlaps the previous kernel's tail
+    # warp-split only: the instance's launch bound in threads per block. 512 (the default) caps a thread at 128
+    # registers, where the RT 2 and M > 8 instances spill (ptxas); 256 (at most 8 warps) allows 255
+    bound: int = 512
 
     @classmethod
     def from_name(cls, name: str) -> CudaConfig:
@@ -80,16 +83,19 @@ class CudaConfig:
         m = re.fullmatch(r"cuda-rt(\d+)-w(\d+)-sk(\d+)(?:-wv(\d+))?", base)
         if m is not None:
             return cls(int(m[1]), int(m[2]), int(m[3]), int(m[4] or 2), pdl=pdl)
-        m = re.fullmatch(r"cuda-ws-rt(\d+)-w(\d+)-nb(\d+)-sk(\d+)(?:-wv(\d+))?", base)
+        m = re.fullmatch(r"cuda-ws-rt(\d+)-w(\d+)-nb(\d+)-sk(\d+)(?:-wv(\d+))?(?:-lb(\d+))?", base)
         if m is None:
             raise ValueError(f"not a CudaConfig name: {name!r}")
-        return cls(int(m[1]), int(m[2]), int(m[4]), int(m[5] or 2), int(m[3]), pdl)
+        return cls(int(m[1]), int(m[2]), int(m[4]), int(m[5] or 2), int(m[3]), pdl, int(m[6] or 512))
 
     @property
     def name(self) -> str:
-        wv = ("" if self.waves == 2 else f"-wv{self.waves}") + ("-pdl" if self.pdl else "")
+        wv = ("" if self.waves == 2 else f"-wv{self.waves}")
+        pdl = "-pdl" if self.pdl else ""
         if self.NB:
-            return f"cuda-ws-rt{self.RT}-w{self.warps}-nb{self.NB}-sk{self.SPLITK}{wv}"
+            lb = "" if self.bound == 512 else f"-lb{self.bound}"
+            return f"cuda-ws-rt{self.RT}-w{self.warps}-nb{self.NB}-sk{self.SPLITK}{wv}{lb}{pdl}"
+        wv += pdl
         return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}{wv}"
 
 
@@ -159,6 +165,7 @@ def build(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] 
     out = cache_path(arch, cache_dir=cache_dir, defines=defines)
     if out.is_file():
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)  # a new cache directory (else nvcc's link step fails obscurely)
     tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=900,
@@ -180,7 +187,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib.lowbit_wq_small_m.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I,
                                       ctypes.c_ulonglong]
     lib.lowbit_wq_small_m.restype = I
-    lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I,
+    lib.lowbit_wq_warp_split.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I,
                                          ctypes.c_ulonglong, ctypes.POINTER(I)]
     lib.lowbit_wq_warp_split.restype = I
     lib.lowbit_wq_warp_split_smem.argtypes = [I, I, I]
@@ -239,6 +246,10 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: CudaConfig
         shapes = WARP_SPLIT_SHAPES_MT2 if M is not None and M > 8 else WARP_SPLIT_SHAPES
         if (config.RT, config.NB) not in shapes or config.warps not in (4, 8, 16):
             return f"no warp-split instance for {config.name}" + (f" at M={M}" if M is not None and M > 8 else "")
+        if config.bound not in (256, 512) or config.warps * 32 > config.bound:
+            return f"no warp-split instance for {config.name}: launch bound 512, or 256 for at most 8 warps"
+    elif config is not None and config.bound != 512:
+        return f"{config.name}: a launch bound is an option of the warp-split kernel (NB > 0)"
     if pw.a_bits != 16 or pw.bits not in (4, 8):
         return f"the CUDA small-M kernel is weight-only A16 with 4- or 8-bit weights, not {pw.kind}"
     if x_dtype != torch.bfloat16:
@@ -315,8 +326,8 @@ def warp_split_occupancy(pw, M: int, cfg: CudaConfig, device) -> int:
     pl = plan_warp_split(pw, M, cfg, sms)
     out = ctypes.c_int(0)
     rc = lib.lowbit_wq_warp_split(None, 0, None, None, 0, None if pw.zero is None else 1, None, 0, None, 0, 0, None,
-                                  None, M, pw.N, pw.K, pw.group, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split,
-                                  pl.splitk, int(cfg.pdl), 0, ctypes.byref(out))
+                                  None, M, pw.N, pw.K, pw.group, pl.lw, cfg.RT, cfg.NB, cfg.warps, cfg.bound,
+                                  pl.chunks_per_split, pl.splitk, int(cfg.pdl), 0, ctypes.byref(out))
     if rc != 0:
         raise LowbitError(f"occupancy query for {cfg.name} failed: {lib.lowbit_cuda_error_string(rc).decode()}")
     return out.value
@@ -361,8 +372,8 @@ def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: tor
             _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0), _KIND[out_dtype],
             None if ws is None else ws.data_ptr(), None if cnt is None else cnt.data_ptr(), M, pw.N, K, pw.group)
     if cfg.NB:
-        rc = lib.lowbit_wq_warp_split(*args, pl.lw, cfg.RT, cfg.NB, cfg.warps, pl.chunks_per_split, pl.splitk,
-                                      int(cfg.pdl), stream, None)
+        rc = lib.lowbit_wq_warp_split(*args, pl.lw, cfg.RT, cfg.NB, cfg.warps, cfg.bound, pl.chunks_per_split,
+                                      pl.splitk, int(cfg.pdl), stream, None)
     else:
         rc = lib.lowbit_wq_small_m(*args, pw.bits, pl.lw, cfg.RT, cfg.warps, pl.chunks_per_split, pl.xs_chunks,
                                    pl.splitk, int(cfg.pdl), stream)

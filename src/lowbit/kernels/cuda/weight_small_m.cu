@@ -424,8 +424,11 @@ __global__ void __launch_bounds__(256) wq_small_m(const Params p) {
 // MT activation tiles of 8 rows (1: M <= 8, 2: M <= 16) share each dequantized A fragment.
 //
 // Shared memory: the warps' partials [W][16 RT][8 MT] fp32.
-template <int LW, int RT, int NB, bool ZP, int MT>
-__global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
+// MAXT: the launch bound, threads per block. 512 (16-warp launches) caps a thread at 128 registers, where the RT 2
+// and two-activation-tile instances spill (ptxas: up to 208 B of spill stores a thread at LW 4); 256 (launches of
+// at most 8 warps, CudaConfig.bound) lets them take up to 255 registers instead.
+template <int LW, int RT, int NB, bool ZP, int MT, int MAXT>
+__global__ void __launch_bounds__(MAXT) wq_warp_split(const Params p) {
   constexpr int CK = 4 * LW * 8;  // k per chunk
   constexpr int WPC = 4 * LW;     // words per row per chunk
   extern __shared__ float red[];
@@ -589,9 +592,10 @@ __global__ void __launch_bounds__(512) wq_warp_split(const Params p) {
 // Dynamic shared memory of one wq_warp_split block: the warps' partials.
 static int warp_split_smem(int rt, int warps, int mt) { return warps * rt * 16 * 8 * mt * 4; }
 
-template <int LW, int RT, int NB, bool ZP, int MT>
+template <int LW, int RT, int NB, bool ZP, int MT, int MAXT>
 int launch_warp_split(const Params& p, int warps, cudaStream_t stream, int* occupancy) {
-  auto kern = wq_warp_split<LW, RT, NB, ZP, MT>;
+  if (warps * 32 > MAXT) return -4;  // more threads than this instance was compiled for
+  auto kern = wq_warp_split<LW, RT, NB, ZP, MT, MAXT>;
   const int smem = warp_split_smem(RT, warps, MT);
   static int smem_set[64] = {0};
   int dev = 0;
@@ -609,23 +613,23 @@ int launch_warp_split(const Params& p, int warps, cudaStream_t stream, int* occu
   return launch_kernel(kern, grid, warps * 32, smem, stream, p);
 }
 
-template <int LW, bool ZP>
+template <int LW, bool ZP, int MAXT>
 int warp_split_by_rt_nb(const Params& p, int rt, int nb, int warps, cudaStream_t s, int* occ) {
   const bool two = p.M > 8;  // MT 2: rows 8-15 of the activations in a second B tile
 #ifdef LOWBIT_COMPILE_CHECK
-  if (rt == 1 && nb == 4) return two ? launch_warp_split<LW, 1, 4, ZP, 2>(p, warps, s, occ)
-                                     : launch_warp_split<LW, 1, 4, ZP, 1>(p, warps, s, occ);
+  if (rt == 1 && nb == 4) return two ? launch_warp_split<LW, 1, 4, ZP, 2, MAXT>(p, warps, s, occ)
+                                     : launch_warp_split<LW, 1, 4, ZP, 1, MAXT>(p, warps, s, occ);
 #else
   if (!two) {
-    if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP, 1>(p, warps, s, occ);
-    if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 1>(p, warps, s, occ);
-    if (rt == 1 && nb == 6) return launch_warp_split<LW, 1, 6, ZP, 1>(p, warps, s, occ);
-    if (rt == 2 && nb == 3) return launch_warp_split<LW, 2, 3, ZP, 1>(p, warps, s, occ);
-    if (rt == 2 && nb == 4) return launch_warp_split<LW, 2, 4, ZP, 1>(p, warps, s, occ);
+    if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP, 1, MAXT>(p, warps, s, occ);
+    if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 1, MAXT>(p, warps, s, occ);
+    if (rt == 1 && nb == 6) return launch_warp_split<LW, 1, 6, ZP, 1, MAXT>(p, warps, s, occ);
+    if (rt == 2 && nb == 3) return launch_warp_split<LW, 2, 3, ZP, 1, MAXT>(p, warps, s, occ);
+    if (rt == 2 && nb == 4) return launch_warp_split<LW, 2, 4, ZP, 1, MAXT>(p, warps, s, occ);
   } else {
-    if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP, 2>(p, warps, s, occ);
-    if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 2>(p, warps, s, occ);
-    if (rt == 2 && nb == 3) return launch_warp_split<LW, 2, 3, ZP, 2>(p, warps, s, occ);
+    if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP, 2, MAXT>(p, warps, s, occ);
+    if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 2, MAXT>(p, warps, s, occ);
+    if (rt == 2 && nb == 3) return launch_warp_split<LW, 2, 3, ZP, 2, MAXT>(p, warps, s, occ);
   }
 #endif
   return -6;
@@ -742,22 +746,29 @@ int lowbit_wq_small_m(const void* x, long long ldx, const void* qw, const void* 
 }
 
 // y = x @ W^T for 4-bit weights and 1 <= M <= 16 through wq_warp_split (warps per block 4, 8 or 16; rt 1 or 2 row
-// tiles per warp; nb chunks in each warp's ring; zero-points iff zero != null). Same return codes as above, -6: no
+// tiles per warp; nb chunks in each warp's ring; zero-points iff zero != null; bound 512 or 256: the instance's
+// launch bound, 256 for at most 8 warps with up to 255 registers a thread). Same return codes as above, -6: no
 // instance for this (rt, nb, M). With occupancy != null nothing is launched: *occupancy = blocks per SM.
 int lowbit_wq_warp_split_smem(int rt, int warps, int M) { return warp_split_smem(rt, warps, M > 8 ? 2 : 1); }
 
 int lowbit_wq_warp_split(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind,
                          const void* zero, const void* bias, int bias_kind, void* y, long long ldy, int out_kind,
                          float* ws, unsigned* counters, int M, int N, int K, int group, int lw, int rt, int nb,
-                         int warps, int chunks_per_split, int splitk, int pdl, unsigned long long stream,
+                         int warps, int bound, int chunks_per_split, int splitk, int pdl, unsigned long long stream,
                          int* occupancy) {
   if (M < 1 || M > 16) return -1;
   if (warps != 4 && warps != 8 && warps != 16) return -4;
+  if (bound != 256 && bound != 512) return -4;
   const Params p = make_params(x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters, M, N,
                                K, group, chunks_per_split, 0, splitk, pdl);
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool zp = zero != nullptr;
-#define LOWBIT_WS(LW_) return zp ? warp_split_by_rt_nb<LW_, true>(p, rt, nb, warps, s, occupancy) : warp_split_by_rt_nb<LW_, false>(p, rt, nb, warps, s, occupancy);
+#define LOWBIT_WS(LW_)                                                                                  \
+  if (bound == 256)                                                                                   \
+    return zp ? warp_split_by_rt_nb<LW_, true, 256>(p, rt, nb, warps, s, occupancy)                   \
+              : warp_split_by_rt_nb<LW_, false, 256>(p, rt, nb, warps, s, occupancy);                 \
+  return zp ? warp_split_by_rt_nb<LW_, true, 512>(p, rt, nb, warps, s, occupancy)                     \
+            : warp_split_by_rt_nb<LW_, false, 512>(p, rt, nb, warps, s, occupancy);
   if (lw == 4) { LOWBIT_WS(4) }
   if (lw == 2) { LOWBIT_WS(2) }
   if (lw == 1) { LOWBIT_WS(1) }
@@ -769,7 +780,8 @@ const char* lowbit_cuda_error_string(int code) {
   if (code == -1) return "no instance for these bits / M (4 or 8 bits, 1 <= M <= 64)";
   if (code == -2) return "no instance for this rows-per-warp (1, 2 or 4; 1 or 2 for M > 16)";
   if (code == -3) return "no instance for this words-per-lane (1, 2 or 4)";
-  if (code == -4) return "no instance for this warps-per-block (2, 4 or 8)";
+  if (code == -4) return "no instance for this warps-per-block (x-staging: 2, 4 or 8; warp-split: 4, 8 or 16, at most 8 "
+                         "under launch bound 256)";
   if (code == -5) return "xs_chunks must be >= 1";
   if (code == -6) return "no warp-split instance for this (rows-per-warp, ring depth, M)";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
