@@ -277,8 +277,8 @@ def explore_cuda_ws16(rows, log):
 def explore_cuda_lb(rows, log):
     """--cuda-lb: the warp-split kernel's instances under launch bound 256 (CudaConfig.bound: up to 255 registers a
     thread, at most 8 warps) beside the same launches under the default bound 512 (128 registers, where the RT 2 and
-    two-activation-tile instances spill), W4A16 g128 at M 1 / 4 / 16 on the 8B and fused shapes, with PDL as the table's
-    cells run; blocks per SM recorded for each."""
+    two-activation-tile instances spill), and at M 16 the RT 4 instance (bound 256 only), W4A16 g128 at M 1 / 4 / 16 on
+    the 8B and fused shapes, with PDL as the table's cells run; blocks per SM recorded for each."""
     from dataclasses import replace
 
     from lowbit.kernels import weight_cuda
@@ -288,6 +288,9 @@ def explore_cuda_lb(rows, log):
         shapes = weight_cuda.WARP_SPLIT_SHAPES_MT2 if M > 8 else weight_cuda.WARP_SPLIT_SHAPES
         base = [CudaConfig(rt, w, 0, NB=nb, pdl=True) for rt, nb in sorted(shapes) for w in (4, 8)]
         cfgs = base + [replace(c, bound=256) for c in base]
+        if M > 8:  # 64 weight rows per warp, an instance of bound 256 only
+            cfgs += [CudaConfig(rt, w, 0, NB=nb, pdl=True, bound=256)
+                     for rt, nb in sorted(weight_cuda.WARP_SPLIT_SHAPES_MT2_LB256) for w in (4, 8)]
         for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
             row = explore_cell("w4a16-g128", shape, K, N, M, cfgs, "cuda-lb", log, t0)
             pw = random_weight("w4a16-g128", N, K, "cuda")

@@ -310,7 +310,8 @@ WS_CONFIGS = [CudaConfig(1, 4, 0, NB=3), CudaConfig(1, 8, 0, NB=4), CudaConfig(1
               CudaConfig(2, 8, 0, NB=3), CudaConfig(2, 4, 0, NB=4), CudaConfig(1, 8, 3, NB=4),
               CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 3, NB=4, pdl=True),
               # launch bound 256: the same code with up to 255 registers (no spills), at most 8 warps
-              CudaConfig(2, 8, 0, NB=3, bound=256), CudaConfig(1, 4, 3, NB=4, pdl=True, bound=256)]
+              CudaConfig(2, 8, 0, NB=3, bound=256), CudaConfig(1, 4, 3, NB=4, pdl=True, bound=256),
+              CudaConfig(4, 4, 0, NB=2, bound=256)]  # 64 rows per warp: M 9-16, bound 256 only
 
 
 def test_warp_split_names_conditions_and_plan():
@@ -335,6 +336,10 @@ def test_warp_split_names_conditions_and_plan():
     assert "at most 8 warps" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(1, 16, 0, NB=4, bound=256))
     assert "at most 8 warps" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(1, 8, 0, NB=4, bound=128))
     assert "option of the warp-split kernel" in wc.why_not(w4, torch.bfloat16, 1, CudaConfig(2, 8, 0, bound=256))
+    rt4 = CudaConfig(4, 8, 0, NB=2, bound=256)
+    assert wc.why_not(w4, torch.bfloat16, 16, rt4) is None
+    assert "no warp-split instance" in wc.why_not(w4, torch.bfloat16, 8, rt4)  # one activation tile: none
+    assert "no warp-split instance" in wc.why_not(w4, torch.bfloat16, 16, CudaConfig(4, 8, 0, NB=2))  # bound 512
     d = Dispatch([Cell("w4a16", 1, 16, "cuda", cfg), Cell("w4a16", 1, 16, "triton", GemmConfig())], "test")
     assert d.choose("w4a16", 9, w4, torch.bfloat16).path == ("cuda" if wc.nvcc_missing() is None else "triton")
     d6 = Dispatch([Cell("w4a16", 1, 16, "cuda", CudaConfig(1, 8, 0, NB=6)), Cell("w4a16", 1, 16, "triton", GemmConfig())],

@@ -233,6 +233,7 @@ def words_per_lane(bits: int, K: int, group: int) -> int | None:
 WARP_SPLIT_M_MAX = 16
 WARP_SPLIT_SHAPES = {(1, 3), (1, 4), (1, 6), (2, 3), (2, 4)}  # (RT, NB) instances in the library, M <= 8
 WARP_SPLIT_SHAPES_MT2 = {(1, 3), (1, 4), (2, 3)}  # and for 9 <= M <= 16 (two activation tiles)
+WARP_SPLIT_SHAPES_MT2_LB256 = {(4, 2)}  # 9 <= M <= 16 under launch bound 256 only (~250 registers)
 
 
 def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: CudaConfig | None = None) -> str | None:
@@ -244,6 +245,8 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: CudaConfig
         if M is not None and M > WARP_SPLIT_M_MAX:
             return f"the warp-split CUDA kernel covers 1 <= M <= {WARP_SPLIT_M_MAX}, got M={M}"
         shapes = WARP_SPLIT_SHAPES_MT2 if M is not None and M > 8 else WARP_SPLIT_SHAPES
+        if M is not None and M > 8 and config.bound == 256:
+            shapes = shapes | WARP_SPLIT_SHAPES_MT2_LB256
         if (config.RT, config.NB) not in shapes or config.warps not in (4, 8, 16):
             return f"no warp-split instance for {config.name}" + (f" at M={M}" if M is not None and M > 8 else "")
         if config.bound not in (256, 512) or config.warps * 32 > config.bound:

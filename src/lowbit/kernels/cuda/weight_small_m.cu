@@ -630,6 +630,11 @@ int warp_split_by_rt_nb(const Params& p, int rt, int nb, int warps, cudaStream_t
     if (rt == 1 && nb == 3) return launch_warp_split<LW, 1, 3, ZP, 2, MAXT>(p, warps, s, occ);
     if (rt == 1 && nb == 4) return launch_warp_split<LW, 1, 4, ZP, 2, MAXT>(p, warps, s, occ);
     if (rt == 2 && nb == 3) return launch_warp_split<LW, 2, 3, ZP, 2, MAXT>(p, warps, s, occ);
+    // 64 weight rows per warp: each x fragment feeds four row tiles (half the x reads per weight byte of RT 2);
+    // ~250 registers, so only under bound 256
+    if constexpr (MAXT == 256) {
+      if (rt == 4 && nb == 2) return launch_warp_split<LW, 4, 2, ZP, 2, MAXT>(p, warps, s, occ);
+    }
   }
 #endif
   return -6;
