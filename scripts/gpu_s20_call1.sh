@@ -9,8 +9,10 @@ OUT=${1:-${OUT:-/tmp/out}}; mkdir -p "$OUT"
 export PYTHONPATH="$PWD/src" TRITON_INTERPRET=0 PYTHONUNBUFFERED=1
 t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s]"; }
 python3 scripts/place_cuda_lib.py
-timeout -s INT 150 python3 -m pytest -q --tb=short -p no:cacheprovider tests/kernels/test_weight_cuda.py \
-    -k "warp_split" > "$OUT/gpu_tests_cuda_lb.log" 2>&1; echo "tests rc $? $(el)"; tail -3 "$OUT/gpu_tests_cuda_lb.log"
+T=tests/kernels/test_weight_cuda.py
+timeout -s INT 150 python3 -m pytest -q --tb=short -p no:cacheprovider "$T::test_gpu_warp_split_matches_twin" \
+    "$T::test_gpu_warp_split_graph_replay_with_split_k" "$T::test_warp_split_names_conditions_and_plan" \
+    > "$OUT/gpu_tests_cuda_lb.log" 2>&1; echo "tests rc $? $(el)"; tail -3 "$OUT/gpu_tests_cuda_lb.log"
 timeout -s INT 240 python3 benchmarks/gemm_explore.py "$OUT/gemm_explore_cuda_lb.json" --cuda-lb \
     > "$OUT/gemm_explore_cuda_lb.log" 2>&1
 echo "explore rc $? $(el)"; grep -E "^cuda-lb" "$OUT/gemm_explore_cuda_lb.log"
