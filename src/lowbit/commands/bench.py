@@ -72,7 +72,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--compile", choices=("whole", "layers", "off"), default="whole",
                         help="decode: how the lowbit rows run their captured step: whole (default) torch.compile'd as "
                              "one graph (the faster step; ~2 min a row on an 8B model), layers compiled per decoder "
-                             "layer (~45 s a row, a slower step), off the eager step captured; rows record compiled "
+                             "layer (22-84 s a row, a slower step), off the eager step captured; rows record compiled "
                              "and compile_regions")
     parser.add_argument("--steps", type=int, default=20, help="decode: timed steps per row (default 20)")
     parser.add_argument("--no-fuse", action="store_true",

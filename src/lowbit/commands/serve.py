@@ -67,7 +67,7 @@ def add_arguments(p) -> None:
                    help="batch engine on CUDA: torch.compile (Inductor) the decode step before capturing each bucket "
                         "(fewer, fused kernels per step). whole (what --compile alone means): one graph, the faster "
                         "step, ~2 min a bucket at start on an 8B model; layers: one compiled decoder layer for every "
-                        "layer, under a minute a bucket, a slower step (Llama-3-8B int2 on an H200: B1 5.8 vs 5.3 ms, "
+                        "layer, 22-84 s a bucket, a slower step (Llama-3-8B int2 on an H200: B1 5.8 vs 5.3 ms, "
                         "B16 9.8 vs 9.2 ms)")
     add_dtype(p, default="fp32", help="model dtype (fp32 is fastest on most CPUs)")
     # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli

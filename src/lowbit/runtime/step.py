@@ -175,7 +175,7 @@ class CompiledDecode:
     the H200, but ~115 s to compile a bucket. regions "layers": three compiled regions, the prologue
     (decode_in), one decoder layer (ModelStep.layer_forward, one compiled function for every layer) and the
     epilogue (decode_out); dynamo traces each layer (its index picks its cache tensors), but the layers' graphs
-    are the same graph, so Inductor compiles one and its FX graph cache serves the rest: ~45 s a bucket, 6.03
+    are the same graph, so Inductor compiles one and its FX graph cache serves the rest: 22-84 s a bucket, 5.76-6.03
     ms/step (benchmarks/results/runtime/decode_e2e_*_s19_*).
 
     Inductor fuses what the eager step runs as ~30 small kernels per layer (RMSNorm, RoPE, SiLU*mul,
@@ -229,7 +229,7 @@ class CompiledDecode:
         key = "recompile_limit" if hasattr(torch._dynamo.config, "recompile_limit") else "cache_size_limit"
         acc = ("accumulated_recompile_limit" if hasattr(torch._dynamo.config, "accumulated_recompile_limit")
                else "accumulated_cache_size_limit")
-        self._limits = {key: max(limit, 1), acc: max(limit * 2, getattr(torch._dynamo.config, acc))}
+        self._limits = {key: limit, acc: max(limit * 2, getattr(torch._dynamo.config, acc))}
 
     def __call__(self, ids: torch.Tensor, active: torch.Tensor, logits: torch.Tensor, b: int) -> None:
         with torch._dynamo.config.patch(**self._limits):
