@@ -2,8 +2,8 @@
 with the profiler's kernel timeline kept (kernels per step, the step's span on the GPU, the idle time between
 consecutive kernels, and the kernels the longest idle gaps come before).
 
-    python3 benchmarks/step_timeline.py OUT.json [--path lowbit-w4a16-int2-compiled] [--batch 1] [--length 32k]
-                                         [--inductor-pdl auto|on|off]
+    python3 benchmarks/step_timeline.py OUT.json [--path lowbit-w4a16-int2[,PATH...]] [--batch 1] [--length 32k]
+                                         [--compile whole|layers|off] [--inductor-pdl auto|on|off]
 
 --inductor-pdl: the compiled step with or without Inductor's programmatic-dependent-launch codegen (compile_decode's
 inductor_pdl; auto, the default, is the runtime's: on where torch has it; see benchmarks/NOTES.md, rounds 9-10).
@@ -39,7 +39,11 @@ def timeline(fn, n: int = 3, top: int = 0):
         "kernels_per_step": per, "busy_ms_per_step": busy, "span_ms_per_step": span,
         "idle_ms_per_step": sum(max(g, 0.0) for g, _ in step_gaps) / n / 1e3,
         "median_gap_us": sorted(g for g, _ in step_gaps)[len(step_gaps) // 2] if step_gaps else None,
-        "largest_gaps_us_before": [[round(g, 2), name] for g, name in sorted(step_gaps, reverse=True)[:12]]}
+        "largest_gaps_us_before": [[round(g, 2), name] for g, name in sorted(step_gaps, reverse=True)[:12]],
+        # the second replay's kernels in start order: [name, start us from the replay's first kernel, duration us]
+        # (with PDL a kernel's duration includes its wait for the one before, so durations overlap)
+        "one_step": [[e.name[:70], round(e.time_range.start - kern[per].time_range.start, 2),
+                      round(e.time_range.end - e.time_range.start, 2)] for e in kern[per:2 * per]] if n > 1 else []}
     ev = prof.key_averages()
     rows = sorted(((e.key[:80], e.self_device_time_total / n / 1e3, e.count / n) for e in ev
                    if e.self_device_time_total > 0), key=lambda r: -r[1])
@@ -49,9 +53,10 @@ def timeline(fn, n: int = 3, top: int = 0):
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--path", default="lowbit-w4a16-int2-compiled")
+    ap.add_argument("--path", default="lowbit-w4a16-int2")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--length", default="32k")
+    ap.add_argument("--compile", choices=rb.COMPILE_MODES, default="whole")
     ap.add_argument("--inductor-pdl", choices=("auto", "on", "off"), default="auto")
     a = ap.parse_args()
     L = int(a.length[:-1]) * 1024 if a.length.endswith("k") else int(a.length)
@@ -64,7 +69,8 @@ def main() -> None:
         return row
 
     rb._gpu_busy, rb._time_lowbit_row = timeline, with_timeline
-    res = rb.run("llama3-8b", [a.batch], [L], [a.path], steps=10, inductor_pdl={"auto": None, "on": True, "off": False}[a.inductor_pdl])
+    res = rb.run("llama3-8b", [a.batch], [L], a.path.split(","), steps=10, inductor_pdl={"auto": None, "on": True, "off": False}[a.inductor_pdl],
+                 compile=a.compile)
     for r in res["rows"]:
         t = r.get("timeline") or {}
         print(f"{r['path']} B{r['B']}: {r['ms_per_step']:.3f} ms/step, kernels/step {t.get('kernels_per_step')}, "
