@@ -19,7 +19,9 @@ Paths (one run, same model weights):
 
 Context: L tokens of random K/V written into each cache directly (prefill compute is not what is
 timed); then decode steps, each one token per sequence. ms_per_step: median wall time of a step
-(CUDA events around each step / graph replay); gpu_ms_per_step: the kernels' own time (profiler).
+(CUDA events around each step / graph replay, each started on an idle GPU, so it includes the host's
+launch); gpu_ms_per_step: the kernels' own time (profiler). The captured lowbit rows add host_launch_ms and
+ms_per_step_back_to_back (steps queued with no sync between them; see _launch_cost).
 A row whose KV would not fit in the GPU memory left says so (fits: false) instead of running.
 """
 
@@ -136,6 +138,27 @@ def _events_time(fn, steps: int, warmup: int = 3) -> tuple[float, list[float]]:
     return statistics.median(times), times
 
 
+def _launch_cost(fn, steps: int) -> dict:
+    """What the host's launch of a step costs beside ms_per_step (each step timed from an idle GPU, so its time
+    includes the launch): host_launch_ms, the median host time of one launch call started on an idle GPU; and
+    ms_per_step_back_to_back, `steps` launches queued with no sync between them, / steps (a decode loop that
+    keeps the next step queued hides the launch this way)."""
+    host = []
+    for _ in range(steps):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        fn()
+        host.append((time.perf_counter() - t) * 1e3)
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(steps):
+        fn()
+    b.record()
+    b.synchronize()
+    return {"host_launch_ms": statistics.median(host), "ms_per_step_back_to_back": a.elapsed_time(b) / steps}
+
+
 def _gpu_busy(fn, n: int = 3, top: int = 0):
     """(kernel ms per call, [(kernel, ms per call, launches per call)] of the `top` largest) from the profiler."""
     try:
@@ -228,7 +251,7 @@ def _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s) -> dict:
     ms, times = _events_time(fn, steps)
     busy, top = _gpu_busy(fn, top=12)
     row = {"ms_per_step": ms, "step_ms": times, "gpu_ms_per_step": busy, "top_kernels": top,
-           "kv_bytes": cache.bytes_held(), "compiled_writes": cache.compile_writes,
+           **_launch_cost(fn, steps), "kv_bytes": cache.bytes_held(), "compiled_writes": cache.compile_writes,
            "capture_s": capture_s, "decode_backends": sorted(plan.backend_names("decode")),
            "attention": "fused Triton kernel" if cache.use_kernel else "SDPA with a length mask",
            "compiled": graphs.compiled, "compile_regions": graphs.regions,
@@ -515,8 +538,10 @@ def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True,
                 rows.append(r)
                 for k, ms, c in r.get("top_kernels", [])[:12]:
                     log(f"    {ms:7.3f} ms  x{c:<6g} {k}")
+                launch = (f", host launch {r['host_launch_ms']:.2f} ms, back to back {r['ms_per_step_back_to_back']:.2f}"
+                          f" ms/step" if "host_launch_ms" in r else "")
                 log(f"{path} B{B} L{L}: {r['ms_per_step']:.2f} ms/step ({r['tok_s']:.0f} tok/s), GPU busy "
-                    f"{r['gpu_ms_per_step'] or float('nan'):.2f} ms, KV {r['kv_bytes'] / 1e9:.2f} GB")
+                    f"{r['gpu_ms_per_step'] or float('nan'):.2f} ms, KV {r['kv_bytes'] / 1e9:.2f} GB{launch}")
                 torch.cuda.empty_cache()
 
 
