@@ -358,23 +358,27 @@ def test_events_equal_the_single_engines(rt):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the captured path needs CUDA")
 def test_graphs_path_gives_the_eager_paths_tokens_on_cuda():
     """On a GPU: the engine captured at start (buckets up to its slots) streams the same greedy tokens as the
-    same engine stepping eagerly, with requests joining and leaving, and names its path."""
+    same engine stepping eagerly, with requests joining and leaving, with steps queued ahead (the default:
+    pinned token copies and events) and without, and names its path."""
     from lowbit.serve.batch_engine import BatchEngine
 
     g_rt = tiny_runtime("int4", max_context=96, **KV)
     g_rt.model.to("cuda")
     texts = {}
-    for mode in ("eager", "graphs"):
-        engine = BatchEngine(g_rt, slots=3, prefill_chunk=CHUNK, mode=mode)
+    for mode, ahead in (("eager", None), ("graphs", None), ("graphs", False)):  # graphs: decode-ahead by default
+        engine = BatchEngine(g_rt, slots=3, prefill_chunk=CHUNK, mode=mode, decode_ahead=ahead)
         assert engine.info["buckets"] == ([1, 2, 3] if mode == "graphs" else None)
+        assert engine.info["decode_ahead"] is (mode == "graphs" and ahead is None)
+        spy = _AheadSpy(engine)
         engine.start()
         try:
             cs = [_submit(engine, g_rt, p, m)[0] for p, m in zip(PROMPTS, MAX_TOKENS)]
-            texts[mode] = [c.wait().text for c in cs]
+            texts[mode, ahead] = [c.wait().text for c in cs]
             assert {c.done["engine"] for c in cs} == {f"batch-{mode}"}
         finally:
             engine.stop()
-    assert texts["graphs"] == texts["eager"]
+        assert (spy.ahead > 0) is engine.info["decode_ahead"]
+    assert texts["graphs", None] == texts["eager", None] == texts["graphs", False]
 
 
 class EagerGraphs:
@@ -491,3 +495,111 @@ def test_serve_compile_flag_parses_to_regions():
     assert p.parse_args(["m"]).compile is None
     with pytest.raises(SystemExit):
         p.parse_args(["m", "--compile", "all"])
+
+
+class _AheadSpy:
+    """Counts the engine's steps queued ahead and the rows whose ahead token was dropped (retired since)."""
+
+    def __init__(self, engine):
+        self.ahead = self.dropped = 0
+        launch_again, read = engine._launch_again, engine._read
+
+        def spy_launch_again(cur):
+            self.ahead += 1
+            return launch_again(cur)
+
+        def spy_read(cur):
+            self.dropped += sum(engine._live[s.slot] is not s for s in cur.rows)
+            return read(cur)
+
+        engine._launch_again, engine._read = spy_launch_again, spy_read
+
+
+@pytest.mark.parametrize("path", ["eager", "captured-host"])
+def test_decode_ahead_gives_the_same_tokens(rt, path):
+    """With steps queued ahead (each fed the step before's argmax on the device), requests that join, end
+    mid-run (their ahead token dropped) and wait for slots get the single-request reference's tokens; the
+    slots all end free. captured-host: the captured path's host side (EagerGraphs, buckets 1 and 3)."""
+    refs = [reference_greedy(rt, rt.tokenizer.encode(p), m, chunk=CHUNK)[1] for p, m in zip(PROMPTS, MAX_TOKENS)]
+    engine = _engine(rt, decode_ahead=True)
+    if path == "captured-host":
+        engine.graphs = EagerGraphs(engine.step, engine.cache, (1, 3))
+    assert engine.info["decode_ahead"] is True
+    spy = _AheadSpy(engine)
+    engine.start()
+    try:
+        cs = [_submit(engine, rt, p, m)[0] for p, m in zip(PROMPTS, MAX_TOKENS)]
+        assert [c.wait().text for c in cs] == refs
+        snap = engine.metrics.snapshot()
+        assert snap["tokens"]["generated_total"] == sum(c.done["usage"]["completion_tokens"] for c in cs)
+    finally:
+        engine.stop()
+    assert spy.ahead > 0 and spy.dropped > 0  # it ran ahead, and rows ended with a step queued past their end
+    assert engine.cache.lens.tolist() == [0, 0, 0]
+
+
+def test_decode_ahead_with_a_late_prompt_and_a_cancel(rt):
+    """A prompt fed chunk by chunk beside a decoding request stops the run-ahead (its ring rows need the
+    guard) and the decode row keeps its reference tokens; a cancel while a step is queued frees the slot."""
+    late = "late comer " * 6
+    ref_long = reference_greedy(rt, rt.tokenizer.encode(PROMPTS[2]), 30, chunk=CHUNK)[1]
+    ref_late = reference_greedy(rt, rt.tokenizer.encode(late), 6, chunk=CHUNK)[1]
+    engine = _engine(rt, slots=2, decode_ahead=True)
+    spy = _AheadSpy(engine)
+    engine.start()
+    try:
+        joined = {}
+
+        def join_once(c):
+            if len(c.events) == 5 and "c" not in joined:
+                joined["c"] = _submit(engine, rt, late, 6)[0]
+
+        long_, _ = _submit(engine, rt, PROMPTS[2], 30, on_delta=join_once)
+        assert long_.wait().text == ref_long
+        assert joined["c"].wait().text == ref_late
+        a, ra = _submit(engine, rt, "cancel me please", 60)
+        t0 = time.time()
+        while len(a.events) < 3:
+            assert time.time() - t0 < 30
+            time.sleep(0.01)
+        ra.cancel()
+        b, _ = _submit(engine, rt, PROMPTS[1], 5)
+        assert b.wait().text == reference_greedy(rt, rt.tokenizer.encode(PROMPTS[1]), 5, chunk=CHUNK)[1]
+        assert engine.metrics.snapshot()["finished"]["cancelled"] == 1
+    finally:
+        engine.stop()
+    assert spy.ahead > 0
+    assert engine.cache.lens.tolist() == [0, 0]
+
+
+def test_sampled_requests_never_run_ahead(rt):
+    """A sampled row needs the step's logits on the host before the next step: no step is queued ahead, and
+    the seeded draws equal those of an engine without decode-ahead."""
+    texts = []
+    for ahead in (True, False):
+        engine = _engine(rt, decode_ahead=ahead)
+        spy = _AheadSpy(engine)
+        engine.start()
+        try:
+            c, _ = _submit(engine, rt, PROMPTS[1], 8, temperature=1.3, top_p=0.9, seed=7)
+            texts.append(c.wait().text)
+        finally:
+            engine.stop()
+        assert spy.ahead == 0
+    assert texts[0] == texts[1]
+
+
+def test_decode_ahead_default_flag_and_the_single_engine(rt):
+    import argparse
+
+    from lowbit.commands import serve as cmd
+    from lowbit.serve.server import build
+
+    assert _engine(rt).info["decode_ahead"] is False  # eager (CPU): nothing to overlap
+    p = argparse.ArgumentParser()
+    cmd.add_arguments(p)
+    assert p.parse_args(["m"]).decode_ahead is None
+    assert p.parse_args(["m", "--decode-ahead"]).decode_ahead is True
+    assert p.parse_args(["m", "--no-decode-ahead"]).decode_ahead is False
+    with pytest.raises(LowbitError, match="--decode-ahead / --no-decode-ahead choose how the batching engine steps"):
+        build(rt, engine="single", decode_ahead=False)

@@ -63,6 +63,10 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch engine: run every decode step at the full --max-active width, so a request's greedy "
                         "tokens equal its tokens served alone (bit for bit); slower at low load")
+    p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch engine: queue the next decode step before reading this one's tokens while every live "
+                        "request is greedy and none joins or leaves, so the host's graph launch and token handling "
+                        "overlap the GPU's step (default: on with the graphs decode path, off with eager)")
     p.add_argument("--compile", nargs="?", const="whole", default=None, choices=("whole", "layers"),
                    help="batch engine on CUDA: torch.compile (Inductor) the decode step before capturing each bucket "
                         "(fewer, fused kernels per step). whole (what --compile alone means): one graph, the faster "
@@ -139,7 +143,8 @@ def run(args) -> int:
                           max_context=args.max_context, name=args.served_model_name, device=device)
         engine, app = build(rt, max_active=args.max_active, prefill_chunk=args.prefill_chunk, engine=args.engine,
                             decode_path=args.decode_path, when_full=args.when_full,
-                            batch_invariant=args.batch_invariant, compile=args.compile or False)
+                            batch_invariant=args.batch_invariant, compile=args.compile or False,
+                            decode_ahead=args.decode_ahead)
     except BaseException:
         sock.close()
         raise

@@ -21,6 +21,15 @@ cannot hold are LowbitErrors at start. Every result names its path (the "done" p
 Sampling is per request on the host (lowbit.serve.sampling: temperature, top_p, its own seeded
 generator), on the step's logits row of that request; an all-greedy batch reads the step's argmax.
 
+Decode ahead (`decode_ahead`, on by default on the captured path; `lowbit serve --no-decode-ahead`): while
+the batch is steady (every row greedy, the same rows as the step before, no slot of the step's width still
+in its prompt) the engine queues step k + 1 before it reads step k's tokens: the step's own argmax is the
+next step's input (the captured step writes it into its ids; the eager step's argmax is passed on), so the
+host's launch of the graph (~0.4 ms for a 32-layer 8B step on an H200, `lowbit bench decode`'s
+host_launch_ms) and its per-token work overlap the GPU's step instead of following it. Tokens are the same:
+a row that ends at step k (EOS, stop string, length) had step k + 1 run for it, whose token is dropped and
+whose write lands inside the slot's capacity (prompt + max_tokens <= max_context) before the slot is reset.
+
 Batch invariance (`batch_invariant=True`, `lowbit serve --batch-invariant`): every decode step runs the
 full width (all `slots`, one captured graph) whatever the load, so the kernels a request's rows go
 through never depend on how many other requests are live: a request's greedy tokens then equal its
@@ -90,16 +99,33 @@ class _Slotted:
         self.detok = Detokenizer(tokenizer, req.params.stop)
 
 
+class _Launched:
+    """One decode step on the device whose tokens the host has not read yet.
+
+    rows: the decoding requests it ran for (a row retired since is dropped when it is read); n: the live
+    prefix it covers; width: the rows it ran (the captured bucket); greedy: every row greedy, so `tokens`
+    [n] (the step's argmax: a pinned host copy on the captured path, `event` set when it has landed)
+    is all the host reads; else `logits` [n, V] are sampled per row; active: the eager step's [width] mask."""
+
+    __slots__ = ("active", "event", "greedy", "logits", "n", "rows", "t0", "tokens", "width")
+
+    def __init__(self, rows, n, width, greedy, t0):
+        self.rows, self.n, self.width, self.greedy, self.t0 = rows, n, width, greedy, t0
+        self.tokens = self.event = self.logits = self.active = None
+
+
 class BatchEngine(Worker):
     """Continuous batching over one StaticKVCache (module docstring). Start with start(); stop with stop().
 
     runtime: lowbit.serve.runtime.Runtime. slots: concurrent requests (the cache's batch).
     mode: "auto" (graphs on CUDA, eager on CPU) | "graphs" | "eager". when_full: "wait" | "reject".
+    decode_ahead: queue the next step before reading this one's tokens while the batch is steady (module
+    docstring); None: on the captured path, off on the eager one (a CPU step gains nothing by it).
     """
 
     def __init__(self, runtime, metrics: Metrics | None = None, *, slots: int = DEFAULT_MAX_ACTIVE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait",
-                 batch_invariant: bool = False, compile: bool | str = False):
+                 batch_invariant: bool = False, compile: bool | str = False, decode_ahead: bool | None = None):
         from lowbit.kv.cache import model_device
         from lowbit.kv.plan import resolve
         from lowbit.runtime.fold import fold_value_rotation
@@ -151,13 +177,21 @@ class BatchEngine(Worker):
         buckets = (slots,) if self.batch_invariant else buckets_for(slots)  # invariant: one full-width graph
         self.graphs = (DecodeGraphs(self.step, self.cache, buckets, compile=bool(regions), regions=regions or "whole")
                        if mode == "graphs" else None)
+        self.decode_ahead = (mode == "graphs") if decode_ahead is None else bool(decode_ahead)
+        self._ahead: _Launched | None = None  # a step queued before the previous step's tokens were read
+        self._t_read = 0.0  # when the host last finished reading a step's tokens (metrics: no overlap counted)
+        # the captured step's argmax lands in pinned host memory, two buffers taken in turn: a step queued ahead
+        # copies into the one the host is not reading
+        self._tokens_host = ([torch.empty(slots, dtype=torch.long, pin_memory=True) for _ in range(2)]
+                             if mode == "graphs" else None)
+        self._launches = 0
         self.path = f"batch-{mode}"
         self.info = {"engine": "batch", "path": mode, "slots": slots, "when_full": when_full,
                      "compiled": bool(regions), "compile_regions": regions,
                      "inductor_pdl": bool(self.graphs and self.graphs.inductor_pdl),
                      "fused_projections": self.step.fused.groups if self.step.fused else 0,
                      "folded_value_rotation": len(self.folded.layers) if self.folded else 0,
-                     "batch_invariant": self.batch_invariant,
+                     "batch_invariant": self.batch_invariant, "decode_ahead": self.decode_ahead,
                      "buckets": list(self.graphs.buckets) if self.graphs else None}
         if metrics is None:
             from types import SimpleNamespace
@@ -221,6 +255,9 @@ class BatchEngine(Worker):
             self._drop_cancelled()
             self._admit()
             if not any(s is not None for s in self._live):
+                if self._ahead is not None:  # queued past the last live request's end: its tokens go to no one
+                    cur, self._ahead = self._ahead, None
+                    self._read(cur)
                 self._report(force=True)
                 continue
             try:
@@ -228,6 +265,7 @@ class BatchEngine(Worker):
                 self._decode()
             except Exception as e:  # a failed batched step fails the requests in it, not the server
                 log.exception("batched step failed")
+                self._ahead = None
                 for s in list(self._live):
                     if s is not None:
                         self._retire(s, "error", f"generation failed: {type(e).__name__}: {e}")
@@ -330,38 +368,92 @@ class BatchEngine(Worker):
             layer.ring_v[slot, :, row] = v
 
     def _decode(self) -> None:
+        """Read the step queued ahead, or launch one; while the batch stays steady, queue the next first."""
         rows = [s for s in self._live if s is not None and s.tok is not None]
-        if not rows:
+        cur, self._ahead = self._ahead, None
+        if cur is None:
+            if not rows:
+                return
+            cur = self._launch(rows)
+        elif rows != cur.rows:  # rows left or joined since it was queued: read it, launch afresh next round
+            self._read(cur)
             return
+        if self.decode_ahead and self._steady(cur):
+            self._ahead = self._launch_again(cur)
+        self._read(cur)
+
+    def _steady(self, cur: _Launched) -> bool:
+        """The next step may run on cur's own argmax: all greedy, and no slot of its width still in its prompt
+        (whose ring rows the step would clobber: _guard)."""
+        return cur.greedy and not any(s is not None and s.tok is None for s in self._live[:cur.width])
+
+    def _launch(self, rows: list) -> _Launched:
         n = self.slots if self.batch_invariant else max(s.slot for s in rows) + 1
-        t0 = time.perf_counter()
         width = self.graphs.bucket_for(n) if self.graphs is not None else n
+        cur = _Launched(rows, n, width, all(s.req.params.temperature <= 0.0 for s in rows), time.perf_counter())
         ids = [0] * width
         active = [False] * width
         for s in rows:
             ids[s.slot], active[s.slot] = s.tok, True
         saved = self._guard(width)
-        greedy = all(s.req.params.temperature <= 0.0 for s in rows)
         if self.graphs is not None:
             g = self.graphs
             g.ids[:width, 0].copy_(torch.tensor(ids, dtype=torch.long), non_blocking=False)
             g.active[:width].copy_(torch.tensor(active, dtype=torch.bool))
-            g.replay(n)
-            logits = g.logits[:n]
-            argmax = g.ids[:n, 0]  # the graph's greedy token (inactive rows keep their id)
+            self._run(cur)
         else:
-            x = torch.tensor(ids, dtype=torch.long, device=self.device)[:, None]
-            act = torch.tensor(active, dtype=torch.bool, device=self.device)
-            logits = eager_decode(self.step, self.cache, x, act)[:n]
-            argmax = logits.argmax(-1)
+            cur.active = torch.tensor(active, dtype=torch.bool, device=self.device)
+            self._run(cur, torch.tensor(ids, dtype=torch.long, device=self.device)[:, None])
         self._restore(saved)
-        if greedy:
-            picks = argmax.tolist()
-            host = None
+        return cur
+
+    def _launch_again(self, cur: _Launched) -> _Launched:
+        """The step after `cur` for the same rows, fed cur's argmax on the device (no host copy, no sync)."""
+        nxt = _Launched(cur.rows, cur.n, cur.width, True, time.perf_counter())
+        nxt.active = cur.active
+        if self.graphs is not None:
+            self._run(nxt)  # the captured step wrote cur's argmax into its ids (inactive rows keep theirs)
         else:
-            picks, host = None, logits.float().cpu()
-        self.metrics.step(time.perf_counter() - t0, len(rows))
-        for s in rows:
+            self._run(nxt, cur.tokens[:, None])  # the eager step's width is its live prefix
+        return nxt
+
+    def _run(self, cur: _Launched, ids: torch.Tensor | None = None) -> None:
+        """Queue the step; keep what the host will read of it (graphs: its argmax copied to pinned memory
+        before any later step can overwrite ids; logits are read before the next launch, as non-greedy rows
+        never run ahead)."""
+        if self.graphs is not None:
+            g = self.graphs
+            g.replay(cur.n)
+            self._launches += 1
+            if cur.greedy and self._tokens_host is not None:
+                buf = self._tokens_host[self._launches % 2][:cur.n]
+                buf.copy_(g.ids[:cur.n, 0], non_blocking=True)
+                cur.tokens, cur.event = buf, torch.cuda.Event()
+                cur.event.record()
+            elif cur.greedy:  # a stand-in for the captured step that runs on the CPU (tests)
+                cur.tokens = g.ids[:cur.n, 0].clone()
+            else:
+                cur.logits = g.logits[:cur.n]
+        else:
+            logits = eager_decode(self.step, self.cache, ids, cur.active)[:cur.n]
+            if cur.greedy:
+                cur.tokens = logits.argmax(-1)
+            else:
+                cur.logits = logits
+
+    def _read(self, cur: _Launched) -> None:
+        """Hand cur's tokens to its rows that are still live (a row retired after its launch is dropped)."""
+        if cur.greedy:
+            if cur.event is not None:
+                cur.event.synchronize()
+            picks, host = cur.tokens.tolist(), None
+        else:
+            picks, host = None, cur.logits.float().cpu()
+        now = time.perf_counter()
+        live = [s for s in cur.rows if self._live[s.slot] is s]
+        self.metrics.step(now - max(cur.t0, self._t_read), len(live))
+        self._t_read = now
+        for s in live:
             s.held += 1
             if picks is not None:
                 self._finish_token(s, int(picks[s.slot]))
