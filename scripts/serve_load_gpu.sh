@@ -13,9 +13,9 @@
 # when the wheels or the server failed). Worst case under 10 min: pip, bench 150 s, server up 240 s, client 170 s.
 set -u
 cd "$(dirname "$0")/.."
-OUT=${1:?usage: serve_load_gpu.sh OUT_DIR [--geometry G] [--device cuda|cpu] [--levels 1,8,32] [--prompt N] [--max-tokens N] [--prefill-chunk N] [--python PY]}
+OUT=${1:?usage: serve_load_gpu.sh OUT_DIR [--geometry G] [--device cuda|cpu] [--levels 1,8,32] [--prompt N] [--max-tokens N] [--prefill-chunk N] [--python PY] [--extra "SERVE ARGS"] [--bench-from JSON]}
 shift
-GEO=llama3-8b DEV=cuda LEVELS=1,8,32 PROMPT=4096 MAXTOK=512 CHUNK=2048 PY=python3
+GEO=llama3-8b DEV=cuda LEVELS=1,8,32 PROMPT=4096 MAXTOK=512 CHUNK=2048 PY=python3 EXTRA="" BENCH_FROM=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --geometry) GEO=$2 ;;
@@ -25,6 +25,8 @@ while [ $# -gt 0 ]; do
     --max-tokens) MAXTOK=$2 ;;
     --prefill-chunk) CHUNK=$2 ;;
     --python) PY=$2 ;;
+    --extra) EXTRA=$2 ;;            # more `lowbit serve` arguments, e.g. "--no-decode-ahead"
+    --bench-from) BENCH_FROM=$2 ;;  # a bench JSON of this same call to compare against (no second bench run)
     *) echo "serve_load_gpu.sh: unknown option $1" >&2; exit 2 ;;
   esac
   shift 2
@@ -54,16 +56,20 @@ fi
 B=$(echo "$LEVELS" | tr , '\n' | sort -n | tail -1)
 BENCH_JSON="$OUT/decode_b${B}.json"
 # (2) the benchmark row the target compares against: B = the largest level, L = the prompt length
-say "bench decode: lowbit-int2 B=$B L=$PROMPT"
-timeout -s INT 150 "$PY" -m lowbit bench decode --geometry "$GEO" --paths lowbit-int2 --batch "$B" \
-  --length "$PROMPT" --steps 20 --out "$BENCH_JSON" > "$OUT/bench.log" 2>&1
-say "bench rc $?: $(grep -E 'ms/step|error' "$OUT/bench.log" | tail -2)"
+if [ -n "$BENCH_FROM" ]; then
+  cp "$BENCH_FROM" "$BENCH_JSON"; say "bench row from $BENCH_FROM"
+else
+  say "bench decode: lowbit-int2 B=$B L=$PROMPT"
+  timeout -s INT 150 "$PY" -m lowbit bench decode --geometry "$GEO" --paths lowbit-int2 --batch "$B" \
+    --length "$PROMPT" --steps 20 --compile off --out "$BENCH_JSON" > "$OUT/bench.log" 2>&1
+  say "bench rc $?: $(grep -E 'ms/step|error' "$OUT/bench.log" | tail -2)"
+fi
 
 # (3) the server
 if [ "$DEV" = cpu ]; then DPATH=eager DTYPE=fp32; else DPATH=graphs DTYPE=bf16; fi
 SERVE=(-m lowbit serve --model "random:$GEO" --device "$DEV" --dtype "$DTYPE" --kv int2 --engine batch
        --decode-path "$DPATH" --max-active "$B" --max-context $((PROMPT + MAXTOK + 16)) --prefill-chunk "$CHUNK"
-       --host 127.0.0.1 --port 0)
+       --host 127.0.0.1 --port 0 $EXTRA)
 say "starting: $PY ${SERVE[*]}"
 "$PY" "${SERVE[@]}" > "$OUT/server.log" 2>&1 &
 SPID=$!
