@@ -365,9 +365,12 @@ def test_graphs_path_gives_the_eager_paths_tokens_on_cuda():
     g_rt = tiny_runtime("int4", max_context=96, **KV)
     g_rt.model.to("cuda")
     texts = {}
+    # batch invariant: every step at the full width, so a step queued ahead (which keeps the width of the step
+    # before, where a row just ended) runs the rows' GEMMs at the shapes of the step without it (cuBLAS's result
+    # can change with M, and a random model's near-ties then flip)
     for mode, ahead in (("eager", None), ("graphs", None), ("graphs", False)):  # graphs: decode-ahead by default
-        engine = BatchEngine(g_rt, slots=3, prefill_chunk=CHUNK, mode=mode, decode_ahead=ahead)
-        assert engine.info["buckets"] == ([1, 2, 3] if mode == "graphs" else None)
+        engine = BatchEngine(g_rt, slots=3, prefill_chunk=CHUNK, mode=mode, decode_ahead=ahead, batch_invariant=True)
+        assert engine.info["buckets"] == ([3] if mode == "graphs" else None)
         assert engine.info["decode_ahead"] is (mode == "graphs" and ahead is None)
         spy = _AheadSpy(engine)
         engine.start()
@@ -378,7 +381,8 @@ def test_graphs_path_gives_the_eager_paths_tokens_on_cuda():
         finally:
             engine.stop()
         assert (spy.ahead > 0) is engine.info["decode_ahead"]
-    assert texts["graphs", None] == texts["eager", None] == texts["graphs", False]
+    assert texts["graphs", False] == texts["eager", None]
+    assert texts["graphs", None] == texts["graphs", False]
 
 
 class EagerGraphs:
