@@ -28,15 +28,15 @@ ENGINES = ("auto", "batch", "single")
 
 def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
           engine: str = "auto", decode_path: str = "auto", when_full: str = "wait", batch_invariant: bool = False,
-          compile: bool | str = False, decode_ahead: bool | None = None):
+          compile: bool | str = False, decode_ahead: bool = False):
     """(engine, app) for a lowbit.serve.runtime.Runtime; the engine is not started yet.
 
     engine: "batch" (lowbit.serve.batch_engine: continuous batching over one static cache of
     `max_active` slots; decode_path "graphs" | "eager" | "auto", when_full "wait" | "reject",
     batch_invariant: every step at full width, so tokens do not depend on the load; compile: the captured
     step torch.compile'd first, True or "whole" as one graph, "layers" per decoder layer (DecodeGraphs regions);
-    decode_ahead: queue the next step before reading this one's tokens while the batch is steady, None: on the
-    captured path (lowbit.serve.batch_engine)),
+    decode_ahead: queue the next step before reading this one's tokens while the batch is steady
+    (lowbit.serve.batch_engine)),
     "single" (lowbit.serve.engine: one cache and one forward per request), or "auto": batch when the
     model is on CUDA, single on CPU (its per-request caches hold only what is used)."""
     if max_active < 1:
@@ -56,8 +56,8 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
         raise LowbitError("--compile needs the batching engine on CUDA; use --engine batch on a GPU")
     if batch_invariant:
         raise LowbitError("--batch-invariant needs the batching engine; use --engine batch")
-    if decode_ahead is not None:
-        raise LowbitError("--decode-ahead / --no-decode-ahead choose how the batching engine steps; use --engine batch")
+    if decode_ahead:
+        raise LowbitError("--decode-ahead is a mode of the batching engine; use --engine batch")
     if decode_path == "graphs":
         raise LowbitError("--decode-path graphs needs the batching engine; use --engine batch")
     factory = CacheFactory(runtime.model, runtime.scheme, runtime.geometry)
@@ -70,7 +70,7 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
 
 
 def _build_batch(runtime, slots: int, prefill_chunk: int, decode_path: str, when_full: str, batch_invariant: bool,
-                 compile: bool | str = False, decode_ahead: bool | None = None):
+                 compile: bool | str = False, decode_ahead: bool = False):
     from lowbit.serve.batch_engine import BatchEngine
 
     engine = BatchEngine(runtime, slots=slots, prefill_chunk=prefill_chunk, mode=decode_path, when_full=when_full,
