@@ -1,6 +1,6 @@
 """Build lowbit/kernels/weight_tables/sm<cap>.json (the dispatch table) from committed explorations.
 
-    python3 benchmarks/build_weight_table.py OUT.json EXPLORE.json [EXPLORE.json ...]
+    python3 benchmarks/build_weight_table.py OUT.json EXPLORE.json [EXPLORE.json ...] [AUDIT.json BENCH.json ...]
 
 Each exploration row times candidates (launch configs, GEMV configs, dequantize + cuBLAS) against
 cuBLAS bf16 at one (scheme, shape, M). Files are given oldest first; a later file's timing of the
@@ -14,6 +14,12 @@ Where the CUDA small-M kernel (path "cuda", M <= 64) wins a bucket, the best oth
 as a second cell for the same M: the dispatch falls through to it for a weight or input the CUDA kernel
 does not take (or a machine without nvcc); behind a warp-split winner (cuda-ws-*, 4-bit, M <= 16) the best
 x-staging CUDA candidate comes first.
+
+Bench files (`lowbit bench gemm` JSON, "rows") time one candidate per cell, the table's kernel then, on shapes
+no exploration covers (smollm2's 576-wide linears, the DiT shapes): a row counts where an audit file given
+(`lowbit audit kernels --weights --json`, same shape names) passed that (scheme, shape, M, kernel), and only for a
+(scheme, N, K) that no exploration timed. Such a shape gets a cell only where the bucket's pick was timed on it
+too (a bench file of the current table), so two tables' bench runs decide between their two kernels.
 
 Shape cells: for every weight shape timed at a bucket's representative M (the table's three, and any other an
 exploration timed: k/v, the runtime's fused q|k|v and gate|up), a candidate that beats the bucket's pick on that
@@ -59,6 +65,13 @@ def gemv_bm(name: str) -> int:
     return int(name.split("-bm")[1].split("-")[0])
 
 
+def bench_candidate(kernel: str) -> str:
+    """A bench row's kernel ("cuda:CONFIG", "triton:CONFIG", "gemv:CONFIG", "dequant-cublas", "a16-xq:...") as an
+    exploration names its candidate."""
+    path, _, config = kernel.partition(":")
+    return kernel if path in ("a16-xq", "dequant-cublas") else config
+
+
 def fits(name: str, hi: int | None) -> bool:
     """Whether a candidate may hold a bucket whose largest M is hi (the GEMV and CUDA kernels' M limits)."""
     n = inner(name)
@@ -73,8 +86,11 @@ def main(out: str, files: list[str]) -> None:
     cells: dict[tuple, dict] = {}  # (scheme, shape, M) -> {cand: ratio}
     nk: dict[tuple, tuple] = {}  # (scheme, shape) -> (N, K)
     gpu = None
-    for f in files:
-        d = json.load(open(f))
+    docs = [(f, json.load(open(f))) for f in files]
+    audited = {(r["scheme"], r["shape"], r["M"], r["kernel"]) for _, d in docs if "dispatch_after_audit" in d
+               for r in d["rows"] if r.get("ok")}
+    bench_shapes: set = set()  # (scheme, shape) known from bench rows only
+    for f, d in docs:
         gpu = gpu or d.get("env", {}).get("gpu")
         for r in d.get("explore", []) + d.get("gemv", []):
             key = (r["scheme"], r["shape"], r["M"])
@@ -88,6 +104,17 @@ def main(out: str, files: list[str]) -> None:
                     slot[name] = r["bf16_ms"] / ms
                 else:
                     slot.pop(name, None)
+    explored = {(sch, n_k) for (sch, _), n_k in nk.items()}
+    for f, d in docs:
+        if "dispatch_after_audit" in d:
+            continue
+        for r in d.get("rows", []):
+            key = (r["scheme"], r["shape"], r["M"])
+            if (r["scheme"], (r["N"], r["K"])) in explored or (*key, r["kernel"]) not in audited:
+                continue
+            nk[key[:2]] = (r["N"], r["K"])
+            bench_shapes.add(key[:2])
+            cells.setdefault(key, {})[bench_candidate(r["kernel"])] = r["bf16_ms"] / r["ms"]
     table = []
     for scheme, kind in KIND.items():
         for lo, hi, rep in BUCKETS:
@@ -118,6 +145,8 @@ def main(out: str, files: list[str]) -> None:
                 if not own:
                     continue
                 top = max(own, key=own.get)
+                if (sch, shape) in bench_shapes and best not in own:
+                    continue  # only the old table's kernel was timed here: no evidence it beats the pick
                 if top != best and own[top] > SHAPE_GAIN * own.get(best, 0.0):
                     N, K = nk[(sch, shape)]
                     table.append({"kind": kind, "m_lo": lo, "m_hi": hi, "path": path_of(top), "config": config_of(top),

@@ -421,6 +421,46 @@ def test_table_builder_shape_cells_and_dispatch_by_shape(tmp_path):
     assert d.table()[0]["shape"] == [1024, 4096] and "shape" not in d.table()[1]
 
 
+def test_table_builder_takes_audited_bench_rows_on_unexplored_shapes(tmp_path):
+    """Bench rows (one timed kernel per cell) count on a shape no exploration timed, only where an audit given
+    passed that kernel there, and make a shape cell only where the bucket's pick was timed on the shape too."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("bwt", Path(__file__).parents[2] / "benchmarks/build_weight_table.py")
+    bwt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bwt)
+    pick, old = "cuda-ws-rt4-w4-nb2-sk0-lb256-pdl", "cuda-ws-rt1-w8-nb3-sk0-pdl"
+    nk = {"gate/up": (14336, 4096), "down": (4096, 14336), "qkv/o": (4096, 4096)}
+    explore = [{"scheme": "w4a16-g128", "shape": sh, "M": 16, "N": N, "K": K, "bf16_ms": 1.0,
+                "candidates": {pick: 0.6, old: 0.9}, "rel_l2": {pick: 1e-6, old: 1e-6}} for sh, (N, K) in nk.items()]
+
+    def bench(kernel, ms, shape="smollm2 down", N=576):
+        return {"scheme": "w4a16-g128", "shape": shape, "M": 16, "N": N, "K": 1536, "ms": ms, "bf16_ms": 1.0,
+                "kernel": f"cuda:{kernel}"}
+
+    def audit(kernel, ok=True, shape="smollm2 down"):
+        return {"scheme": "w4a16-g128", "shape": shape, "M": 16, "kernel": f"cuda:{kernel}", "ok": ok}
+
+    files = {"e": {"env": {"gpu": "X"}, "explore": explore},
+             "a_old": {"rows": [audit(old), audit(old, shape="smollm2 up")], "dispatch_after_audit": []},
+             "b_old": {"rows": [bench(old, 1.0), bench(old, 0.5, "smollm2 up", 1536),
+                                bench(old, 0.5, "llama3-8b qkv/o", 4096)]},
+             "a_new": {"rows": [audit(pick), audit(pick, False, "smollm2 up")], "dispatch_after_audit": []},
+             "b_new": {"rows": [bench(pick, 2.4), bench(pick, 0.1, "smollm2 up", 1536)]}}
+    paths = []
+    for name, doc in files.items():
+        (tmp_path / f"{name}.json").write_text(json.dumps(doc))
+        paths.append(str(tmp_path / f"{name}.json"))
+    bwt.main(str(tmp_path / "t.json"), paths)
+    cells = [c for c in json.loads((tmp_path / "t.json").read_text())["cells"] if c["m_lo"] == 9]
+    # down: both tables timed, both audited -> the old kernel's cell; up: the pick failed its audit there (not
+    # counted) -> no evidence against the pick; llama3-8b qkv/o: explored (4096, 4096), the bench row ignored
+    assert [(c["config"], c.get("shape")) for c in cells][:2] == [(old, [576, 1536]), (pick, None)]
+    assert cells[0]["bucket_pick_speedup"] == round(1.0 / 2.4, 3) and cells[0]["speedup_vs_bf16"] == 1.0
+
+
 @gpu
 @needs_cuda
 @pytest.mark.parametrize("cfg", [CudaConfig(2, 4, 0, NB=3, pdl=True), CudaConfig(1, 8, 4, NB=4, pdl=True),
