@@ -214,7 +214,9 @@ def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor
 
     geo = ModelGeometry.from_config(cfg, name="random-llama")
     plan = resolve(SCHEMES[path], geo, device="cuda")
-    cache = StaticKVCache(model, plan, slots=B, max_context=L + steps + 16)
+    # every replay writes one token a slot: the warm-up (3), the timed steps, the profiler's (3) and _launch_cost's
+    # (2 x steps) all stay inside the capacity (past it the step writes a spare row and its tiers stop growing)
+    cache = StaticKVCache(model, plan, slots=B, max_context=L + 3 * steps + 16)
     compiled = compile != "off"
     if compiled:  # a fresh dynamo state: each row's new cache object would count as a recompile of the body
         torch._dynamo.reset()
