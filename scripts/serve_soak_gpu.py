@@ -81,17 +81,9 @@ def tracing_engine(runtime, **kw):
             super().__init__(*a, **k)
             self.trace: dict[str, list] = {}
             self._row = None  # top-2 of the logits _emit_token is handed (a prefill's last chunk)
-            self._top = None  # top-2 per slot of the last decode step
-            if self.graphs is not None:
-                replay = self.graphs.replay
-
-                def traced_replay(batch):
-                    b = replay(batch)
-                    self._top = _top2(self.graphs.logits[:batch])
-                    return b
-
-                self.graphs.replay = traced_replay
-            else:
+            self._top = None  # top-2 per slot of the decode step whose tokens are being read
+            self._tops: dict[int, list] = {}  # id(launched step) -> its top-2 per slot, taken when it ran
+            if self.graphs is None:
                 step = self.step
 
                 def traced_step(*a, **k):
@@ -101,6 +93,15 @@ def tracing_engine(runtime, **kw):
                     return out
 
                 self.step = traced_step
+
+        def _run(self, cur, ids=None):
+            # taken right after the step runs: with decode-ahead the next step runs before this one is read
+            super()._run(cur, ids)
+            self._tops[id(cur)] = _top2(self.graphs.logits[:cur.n]) if self.graphs is not None else self._top
+
+        def _read(self, cur):
+            self._top = self._tops.pop(id(cur))
+            super()._read(cur)
 
         def _emit_token(self, s, logits):
             self._row = _top2(logits[None])[0]
