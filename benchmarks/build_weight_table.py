@@ -86,11 +86,11 @@ def main(out: str, files: list[str]) -> None:
     cells: dict[tuple, dict] = {}  # (scheme, shape, M) -> {cand: ratio}
     nk: dict[tuple, tuple] = {}  # (scheme, shape) -> (N, K)
     gpu = None
-    docs = [(f, json.load(open(f))) for f in files]
-    audited = {(r["scheme"], r["shape"], r["M"], r["kernel"]) for _, d in docs if "dispatch_after_audit" in d
+    docs = [json.load(open(f)) for f in files]
+    audited = {(r["scheme"], r["shape"], r["M"], r["kernel"]) for d in docs if "dispatch_after_audit" in d
                for r in d["rows"] if r.get("ok")}
     bench_shapes: set = set()  # (scheme, shape) known from bench rows only
-    for f, d in docs:
+    for d in docs:
         gpu = gpu or d.get("env", {}).get("gpu")
         for r in d.get("explore", []) + d.get("gemv", []):
             key = (r["scheme"], r["shape"], r["M"])
@@ -105,7 +105,7 @@ def main(out: str, files: list[str]) -> None:
                 else:
                     slot.pop(name, None)
     explored = {(sch, n_k) for (sch, _), n_k in nk.items()}
-    for f, d in docs:
+    for d in docs:
         if "dispatch_after_audit" in d:
             continue
         for r in d.get("rows", []):
