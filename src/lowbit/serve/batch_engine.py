@@ -86,6 +86,37 @@ def buckets_for(slots: int) -> tuple[int, ...]:
     return tuple(out) + (slots,)
 
 
+_FOLDED = "_lowbit_folded_rot_v"  # model attribute: {layer index: the V rotation folded into its weights}
+
+
+def _value_fold(model, cache, *, fold: bool):
+    """Fold the cache's V rotations into `model` once per model (fold: a captured-path engine), or take a fold
+    an earlier engine left in it: drop those layers' rot_v from this cache, whose V then arrives rotated.
+
+    Why: the fold (undoable=False) stays in the weights after its engine. Folding again for the next engine's
+    fresh cache rotated V once more (R twice: the identity for the symmetric Hadamard-type rotations, so the
+    packed middle quantized V unrotated), as did an eager engine's cache over a folded model: two engines over
+    one model then quantized V in different bases and their tokens differed (the GPU test's 3rd and 4th
+    engines, decode-ahead vs not, on PROMPTS[1]; not the interleaving of chunks and steps)."""
+    from lowbit.runtime.fold import FoldedValueRotation, fold_value_rotation
+
+    prior = getattr(model, _FOLDED, None)
+    if prior is None:
+        if not fold:
+            return None
+        rots = {i: layer.rot_v for i, layer in enumerate(cache.layers) if layer.rot_v is not None}
+        handle = fold_value_rotation(model, cache, undoable=False)
+        setattr(model, _FOLDED, {i: rots[i] for i in handle.layers})
+        return handle
+    for i, rot in prior.items():
+        layer = cache.layers[i]
+        if layer.rot_v is None or not torch.equal(layer.rot_v, rot.to(layer.rot_v.device, layer.rot_v.dtype)):
+            raise LowbitError(f"layer {i}: the model's weights carry another engine's V rotation, not this KV "
+                              "scheme's; load the model again for this engine")
+        layer.rot_v = None
+    return FoldedValueRotation(layers=sorted(prior)) if fold else None
+
+
 class _Slotted:
     """Worker-side state of one admitted request (Request stays the HTTP side's handle)."""
 
@@ -129,7 +160,6 @@ class BatchEngine(Worker):
                  batch_invariant: bool = False, compile: bool | str = False, decode_ahead: bool = False):
         from lowbit.kv.cache import model_device
         from lowbit.kv.plan import resolve
-        from lowbit.runtime.fold import fold_value_rotation
         from lowbit.runtime.static_cache import StaticKVCache
         from lowbit.runtime.step import REGIONS, DecodeGraphs, ModelStep
 
@@ -169,8 +199,8 @@ class BatchEngine(Worker):
             raise LowbitError(f"the static KV cache for {slots} slots of {self.max_context} tokens does not fit in "
                               f"{device.type} memory; lower --max-active or --max-context") from None
         # on the captured path V's rotation is folded into v_proj / o_proj (lowbit.runtime.fold): two GEMMs fewer
-        # per layer and step; for the engine's lifetime, as the fusion
-        self.folded = fold_value_rotation(model, self.cache, undoable=False) if mode == "graphs" else None
+        # per layer and step; for the engine's lifetime, as the fusion (a model another engine folded: _value_fold)
+        self.folded = _value_fold(model, self.cache, fold=(mode == "graphs"))
         self.cache_class = type(self.cache).__name__
         self.slots, self.prefill_chunk, self.mode, self.when_full = slots, prefill_chunk, mode, when_full
         self.eos = {int(t) for t in runtime.eos_token_ids}
