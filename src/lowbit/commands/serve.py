@@ -63,10 +63,11 @@ def add_arguments(p) -> None:
     p.add_argument("--batch-invariant", action="store_true",
                    help="batch engine: run every decode step at the full --max-active width, so a request's greedy "
                         "tokens equal its tokens served alone (bit for bit); slower at low load")
-    p.add_argument("--decode-ahead", action="store_true",
-                   help="batch engine: queue the next decode step before reading this one's tokens while every live "
-                        "request is greedy and none joins or leaves, so the host's graph launch and token handling "
-                        "overlap the GPU's step (Llama-3-8B int2 on an H200, 32 streams: 3,341 vs 2,761 decode tok/s)")
+    p.add_argument("--decode-ahead", action=argparse.BooleanOptionalAction, default=None,
+                   help="batch engine (default on): queue the next decode step before reading this one's tokens while "
+                        "every live request is greedy and none joins or leaves, so the host's graph launch and token "
+                        "handling overlap the GPU's step (Llama-3-8B int2 on an H200, 32 streams: 3,341 vs 2,761 "
+                        "decode tok/s); --no-decode-ahead reads each step's tokens before launching the next")
     p.add_argument("--compile", nargs="?", const="whole", default=None, choices=("whole", "layers"),
                    help="batch engine on CUDA: torch.compile (Inductor) the decode step before capturing each bucket "
                         "(fewer, fused kernels per step). whole (what --compile alone means): one graph, the faster "

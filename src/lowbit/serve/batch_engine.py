@@ -21,8 +21,7 @@ cannot hold are LowbitErrors at start. Every result names its path (the "done" p
 Sampling is per request on the host (lowbit.serve.sampling: temperature, top_p, its own seeded
 generator), on the step's logits row of that request; an all-greedy batch reads the step's argmax.
 
-Decode ahead (`decode_ahead=True`, `lowbit serve --decode-ahead`; off by default until its captured-path
-test, tests/serve/test_batch_engine.py, has passed on a GPU: it is written, not yet run there): while
+Decode ahead (`decode_ahead=True`, the default; `lowbit serve --no-decode-ahead` turns it off): while
 the batch is steady (every row greedy, the same rows as the step before, no slot of the step's width still
 in its prompt) the engine queues step k + 1 before it reads step k's tokens: the step's own argmax is the
 next step's input (the captured step writes it into its ids; the eager step's argmax is passed on), so the
@@ -157,7 +156,7 @@ class BatchEngine(Worker):
 
     def __init__(self, runtime, metrics: Metrics | None = None, *, slots: int = DEFAULT_MAX_ACTIVE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait",
-                 batch_invariant: bool = False, compile: bool | str = False, decode_ahead: bool = False):
+                 batch_invariant: bool = False, compile: bool | str = False, decode_ahead: bool = True):
         from lowbit.kv.cache import model_device
         from lowbit.kv.plan import resolve
         from lowbit.runtime.static_cache import StaticKVCache
@@ -210,7 +209,9 @@ class BatchEngine(Worker):
                        if mode == "graphs" else None)
         self.decode_ahead = bool(decode_ahead)
         self._ahead: _Launched | None = None  # a step queued before the previous step's tokens were read
-        self._t_read = 0.0  # when the host last finished reading a step's tokens (metrics: no overlap counted)
+        # when the host last finished work it counted (a step's read, a prefill chunk) or came back from waiting
+        # for requests: a step queued ahead is counted from here, so its time never overlaps a chunk's or idle time
+        self._t_read = 0.0
         # the captured step's argmax lands in pinned host memory, two buffers taken in turn: a step queued ahead
         # copies into the one the host is not reading
         self._tokens_host = ([torch.empty(slots, dtype=torch.long, pin_memory=True) for _ in range(2)]
@@ -307,6 +308,9 @@ class BatchEngine(Worker):
             req = self._incoming.get(timeout=0.05) if block else self._incoming.get_nowait()
         except queue.Empty:
             return
+        finally:
+            if block:
+                self._t_read = time.perf_counter()
         while True:
             self._waiting.append(req)
             try:
@@ -365,7 +369,8 @@ class BatchEngine(Worker):
         # token at position `fed`, which the next chunk overwrites (see _guard)
         self.cache.lens[s.slot] = s.fed
         last = s.fed == len(ids)
-        self.metrics.step(time.perf_counter() - t0, int(last), c)  # the last chunk's logits give a token
+        self._t_read = time.perf_counter()
+        self.metrics.step(self._t_read - t0, int(last), c)  # the last chunk's logits give a token
         if last:
             self._emit_token(s, logits)
 

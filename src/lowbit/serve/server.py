@@ -28,7 +28,7 @@ ENGINES = ("auto", "batch", "single")
 
 def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
           engine: str = "auto", decode_path: str = "auto", when_full: str = "wait", batch_invariant: bool = False,
-          compile: bool | str = False, decode_ahead: bool = False):
+          compile: bool | str = False, decode_ahead: bool | None = None):
     """(engine, app) for a lowbit.serve.runtime.Runtime; the engine is not started yet.
 
     engine: "batch" (lowbit.serve.batch_engine: continuous batching over one static cache of
@@ -36,7 +36,7 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
     batch_invariant: every step at full width, so tokens do not depend on the load; compile: the captured
     step torch.compile'd first, True or "whole" as one graph, "layers" per decoder layer (DecodeGraphs regions);
     decode_ahead: queue the next step before reading this one's tokens while the batch is steady
-    (lowbit.serve.batch_engine)),
+    (lowbit.serve.batch_engine; None: the engine's default, on)),
     "single" (lowbit.serve.engine: one cache and one forward per request), or "auto": batch when the
     model is on CUDA, single on CPU (its per-request caches hold only what is used)."""
     if max_active < 1:
@@ -70,11 +70,12 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
 
 
 def _build_batch(runtime, slots: int, prefill_chunk: int, decode_path: str, when_full: str, batch_invariant: bool,
-                 compile: bool | str = False, decode_ahead: bool = False):
+                 compile: bool | str = False, decode_ahead: bool | None = None):
     from lowbit.serve.batch_engine import BatchEngine
 
     engine = BatchEngine(runtime, slots=slots, prefill_chunk=prefill_chunk, mode=decode_path, when_full=when_full,
-                         batch_invariant=batch_invariant, compile=compile, decode_ahead=decode_ahead)
+                         batch_invariant=batch_invariant, compile=compile,
+                         decode_ahead=True if decode_ahead is None else decode_ahead)
     scheme = engine.metrics.scheme
     app = build_app(engine, ServedModel(id=runtime.name, scheme=scheme, max_context=runtime.max_context,
                                         weights=runtime.weights))
