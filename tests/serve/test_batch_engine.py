@@ -533,16 +533,21 @@ def test_decode_ahead_gives_the_same_tokens(rt, path, ahead):
         engine.graphs = EagerGraphs(engine.step, engine.cache, (1, 3))
     assert engine.info["decode_ahead"] is ahead
     spy = _AheadSpy(engine)
+    # all submitted before the worker starts: its schedule (and so whether a row ends with a step queued past its
+    # end) does not depend on this thread's timing
+    cs = [_submit(engine, rt, p, m)[0] for p, m in zip(PROMPTS, MAX_TOKENS)]
     engine.start()
     try:
-        cs = [_submit(engine, rt, p, m)[0] for p, m in zip(PROMPTS, MAX_TOKENS)]
         assert [c.wait().text for c in cs] == refs
         snap = engine.metrics.snapshot()
         assert snap["tokens"]["generated_total"] == sum(c.done["usage"]["completion_tokens"] for c in cs)
+        t0 = time.time()  # the last row's "done" went out before the worker read the step queued past its end
+        while engine._ahead is not None and time.time() - t0 < 30:
+            time.sleep(0.01)
     finally:
         engine.stop()
     # with it: it ran ahead, and rows ended with a step queued past their end; without: never
-    assert (spy.ahead > 0 and spy.dropped > 0) if ahead else (spy.ahead == 0 and spy.dropped == 0)
+    assert ((spy.ahead > 0 and spy.dropped > 0) if ahead else (spy.ahead == 0 and spy.dropped == 0)), (spy.ahead, spy.dropped)
     assert engine.cache.lens.tolist() == [0, 0, 0]
 
 
@@ -688,16 +693,16 @@ def test_engines_over_one_model_fold_its_value_rotation_once(monkeypatch):
     model (captured: the GPU test's four engines share one) takes that fold instead of rotating V again (twice R
     is the identity for the Hadamard rotation: V went into the packed middle unrotated and tokens differed).
     On CPU the captured engines' fold is forced onto eager engines: every engine gives bit for bit the same logits."""
-    import lowbit.serve.batch_engine as be
+    import lowbit.runtime.fold as fo
 
     frt = tiny_runtime("int4", max_context=96, **KV)  # its weights are folded here: not the module's runtime
     v = frt.model.model.layers[0].self_attn.v_proj.weight
-    real = be._value_fold
-    monkeypatch.setattr(be, "_value_fold", lambda model, cache, fold: real(model, cache, fold=True))
+    real = fo.fold_value_rotation_once
+    monkeypatch.setattr(fo, "fold_value_rotation_once", lambda model, cache, fold: real(model, cache, fold=True))
     runs = []
     for k in range(3):
         if k == 2:
-            monkeypatch.setattr(be, "_value_fold", real)  # a plain eager engine over the folded model
+            monkeypatch.setattr(fo, "fold_value_rotation_once", real)  # a plain eager engine over the folded model
         engine = _engine(frt, batch_invariant=True)
         assert all(layer.rot_v is None for layer in engine.cache.layers)
         assert engine.info["folded_value_rotation"] == (2 if k < 2 else 0)

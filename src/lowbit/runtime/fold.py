@@ -126,3 +126,32 @@ def fold_value_rotation(model, cache, *, undoable: bool = True) -> FoldedValueRo
         layer.rot_v = None
         handle.layers.append(i)
     return handle
+
+
+_FOLDED = "_lowbit_folded_rot_v"  # model attribute: {layer index: the V rotation folded into its weights}
+
+
+def fold_value_rotation_once(model, cache, *, fold: bool) -> FoldedValueRotation | None:
+    """For serving engines that own `model` (undoable=False): fold the cache's V rotations into it once per model
+    (fold: a captured-path engine), or take a fold an earlier engine left in it, dropping those layers' rot_v
+    from this cache, whose V then arrives rotated. A fold of another rotation is refused.
+
+    Why: the fold stays in the weights after its engine. Folding again for the next engine's fresh cache rotated
+    V once more (twice a Hadamard-type rotation is the identity, so the packed middle quantized V unrotated), as
+    did an eager engine's cache over a folded model: two engines over one model quantized V in different bases
+    and their tokens differed (s21: the batching engine's GPU test, its 3rd and 4th engines)."""
+    prior = getattr(model, _FOLDED, None)
+    if prior is None:
+        if not fold:
+            return None
+        rots = {i: layer.rot_v for i, layer in enumerate(cache.layers) if layer.rot_v is not None}
+        handle = fold_value_rotation(model, cache, undoable=False)
+        setattr(model, _FOLDED, {i: rots[i] for i in handle.layers})
+        return handle
+    for i, rot in prior.items():
+        layer = cache.layers[i]
+        if layer.rot_v is None or not torch.equal(layer.rot_v, rot.to(layer.rot_v.device, layer.rot_v.dtype)):
+            raise LowbitError(f"layer {i}: the model's weights carry another engine's V rotation, not this KV "
+                              "scheme's; load the model again for this engine")
+        layer.rot_v = None
+    return FoldedValueRotation(layers=sorted(prior)) if fold else None

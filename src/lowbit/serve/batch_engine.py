@@ -85,37 +85,6 @@ def buckets_for(slots: int) -> tuple[int, ...]:
     return tuple(out) + (slots,)
 
 
-_FOLDED = "_lowbit_folded_rot_v"  # model attribute: {layer index: the V rotation folded into its weights}
-
-
-def _value_fold(model, cache, *, fold: bool):
-    """Fold the cache's V rotations into `model` once per model (fold: a captured-path engine), or take a fold
-    an earlier engine left in it: drop those layers' rot_v from this cache, whose V then arrives rotated.
-
-    Why: the fold (undoable=False) stays in the weights after its engine. Folding again for the next engine's
-    fresh cache rotated V once more (R twice: the identity for the symmetric Hadamard-type rotations, so the
-    packed middle quantized V unrotated), as did an eager engine's cache over a folded model: two engines over
-    one model then quantized V in different bases and their tokens differed (the GPU test's 3rd and 4th
-    engines, decode-ahead vs not, on PROMPTS[1]; not the interleaving of chunks and steps)."""
-    from lowbit.runtime.fold import FoldedValueRotation, fold_value_rotation
-
-    prior = getattr(model, _FOLDED, None)
-    if prior is None:
-        if not fold:
-            return None
-        rots = {i: layer.rot_v for i, layer in enumerate(cache.layers) if layer.rot_v is not None}
-        handle = fold_value_rotation(model, cache, undoable=False)
-        setattr(model, _FOLDED, {i: rots[i] for i in handle.layers})
-        return handle
-    for i, rot in prior.items():
-        layer = cache.layers[i]
-        if layer.rot_v is None or not torch.equal(layer.rot_v, rot.to(layer.rot_v.device, layer.rot_v.dtype)):
-            raise LowbitError(f"layer {i}: the model's weights carry another engine's V rotation, not this KV "
-                              "scheme's; load the model again for this engine")
-        layer.rot_v = None
-    return FoldedValueRotation(layers=sorted(prior)) if fold else None
-
-
 class _Slotted:
     """Worker-side state of one admitted request (Request stays the HTTP side's handle)."""
 
@@ -159,6 +128,7 @@ class BatchEngine(Worker):
                  batch_invariant: bool = False, compile: bool | str = False, decode_ahead: bool = True):
         from lowbit.kv.cache import model_device
         from lowbit.kv.plan import resolve
+        from lowbit.runtime.fold import fold_value_rotation_once
         from lowbit.runtime.static_cache import StaticKVCache
         from lowbit.runtime.step import REGIONS, DecodeGraphs, ModelStep
 
@@ -198,8 +168,8 @@ class BatchEngine(Worker):
             raise LowbitError(f"the static KV cache for {slots} slots of {self.max_context} tokens does not fit in "
                               f"{device.type} memory; lower --max-active or --max-context") from None
         # on the captured path V's rotation is folded into v_proj / o_proj (lowbit.runtime.fold): two GEMMs fewer
-        # per layer and step; for the engine's lifetime, as the fusion (a model another engine folded: _value_fold)
-        self.folded = _value_fold(model, self.cache, fold=(mode == "graphs"))
+        # per layer and step; for the engine's lifetime, as the fusion (once per model: a later engine over it takes that fold)
+        self.folded = fold_value_rotation_once(model, self.cache, fold=(mode == "graphs"))
         self.cache_class = type(self.cache).__name__
         self.slots, self.prefill_chunk, self.mode, self.when_full = slots, prefill_chunk, mode, when_full
         self.eos = {int(t) for t in runtime.eos_token_ids}
@@ -211,7 +181,7 @@ class BatchEngine(Worker):
         self._ahead: _Launched | None = None  # a step queued before the previous step's tokens were read
         # when the host last finished work it counted (a step's read, a prefill chunk) or came back from waiting
         # for requests: a step queued ahead is counted from here, so its time never overlaps a chunk's or idle time
-        self._t_read = 0.0
+        self._t_mark = 0.0
         # the captured step's argmax lands in pinned host memory, two buffers taken in turn: a step queued ahead
         # copies into the one the host is not reading
         self._tokens_host = ([torch.empty(slots, dtype=torch.long, pin_memory=True) for _ in range(2)]
@@ -310,7 +280,7 @@ class BatchEngine(Worker):
             return
         finally:
             if block:
-                self._t_read = time.perf_counter()
+                self._t_mark = time.perf_counter()
         while True:
             self._waiting.append(req)
             try:
@@ -369,8 +339,8 @@ class BatchEngine(Worker):
         # token at position `fed`, which the next chunk overwrites (see _guard)
         self.cache.lens[s.slot] = s.fed
         last = s.fed == len(ids)
-        self._t_read = time.perf_counter()
-        self.metrics.step(self._t_read - t0, int(last), c)  # the last chunk's logits give a token
+        self._t_mark = time.perf_counter()
+        self.metrics.step(self._t_mark - t0, int(last), c)  # the last chunk's logits give a token
         if last:
             self._emit_token(s, logits)
 
@@ -487,8 +457,8 @@ class BatchEngine(Worker):
             picks, host = None, cur.logits.float().cpu()
         now = time.perf_counter()
         live = [s for s in cur.rows if self._live[s.slot] is s]
-        self.metrics.step(now - max(cur.t0, self._t_read), len(live))
-        self._t_read = now
+        self.metrics.step(now - max(cur.t0, self._t_mark), len(live))
+        self._t_mark = now
         for s in live:
             s.held += 1
             if picks is not None:
