@@ -132,6 +132,8 @@ def test_odd_sizes_bench_configs_gpu(name):
     # nothing, so the CPU tests above cover its distinct tiles)
     geo = geo_bench.GEOMETRIES[SHAPES[name][7]]
     for cfg in [GeoConfig(), *geo_bench.candidates(geo)]:
+        if cfg.impl == "cuda" and SHAPES[name][1] % 16:
+            continue  # the CUDA middle takes 16-head blocks only (its own tests: test_latent_cuda.py)
         try:
             _check(name, cfg, device="cuda")
         except Exception as e:  # a config past the shared memory of the device is the sweep's to report

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.kernels import nvcc
 from lowbit.kernels import weight_cuda as wc
 from lowbit.kernels import weight_gemm as wg
 from lowbit.kernels.weight_audit import random_weight
@@ -55,7 +56,7 @@ def test_cu_compiles_with_nvcc(tmp_path):
 
 
 def test_missing_nvcc_is_a_one_line_error(monkeypatch, tmp_path):
-    monkeypatch.setattr(wc, "NVCC", str(tmp_path / "no-nvcc-here"))
+    monkeypatch.setattr(nvcc, "NVCC", str(tmp_path / "no-nvcc-here"))
     with pytest.raises(LowbitError) as e:
         wc.build("sm_90a", cache_dir=tmp_path)
     msg = str(e.value)

@@ -341,7 +341,7 @@ def _geo_mid_tile(t0, end, kw_base, vw_base, pe_base, spt, KS, KZ, ks_base, VS, 
     return m_new, l_v, o_new, lz_new
 
 
-@triton.jit(do_not_specialize=["split_tokens", "NSM", "NSPLIT"])
+@triton.jit(do_not_specialize=["split_tokens", "NSM", "NSPLIT", "SPLIT0"])
 def _geo_stage1(
     Q, sqb, sqh, QP, sqpb, sqph,
     KW, skb, skh, KS, KZ, sksb, sksh,
@@ -350,7 +350,7 @@ def _geo_stage1(
     SK_K, SK_V, SK_P, sskb, sskh, sskt, ssvb, ssvh, ssvt, sspb, ssph, sspt, SINK_LEN,
     RK_K, RK_V, RK_P, srkb, srkh, srkt, srvb, srvh, srvt, srpb, srph, srpt, REC_LEN,
     OP, LSE,
-    qk_scale, split_tokens, NSM, NSPLIT,
+    qk_scale, split_tokens, NSM, NSPLIT, SPLIT0,
     G: tl.constexpr, BH: tl.constexpr, NHB: tl.constexpr, HP: tl.constexpr,
     DK: tl.constexpr, DKP: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
     KBITS: tl.constexpr, VBITS: tl.constexpr, GK: tl.constexpr, GV: tl.constexpr,
@@ -360,7 +360,7 @@ def _geo_stage1(
     MID_ITERS: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr,
 ):
     hb_kv = tl.program_id(0)
-    split = tl.program_id(1)
+    split = tl.program_id(1) + SPLIT0  # SPLIT0 = NSM: only the dense split (the CUDA kernel ran the middle)
     b = tl.program_id(2)
     kvh = hb_kv // NHB
     hl = (hb_kv % NHB) * BH + tl.arange(0, HP)  # q heads of this program inside the KV head's group
@@ -505,7 +505,10 @@ class GeoConfig:
     middle splits per (sequence, KV head); q_loop: re-read q's segments from L1 every tile instead of
     holding them in registers (wide keys x many heads: 576 x 16 fp16 is 144 registers a thread);
     waves: programs per SM the split pick aims at; dense_block: tokens per step on the dense tiers;
-    num_warps / num_stages: Triton's."""
+    num_warps / num_stages: Triton's. impl: "triton" (default) or "cuda": the packed int2 MLA latent's middle
+    through lowbit.kernels.latent_cuda (its own 16-head, 64-token tiles; block_t / heads / warps / q_loop /
+    zero_mma then apply to the dense tiers' Triton split only); a call the CUDA kernel cannot take is refused
+    with the reason."""
 
     block_t: int | None = None
     heads: int | None = None
@@ -516,6 +519,7 @@ class GeoConfig:
     q_loop: bool | None = None
     waves: int | None = None
     zero_mma: bool | None = None
+    impl: str | None = None
 
     def resolve(self, G: int, DV: int, DK: int | None = None, shared: bool = False, pairs: int | None = None,
                 dense_mid: bool = False) -> GeoConfig:
@@ -528,7 +532,9 @@ class GeoConfig:
         registers a thread; zero_mma on (neutral to +10%).
         pairs (B x Hkv) and dense_mid (the bf16 latent path): the MLA latent with few sequences has few programs
         per split, and other tiles win (`few_pairs`)."""
-        few = few_pairs(G, DV, shared, pairs, dense_mid)
+        if self.impl not in (None, "triton", "cuda"):
+            raise LowbitError(f"GeoConfig.impl must be 'triton' or 'cuda', got {self.impl!r}")
+        few = few_pairs(G, DV, shared, pairs, dense_mid) if self.impl != "cuda" else {}
         if few:
             return replace(self, **{k: v for k, v in few.items() if getattr(self, k) is None}).resolve(G, DV, DK, shared)
         DK = DK or DV
@@ -542,7 +548,8 @@ class GeoConfig:
         dbt = self.dense_block or (16 if DV >= 512 else 32)
         return GeoConfig(block_t=bt, heads=heads, num_splits=self.num_splits, num_warps=warps,
                          num_stages=self.num_stages or 2, dense_block=dbt, q_loop=bool(q_loop),
-                         waves=self.waves or 4, zero_mma=True if self.zero_mma is None else bool(self.zero_mma))
+                         waves=self.waves or 4, zero_mma=True if self.zero_mma is None else bool(self.zero_mma),
+                         impl=self.impl or "triton")
 
 
 def few_pairs(G: int, DV: int, shared: bool, pairs: int | None, dense_mid: bool) -> dict:
@@ -718,7 +725,18 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
     elif out.shape != (B, Hq, DV) or out.stride(-1) != 1:
         raise LowbitError(f"out must be [B, Hq, Dv] = {(B, Hq, DV)} with a contiguous last dim")
 
+    cuda_mid = cfg.impl == "cuda"
+    if cuda_mid:
+        from lowbit.kernels import latent_cuda
+
+        why = ("the CUDA kernel runs a packed shared (latent) middle" if not shared or dense_mid else
+               latent_cuda.why_not(q, qp, vmid[0] if has_mid else None, *(vmid[1:] if has_mid else (None, None)),
+                                   mid_pe, v_bits))
+        if why:
+            raise LowbitError(f"GeoConfig(impl='cuda'): {why}; pass impl='triton' (or leave it unset)")
     if has_mid:
+        # the CUDA middle: 16-head blocks, 64-token tiles (its split count from the same rule)
+        BTM, programs = (latent_cuda.BLOCK_T, B * Hkv * (G // latent_cuda.HEADS)) if cuda_mid else (BT, B * Hkv * NHB)
         nsm = cfg.num_splits
         if not nsm:
             sms = 8 if interp else device_info(cuda_index(dev)).sms
@@ -728,9 +746,9 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
                 row = Hkv * (DV * v_bits // 8 + 4 * (DV // GV) + 2 * DR)
                 if not shared:
                     row += Hkv * (DK * k_bits // 8 + 4 * (DK // GK))
-            nsm = pick_splits(B, B * Hkv * NHB, T, BT, sms, int(cfg.waves), Hq * DV * 8, row * T)
+            nsm = pick_splits(B, programs, T, BTM, sms, int(cfg.waves), Hq * DV * 8, row * T)
         nsm = max(1, int(nsm))
-        split_tokens = max(BT, math.ceil(max(T, 1) / nsm / BT) * BT)
+        split_tokens = max(BTM, math.ceil(max(T, 1) / nsm / BTM) * BTM)
         nsm = max(1, math.ceil(max(T, 1) / split_tokens))
     else:
         nsm, split_tokens = 0, BT
@@ -745,6 +763,29 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
     def st3(t):
         return (t.stride(0), t.stride(1), t.stride(2)) if t.dim() == 4 else (0, 0, 0)
 
+    split0 = 0
+    if cuda_mid:
+        if has_mid:
+            latent_cuda.stage1(q, qp, vmid[0], vmid[1], vmid[2], mid_pe, mid_lens, part, lse,
+                               float(sm_scale) * LOG2E, split_tokens, nsm)
+        split0 = nsm  # the Triton kernel below runs the dense tiers' split only
+        grid = (grid[0], nsplit - nsm, B)
+    if grid[1] > 0:
+        _triton_stage1(grid, q, qp, kc, ks, kz, vc, vs, vz, mp, mid_lens, st, rt, part, lse, sm_scale, split_tokens,
+                       nsm, nsplit, split0, st2, st3, G=G, BH=BH, NHB=NHB, HP=HP, DK=DK, DV=DV, DR=DR,
+                       k_bits=k_bits, v_bits=v_bits, GK=GK, GV=GV, WK=WK, WV=WV, shared=shared, dense_mid=dense_mid,
+                       cfg=cfg, interp=interp, BT=BT, BTD=BTD, has_sink=has_sink, has_rec=has_rec)
+    ch = min(32, max(16, _pow2(nsplit)))
+    _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
+                     DV=DV, num_warps=4)
+    launch = GeoLaunch(num_splits=nsm, grid=grid, split_tokens=split_tokens, config=cfg,
+                       mode="interpreter" if interp else "compiled")
+    return (out, launch) if return_launch else out
+
+
+def _triton_stage1(grid, q, qp, kc, ks, kz, vc, vs, vz, mp, mid_lens, st, rt, part, lse, sm_scale, split_tokens,
+                   nsm, nsplit, split0, st2, st3, *, G, BH, NHB, HP, DK, DV, DR, k_bits, v_bits, GK, GV, WK, WV,
+                   shared, dense_mid, cfg, interp, BT, BTD, has_sink, has_rec):
     sk, sv, sp, sl = st
     rk, rv, rp, rl = rt
     _geo_stage1[grid](
@@ -754,7 +795,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
         mp, *st3(mp), mid_lens,
         sk, sv, sp, *st3(sk), *st3(sv), *st3(sp), sl,
         rk, rv, rp, *st3(rk), *st3(rv), *st3(rp), rl,
-        part, lse, float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit,
+        part, lse, float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit, split0,
         G=G, BH=BH, NHB=NHB, HP=HP, DK=DK, DKP=_pow2(DK), DV=DV, DR=max(DR, 16),
         KBITS=k_bits, VBITS=v_bits, GK=GK, GV=GV, WK=WK, WV=WV, SHARED=shared, HAS_PE=bool(DR),
         DENSE_MID=dense_mid, Q_LOOP=bool(cfg.q_loop), USE_PRMT=not interp, ZMMA=bool(cfg.zero_mma),
@@ -764,12 +805,6 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
         REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
         num_warps=int(cfg.num_warps), num_stages=int(cfg.num_stages),
     )
-    ch = min(32, max(16, _pow2(nsplit)))
-    _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
-                     DV=DV, num_warps=4)
-    launch = GeoLaunch(num_splits=nsm, grid=grid, split_tokens=split_tokens, config=cfg,
-                       mode="interpreter" if interp else "compiled")
-    return (out, launch) if return_launch else out
 
 
 def _check_q(q, what="q"):

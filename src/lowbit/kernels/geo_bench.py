@@ -42,9 +42,12 @@ def candidates(geo: dict, packed: bool = True):
 
     if geo["kind"] == "mha":
         return [GeoConfig(), GeoConfig(block_t=64, num_warps=1), GeoConfig(block_t=64, num_warps=2)]
+    # the CUDA int2 middle (lowbit.kernels.latent_cuda: DeepSeek's 512 + 64 latent) at 1, 2 and 4 blocks a SM
+    cuda = ([GeoConfig(impl="cuda", waves=w) for w in (2, 4, 8)]
+            if packed and geo["kind"] == "latent" and geo["DR"] == 64 else [])
     if geo["Hq"] > 16:  # 64 tokens x 32 heads: the best bf16 dense-middle config of the sweep
-        return [GeoConfig(), GeoConfig(block_t=64, heads=32), GeoConfig(block_t=64, heads=16)]
-    return [GeoConfig(), GeoConfig(block_t=64, zero_mma=False), GeoConfig(block_t=64, q_loop=False)]
+        return [GeoConfig(), GeoConfig(block_t=64, heads=32), GeoConfig(block_t=64, heads=16), *cuda]
+    return [GeoConfig(), GeoConfig(block_t=64, zero_mma=False), GeoConfig(block_t=64, q_loop=False), *cuda]
 
 
 def sweep_candidates(geo: dict):
@@ -286,7 +289,7 @@ def run(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=(2
                        "bf16_bytes": db, "bf16_buffers": nb}
                 if geo["kind"] == "latent" and name.startswith("deepseek"):
                     t_k, cfg_k, _, cand = _best(lambda c: latent_fns(geo, B, L, 16, nb, c, dense_mid=True, dev=dev),
-                                                candidates(geo), log, timer)
+                                                candidates(geo, packed=False), log, timer)
                     # the kernel's dense middle holds c_kv and k_pe apart: same bytes as the 576-wide cache
                     fns, keep = torch_latent_fns(geo, B, L, nb, dev=dev)
                     t_t = timer(fns)

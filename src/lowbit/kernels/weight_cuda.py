@@ -17,9 +17,7 @@ the Triton and dequantize + cuBLAS cells for larger M read the same tensors. It 
 headers: nvcc builds a shared library with `extern "C"` launchers taking raw device pointers and the
 caller's stream (torch.cuda.current_stream().cuda_stream), so a call is capturable in a CUDA graph.
 
-Build cache: ~/.cache/lowbit/cuda (or the temp dir when home is not writable), one file per sha256 of
-(source, `nvcc --version`, arch, flags); a build writes a temporary name and renames it, so processes
-building at once never read a half-written library.
+Build and cache: lowbit.kernels.nvcc (shared with the other CUDA sources).
 
 Launch geometry (CudaConfig), x-staging kernel: a block of `warps` warps, each warp RT tiles of 16 weight rows (RT 4
 only for M <= 16); K split across SPLITK blocks (0: as many as keep the grid within `waves` (2) x the SMs). A block
@@ -33,12 +31,7 @@ block of `warps` warps on 16 * RT rows, its K range split across them chunk by c
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import math
-import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,10 +39,10 @@ from pathlib import Path
 import torch
 
 from lowbit.errors import LowbitError
+from lowbit.kernels import nvcc
+from lowbit.kernels.nvcc import arch_for, find_nvcc, nvcc_missing  # noqa: F401  (re-exported: callers ask here)
 
 SOURCE = Path(__file__).with_name("cuda") / "weight_small_m.cu"
-NVCC: str | None = None  # None: `nvcc` on PATH, else /usr/local/cuda/bin/nvcc (tests point it elsewhere)
-FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")
 SMEM_CAP = 96 * 1024  # dynamic shared memory per block we allow (two blocks per SM on an H100/H200)
 M_MAX = 64
 _KIND = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
@@ -99,86 +92,14 @@ class CudaConfig:
         return f"cuda-rt{self.RT}-w{self.warps}-sk{self.SPLITK}{wv}"
 
 
-def find_nvcc() -> str:
-    """The nvcc to build with, or a one-line LowbitError."""
-    cand = NVCC or shutil.which("nvcc") or "/usr/local/cuda/bin/nvcc"
-    if not (os.path.isfile(cand) and os.access(cand, os.X_OK)):
-        raise LowbitError(f"nvcc not found ({cand}): the CUDA weight kernel is built at first use; install the CUDA "
-                          "toolkit (nvcc) or use the Triton cells (they need no nvcc)")
-    return cand
-
-
-_nvcc_state: list = []
-
-
-def nvcc_missing() -> str | None:
-    """None when nvcc is there to build the kernel, else the one-line reason (checked once per process; the
-    dispatch then passes over the CUDA cells instead of failing every call)."""
-    if not _nvcc_state:
-        try:
-            find_nvcc()
-            _nvcc_state.append(None)
-        except LowbitError as e:
-            _nvcc_state.append(str(e))
-    return _nvcc_state[0]
-
-
-def arch_for(cap: tuple[int, int]) -> str:
-    """nvcc's -arch for a compute capability (sm_90a on Hopper)."""
-    return f"sm_{cap[0]}{cap[1]}" + ("a" if tuple(cap) == (9, 0) else "")
-
-
-def _cache_dir() -> Path:
-    for d in (Path.home() / ".cache" / "lowbit" / "cuda", Path(tempfile.gettempdir()) / f"lowbit-cuda-{os.getuid()}"):
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-            if os.access(d, os.W_OK):
-                return d
-        except OSError:
-            continue
-    raise LowbitError("no writable cache directory for the CUDA weight kernel (tried ~/.cache/lowbit and the temp "
-                      "dir): make one of them writable")
-
-
-def _flags(arch: str, defines: tuple[str, ...]) -> tuple[str, ...]:
-    return (*FLAGS, f"-gencode=arch=compute_{arch[3:]},code={arch}", *(f"-D{d}" for d in defines))
+def build(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
+    """This library for `arch` (lowbit.kernels.nvcc.build). `defines` are for the compile-only test
+    (LOWBIT_COMPILE_CHECK: a few template instances)."""
+    return nvcc.build(SOURCE, arch, cache_dir=cache_dir, defines=defines)
 
 
 def cache_path(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
-    """Where build() keeps the library for `arch`: named by the sha256 of (source, `nvcc --version`, flags), so
-    a library built elsewhere with the same nvcc release and flags can be placed there."""
-    nvcc = find_nvcc()
-    try:
-        ver = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60,
-                             check=False).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise LowbitError(f"{nvcc} --version failed ({type(e).__name__}): check the CUDA toolkit install") from e
-    key = hashlib.sha256(SOURCE.read_bytes() + ver.encode() + " ".join(_flags(arch, defines)).encode()).hexdigest()[:20]
-    return Path(cache_dir or _cache_dir()) / f"lowbit_weight_small_m_{arch}_{key}.so"
-
-
-def build(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
-    """The shared library for `arch`, compiled now unless the cache has it. `defines` (-D...) are for the
-    compile-only test (LOWBIT_COMPILE_CHECK: a few template instances)."""
-    nvcc = find_nvcc()
-    flags = _flags(arch, defines)
-    out = cache_path(arch, cache_dir=cache_dir, defines=defines)
-    if out.is_file():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)  # a new cache directory (else nvcc's link step fails obscurely)
-    tmp = out.with_name(f"{out.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        r = subprocess.run([nvcc, *flags, "-o", str(tmp), str(SOURCE)], capture_output=True, text=True, timeout=900,
-                           check=False)
-        if r.returncode != 0:
-            first = next((ln for ln in r.stderr.splitlines() if "error" in ln), r.stderr.strip()[:200])
-            raise LowbitError(f"nvcc failed to build {SOURCE.name} for {arch}: {first.strip()} (see `nvcc --version`; "
-                              "the kernel needs CUDA >= 12 and sm_80+)")
-        os.replace(tmp, out)  # atomic: another process sees the old state or the whole file
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return out
+    return nvcc.cache_path(SOURCE, arch, cache_dir=cache_dir, defines=defines)
 
 
 def _load(path: Path) -> ctypes.CDLL:
