@@ -79,7 +79,9 @@ def test_cu_compiles_with_nvcc(tmp_path):
     assert so.name.startswith("lowbit_latent_int2_sm_90a_") and not list(tmp_path.glob("*.tmp"))
     lib = latent_cuda._load(so)
     # ring of 3 stages (codes 8 KB + pe 8 KB + scale / zero 1 KB) + q fragments 18 KB + p fragments 8 KB + sums
-    assert lib.lowbit_latent_int2_smem() == 3 * 17408 + 36 * 32 * 16 + 4 * 4 * 32 * 16 + 4 * 16 * 4 * 3 + 4 * 4 * 16 * 4
+    assert lib.lowbit_latent_int2_smem(4) == 3 * 17408 + 36 * 32 * 16 + 4 * 4 * 32 * 16 + 4 * 16 * 4 * 3 + 4 * 4 * 16 * 4
+    assert lib.lowbit_latent_int2_smem(8) == 2 * 34816 + 36 * 32 * 16 + 4 * 8 * 32 * 16 + 256 + 2 * 512 + 8 * 4 * 16 * 4
+    assert lib.lowbit_latent_int2_smem(2) == -1 and b"warps must be 4 or 8" in lib.lowbit_latent_cuda_error_string(-1)
     assert isinstance(lib, ctypes.CDLL)
 
 
@@ -97,6 +99,7 @@ def _check(kw, cfg=None, tol=TOL):
 
 @pytest.mark.gpu
 @on_gpu
+@pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("Hq, Hkv, lens, splits", [
     (16, 1, [1, 3, 17, 99], None),
     (16, 1, [63, 64, 65, 999], 3),
@@ -104,17 +107,18 @@ def _check(kw, cfg=None, tol=TOL):
     (32, 2, [5, 128, 129, 700], None),
     (128, 1, [999, 1, 64, 300], 4),
 ])
-def test_odd_sizes_against_twin(Hq, Hkv, lens, splits):
+def test_odd_sizes_against_twin(Hq, Hkv, lens, splits, warps):
     kw = _kw(len(lens), Hq, max(lens) + 5, lens, Hkv=Hkv, device="cuda", seed=Hq + len(lens))
-    _, launch = _check(kw, GeoConfig(impl="cuda", num_splits=splits))
-    assert launch.config.impl == "cuda" and launch.split_tokens % latent_cuda.BLOCK_T == 0
+    _, launch = _check(kw, GeoConfig(impl="cuda", num_splits=splits, num_warps=warps))
+    assert launch.config.impl == "cuda" and launch.split_tokens % latent_cuda.tile_tokens(warps) == 0
 
 
 @pytest.mark.gpu
 @on_gpu
-def test_dense_tiers_beside_the_cuda_middle_match_triton():
+@pytest.mark.parametrize("warps", [4, 8])
+def test_dense_tiers_beside_the_cuda_middle_match_triton(warps):
     kw = _kw(4, 16, 300, [1, 17, 299, 0], sink=4, recent=9, device="cuda", seed=3)
-    out_c, _ = _check(kw)
+    out_c, _ = _check(kw, GeoConfig(impl="cuda", num_warps=warps))
     out_t, _ = _check(kw, GeoConfig(impl="triton"))
     assert rel_l2(out_c, out_t) <= TOL
 

@@ -506,9 +506,9 @@ class GeoConfig:
     holding them in registers (wide keys x many heads: 576 x 16 fp16 is 144 registers a thread);
     waves: programs per SM the split pick aims at; dense_block: tokens per step on the dense tiers;
     num_warps / num_stages: Triton's. impl: "triton" (default) or "cuda": the packed int2 MLA latent's middle
-    through lowbit.kernels.latent_cuda (its own 16-head, 64-token tiles; block_t / heads / warps / q_loop /
-    zero_mma then apply to the dense tiers' Triton split only); a call the CUDA kernel cannot take is refused
-    with the reason."""
+    through lowbit.kernels.latent_cuda (16-head blocks of num_warps = 4 or 8 warps, 16 tokens a warp; block_t /
+    heads / q_loop / zero_mma then apply to the dense tiers' Triton split only); a call the CUDA kernel cannot take
+    is refused with the reason."""
 
     block_t: int | None = None
     heads: int | None = None
@@ -731,12 +731,13 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
 
         why = ("the CUDA kernel runs a packed shared (latent) middle" if not shared or dense_mid else
                latent_cuda.why_not(q, qp, vmid[0] if has_mid else None, *(vmid[1:] if has_mid else (None, None)),
-                                   mid_pe, v_bits))
+                                   mid_pe, v_bits, int(cfg.num_warps)))
         if why:
             raise LowbitError(f"GeoConfig(impl='cuda'): {why}; pass impl='triton' (or leave it unset)")
     if has_mid:
-        # the CUDA middle: 16-head blocks, 64-token tiles (its split count from the same rule)
-        BTM, programs = (latent_cuda.BLOCK_T, B * Hkv * (G // latent_cuda.HEADS)) if cuda_mid else (BT, B * Hkv * NHB)
+        # the CUDA middle: 16-head blocks, 16-token tiles a warp (its split count from the same rule)
+        BTM, programs = ((latent_cuda.tile_tokens(int(cfg.num_warps)), B * Hkv * (G // latent_cuda.HEADS)) if cuda_mid
+                         else (BT, B * Hkv * NHB))
         nsm = cfg.num_splits
         if not nsm:
             sms = 8 if interp else device_info(cuda_index(dev)).sms
@@ -767,7 +768,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
     if cuda_mid:
         if has_mid:
             latent_cuda.stage1(q, qp, vmid[0], vmid[1], vmid[2], mid_pe, mid_lens, part, lse,
-                               float(sm_scale) * LOG2E, split_tokens, nsm)
+                               float(sm_scale) * LOG2E, split_tokens, nsm, int(cfg.num_warps))
         split0 = nsm  # the Triton kernel below runs the dense tiers' split only
         grid = (grid[0], nsplit - nsm, B)
     if grid[1] > 0:

@@ -42,8 +42,8 @@ def candidates(geo: dict, packed: bool = True):
 
     if geo["kind"] == "mha":
         return [GeoConfig(), GeoConfig(block_t=64, num_warps=1), GeoConfig(block_t=64, num_warps=2)]
-    # the CUDA int2 middle (lowbit.kernels.latent_cuda: DeepSeek's 512 + 64 latent) at 1, 2 and 4 blocks a SM
-    cuda = ([GeoConfig(impl="cuda", waves=w) for w in (2, 4, 8)]
+    # the CUDA int2 middle (lowbit.kernels.latent_cuda: DeepSeek's 512 + 64 latent), 4 or 8 warps, 1 or 2 waves
+    cuda = ([GeoConfig(impl="cuda", num_warps=nw, waves=w) for nw in (4, 8) for w in (2, 4)]
             if packed and geo["kind"] == "latent" and geo["DR"] == 64 else [])
     if geo["Hq"] > 16:  # 64 tokens x 32 heads: the best bf16 dense-middle config of the sweep
         return [GeoConfig(), GeoConfig(block_t=64, heads=32), GeoConfig(block_t=64, heads=16), *cuda]

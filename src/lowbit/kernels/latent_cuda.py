@@ -7,7 +7,8 @@ It writes the middle's splits [0, nsm) of decode_geometry's partial buffers (par
 fp32 [B, Hq, nsplit]); the dense tiers' split and the merge stay with the Triton kernels, so a call through
 decode_attention_latent(config=GeoConfig(impl="cuda")) returns what the Triton path returns (same twin:
 lowbit.kernels.reference.decode_attention_latent_ref). One block: 16 query heads of one KV head x one split, 4 warps,
-64-token tiles (BLOCK_T), two blocks per SM.
+16 * warps tokens a tile (`tile_tokens`), two blocks per SM; instances: 4 warps (3-stage ring, ~79 KB of shared memory)
+and 8 warps (2 stages, ~106 KB; registers capped at 128 a thread).
 
 Takes: DeepSeek-V3's latent geometry (c_kv 512 at 2 bits in groups of 128 in the `strided` layout, k_pe 64),
 bf16 q_lat / q_pe / pe, fp16 scale / zero, query heads per KV head a multiple of 16, 16-byte aligned rows.
@@ -25,8 +26,8 @@ from lowbit.errors import LowbitError
 from lowbit.kernels import nvcc
 
 SOURCE = Path(__file__).with_name("cuda") / "latent_int2.cu"
-BLOCK_T = 64  # middle tokens per tile (the kernel's BT): split_tokens must be a multiple
 HEADS = 16  # query heads per block (the MMA's M)
+WARPS = (4, 8)  # the library's instances
 BLOCKS_PER_SM = 2  # resident blocks per SM (__launch_bounds__ and ~80 KB of shared memory each)
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
@@ -36,9 +37,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.lowbit_latent_int2_stage1.argtypes = [P, L, L, P, L, L, P, L, L, P, P, L, L, P, L, L, L, P, P, P,
-                                              ctypes.c_float, I, I, I, I, I, I, ctypes.c_ulonglong]
+                                              ctypes.c_float, I, I, I, I, I, I, I, ctypes.c_ulonglong]
     lib.lowbit_latent_int2_stage1.restype = I
-    lib.lowbit_latent_int2_smem.argtypes = []
+    lib.lowbit_latent_int2_smem.argtypes = [I]
     lib.lowbit_latent_int2_smem.restype = I
     lib.lowbit_latent_cuda_error_string.argtypes = [I]
     lib.lowbit_latent_cuda_error_string.restype = ctypes.c_char_p
@@ -65,7 +66,12 @@ def _aligned(t: torch.Tensor, *dims: int) -> bool:
     return t.data_ptr() % 16 == 0 and all(t.shape[d] == 1 or (t.stride(d) * es) % 16 == 0 for d in dims)
 
 
-def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int) -> str | None:
+def tile_tokens(warps: int) -> int:
+    """Middle tokens per tile of the `warps` instance (16 a warp): split_tokens must be a multiple."""
+    return 16 * warps
+
+
+def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4) -> str | None:
     """None when this kernel runs the call (shapes already checked by decode_attention_latent), else why not."""
     if q_lat.device.type != "cuda":
         return f"the CUDA latent kernel needs a CUDA device (q_lat is on {q_lat.device})"
@@ -76,6 +82,8 @@ def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int) -> str | None:
         return nvcc.nvcc_missing()
     if codes is None:
         return "no middle tier: the CUDA kernel runs the packed middle only"
+    if warps not in WARPS:
+        return f"the CUDA latent kernel has instances of {' and '.join(map(str, WARPS))} warps, not {warps}"
     _, Hq, D = q_lat.shape
     if bits != 2 or D != 512 or codes.shape[-1] != 128 or scale is None or scale.shape[-1] != 4:
         return (f"the CUDA latent kernel takes a 512-wide latent at 2 bits in groups of 128 (got {D} wide, {bits} "
@@ -91,22 +99,25 @@ def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int) -> str | None:
     Hkv = codes.shape[1]
     if (Hq // Hkv) % HEADS:
         return f"the CUDA latent kernel takes query heads per KV head in multiples of {HEADS} (got {Hq // Hkv})"
-    if not (_aligned(q_lat, 0, 1) and _aligned(q_pe, 0, 1) and _aligned(codes, 0, 1, 2) and _aligned(pe, 0, 1, 2)
-            and _aligned(scale, 0, 1) and _aligned(zero, 0, 1)):
-        return "the CUDA latent kernel reads 16-byte aligned rows (q, codes, pe, scale / zero bases and strides)"
+    if not (_aligned(q_lat, 0, 1) and _aligned(q_pe, 0, 1) and _aligned(codes, 0, 1, 2) and _aligned(pe, 0, 1, 2)):
+        return "the CUDA latent kernel reads 16-byte aligned rows (q, codes and pe bases and strides)"
+    if scale.data_ptr() % 8 or zero.data_ptr() % 8:
+        return "the CUDA latent kernel reads 8-byte aligned scale / zero rows"
     if codes.stride(2) != 128 or codes.stride(3) != 1 or scale.stride(2) != 4 or zero.stride() != scale.stride():
         return "the CUDA latent kernel takes contiguous [T, 128] codes and [T, 4] scale / zero rows per head"
     return None
 
 
-def stage1(q_lat, q_pe, codes, scale, zero, pe, mid_lens, part, lse, qk_scale: float, split_tokens: int, nsm: int):
+def stage1(q_lat, q_pe, codes, scale, zero, pe, mid_lens, part, lse, qk_scale: float, split_tokens: int, nsm: int,
+           warps: int = 4):
     """Launch the middle splits [0, nsm) on the current stream (why_not(...) must be None).
 
     q_lat [B, Hq, 512] / q_pe [B, Hq, 64] bf16; codes uint8 [B, Hkv, T, 128]; scale / zero fp16 [B, Hkv, T, 4];
     pe bf16 [B, Hkv, T, 64]; mid_lens int32 [B]; part fp32 [B, Hq, nsplit, 512]; lse fp32 [B, Hq, nsplit];
-    qk_scale = sm_scale * log2(e); split_tokens a multiple of BLOCK_T."""
-    if split_tokens % BLOCK_T:
-        raise LowbitError(f"split_tokens {split_tokens} is not a multiple of the CUDA kernel's {BLOCK_T}-token tile")
+    qk_scale = sm_scale * log2(e); split_tokens a multiple of tile_tokens(warps)."""
+    if split_tokens % tile_tokens(warps):
+        raise LowbitError(f"split_tokens {split_tokens} is not a multiple of the CUDA kernel's "
+                          f"{tile_tokens(warps)}-token tile")
     B, Hq, _ = q_lat.shape
     Hkv = codes.shape[1]
     nsplit = part.shape[2]
@@ -116,6 +127,6 @@ def stage1(q_lat, q_pe, codes, scale, zero, pe, mid_lens, part, lse, qk_scale: f
         codes.data_ptr(), codes.stride(0), codes.stride(1), scale.data_ptr(), zero.data_ptr(),
         scale.stride(0), scale.stride(1), pe.data_ptr(), pe.stride(0), pe.stride(1), pe.stride(2),
         mid_lens.data_ptr(), part.data_ptr(), lse.data_ptr(), float(qk_scale), int(split_tokens), int(nsm),
-        int(nsplit), B, Hkv, Hq // Hkv, torch.cuda.current_stream(q_lat.device).cuda_stream)
+        int(nsplit), B, Hkv, Hq // Hkv, int(warps), torch.cuda.current_stream(q_lat.device).cuda_stream)
     if rc:
         raise LowbitError(f"the CUDA latent kernel failed to launch: {lib.lowbit_latent_cuda_error_string(rc).decode()}")

@@ -28,17 +28,19 @@
 
 namespace {
 
-constexpr int D = 512, DR = 64, ROWB = 128, NG = 4, BT = 64, NW = 4, NTHR = NW * 32, STAGES = 3;
+constexpr int D = 512, DR = 64, ROWB = 128, NG = 4;
 constexpr int KC_LAT = 32, KC = KC_LAT + DR / 16;  // k-chunks of 16: 32 latent (8 words x 4 groups) + 4 pe
 
-struct Stage {
-    uint8_t codes[BT * ROWB];  // 16-byte chunk j of row r at j ^ (r & 7)
-    uint8_t pe[BT * DR * 2];   // 16-byte chunk j of row r at j ^ ((r & 1) << 2)
-    __half scale[BT * NG];
-    __half zero[BT * NG];
-};
-
+// NW warps a block, BT = 16 NW tokens a tile (16 a warp for the scores), STAGES tiles in the cp.async ring
+template <int NW, int STAGES>
 struct Smem {
+    static constexpr int BT = 16 * NW;
+    struct Stage {
+        uint8_t codes[BT * ROWB];  // 16-byte chunk j of row r at j ^ (r & 7)
+        uint8_t pe[BT * DR * 2];   // 16-byte chunk j of row r at j ^ ((r & 1) << 2)
+        __half scale[BT * NG];
+        __half zero[BT * NG];
+    };
     Stage ring[STAGES];
     uint4 qfrag[KC * 32];       // A fragments of q: [k-chunk][lane]
     uint4 pbuf[NG * NW * 32];   // A fragments of p * scale_i: [group][k-chunk = warp][lane]
@@ -51,6 +53,10 @@ struct Smem {
 __device__ __forceinline__ void cp16(void* dst, const void* src, int bytes) {
     unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
+}
+__device__ __forceinline__ void cp8(void* dst, const void* src, int bytes) {
+    unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(d), "l"(src), "r"(bytes));
 }
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
@@ -81,7 +87,8 @@ __device__ __forceinline__ float half_at(const uint4& v, int k) {  // half k (0.
     return __half2float(__ushort_as_half(s));
 }
 
-__global__ void __launch_bounds__(NTHR, 2) latent_int2_stage1(
+template <int NW, int STAGES>
+__global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
     const __nv_bfloat16* __restrict__ q, long long sqb, long long sqh,
     const __nv_bfloat16* __restrict__ qp, long long sqpb, long long sqph,
     const uint8_t* __restrict__ codes, long long scb, long long sch,
@@ -89,8 +96,12 @@ __global__ void __launch_bounds__(NTHR, 2) latent_int2_stage1(
     const __nv_bfloat16* __restrict__ pe, long long spb, long long sph, long long spt,
     const int* __restrict__ mid_len, float* __restrict__ part, float* __restrict__ lse_out,
     float qk_scale, int split_tokens, int nsplit, int G, int NHB) {
+    constexpr int NTHR = NW * 32, BT = 16 * NW;
+    constexpr int BPL = 16 / NW;  // values: packed bytes per lane (the warp's 128 / NW bytes over 8 lanes)
+    constexpr int IPG = NW == 4 ? 2 : 1;  // scores: groups a pass (8 warps: registers capped at 128 a thread)
+    using S = Smem<NW, STAGES>;
     extern __shared__ __align__(128) uint8_t smem_raw[];
-    Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
+    S& sm = *reinterpret_cast<S*>(smem_raw);
     const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, c = lane & 3;
     const int kvh = blockIdx.x / NHB, hb = blockIdx.x % NHB, split = blockIdx.y, b = blockIdx.z;
     const int Hq = G * (gridDim.x / NHB);
@@ -106,7 +117,7 @@ __global__ void __launch_bounds__(NTHR, 2) latent_int2_stage1(
 
     auto load_tile = [&](int tile, int s) {
         const int t0 = start + tile * BT;
-        Stage& st = sm.ring[s];
+        typename S::Stage& st = sm.ring[s];
 #pragma unroll
         for (int k = 0; k < BT * 8 / NTHR; ++k) {
             const int ch = tid + NTHR * k, row = ch >> 3, col = ch & 7, t = t0 + row;
@@ -116,12 +127,12 @@ __global__ void __launch_bounds__(NTHR, 2) latent_int2_stage1(
             cp16(st.pe + row * 128 + ((col ^ ((row & 1) << 2)) << 4), ok ? pbase + (long long)t * spt + col * 8 : pbase,
                  ok ? 16 : 0);
         }
-        if (tid < 64) {  // 2 tokens x 4 groups of scale (threads 0-31) or zero (32-63) per 16 bytes
-            const int j = tid & 31, t = t0 + 2 * j;
-            const int nb = t < end ? (t + 1 < end ? 16 : 8) : 0;
-            const __half* base = tid < 32 ? sbase : zbase;
-            __half* dst = tid < 32 ? st.scale : st.zero;
-            cp16(dst + 8 * j, nb ? base + (long long)t * NG : base, nb);
+        {  // one token's 4 groups of scale (threads [0, BT)) or zero ([BT, 2 BT)): 8 bytes (rows of any T)
+            const int j = tid % BT, t = t0 + j;
+            const bool ok = t < end;
+            const __half* base = tid < BT ? sbase : zbase;
+            __half* dst = tid < BT ? st.scale : st.zero;
+            cp8(dst + NG * j, ok ? base + (long long)t * NG : base, ok ? 8 : 0);
         }
     };
 
@@ -177,17 +188,11 @@ __global__ void __launch_bounds__(NTHR, 2) latent_int2_stage1(
         sm.qsum[i][row] = s;
     }
     __syncthreads();
-    float qs[NG][2];
-#pragma unroll
-    for (int i = 0; i < NG; ++i) {
-        qs[i][0] = sm.qsum[i][g];
-        qs[i][1] = sm.qsum[i][g + 8];
-    }
 
     float m_run[2] = {-INFINITY, -INFINITY};
     float l_part[2] = {0.f, 0.f};
     float z_part[NG][2] = {};
-    float O[4][NG][4] = {};  // [byte o of the lane's word][group i][C element]
+    float O[BPL][NG][4] = {};  // [byte o of the lane's bytes][group i][C element]
 
     for (int tile = 0; tile < ntiles; ++tile) {
         cp_wait<STAGES - 2>();
@@ -197,7 +202,7 @@ __global__ void __launch_bounds__(NTHR, 2) latent_int2_stage1(
             if (nx < ntiles) load_tile(nx, nx % STAGES);
             cp_commit();
         }
-        const Stage& st = sm.ring[tile % STAGES];
+        const typename S::Stage& st = sm.ring[tile % STAGES];
         const int t0 = start + tile * BT;
 
         // ---------------- scores: tokens 16w + 8nt + (2c, 2c+1), heads g, g+8 ----------------
@@ -225,23 +230,30 @@ __global__ void __launch_bounds__(NTHR, 2) latent_int2_stage1(
             }
         }
 #pragma unroll
-        for (int i = 0; i < NG; ++i) {
-            const uint32_t M = 0x00030003u << (2 * i);
-            float acc[2][4] = {};
+        for (int ip = 0; ip < NG; ip += IPG) {  // IPG groups at a time: 2 IPG independent MMA chains
+            float acc[IPG][2][4] = {};          // [group - ip][nt][C element]
 #pragma unroll
-            for (int wv = 0; wv < 8; ++wv) {
-                const uint4 a = sm.qfrag[(8 * i + wv) * 32 + lane];
+            for (int wv = 0; wv < 8; ++wv)
 #pragma unroll
-                for (int nt = 0; nt < 2; ++nt) mma_f16(acc[nt], a, W[nt][wv] & M, (W[nt][wv] >> 8) & M);
-            }
+                for (int ii = 0; ii < IPG; ++ii) {
+                    const uint32_t M = 0x00030003u << (2 * (ip + ii));
+                    const uint4 a = sm.qfrag[(8 * (ip + ii) + wv) * 32 + lane];
 #pragma unroll
-            for (int nt = 0; nt < 2; ++nt) {
-                const float s0 = half_at(SV[nt], i) * 16777216.f, s1 = half_at(SV[nt], NG + i) * 16777216.f;
-                const float z0 = half_at(ZV[nt], i), z1 = half_at(ZV[nt], NG + i);
-                sc[nt][0] += acc[nt][0] * s0 + z0 * qs[i][0];
-                sc[nt][1] += acc[nt][1] * s1 + z1 * qs[i][0];
-                sc[nt][2] += acc[nt][2] * s0 + z0 * qs[i][1];
-                sc[nt][3] += acc[nt][3] * s1 + z1 * qs[i][1];
+                    for (int nt = 0; nt < 2; ++nt) mma_f16(acc[ii][nt], a, W[nt][wv] & M, (W[nt][wv] >> 8) & M);
+                }
+#pragma unroll
+            for (int ii = 0; ii < IPG; ++ii) {
+                const int i = ip + ii;
+#pragma unroll
+                for (int nt = 0; nt < 2; ++nt) {
+                    const float s0 = half_at(SV[nt], i) * 16777216.f, s1 = half_at(SV[nt], NG + i) * 16777216.f;
+                    const float z0 = half_at(ZV[nt], i), z1 = half_at(ZV[nt], NG + i);
+                    const float q0 = sm.qsum[i][g], q1 = sm.qsum[i][g + 8];
+                    sc[nt][0] += acc[ii][nt][0] * s0 + z0 * q0;
+                    sc[nt][1] += acc[ii][nt][1] * s1 + z1 * q0;
+                    sc[nt][2] += acc[ii][nt][2] * s0 + z0 * q1;
+                    sc[nt][3] += acc[ii][nt][3] * s1 + z1 * q1;
+                }
             }
         }
         float mx[2] = {-INFINITY, -INFINITY};
@@ -306,39 +318,45 @@ __global__ void __launch_bounds__(NTHR, 2) latent_int2_stage1(
         }
         __syncthreads();  // (C)
 
-        // ---------------- values: packed bytes 32w + 4g + o of tokens 16kc + 2c + (0, 1, 8, 9) ----------------
-        uint32_t wd[4][4];  // [kc][o]: bytes (t0, t8, t1, t9)
+        // ------- values: packed bytes (128 / NW) w + BPL g + o of tokens 16kc + 2c + (0, 1, 8, 9) -------
+        float Pt[BPL][NG][4] = {};  // this tile's product
 #pragma unroll
-        for (int kc = 0; kc < 4; ++kc) {
-            const int r0 = 16 * kc + 2 * c, chk = 2 * w + (g >> 2), wi = g & 3;
-            auto ld = [&](int row) {
-                return reinterpret_cast<const uint32_t*>(st.codes + row * ROWB + ((chk ^ (row & 7)) << 4))[wi];
+        for (int kc = 0; kc < NW; ++kc) {
+            const int r0 = 16 * kc + 2 * c;
+            const int byte = (128 / NW) * w + BPL * g, chk = byte >> 4, off = byte & 15;
+            auto ld = [&](int row) -> uint32_t {
+                const uint8_t* p = st.codes + row * ROWB + ((chk ^ (row & 7)) << 4) + off;
+                if constexpr (BPL == 4) return *reinterpret_cast<const uint32_t*>(p);
+                else return *reinterpret_cast<const uint16_t*>(p);
             };
             const uint32_t T0 = ld(r0), T1 = ld(r0 + 1), T8 = ld(r0 + 8), T9 = ld(r0 + 9);
+            uint32_t wd[BPL];  // byte o of the 4 tokens as (t0, t8, t1, t9)
             const uint32_t a01 = __byte_perm(T0, T1, 0x5140), a89 = __byte_perm(T8, T9, 0x5140);
-            const uint32_t b01 = __byte_perm(T0, T1, 0x7362), b89 = __byte_perm(T8, T9, 0x7362);
-            wd[kc][0] = __byte_perm(a01, a89, 0x5140);
-            wd[kc][1] = __byte_perm(a01, a89, 0x7362);
-            wd[kc][2] = __byte_perm(b01, b89, 0x5140);
-            wd[kc][3] = __byte_perm(b01, b89, 0x7362);
-        }
+            wd[0] = __byte_perm(a01, a89, 0x5140);
+            wd[1] = __byte_perm(a01, a89, 0x7362);
+            if constexpr (BPL == 4) {
+                const uint32_t b01 = __byte_perm(T0, T1, 0x7362), b89 = __byte_perm(T8, T9, 0x7362);
+                wd[2] = __byte_perm(b01, b89, 0x5140);
+                wd[3] = __byte_perm(b01, b89, 0x7362);
+            }
 #pragma unroll
-        for (int i = 0; i < NG; ++i) {
-            const uint32_t M = 0x00030003u << (2 * i);
-            uint4 A[4];
+            for (int i = 0; i < NG; ++i) {
+                const uint32_t M = 0x00030003u << (2 * i);
+                const uint4 A = sm.pbuf[(i * NW + kc) * 32 + lane];
 #pragma unroll
-            for (int kc = 0; kc < 4; ++kc) A[kc] = sm.pbuf[(i * NW + kc) * 32 + lane];
-#pragma unroll
-            for (int o = 0; o < 4; ++o) {
-                float tmp[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-                for (int kc = 0; kc < 4; ++kc) mma_f16(tmp, A[kc], wd[kc][o] & M, (wd[kc][o] >> 8) & M);
-                O[o][i][0] = fmaf(O[o][i][0], alpha[0], tmp[0]);
-                O[o][i][1] = fmaf(O[o][i][1], alpha[0], tmp[1]);
-                O[o][i][2] = fmaf(O[o][i][2], alpha[1], tmp[2]);
-                O[o][i][3] = fmaf(O[o][i][3], alpha[1], tmp[3]);
+                for (int o = 0; o < BPL; ++o) mma_f16(Pt[o][i], A, wd[o] & M, (wd[o] >> 8) & M);
             }
         }
+        // fold this tile's product in (the MMA's accumulator summed BT tokens only)
+#pragma unroll
+        for (int o = 0; o < BPL; ++o)
+#pragma unroll
+            for (int i = 0; i < NG; ++i) {
+                O[o][i][0] = fmaf(O[o][i][0], alpha[0], Pt[o][i][0]);
+                O[o][i][1] = fmaf(O[o][i][1], alpha[0], Pt[o][i][1]);
+                O[o][i][2] = fmaf(O[o][i][2], alpha[1], Pt[o][i][2]);
+                O[o][i][3] = fmaf(O[o][i][3], alpha[1], Pt[o][i][3]);
+            }
     }
 
     // ---------------- epilogue: sums over lanes and warps, the split's partial output and lse ----------------
@@ -379,34 +397,28 @@ __global__ void __launch_bounds__(NTHR, 2) latent_int2_stage1(
         for (int i = 0; i < NG; ++i) {
             const float f = inv * static_cast<float>(1 << (24 - 2 * i)), z = zt[i] * inv;
 #pragma unroll
-            for (int o = 0; o < 4; ++o) {
-                const int d = 128 * i + 32 * w + 8 * c + o;
+            for (int o = 0; o < BPL; ++o) {  // C column n = 2c + j holds packed byte (128 / NW) w + BPL n + o
+                const int d = 128 * i + (128 / NW) * w + 2 * BPL * c + o;
                 dst[d] = O[o][i][2 * r] * f + z;
-                dst[d + 4] = O[o][i][2 * r + 1] * f + z;
+                dst[d + BPL] = O[o][i][2 * r + 1] * f + z;
             }
         }
     }
 }
 
-}  // namespace
-
-extern "C" {
-
-int lowbit_latent_int2_smem() { return static_cast<int>(sizeof(Smem)); }
-
-// Launch stage 1 for the middle splits [0, nsm) on `stream`; 0 or a cudaError_t code.
-int lowbit_latent_int2_stage1(const void* q, long long sqb, long long sqh, const void* qp, long long sqpb,
-                              long long sqph, const void* codes, long long scb, long long sch, const void* scale,
-                              const void* zero, long long ssb, long long ssh, const void* pe, long long spb,
-                              long long sph, long long spt, const void* mid_len, void* part, void* lse,
-                              float qk_scale, int split_tokens, int nsm, int nsplit, int B, int Hkv, int G,
-                              unsigned long long stream) {
-    const int smem = static_cast<int>(sizeof(Smem));
-    cudaError_t e = cudaFuncSetAttribute(latent_int2_stage1, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+template <int NW, int STAGES>
+int launch(const void* q, long long sqb, long long sqh, const void* qp, long long sqpb, long long sqph,
+           const void* codes, long long scb, long long sch, const void* scale, const void* zero, long long ssb,
+           long long ssh, const void* pe, long long spb, long long sph, long long spt, const void* mid_len, void* part,
+           void* lse, float qk_scale, int split_tokens, int nsm, int nsplit, int B, int Hkv, int G,
+           cudaStream_t stream) {
+    const int smem = static_cast<int>(sizeof(Smem<NW, STAGES>));
+    cudaError_t e = cudaFuncSetAttribute(latent_int2_stage1<NW, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         smem);
     if (e != cudaSuccess) return static_cast<int>(e);
     const int NHB = G / 16;
     dim3 grid(Hkv * NHB, nsm, B);
-    latent_int2_stage1<<<grid, NTHR, smem, reinterpret_cast<cudaStream_t>(stream)>>>(
+    latent_int2_stage1<NW, STAGES><<<grid, NW * 32, smem, stream>>>(
         static_cast<const __nv_bfloat16*>(q), sqb, sqh, static_cast<const __nv_bfloat16*>(qp), sqpb, sqph,
         static_cast<const uint8_t*>(codes), scb, sch, static_cast<const __half*>(scale),
         static_cast<const __half*>(zero), ssb, ssh, static_cast<const __nv_bfloat16*>(pe), spb, sph, spt,
@@ -415,6 +427,36 @@ int lowbit_latent_int2_stage1(const void* q, long long sqb, long long sqh, const
     return static_cast<int>(cudaGetLastError());
 }
 
-const char* lowbit_latent_cuda_error_string(int code) { return cudaGetErrorString(static_cast<cudaError_t>(code)); }
+}  // namespace
+
+extern "C" {
+
+// Shared memory per block of an instance: warps 4 (3 stages, 64-token tiles) or 8 (2 stages, 128-token tiles);
+// -1 for an instance the library does not have.
+int lowbit_latent_int2_smem(int warps) {
+    return warps == 4 ? static_cast<int>(sizeof(Smem<4, 3>)) : warps == 8 ? static_cast<int>(sizeof(Smem<8, 2>)) : -1;
+}
+
+// Launch stage 1 for the middle splits [0, nsm) on `stream` with `warps` (4 or 8) a block; 0, -1 (no such
+// instance) or a cudaError_t code.
+int lowbit_latent_int2_stage1(const void* q, long long sqb, long long sqh, const void* qp, long long sqpb,
+                              long long sqph, const void* codes, long long scb, long long sch, const void* scale,
+                              const void* zero, long long ssb, long long ssh, const void* pe, long long spb,
+                              long long sph, long long spt, const void* mid_len, void* part, void* lse,
+                              float qk_scale, int split_tokens, int nsm, int nsplit, int B, int Hkv, int G, int warps,
+                              unsigned long long stream) {
+    cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
+    if (warps == 4)
+        return launch<4, 3>(q, sqb, sqh, qp, sqpb, sqph, codes, scb, sch, scale, zero, ssb, ssh, pe, spb, sph, spt,
+                            mid_len, part, lse, qk_scale, split_tokens, nsm, nsplit, B, Hkv, G, st);
+    if (warps == 8)
+        return launch<8, 2>(q, sqb, sqh, qp, sqpb, sqph, codes, scb, sch, scale, zero, ssb, ssh, pe, spb, sph, spt,
+                            mid_len, part, lse, qk_scale, split_tokens, nsm, nsplit, B, Hkv, G, st);
+    return -1;
+}
+
+const char* lowbit_latent_cuda_error_string(int code) {
+    return code == -1 ? "no such instance: warps must be 4 or 8" : cudaGetErrorString(static_cast<cudaError_t>(code));
+}
 
 }  // extern "C"
