@@ -149,3 +149,25 @@ def test_graph_replay_reads_new_inputs():
     g.replay()
     torch.cuda.synchronize()
     assert rel_l2(out, decode_attention_latent_ref(**kw2)) <= TOL
+
+
+def test_default_impl_picks_triton_off_the_cuda_kernel_shapes():
+    from lowbit.kernels.decode_geometry import default_impl
+
+    kw = _kw(1, 16, 17, [17])
+    mid = (kw["codes"], kw["scale"], kw["zero"])
+    # CPU, a dense (bf16) middle, separate K/V, no middle: the Triton kernel
+    assert default_impl(kw["q_lat"], kw["q_pe"], mid, kw["pe"], 2, True, False) == "triton"
+    assert default_impl(kw["q_lat"], kw["q_pe"], mid, kw["pe"], 2, True, True) == "triton"
+    assert default_impl(kw["q_lat"], kw["q_pe"], mid, kw["pe"], 2, False, False) == "triton"
+    assert default_impl(kw["q_lat"], kw["q_pe"], None, None, 2, True, False) == "triton"
+
+
+def test_cuda_config_resolves_its_own_warps_and_waves():
+    # 8 warps and one wave of 2 blocks a SM, but 4 warps with many 128-head blocks; a caller's fields win
+    r = GeoConfig(impl="cuda").resolve(16, 512, 576, True, pairs=16)
+    assert (r.impl, r.num_warps, r.waves) == ("cuda", 8, 2)
+    assert GeoConfig(impl="cuda").resolve(128, 512, 576, True, pairs=16).num_warps == 4
+    assert GeoConfig(impl="cuda").resolve(128, 512, 576, True, pairs=1).num_warps == 8
+    assert GeoConfig(impl="cuda", num_warps=4, waves=3).resolve(16, 512, 576, True, pairs=16).waves == 3
+    assert GeoConfig().resolve(16, 512, 576, True, pairs=16).impl == "triton"

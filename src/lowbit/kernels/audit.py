@@ -145,11 +145,15 @@ def geo_sweep(device: str) -> list[tuple]:
                (3, 128, 512, 64, 5000, 4, {"ragged": True, "tiers": True}), (16, 16, 512, 128, 32768, 2, {}),
                (3, 16, 512, 128, 3000, 8, {"ragged": True, "tiers": True}),
                (2, 128, 512, 64, 4096, 16, {"dense_mid": True, "tiers": True}),
-               # the CUDA int2 latent middle (lowbit.kernels.latent_cuda): the bench's shapes and odd ones
-               (16, 128, 512, 64, 32768, 2, {"impl": "cuda"}), (1, 16, 512, 64, 32768, 2, {"impl": "cuda"}),
-               (16, 16, 512, 64, 32768, 2, {"impl": "cuda"}),
-               (3, 16, 512, 64, 5000, 2, {"ragged": True, "tiers": True, "impl": "cuda"}),
-               (5, 32, 512, 64, 999, 2, {"ragged": True, "tiers": True, "impl": "cuda"})]
+               # the int2 latent above runs the CUDA middle by default (decode_geometry.default_impl): the Triton
+               # middle at the bench's shapes, the CUDA one's other instance, and odd CUDA cases
+               (16, 128, 512, 64, 32768, 2, {"config": {"impl": "triton"}}),
+               (16, 16, 512, 64, 32768, 2, {"config": {"impl": "triton"}}),
+               (1, 16, 512, 64, 32768, 2, {"config": {"impl": "triton"}}),
+               (16, 16, 512, 64, 32768, 2, {"config": {"impl": "cuda", "num_warps": 4}}),
+               (16, 128, 512, 64, 32768, 2, {"config": {"impl": "cuda", "num_warps": 8}}),
+               (3, 16, 512, 64, 5000, 2, {"ragged": True, "tiers": True}),
+               (5, 32, 512, 64, 999, 2, {"ragged": True, "tiers": True, "config": {"impl": "cuda", "num_warps": 4}})]
         mha = [(16, 64, 64, 192, 128, 8192, 2, 2, 64, False), (1, 64, 64, 192, 128, 32768, 4, 4, 64, False),
                (5, 64, 64, 192, 128, 1000, 2, 4, 64, True), (16, 16, 1, 512, 512, 32768, 2, 2, 128, False),
                (3, 16, 1, 512, 512, 5000, 4, 4, 128, True)]
@@ -164,8 +168,9 @@ def geo_sweep(device: str) -> list[tuple]:
         extra = dict(extra)
         for tr in ((tiers,) if extra.pop("tiers", False) else ({},)):
             what = "bf16 latent" if extra.get("dense_mid") else f"int{bits}"
-            out.append(("decode_latent_cuda" if extra.get("impl") == "cuda" else "decode_latent",
-                        f"B{B} Hq{Hq} D{D}+{DR} T{T} {what}" + (" +tiers" if tr else "")
+            conf = extra.get("config")
+            out.append(("decode_latent", f"B{B} Hq{Hq} D{D}+{DR} T{T} {what}" + (" +tiers" if tr else "")
+                        + ("".join(f" {k}={v}" for k, v in conf.items()) if conf else "")
                         + (" ragged" if extra.get("ragged") else ""),
                         dict(B=B, Hq=Hq, D=D, DR=DR, T=T, bits=bits, **extra, **tr)))
     for B, Hq, Hkv, Dk, Dv, T, kb, vb, grp, with_tiers in mha:
@@ -194,14 +199,16 @@ def audit_geometry(device: str | None = None, cases=None) -> list[AuditRow]:
     rows = []
     for kernel, name, kw in cases or geo_sweep(device):
         t = time.time()
-        if kernel.startswith("decode_latent"):
-            impl = kw.pop("impl", None)
+        if kernel == "decode_latent":
+            conf = kw.pop("config", None)
             inp = make_latent_case(**kw, device=device, seed=len(rows))
-            if impl:
-                kw["impl"] = impl
+            if conf:
+                kw["config"] = conf
             q = inp["q_lat"]
             out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=device)
-            decode_attention_latent(**inp, config=GeoConfig(impl=impl) if impl else cfg, out=out)
+            _, launch = decode_attention_latent(**inp, config=GeoConfig(**conf) if conf else cfg, out=out,
+                                                return_launch=True)
+            name = f"{name} [{launch.config.impl}]"  # the middle's kernel (the default picks per shape)
             ref = decode_attention_latent_ref(**inp)
         else:
             Dv = kw.pop("Dv")

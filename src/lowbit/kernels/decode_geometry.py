@@ -534,7 +534,14 @@ class GeoConfig:
         per split, and other tiles win (`few_pairs`)."""
         if self.impl not in (None, "triton", "cuda"):
             raise LowbitError(f"GeoConfig.impl must be 'triton' or 'cuda', got {self.impl!r}")
-        few = few_pairs(G, DV, shared, pairs, dense_mid) if self.impl != "cuda" else {}
+        if self.impl == "cuda":
+            # the CUDA latent middle: 8 warps (16 a SM) but 4 with many 128-head blocks (128 heads B16 L32k:
+            # 0.712 vs 0.740 ms; tp8 B16 8 warps 0.115 vs 0.136), splits for one wave of 2 blocks a SM (tp8 B16:
+            # 0.115 vs 0.136 ms at two waves); the dense tiers' Triton split resolves as below
+            many = G > 16 and (pairs or 0) >= 16
+            tr = replace(self, impl=None, num_warps=None, waves=None).resolve(G, DV, DK, shared, pairs, dense_mid)
+            return replace(tr, impl="cuda", num_warps=self.num_warps or (4 if many else 8), waves=self.waves or 2)
+        few = few_pairs(G, DV, shared, pairs, dense_mid)
         if few:
             return replace(self, **{k: v for k, v in few.items() if getattr(self, k) is None}).resolve(G, DV, DK, shared)
         DK = DK or DV
@@ -642,12 +649,28 @@ def pick_splits(B: int, programs: int, T: int, BT: int, sms: int, waves: int, pa
     return int(max(1, min(want, most, by_bytes)))
 
 
+def default_impl(q, qp, vmid, mid_pe, bits, shared, dense_mid) -> str:
+    """The middle's kernel when the caller names none: "cuda" for a packed MLA latent the CUDA kernel takes
+    (lowbit.kernels.latent_cuda.why_not is None: int2 512 + 64, bf16, 16-head blocks, nvcc and sm_80+), else
+    "triton". On the H200 it was faster in every measured cell (tp8 B16 L32k 0.115 vs 0.204 ms, 128 heads B16
+    0.712 vs 1.183, B1 0.069 vs 0.132; tp8 B1 0.030 vs 0.031: `results/geometry/decode_attention_latent_cuda_s22_*`).
+    The choice is the launch's (GeoLaunch.config.impl)."""
+    if not shared or dense_mid or vmid is None or q.device.type != "cuda":
+        return "triton"
+    from lowbit.kernels import latent_cuda
+
+    return "cuda" if latent_cuda.why_not(q, qp, *vmid, mid_pe, bits) is None else "triton"
+
+
 def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, recent, *, shared, dense_mid,
          DK, DV, DR, Hkv, config, out, return_launch):
     """Common launch: kmid/vmid (codes, scale, zero) or None; sink/recent (k, v, pe, lens) or None."""
     B, Hq, _ = q.shape
     dev = q.device
-    cfg = (config or GeoConfig()).resolve(Hq // Hkv, DV, DK + DR, shared, pairs=B * Hkv, dense_mid=dense_mid)
+    base = config or GeoConfig()
+    if base.impl is None:
+        base = replace(base, impl=default_impl(q, qp, vmid, mid_pe, v_bits, shared, dense_mid))
+    cfg = base.resolve(Hq // Hkv, DV, DK + DR, shared, pairs=B * Hkv, dense_mid=dense_mid)
     BT, BTD = int(cfg.block_t), int(cfg.dense_block)
     for name, v in (("block_t", BT), ("dense_block", BTD)):
         if v < 16 or v & (v - 1):

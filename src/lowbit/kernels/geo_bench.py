@@ -42,12 +42,19 @@ def candidates(geo: dict, packed: bool = True):
 
     if geo["kind"] == "mha":
         return [GeoConfig(), GeoConfig(block_t=64, num_warps=1), GeoConfig(block_t=64, num_warps=2)]
-    # the CUDA int2 middle (lowbit.kernels.latent_cuda: DeepSeek's 512 + 64 latent), 4 or 8 warps, 1 or 2 waves
-    cuda = ([GeoConfig(impl="cuda", num_warps=nw, waves=w) for nw in (4, 8) for w in (2, 4)]
-            if packed and geo["kind"] == "latent" and geo["DR"] == 64 else [])
+    if packed and geo["kind"] == "latent" and geo["DR"] == 64:
+        # the packed DeepSeek latent: GeoConfig() resolves to the CUDA middle (decode_geometry.default_impl), so
+        # the Triton middle is named, and the CUDA one's other instances follow
+        t = "triton"
+        tri = ([GeoConfig(impl=t), GeoConfig(block_t=64, heads=32, impl=t), GeoConfig(block_t=64, heads=16, impl=t)]
+               if geo["Hq"] > 16 else
+               [GeoConfig(impl=t), GeoConfig(block_t=64, zero_mma=False, impl=t), GeoConfig(block_t=64, q_loop=False,
+                                                                                          impl=t)])
+        return [GeoConfig(), *tri, GeoConfig(impl="cuda", num_warps=4), GeoConfig(impl="cuda", num_warps=8),
+                GeoConfig(impl="cuda", num_warps=8, waves=4)]
     if geo["Hq"] > 16:  # 64 tokens x 32 heads: the best bf16 dense-middle config of the sweep
-        return [GeoConfig(), GeoConfig(block_t=64, heads=32), GeoConfig(block_t=64, heads=16), *cuda]
-    return [GeoConfig(), GeoConfig(block_t=64, zero_mma=False), GeoConfig(block_t=64, q_loop=False), *cuda]
+        return [GeoConfig(), GeoConfig(block_t=64, heads=32), GeoConfig(block_t=64, heads=16)]
+    return [GeoConfig(), GeoConfig(block_t=64, zero_mma=False), GeoConfig(block_t=64, q_loop=False)]
 
 
 def sweep_candidates(geo: dict):
@@ -328,7 +335,9 @@ def run(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=(2
                     row[f"{tag}_tbs"] = pb / t / 1e9
                     row[f"{tag}_bytes"] = pb
                     row[f"{tag}_bytes_per_token_layer"] = pb // (B * L)
-                    row[f"{tag}_config"] = dict(cfg.resolve(geo["Hq"] // geo["Hkv"], geo["Dv"]).__dict__,
+                    # the config the call resolved (launch.config: the middle's kernel included)
+                    row[f"{tag}_config"] = dict((launch.config if launch else
+                                                 cfg.resolve(geo["Hq"] // geo["Hkv"], geo["Dv"])).__dict__,
                                                 num_splits=launch.num_splits if launch else None)
                     row[f"{tag}_candidates_ms"] = cand
                     if dev == "cuda":
