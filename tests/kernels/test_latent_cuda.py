@@ -47,7 +47,7 @@ def test_impl_cuda_is_refused_on_cpu_with_one_line():
 
 def test_unknown_impl_is_refused():
     kw = _kw(1, 16, 17, [17])
-    with pytest.raises(LowbitError, match="GeoConfig.impl must be one of triton, cuda, cuda-wgmma"):
+    with pytest.raises(LowbitError, match="GeoConfig.impl must be 'triton' or 'cuda'"):
         decode_attention_latent(**kw, config=GeoConfig(impl="cutlass"))
 
 
@@ -99,7 +99,6 @@ def _check(kw, cfg=None, tol=TOL):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("impl", ["cuda", "cuda-wgmma"])
 @pytest.mark.parametrize("warps", [4, 8])
 @pytest.mark.parametrize("Hq, Hkv, lens, splits", [
     (16, 1, [1, 3, 17, 99], None),
@@ -108,19 +107,18 @@ def _check(kw, cfg=None, tol=TOL):
     (32, 2, [5, 128, 129, 700], None),
     (128, 1, [999, 1, 64, 300], 4),
 ])
-def test_odd_sizes_against_twin(Hq, Hkv, lens, splits, warps, impl):
+def test_odd_sizes_against_twin(Hq, Hkv, lens, splits, warps):
     kw = _kw(len(lens), Hq, max(lens) + 5, lens, Hkv=Hkv, device="cuda", seed=Hq + len(lens))
-    _, launch = _check(kw, GeoConfig(impl=impl, num_splits=splits, num_warps=warps))
-    assert launch.config.impl == impl and launch.split_tokens % latent_cuda.tile_tokens(warps) == 0
+    _, launch = _check(kw, GeoConfig(impl="cuda", num_splits=splits, num_warps=warps))
+    assert launch.config.impl == "cuda" and launch.split_tokens % latent_cuda.tile_tokens(warps) == 0
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("impl", ["cuda", "cuda-wgmma"])
 @pytest.mark.parametrize("warps", [4, 8])
-def test_dense_tiers_beside_the_cuda_middle_match_triton(warps, impl):
+def test_dense_tiers_beside_the_cuda_middle_match_triton(warps):
     kw = _kw(4, 16, 300, [1, 17, 299, 0], sink=4, recent=9, device="cuda", seed=3)
-    out_c, _ = _check(kw, GeoConfig(impl=impl, num_warps=warps))
+    out_c, _ = _check(kw, GeoConfig(impl="cuda", num_warps=warps))
     out_t, _ = _check(kw, GeoConfig(impl="triton"))
     assert rel_l2(out_c, out_t) <= TOL
 

@@ -497,9 +497,6 @@ def _geo_stage1(
 # ----------------------------------------------------------------------------------------------
 # Python wrappers
 # ----------------------------------------------------------------------------------------------
-IMPLS = ("triton", "cuda", "cuda-wgmma")  # the middle's kernels (GeoConfig.impl)
-
-
 @dataclass(frozen=True)
 class GeoConfig:
     """Launch choices of the geometry kernel; None = chosen from the shape (`resolve`).
@@ -508,10 +505,10 @@ class GeoConfig:
     middle splits per (sequence, KV head); q_loop: re-read q's segments from L1 every tile instead of
     holding them in registers (wide keys x many heads: 576 x 16 fp16 is 144 registers a thread);
     waves: programs per SM the split pick aims at; dense_block: tokens per step on the dense tiers;
-    num_warps / num_stages: Triton's. impl: "triton", "cuda" or "cuda-wgmma" (None: `default_impl`): the packed
-    int2 MLA latent's middle through lowbit.kernels.latent_cuda (16-head blocks of num_warps = 4 or 8 warps, 16
-    tokens a warp; the scores by mma.sync, or by wgmma on sm_90; block_t / heads / q_loop / zero_mma then apply to
-    the dense tiers' Triton split only); a call the CUDA kernel cannot take is refused with the reason."""
+    num_warps / num_stages: Triton's. impl: "triton" (default) or "cuda": the packed int2 MLA latent's middle
+    through lowbit.kernels.latent_cuda (16-head blocks of num_warps = 4 or 8 warps, 16 tokens a warp; block_t /
+    heads / q_loop / zero_mma then apply to the dense tiers' Triton split only); a call the CUDA kernel cannot take
+    is refused with the reason."""
 
     block_t: int | None = None
     heads: int | None = None
@@ -535,15 +532,15 @@ class GeoConfig:
         registers a thread; zero_mma on (neutral to +10%).
         pairs (B x Hkv) and dense_mid (the bf16 latent path): the MLA latent with few sequences has few programs
         per split, and other tiles win (`few_pairs`)."""
-        if self.impl not in (None, *IMPLS):
-            raise LowbitError(f"GeoConfig.impl must be one of {', '.join(IMPLS)}, got {self.impl!r}")
-        if self.impl in ("cuda", "cuda-wgmma"):
+        if self.impl not in (None, "triton", "cuda"):
+            raise LowbitError(f"GeoConfig.impl must be 'triton' or 'cuda', got {self.impl!r}")
+        if self.impl == "cuda":
             # the CUDA latent middle: 8 warps (16 a SM) but 4 with many 128-head blocks (128 heads B16 L32k:
             # 0.712 vs 0.740 ms; tp8 B16 8 warps 0.115 vs 0.136), splits for one wave of 2 blocks a SM (tp8 B16:
             # 0.115 vs 0.136 ms at two waves); the dense tiers' Triton split resolves as below
             many = G > 16 and (pairs or 0) >= 16
             tr = replace(self, impl=None, num_warps=None, waves=None).resolve(G, DV, DK, shared, pairs, dense_mid)
-            return replace(tr, impl=self.impl, num_warps=self.num_warps or (4 if many else 8), waves=self.waves or 2)
+            return replace(tr, impl="cuda", num_warps=self.num_warps or (4 if many else 8), waves=self.waves or 2)
         few = few_pairs(G, DV, shared, pairs, dense_mid)
         if few:
             return replace(self, **{k: v for k, v in few.items() if getattr(self, k) is None}).resolve(G, DV, DK, shared)
@@ -751,15 +748,15 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
     elif out.shape != (B, Hq, DV) or out.stride(-1) != 1:
         raise LowbitError(f"out must be [B, Hq, Dv] = {(B, Hq, DV)} with a contiguous last dim")
 
-    cuda_mid = cfg.impl in ("cuda", "cuda-wgmma")
+    cuda_mid = cfg.impl == "cuda"
     if cuda_mid:
         from lowbit.kernels import latent_cuda
 
         why = ("the CUDA kernel runs a packed shared (latent) middle" if not shared or dense_mid else
                latent_cuda.why_not(q, qp, vmid[0] if has_mid else None, *(vmid[1:] if has_mid else (None, None)),
-                                   mid_pe, v_bits, int(cfg.num_warps), cfg.impl == "cuda-wgmma"))
+                                   mid_pe, v_bits, int(cfg.num_warps)))
         if why:
-            raise LowbitError(f"GeoConfig(impl={cfg.impl!r}): {why}; pass impl='triton' (or leave it unset)")
+            raise LowbitError(f"GeoConfig(impl='cuda'): {why}; pass impl='triton' (or leave it unset)")
     if has_mid:
         # the CUDA middle: 16-head blocks, 16-token tiles a warp (its split count from the same rule)
         BTM, programs = ((latent_cuda.tile_tokens(int(cfg.num_warps)), B * Hkv * (G // latent_cuda.HEADS)) if cuda_mid
@@ -794,7 +791,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
     if cuda_mid:
         if has_mid:
             latent_cuda.stage1(q, qp, vmid[0], vmid[1], vmid[2], mid_pe, mid_lens, part, lse,
-                               float(sm_scale) * LOG2E, split_tokens, nsm, int(cfg.num_warps), cfg.impl == "cuda-wgmma")
+                               float(sm_scale) * LOG2E, split_tokens, nsm, int(cfg.num_warps))
         split0 = nsm  # the Triton kernel below runs the dense tiers' split only
         grid = (grid[0], nsplit - nsm, B)
     if grid[1] > 0:

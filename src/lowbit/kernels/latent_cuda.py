@@ -8,9 +8,7 @@ fp32 [B, Hq, nsplit]); the dense tiers' split and the merge stay with the Triton
 decode_attention_latent(config=GeoConfig(impl="cuda")) returns what the Triton path returns (same twin:
 lowbit.kernels.reference.decode_attention_latent_ref). One block: 16 query heads of one KV head x one split, 4 warps,
 16 * warps tokens a tile (`tile_tokens`), two blocks per SM; instances: 4 warps (3-stage ring, ~79 KB of shared memory)
-and 8 warps (2 stages, ~106 KB; registers capped at 128 a thread), each with the scores by mma.sync (q's fragments
-re-read from shared memory by every warp) or by wgmma (`wgmma=True`, sm_90: q^T read once per warpgroup through a
-descriptor, the codes as the register operand, tokens as M; the probabilities transposed by movmatrix).
+and 8 warps (2 stages, ~106 KB; registers capped at 128 a thread).
 
 Takes: DeepSeek-V3's latent geometry (c_kv 512 at 2 bits in groups of 128 in the `strided` layout, k_pe 64),
 bf16 q_lat / q_pe / pe, fp16 scale / zero, query heads per KV head a multiple of 16, 16-byte aligned rows.
@@ -39,7 +37,7 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.lowbit_latent_int2_stage1.argtypes = [P, L, L, P, L, L, P, L, L, P, P, L, L, P, L, L, L, P, P, P,
-                                              ctypes.c_float, I, I, I, I, I, I, I, I, ctypes.c_ulonglong]
+                                              ctypes.c_float, I, I, I, I, I, I, I, ctypes.c_ulonglong]
     lib.lowbit_latent_int2_stage1.restype = I
     lib.lowbit_latent_int2_smem.argtypes = [I]
     lib.lowbit_latent_int2_smem.restype = I
@@ -73,15 +71,13 @@ def tile_tokens(warps: int) -> int:
     return 16 * warps
 
 
-def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4, wgmma: bool = False) -> str | None:
+def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4) -> str | None:
     """None when this kernel runs the call (shapes already checked by decode_attention_latent), else why not."""
     if q_lat.device.type != "cuda":
         return f"the CUDA latent kernel needs a CUDA device (q_lat is on {q_lat.device})"
     cap = torch.cuda.get_device_capability(q_lat.device)
     if cap < (8, 0):
         return f"the CUDA latent kernel needs sm_80+ (mma.sync bf16), this device is sm_{cap[0]}{cap[1]}"
-    if wgmma and tuple(cap) != (9, 0):
-        return f"the CUDA latent kernel's wgmma scores need sm_90 (Hopper), this device is sm_{cap[0]}{cap[1]}"
     if nvcc.nvcc_missing():
         return nvcc.nvcc_missing()
     if codes is None:
@@ -113,7 +109,7 @@ def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4, wgmm
 
 
 def stage1(q_lat, q_pe, codes, scale, zero, pe, mid_lens, part, lse, qk_scale: float, split_tokens: int, nsm: int,
-           warps: int = 4, wgmma: bool = False):
+           warps: int = 4):
     """Launch the middle splits [0, nsm) on the current stream (why_not(...) must be None).
 
     q_lat [B, Hq, 512] / q_pe [B, Hq, 64] bf16; codes uint8 [B, Hkv, T, 128]; scale / zero fp16 [B, Hkv, T, 4];
@@ -131,6 +127,6 @@ def stage1(q_lat, q_pe, codes, scale, zero, pe, mid_lens, part, lse, qk_scale: f
         codes.data_ptr(), codes.stride(0), codes.stride(1), scale.data_ptr(), zero.data_ptr(),
         scale.stride(0), scale.stride(1), pe.data_ptr(), pe.stride(0), pe.stride(1), pe.stride(2),
         mid_lens.data_ptr(), part.data_ptr(), lse.data_ptr(), float(qk_scale), int(split_tokens), int(nsm),
-        int(nsplit), B, Hkv, Hq // Hkv, int(warps), int(bool(wgmma)), torch.cuda.current_stream(q_lat.device).cuda_stream)
+        int(nsplit), B, Hkv, Hq // Hkv, int(warps), torch.cuda.current_stream(q_lat.device).cuda_stream)
     if rc:
         raise LowbitError(f"the CUDA latent kernel failed to launch: {lib.lowbit_latent_cuda_error_string(rc).decode()}")

@@ -77,43 +77,6 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint4& a, uint32_t
         : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
 }
 
-// wgmma m64n16k16, A (64 x 16) from registers in the mma.sync A layout of each warp's 16 rows, B (16 x 16) from
-// shared memory: K-major core matrices of 8 n x 8 k halves, (n block, k block) at n * SBO + k * LBO (probed on the
-// H200: benchmarks/probes/wgmma_rs_layout.cu). D: warp w rows 16w + (g, g + 8), n8 block j at d[4j .. 4j + 3].
-__device__ __forceinline__ uint64_t qt_desc(const void* p) {
-    const uint32_t a = static_cast<uint32_t>(__cvta_generic_to_shared(p));
-    return static_cast<uint64_t>((a & 0x3FFFF) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
-           (static_cast<uint64_t>(256 >> 4) << 32);
-}
-__device__ __forceinline__ void wg_f16(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                       uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, "
-        "0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
-}
-__device__ __forceinline__ void wg_bf16(float (&d)[8], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                        uint64_t db) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, "
-        "1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(1));
-}
-__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wg_commit_wait() {
-    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-    asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-}
-__device__ __forceinline__ uint32_t trans8x8(uint32_t x) {  // lane (g, c): (row g, cols 2c, 2c+1) of the transpose
-    uint32_t y;
-    asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
-    return y;
-}
-
 __device__ __forceinline__ uint32_t pack_h2(float lo, float hi) {
     __half2 h = __floats2half2_rn(lo, hi);
     return *reinterpret_cast<uint32_t*>(&h);
@@ -124,7 +87,7 @@ __device__ __forceinline__ float half_at(const uint4& v, int k) {  // half k (0.
     return __half2float(__ushort_as_half(s));
 }
 
-template <int NW, int STAGES, bool WG>
+template <int NW, int STAGES>
 __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
     const __nv_bfloat16* __restrict__ q, long long sqb, long long sqh,
     const __nv_bfloat16* __restrict__ qp, long long sqpb, long long sqph,
@@ -193,25 +156,7 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
             *reinterpret_cast<const uint4*>(qp + b * sqpb + (long long)(h0 + r) * sqph + col * 8);
     }
     __syncthreads();
-    if constexpr (WG) {
-        // q^T tiles (B of the scores' wgmma), one per k-chunk: [n block][k block][8 heads][8 k] halves. k-slot s of
-        // latent chunk (i, wv) is dim 4 (8 c' + wv) + (0, 2 | 1, 3)[e] + 128 i for s = 2c' + e (| 8 + 2c' + e), the
-        // A registers' byte order; pe chunk 2m + hf: dim 32m + 8c' + 4hf + (0, 1 | 2, 3)[e]
-        __half* qt = reinterpret_cast<__half*>(sm.qfrag);
-        for (int e = tid; e < KC * 256; e += NTHR) {
-            const int kc = e >> 8, h = (e >> 4) & 15, sl = e & 15, hi = sl >> 3, cc = (sl & 7) >> 1, ee = sl & 1;
-            const int off = kc * 256 + (h >> 3) * 128 + hi * 64 + (h & 7) * 8 + (sl & 7);  // halves
-            if (kc < KC_LAT) {
-                const int i = kc >> 3, wv = kc & 7;
-                const int d = 4 * (8 * cc + wv) + (hi ? 1 + 2 * ee : 2 * ee) + 128 * i;
-                qt[off] = __float2half_rn(__bfloat162float(qraw[h * D + d]) / static_cast<float>(1 << (2 * i)));
-            } else {
-                const int kk = kc - KC_LAT, d = 32 * (kk >> 1) + 8 * cc + 4 * (kk & 1) + 2 * hi + ee;
-                reinterpret_cast<__nv_bfloat16*>(qt)[off] = praw[h * DR + d];
-            }
-        }
-    }
-    for (int e = tid; e < (WG ? 0 : KC * 32); e += NTHR) {
+    for (int e = tid; e < KC * 32; e += NTHR) {
         const int kc = e >> 5, ln = e & 31, gg = ln >> 2, cc = ln & 3;
         uint32_t r[4];
         if (kc < KC_LAT) {
@@ -244,11 +189,9 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
     }
     __syncthreads();
 
-    float m_run[2] = {-INFINITY, -INFINITY};  // heads g, g + 8 (the values' rows)
+    float m_run[2] = {-INFINITY, -INFINITY};
     float l_part[2] = {0.f, 0.f};
     float z_part[NG][2] = {};
-    // WG: the scores' lane holds heads 2c, 2c + 1, 8 + 2c, 9 + 2c (its softmax sums and running max)
-    float m4[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, l4[4] = {}, z4[NG][4] = {};
     float O[BPL][NG][4] = {};  // [byte o of the lane's bytes][group i][C element]
 
     for (int tile = 0; tile < ntiles; ++tile) {
@@ -262,122 +205,6 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
         const typename S::Stage& st = sm.ring[tile % STAGES];
         const int t0 = start + tile * BT;
 
-        float alpha[2];
-        if constexpr (WG) {
-            // ---------- scores by wgmma: S^T [64 tokens of the warpgroup x 16 heads], A = the codes ----------
-            // lane (g, c): tokens 16w + g (row r = 0) and 16w + g + 8 (r = 1); D element e: head 8 (e >> 2) +
-            // 2c + (e & 1), token row (e >> 1) & 1
-            const int rw0 = 16 * w + g;
-            uint32_t W[2][8];
-            uint4 PW[2][2];
-            float sv[2][NG], zv[2][NG];
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {
-                const int row = rw0 + 8 * r;
-                const uint4* crow = reinterpret_cast<const uint4*>(st.codes + row * ROWB);
-                const uint4 lo = crow[(2 * c) ^ g], hi = crow[(2 * c + 1) ^ g];
-                W[r][0] = lo.x; W[r][1] = lo.y; W[r][2] = lo.z; W[r][3] = lo.w;
-                W[r][4] = hi.x; W[r][5] = hi.y; W[r][6] = hi.z; W[r][7] = hi.w;
-                const uint4* prow = reinterpret_cast<const uint4*>(st.pe + row * 128);
-                PW[r][0] = prow[(0 + c) ^ ((g & 1) << 2)];
-                PW[r][1] = prow[(4 + c) ^ ((g & 1) << 2)];
-                const uint2 s2 = *reinterpret_cast<const uint2*>(st.scale + row * NG);
-                const uint2 z2 = *reinterpret_cast<const uint2*>(st.zero + row * NG);
-                const uint4 s4 = make_uint4(s2.x, s2.y, 0, 0), z4v = make_uint4(z2.x, z2.y, 0, 0);
-#pragma unroll
-                for (int i = 0; i < NG; ++i) {
-                    sv[r][i] = half_at(s4, i);
-                    zv[r][i] = half_at(z4v, i);
-                }
-            }
-            const uint8_t* qt = reinterpret_cast<const uint8_t*>(sm.qfrag);
-            float sc[8] = {};
-            wg_fence();
-#pragma unroll
-            for (int m = 0; m < 2; ++m) {
-                wg_bf16(sc, PW[0][m].x, PW[1][m].x, PW[0][m].y, PW[1][m].y, qt_desc(qt + (KC_LAT + 2 * m) * 512));
-                wg_bf16(sc, PW[0][m].z, PW[1][m].z, PW[0][m].w, PW[1][m].w, qt_desc(qt + (KC_LAT + 2 * m + 1) * 512));
-            }
-            wg_commit_wait();
-#pragma unroll
-            for (int i = 0; i < NG; ++i) {
-                const uint32_t M = 0x00030003u << (2 * i);
-                float acc[8] = {};
-                wg_fence();
-#pragma unroll
-                for (int wv = 0; wv < 8; ++wv)
-                    wg_f16(acc, W[0][wv] & M, W[1][wv] & M, (W[0][wv] >> 8) & M, (W[1][wv] >> 8) & M,
-                           qt_desc(qt + (8 * i + wv) * 512));
-                wg_commit_wait();
-#pragma unroll
-                for (int e = 0; e < 8; ++e) {
-                    const int r = (e >> 1) & 1, h = 8 * (e >> 2) + 2 * c + (e & 1);
-                    sc[e] += acc[e] * (sv[r][i] * 16777216.f) + zv[r][i] * sm.qsum[i][h];
-                }
-            }
-            float mx[4];  // per softmax head (j, parity): max over the lane's two tokens, then over g and warps
-#pragma unroll
-            for (int e = 0; e < 8; ++e) {
-                const int t = t0 + rw0 + 8 * ((e >> 1) & 1);
-                sc[e] = t < end ? sc[e] * qk_scale : -INFINITY;
-            }
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {  // q4 = 2j + parity: elements 4j + parity and 4j + 2 + parity
-                const int e0 = 4 * (q4 >> 1) + (q4 & 1);
-                float v = fmaxf(sc[e0], sc[e0 + 2]);
-                v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 4));
-                v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 8));
-                v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 16));
-                mx[q4] = v;
-            }
-            if (g == 0) {
-#pragma unroll
-                for (int q4 = 0; q4 < 4; ++q4) sm.smax[w][8 * (q4 >> 1) + 2 * c + (q4 & 1)] = mx[q4];
-            }
-            __syncthreads();  // (B)
-            auto tile_max = [&](int h) {
-                float mt = sm.smax[0][h];
-#pragma unroll
-                for (int ww = 1; ww < NW; ++ww) mt = fmaxf(mt, sm.smax[ww][h]);
-                return mt;
-            };
-            float a4[4];
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-                const float mn = fmaxf(m4[q4], tile_max(8 * (q4 >> 1) + 2 * c + (q4 & 1)));
-                a4[q4] = exp2f(m4[q4] - mn);
-                m4[q4] = mn;
-            }
-#pragma unroll
-            for (int r = 0; r < 2; ++r) {  // the values' rows: heads g, g + 8
-                const float mn = fmaxf(m_run[r], tile_max(g + 8 * r));
-                alpha[r] = exp2f(m_run[r] - mn);
-                m_run[r] = mn;
-            }
-            float p[8];
-#pragma unroll
-            for (int e = 0; e < 8; ++e) p[e] = exp2f(sc[e] - m4[2 * (e >> 2) + (e & 1)]);
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-                const int e0 = 4 * (q4 >> 1) + (q4 & 1);
-                l4[q4] = l4[q4] * a4[q4] + p[e0] + p[e0 + 2];
-#pragma unroll
-                for (int i = 0; i < NG; ++i) z4[i][q4] = z4[i][q4] * a4[q4] + p[e0] * zv[0][i] + p[e0 + 2] * zv[1][i];
-            }
-            // p * scale_i as the values' A fragment of k-chunk w: the 8 x 8 blocks (token row r, head block j)
-            // transposed in registers (movmatrix) are (head, tokens) pairs
-#pragma unroll
-            for (int i = 0; i < NG; ++i) {
-                uint32_t a[4];
-#pragma unroll
-                for (int r = 0; r < 2; ++r)
-#pragma unroll
-                    for (int j = 0; j < 2; ++j)
-                        a[2 * r + j] = trans8x8(pack_h2(p[4 * j + 2 * r] * sv[r][i], p[4 * j + 2 * r + 1] * sv[r][i]));
-                sm.pbuf[(i * NW + w) * 32 + lane] = make_uint4(a[0], a[1], a[2], a[3]);
-            }
-            __syncthreads();  // (C)
-        } else {
         // ---------------- scores: tokens 16w + 8nt + (2c, 2c+1), heads g, g+8 ----------------
         float sc[2][4];
         uint32_t W[2][8];
@@ -450,6 +277,7 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
         __syncthreads();  // (B)
 
         // ---------------- online softmax (the tile's max over all warps) ----------------
+        float alpha[2];
 #pragma unroll
         for (int r = 0; r < 2; ++r) {
             float mt = sm.smax[0][g + 8 * r];
@@ -489,7 +317,6 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
             sm.pbuf[(i * NW + w) * 32 + lane] = a;
         }
         __syncthreads();  // (C)
-        }
 
         // ------- values: packed bytes (128 / NW) w + BPL g + o of tokens 16kc + 2c + (0, 1, 8, 9) -------
         float Pt[BPL][NG][4] = {};  // this tile's product
@@ -533,26 +360,6 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
     }
 
     // ---------------- epilogue: sums over lanes and warps, the split's partial output and lse ----------------
-    if constexpr (WG) {
-#pragma unroll
-        for (int q4 = 0; q4 < 4; ++q4) {
-#pragma unroll
-            for (int x = 4; x < 32; x <<= 1) {
-                l4[q4] += __shfl_xor_sync(0xffffffffu, l4[q4], x);
-#pragma unroll
-                for (int i = 0; i < NG; ++i) z4[i][q4] += __shfl_xor_sync(0xffffffffu, z4[i][q4], x);
-            }
-        }
-        if (g == 0) {
-#pragma unroll
-            for (int q4 = 0; q4 < 4; ++q4) {
-                const int h = 8 * (q4 >> 1) + 2 * c + (q4 & 1);
-                sm.red_l[w][h] = l4[q4];
-#pragma unroll
-                for (int i = 0; i < NG; ++i) sm.red_z[w][i][h] = z4[i][q4];
-            }
-        }
-    } else {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
         l_part[r] += __shfl_xor_sync(0xffffffffu, l_part[r], 1);
@@ -570,7 +377,6 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
 #pragma unroll
             for (int i = 0; i < NG; ++i) sm.red_z[w][i][g + 8 * r] = z_part[i][r];
         }
-    }
     }
     __syncthreads();
 #pragma unroll
@@ -600,19 +406,19 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
     }
 }
 
-template <int NW, int STAGES, bool WG>
+template <int NW, int STAGES>
 int launch(const void* q, long long sqb, long long sqh, const void* qp, long long sqpb, long long sqph,
            const void* codes, long long scb, long long sch, const void* scale, const void* zero, long long ssb,
            long long ssh, const void* pe, long long spb, long long sph, long long spt, const void* mid_len, void* part,
            void* lse, float qk_scale, int split_tokens, int nsm, int nsplit, int B, int Hkv, int G,
            cudaStream_t stream) {
     const int smem = static_cast<int>(sizeof(Smem<NW, STAGES>));
-    cudaError_t e = cudaFuncSetAttribute(latent_int2_stage1<NW, STAGES, WG>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    cudaError_t e = cudaFuncSetAttribute(latent_int2_stage1<NW, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         smem);
     if (e != cudaSuccess) return static_cast<int>(e);
     const int NHB = G / 16;
     dim3 grid(Hkv * NHB, nsm, B);
-    latent_int2_stage1<NW, STAGES, WG><<<grid, NW * 32, smem, stream>>>(
+    latent_int2_stage1<NW, STAGES><<<grid, NW * 32, smem, stream>>>(
         static_cast<const __nv_bfloat16*>(q), sqb, sqh, static_cast<const __nv_bfloat16*>(qp), sqpb, sqph,
         static_cast<const uint8_t*>(codes), scb, sch, static_cast<const __half*>(scale),
         static_cast<const __half*>(zero), ssb, ssh, static_cast<const __nv_bfloat16*>(pe), spb, sph, spt,
@@ -631,23 +437,21 @@ int lowbit_latent_int2_smem(int warps) {
     return warps == 4 ? static_cast<int>(sizeof(Smem<4, 3>)) : warps == 8 ? static_cast<int>(sizeof(Smem<8, 2>)) : -1;
 }
 
-// Launch stage 1 for the middle splits [0, nsm) on `stream` with `warps` (4 or 8) a block, the scores by wgmma
-// (sm_90a) or mma.sync; 0, -1 (no such instance) or a cudaError_t code.
+// Launch stage 1 for the middle splits [0, nsm) on `stream` with `warps` (4 or 8) a block; 0, -1 (no such
+// instance) or a cudaError_t code.
 int lowbit_latent_int2_stage1(const void* q, long long sqb, long long sqh, const void* qp, long long sqpb,
                               long long sqph, const void* codes, long long scb, long long sch, const void* scale,
                               const void* zero, long long ssb, long long ssh, const void* pe, long long spb,
                               long long sph, long long spt, const void* mid_len, void* part, void* lse,
                               float qk_scale, int split_tokens, int nsm, int nsplit, int B, int Hkv, int G, int warps,
-                              int wgmma, unsigned long long stream) {
+                              unsigned long long stream) {
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-#define LOWBIT_LATENT_LAUNCH(NW_, ST_, WG_)                                                                          \
-    return launch<NW_, ST_, WG_>(q, sqb, sqh, qp, sqpb, sqph, codes, scb, sch, scale, zero, ssb, ssh, pe, spb, sph, \
-                                 spt, mid_len, part, lse, qk_scale, split_tokens, nsm, nsplit, B, Hkv, G, st)
-    if (warps == 4 && !wgmma) LOWBIT_LATENT_LAUNCH(4, 3, false);
-    if (warps == 8 && !wgmma) LOWBIT_LATENT_LAUNCH(8, 2, false);
-    if (warps == 4 && wgmma) LOWBIT_LATENT_LAUNCH(4, 3, true);
-    if (warps == 8 && wgmma) LOWBIT_LATENT_LAUNCH(8, 2, true);
-#undef LOWBIT_LATENT_LAUNCH
+    if (warps == 4)
+        return launch<4, 3>(q, sqb, sqh, qp, sqpb, sqph, codes, scb, sch, scale, zero, ssb, ssh, pe, spb, sph, spt,
+                            mid_len, part, lse, qk_scale, split_tokens, nsm, nsplit, B, Hkv, G, st);
+    if (warps == 8)
+        return launch<8, 2>(q, sqb, sqh, qp, sqpb, sqph, codes, scb, sch, scale, zero, ssb, ssh, pe, spb, sph, spt,
+                            mid_len, part, lse, qk_scale, split_tokens, nsm, nsplit, B, Hkv, G, st);
     return -1;
 }
 
