@@ -505,10 +505,10 @@ class GeoConfig:
     middle splits per (sequence, KV head); q_loop: re-read q's segments from L1 every tile instead of
     holding them in registers (wide keys x many heads: 576 x 16 fp16 is 144 registers a thread);
     waves: programs per SM the split pick aims at; dense_block: tokens per step on the dense tiers;
-    num_warps / num_stages: Triton's. impl: "triton" or "cuda" (None: `default_impl` picks): the packed int2 MLA
-    latent's middle through lowbit.kernels.latent_cuda (16-head blocks of num_warps = 4 or 8 warps, 16 tokens a warp; block_t /
-    heads / q_loop / zero_mma then apply to the dense tiers' Triton split only); a call the CUDA kernel cannot take
-    is refused with the reason."""
+    num_warps / num_stages: Triton's. impl: "triton" or "cuda" (None: `default_impl` picks): the packed int2
+    MLA latent's middle through lowbit.kernels.latent_cuda (16-head blocks of num_warps = 4 or 8 warps, 16
+    tokens a warp; block_t / heads / q_loop / zero_mma then apply to the dense tiers' Triton split only); a
+    call the CUDA kernel cannot take is refused with the reason."""
 
     block_t: int | None = None
     heads: int | None = None
