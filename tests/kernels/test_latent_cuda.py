@@ -79,9 +79,12 @@ def test_cu_compiles_with_nvcc(tmp_path):
     assert so.name.startswith("lowbit_latent_int2_sm_90a_") and not list(tmp_path.glob("*.tmp"))
     lib = latent_cuda._load(so)
     # ring of 3 stages (codes 8 KB + pe 8 KB + scale / zero 1 KB) + q fragments 18 KB + p fragments 8 KB + sums
-    assert lib.lowbit_latent_int2_smem(4) == 3 * 17408 + 36 * 32 * 16 + 4 * 4 * 32 * 16 + 4 * 16 * 4 * 3 + 4 * 4 * 16 * 4
-    assert lib.lowbit_latent_int2_smem(8) == 2 * 34816 + 36 * 32 * 16 + 4 * 8 * 32 * 16 + 256 + 2 * 512 + 8 * 4 * 16 * 4
-    assert lib.lowbit_latent_int2_smem(2) == -1 and b"warps must be 4 or 8" in lib.lowbit_latent_cuda_error_string(-1)
+    small = 36 * 32 * 16 + 4 * 4 * 32 * 16 + 4 * 16 * 4 * 3 + 4 * 4 * 16 * 4  # q, p fragments and the sums (4 warps)
+    assert lib.lowbit_latent_int2_smem(4, 3) == 3 * 17408 + small
+    assert lib.lowbit_latent_int2_smem(4, 2) == 2 * 17408 + small
+    assert lib.lowbit_latent_int2_smem(8, 2) == 2 * 34816 + 36 * 32 * 16 + 4 * 8 * 32 * 16 + 256 + 2 * 512 + 8 * 4 * 16 * 4
+    assert lib.lowbit_latent_int2_smem(8, 3) == -1
+    assert b"(warps, stages) must be" in lib.lowbit_latent_cuda_error_string(-1)
     assert isinstance(lib, ctypes.CDLL)
 
 
@@ -99,7 +102,7 @@ def _check(kw, cfg=None, tol=TOL):
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("warps", [4, 8])
+@pytest.mark.parametrize("warps, stages", [(4, 3), (4, 2), (8, 2)])
 @pytest.mark.parametrize("Hq, Hkv, lens, splits", [
     (16, 1, [1, 3, 17, 99], None),
     (16, 1, [63, 64, 65, 999], 3),
@@ -107,18 +110,18 @@ def _check(kw, cfg=None, tol=TOL):
     (32, 2, [5, 128, 129, 700], None),
     (128, 1, [999, 1, 64, 300], 4),
 ])
-def test_odd_sizes_against_twin(Hq, Hkv, lens, splits, warps):
+def test_odd_sizes_against_twin(Hq, Hkv, lens, splits, warps, stages):
     kw = _kw(len(lens), Hq, max(lens) + 5, lens, Hkv=Hkv, device="cuda", seed=Hq + len(lens))
-    _, launch = _check(kw, GeoConfig(impl="cuda", num_splits=splits, num_warps=warps))
+    _, launch = _check(kw, GeoConfig(impl="cuda", num_splits=splits, num_warps=warps, num_stages=stages))
     assert launch.config.impl == "cuda" and launch.split_tokens % latent_cuda.tile_tokens(warps) == 0
 
 
 @pytest.mark.gpu
 @on_gpu
-@pytest.mark.parametrize("warps", [4, 8])
-def test_dense_tiers_beside_the_cuda_middle_match_triton(warps):
+@pytest.mark.parametrize("warps, stages", [(4, 3), (4, 2), (8, 2)])
+def test_dense_tiers_beside_the_cuda_middle_match_triton(warps, stages):
     kw = _kw(4, 16, 300, [1, 17, 299, 0], sink=4, recent=9, device="cuda", seed=3)
-    out_c, _ = _check(kw, GeoConfig(impl="cuda", num_warps=warps))
+    out_c, _ = _check(kw, GeoConfig(impl="cuda", num_warps=warps, num_stages=stages))
     out_t, _ = _check(kw, GeoConfig(impl="triton"))
     assert rel_l2(out_c, out_t) <= TOL
 
@@ -166,8 +169,18 @@ def test_default_impl_picks_triton_off_the_cuda_kernel_shapes():
 def test_cuda_config_resolves_its_own_warps_and_waves():
     # 8 warps and one wave of 2 blocks a SM, but 4 warps with many 128-head blocks; a caller's fields win
     r = GeoConfig(impl="cuda").resolve(16, 512, 576, True, pairs=16)
-    assert (r.impl, r.num_warps, r.waves) == ("cuda", 8, 2)
+    assert (r.impl, r.num_warps, r.waves, r.num_stages) == ("cuda", 8, 2, 2)
+    assert GeoConfig(impl="cuda", num_warps=4).resolve(16, 512, 576, True, pairs=16).num_stages == 3
     assert GeoConfig(impl="cuda").resolve(128, 512, 576, True, pairs=16).num_warps == 4
     assert GeoConfig(impl="cuda").resolve(128, 512, 576, True, pairs=1).num_warps == 8
     assert GeoConfig(impl="cuda", num_warps=4, waves=3).resolve(16, 512, 576, True, pairs=16).waves == 3
     assert GeoConfig().resolve(16, 512, 576, True, pairs=16).impl == "triton"
+
+
+def test_whole_waves_split_pick_never_spills_one_block_into_a_second_round():
+    from lowbit.kernels.decode_geometry import pick_splits
+
+    # tp8 B16 at 3 blocks a SM: ceil would give 25 splits (400 blocks on 396 slots); whole waves give 24
+    assert pick_splits(16, 16, 32768, 64, 132, 3, 16 * 512 * 8, 10**9) == 25
+    assert pick_splits(16, 16, 32768, 64, 132, 3, 16 * 512 * 8, 10**9, whole=True) == 24
+    assert pick_splits(16, 128, 32768, 64, 132, 2, 128 * 512 * 8, 10**10, whole=True) == 2

@@ -540,7 +540,9 @@ class GeoConfig:
             # 0.115 vs 0.136 ms at two waves); the dense tiers' Triton split resolves as below
             many = G > 16 and (pairs or 0) >= 16
             tr = replace(self, impl=None, num_warps=None, waves=None).resolve(G, DV, DK, shared, pairs, dense_mid)
-            return replace(tr, impl="cuda", num_warps=self.num_warps or (4 if many else 8), waves=self.waves or 2)
+            warps = self.num_warps or (4 if many else 8)
+            return replace(tr, impl="cuda", num_warps=warps, waves=self.waves or 2,
+                           num_stages=self.num_stages or (3 if warps == 4 else 2))
         few = few_pairs(G, DV, shared, pairs, dense_mid)
         if few:
             return replace(self, **{k: v for k, v in few.items() if getattr(self, k) is None}).resolve(G, DV, DK, shared)
@@ -636,14 +638,16 @@ def seg_width(S: int, group: int) -> int:
 
 
 def pick_splits(B: int, programs: int, T: int, BT: int, sms: int, waves: int, part_bytes: int,
-                mid_bytes: int) -> int:
+                mid_bytes: int, whole: bool = False) -> int:
     """Middle splits per (sequence, KV head): enough programs for `waves` per SM (flash-decoding),
     at least 2 tiles of BT tokens a split, and -- past one wave -- the partial outputs the splits
-    write (part_bytes each, read again by stage 2) under half the middle's own bytes."""
+    write (part_bytes each, read again by stage 2) under half the middle's own bytes. whole: at most
+    waves x sms programs (the CUDA latent kernel's `waves` is its resident blocks a SM: one block past them
+    would run alone in a second round)."""
     if T <= 0:
         return 1
     most = max(1, math.ceil(T / (2 * BT)))
-    want = max(1, math.ceil(waves * sms / max(1, programs)))
+    want = max(1, (waves * sms // max(1, programs)) if whole else math.ceil(waves * sms / max(1, programs)))
     one_wave = max(1, math.ceil(sms / max(1, programs)))
     by_bytes = max(one_wave, int(0.5 * mid_bytes / max(1, part_bytes)))
     return int(max(1, min(want, most, by_bytes)))
@@ -754,7 +758,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
 
         why = ("the CUDA kernel runs a packed shared (latent) middle" if not shared or dense_mid else
                latent_cuda.why_not(q, qp, vmid[0] if has_mid else None, *(vmid[1:] if has_mid else (None, None)),
-                                   mid_pe, v_bits, int(cfg.num_warps)))
+                                   mid_pe, v_bits, int(cfg.num_warps), cfg.num_stages))
         if why:
             raise LowbitError(f"GeoConfig(impl='cuda'): {why}; pass impl='triton' (or leave it unset)")
     if has_mid:
@@ -770,7 +774,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
                 row = Hkv * (DV * v_bits // 8 + 4 * (DV // GV) + 2 * DR)
                 if not shared:
                     row += Hkv * (DK * k_bits // 8 + 4 * (DK // GK))
-            nsm = pick_splits(B, programs, T, BTM, sms, int(cfg.waves), Hq * DV * 8, row * T)
+            nsm = pick_splits(B, programs, T, BTM, sms, int(cfg.waves), Hq * DV * 8, row * T, whole=cuda_mid)
         nsm = max(1, int(nsm))
         split_tokens = max(BTM, math.ceil(max(T, 1) / nsm / BTM) * BTM)
         nsm = max(1, math.ceil(max(T, 1) / split_tokens))
@@ -791,7 +795,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
     if cuda_mid:
         if has_mid:
             latent_cuda.stage1(q, qp, vmid[0], vmid[1], vmid[2], mid_pe, mid_lens, part, lse,
-                               float(sm_scale) * LOG2E, split_tokens, nsm, int(cfg.num_warps))
+                               float(sm_scale) * LOG2E, split_tokens, nsm, int(cfg.num_warps), cfg.num_stages)
         split0 = nsm  # the Triton kernel below runs the dense tiers' split only
         grid = (grid[0], nsplit - nsm, B)
     if grid[1] > 0:

@@ -51,7 +51,8 @@ def candidates(geo: dict, packed: bool = True):
                [GeoConfig(impl=t), GeoConfig(block_t=64, zero_mma=False, impl=t), GeoConfig(block_t=64, q_loop=False,
                                                                                           impl=t)])
         return [GeoConfig(), *tri, GeoConfig(impl="cuda", num_warps=4), GeoConfig(impl="cuda", num_warps=8),
-                GeoConfig(impl="cuda", num_warps=8, waves=4)]
+                GeoConfig(impl="cuda", num_warps=4, num_stages=2, waves=3),
+                GeoConfig(impl="cuda", num_warps=4, num_stages=2, waves=6)]
     if geo["Hq"] > 16:  # 64 tokens x 32 heads: the best bf16 dense-middle config of the sweep
         return [GeoConfig(), GeoConfig(block_t=64, heads=32), GeoConfig(block_t=64, heads=16)]
     return [GeoConfig(), GeoConfig(block_t=64, zero_mma=False), GeoConfig(block_t=64, q_loop=False)]

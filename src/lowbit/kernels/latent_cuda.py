@@ -7,8 +7,9 @@ It writes the middle's splits [0, nsm) of decode_geometry's partial buffers (par
 fp32 [B, Hq, nsplit]); the dense tiers' split and the merge stay with the Triton kernels, so a call through
 decode_attention_latent(config=GeoConfig(impl="cuda")) returns what the Triton path returns (same twin:
 lowbit.kernels.reference.decode_attention_latent_ref). One block: 16 query heads of one KV head x one split, 4 warps,
-16 * warps tokens a tile (`tile_tokens`), two blocks per SM; instances: 4 warps (3-stage ring, ~79 KB of shared memory)
-and 8 warps (2 stages, ~106 KB; registers capped at 128 a thread).
+16 * warps tokens a tile (`tile_tokens`); instances (warps, ring stages): (4, 3) ~79 KB of shared memory, 2 blocks a
+SM; (8, 2) ~106 KB, 2 blocks a SM, registers capped at 128 a thread; (4, 2) ~63 KB, 3 blocks a SM, 168 registers, the
+values accumulated straight into O (the others fold a fresh product per tile).
 
 Takes: DeepSeek-V3's latent geometry (c_kv 512 at 2 bits in groups of 128 in the `strided` layout, k_pe 64),
 bf16 q_lat / q_pe / pe, fp16 scale / zero, query heads per KV head a multiple of 16, 16-byte aligned rows.
@@ -27,7 +28,12 @@ from lowbit.kernels import nvcc
 
 SOURCE = Path(__file__).with_name("cuda") / "latent_int2.cu"
 HEADS = 16  # query heads per block (the MMA's M)
-WARPS = (4, 8)  # the library's instances
+INSTANCES = {(4, 3): 2, (4, 2): 3, (8, 2): 2}  # the library's (warps, stages) -> blocks a SM it is built for
+
+
+def default_stages(warps: int) -> int:
+    """The ring depth of the `warps` instance when the caller names none (3 for 4 warps, 2 for 8)."""
+    return 3 if warps == 4 else 2
 BLOCKS_PER_SM = 2  # resident blocks per SM (__launch_bounds__ and ~80 KB of shared memory each)
 _lock = threading.Lock()
 _libs: dict[str, ctypes.CDLL] = {}
@@ -37,9 +43,9 @@ def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
     lib.lowbit_latent_int2_stage1.argtypes = [P, L, L, P, L, L, P, L, L, P, P, L, L, P, L, L, L, P, P, P,
-                                              ctypes.c_float, I, I, I, I, I, I, I, ctypes.c_ulonglong]
+                                              ctypes.c_float, I, I, I, I, I, I, I, I, ctypes.c_ulonglong]
     lib.lowbit_latent_int2_stage1.restype = I
-    lib.lowbit_latent_int2_smem.argtypes = [I]
+    lib.lowbit_latent_int2_smem.argtypes = [I, I]
     lib.lowbit_latent_int2_smem.restype = I
     lib.lowbit_latent_cuda_error_string.argtypes = [I]
     lib.lowbit_latent_cuda_error_string.restype = ctypes.c_char_p
@@ -71,7 +77,7 @@ def tile_tokens(warps: int) -> int:
     return 16 * warps
 
 
-def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4) -> str | None:
+def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4, stages: int | None = None) -> str | None:
     """None when this kernel runs the call (shapes already checked by decode_attention_latent), else why not."""
     if q_lat.device.type != "cuda":
         return f"the CUDA latent kernel needs a CUDA device (q_lat is on {q_lat.device})"
@@ -82,8 +88,10 @@ def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4) -> s
         return nvcc.nvcc_missing()
     if codes is None:
         return "no middle tier: the CUDA kernel runs the packed middle only"
-    if warps not in WARPS:
-        return f"the CUDA latent kernel has instances of {' and '.join(map(str, WARPS))} warps, not {warps}"
+    stages = default_stages(warps) if stages is None else stages
+    if (warps, stages) not in INSTANCES:
+        return (f"the CUDA latent kernel has (warps, stages) instances {', '.join(map(str, INSTANCES))}, not "
+                f"({warps}, {stages})")
     _, Hq, D = q_lat.shape
     if bits != 2 or D != 512 or codes.shape[-1] != 128 or scale is None or scale.shape[-1] != 4:
         return (f"the CUDA latent kernel takes a 512-wide latent at 2 bits in groups of 128 (got {D} wide, {bits} "
@@ -109,7 +117,7 @@ def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4) -> s
 
 
 def stage1(q_lat, q_pe, codes, scale, zero, pe, mid_lens, part, lse, qk_scale: float, split_tokens: int, nsm: int,
-           warps: int = 4):
+           warps: int = 4, stages: int | None = None):
     """Launch the middle splits [0, nsm) on the current stream (why_not(...) must be None).
 
     q_lat [B, Hq, 512] / q_pe [B, Hq, 64] bf16; codes uint8 [B, Hkv, T, 128]; scale / zero fp16 [B, Hkv, T, 4];
@@ -127,6 +135,7 @@ def stage1(q_lat, q_pe, codes, scale, zero, pe, mid_lens, part, lse, qk_scale: f
         codes.data_ptr(), codes.stride(0), codes.stride(1), scale.data_ptr(), zero.data_ptr(),
         scale.stride(0), scale.stride(1), pe.data_ptr(), pe.stride(0), pe.stride(1), pe.stride(2),
         mid_lens.data_ptr(), part.data_ptr(), lse.data_ptr(), float(qk_scale), int(split_tokens), int(nsm),
-        int(nsplit), B, Hkv, Hq // Hkv, int(warps), torch.cuda.current_stream(q_lat.device).cuda_stream)
+        int(nsplit), B, Hkv, Hq // Hkv, int(warps), default_stages(warps) if stages is None else int(stages),
+        torch.cuda.current_stream(q_lat.device).cuda_stream)
     if rc:
         raise LowbitError(f"the CUDA latent kernel failed to launch: {lib.lowbit_latent_cuda_error_string(rc).decode()}")

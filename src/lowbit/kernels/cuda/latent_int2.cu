@@ -87,8 +87,11 @@ __device__ __forceinline__ float half_at(const uint4& v, int k) {  // half k (0.
     return __half2float(__ushort_as_half(s));
 }
 
-template <int NW, int STAGES>
-__global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
+// MINB: blocks a SM the instance is built for (3: at most 168 registers a thread). FRESH: the values' product of
+// a tile starts from zero and is folded into O with alpha (the MMA's accumulator sums one tile); else O is
+// rescaled by alpha first and the MMAs accumulate into it (fewer registers)
+template <int NW, int STAGES, int MINB, bool FRESH>
+__global__ void __launch_bounds__(NW * 32, MINB) latent_int2_stage1(
     const __nv_bfloat16* __restrict__ q, long long sqb, long long sqh,
     const __nv_bfloat16* __restrict__ qp, long long sqpb, long long sqph,
     const uint8_t* __restrict__ codes, long long scb, long long sch,
@@ -319,7 +322,18 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
         __syncthreads();  // (C)
 
         // ------- values: packed bytes (128 / NW) w + BPL g + o of tokens 16kc + 2c + (0, 1, 8, 9) -------
-        float Pt[BPL][NG][4] = {};  // this tile's product
+        float Pt[FRESH ? BPL : 1][NG][4] = {};  // this tile's product (FRESH)
+        if constexpr (!FRESH) {
+#pragma unroll
+            for (int o = 0; o < BPL; ++o)
+#pragma unroll
+                for (int i = 0; i < NG; ++i) {
+                    O[o][i][0] *= alpha[0];
+                    O[o][i][1] *= alpha[0];
+                    O[o][i][2] *= alpha[1];
+                    O[o][i][3] *= alpha[1];
+                }
+        }
 #pragma unroll
         for (int kc = 0; kc < NW; ++kc) {
             const int r0 = 16 * kc + 2 * c;
@@ -344,12 +358,15 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
                 const uint32_t M = 0x00030003u << (2 * i);
                 const uint4 A = sm.pbuf[(i * NW + kc) * 32 + lane];
 #pragma unroll
-                for (int o = 0; o < BPL; ++o) mma_f16(Pt[o][i], A, wd[o] & M, (wd[o] >> 8) & M);
+                for (int o = 0; o < BPL; ++o) {
+                    if constexpr (FRESH) mma_f16(Pt[o][i], A, wd[o] & M, (wd[o] >> 8) & M);
+                    else mma_f16(O[o][i], A, wd[o] & M, (wd[o] >> 8) & M);
+                }
             }
         }
         // fold this tile's product in (the MMA's accumulator summed BT tokens only)
 #pragma unroll
-        for (int o = 0; o < BPL; ++o)
+        for (int o = 0; o < (FRESH ? BPL : 0); ++o)
 #pragma unroll
             for (int i = 0; i < NG; ++i) {
                 O[o][i][0] = fmaf(O[o][i][0], alpha[0], Pt[o][i][0]);
@@ -406,19 +423,19 @@ __global__ void __launch_bounds__(NW * 32, 2) latent_int2_stage1(
     }
 }
 
-template <int NW, int STAGES>
+template <int NW, int STAGES, int MINB, bool FRESH>
 int launch(const void* q, long long sqb, long long sqh, const void* qp, long long sqpb, long long sqph,
            const void* codes, long long scb, long long sch, const void* scale, const void* zero, long long ssb,
            long long ssh, const void* pe, long long spb, long long sph, long long spt, const void* mid_len, void* part,
            void* lse, float qk_scale, int split_tokens, int nsm, int nsplit, int B, int Hkv, int G,
            cudaStream_t stream) {
     const int smem = static_cast<int>(sizeof(Smem<NW, STAGES>));
-    cudaError_t e = cudaFuncSetAttribute(latent_int2_stage1<NW, STAGES>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         smem);
+    cudaError_t e = cudaFuncSetAttribute(latent_int2_stage1<NW, STAGES, MINB, FRESH>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return static_cast<int>(e);
     const int NHB = G / 16;
     dim3 grid(Hkv * NHB, nsm, B);
-    latent_int2_stage1<NW, STAGES><<<grid, NW * 32, smem, stream>>>(
+    latent_int2_stage1<NW, STAGES, MINB, FRESH><<<grid, NW * 32, smem, stream>>>(
         static_cast<const __nv_bfloat16*>(q), sqb, sqh, static_cast<const __nv_bfloat16*>(qp), sqpb, sqph,
         static_cast<const uint8_t*>(codes), scb, sch, static_cast<const __half*>(scale),
         static_cast<const __half*>(zero), ssb, ssh, static_cast<const __nv_bfloat16*>(pe), spb, sph, spt,
@@ -431,32 +448,37 @@ int launch(const void* q, long long sqb, long long sqh, const void* qp, long lon
 
 extern "C" {
 
-// Shared memory per block of an instance: warps 4 (3 stages, 64-token tiles) or 8 (2 stages, 128-token tiles);
-// -1 for an instance the library does not have.
-int lowbit_latent_int2_smem(int warps) {
-    return warps == 4 ? static_cast<int>(sizeof(Smem<4, 3>)) : warps == 8 ? static_cast<int>(sizeof(Smem<8, 2>)) : -1;
+// Shared memory per block of an instance (warps, stages): (4, 3) and (8, 2) at 2 blocks a SM, (4, 2) at 3; -1 for an
+// instance the library does not have.
+int lowbit_latent_int2_smem(int warps, int stages) {
+    if (warps == 4 && stages == 3) return static_cast<int>(sizeof(Smem<4, 3>));
+    if (warps == 4 && stages == 2) return static_cast<int>(sizeof(Smem<4, 2>));
+    if (warps == 8 && stages == 2) return static_cast<int>(sizeof(Smem<8, 2>));
+    return -1;
 }
 
-// Launch stage 1 for the middle splits [0, nsm) on `stream` with `warps` (4 or 8) a block; 0, -1 (no such
+// Launch stage 1 for the middle splits [0, nsm) on `stream` with the (warps, stages) instance: (4, 3) and (8, 2) at
+// 2 blocks a SM with a fresh product per tile, (4, 2) at 3 blocks a SM accumulating into O; 0, -1 (no such
 // instance) or a cudaError_t code.
 int lowbit_latent_int2_stage1(const void* q, long long sqb, long long sqh, const void* qp, long long sqpb,
                               long long sqph, const void* codes, long long scb, long long sch, const void* scale,
                               const void* zero, long long ssb, long long ssh, const void* pe, long long spb,
                               long long sph, long long spt, const void* mid_len, void* part, void* lse,
                               float qk_scale, int split_tokens, int nsm, int nsplit, int B, int Hkv, int G, int warps,
-                              unsigned long long stream) {
+                              int stages, unsigned long long stream) {
     cudaStream_t st = reinterpret_cast<cudaStream_t>(stream);
-    if (warps == 4)
-        return launch<4, 3>(q, sqb, sqh, qp, sqpb, sqph, codes, scb, sch, scale, zero, ssb, ssh, pe, spb, sph, spt,
-                            mid_len, part, lse, qk_scale, split_tokens, nsm, nsplit, B, Hkv, G, st);
-    if (warps == 8)
-        return launch<8, 2>(q, sqb, sqh, qp, sqpb, sqph, codes, scb, sch, scale, zero, ssb, ssh, pe, spb, sph, spt,
-                            mid_len, part, lse, qk_scale, split_tokens, nsm, nsplit, B, Hkv, G, st);
+#define LOWBIT_LATENT_LAUNCH(NW_, ST_, MB_, FR_)                                                                     \
+    return launch<NW_, ST_, MB_, FR_>(q, sqb, sqh, qp, sqpb, sqph, codes, scb, sch, scale, zero, ssb, ssh, pe, spb, sph, \
+                                 spt, mid_len, part, lse, qk_scale, split_tokens, nsm, nsplit, B, Hkv, G, st)
+    if (warps == 4 && stages == 3) LOWBIT_LATENT_LAUNCH(4, 3, 2, true);
+    if (warps == 4 && stages == 2) LOWBIT_LATENT_LAUNCH(4, 2, 3, false);
+    if (warps == 8 && stages == 2) LOWBIT_LATENT_LAUNCH(8, 2, 2, true);
+#undef LOWBIT_LATENT_LAUNCH
     return -1;
 }
 
 const char* lowbit_latent_cuda_error_string(int code) {
-    return code == -1 ? "no such instance: warps must be 4 or 8" : cudaGetErrorString(static_cast<cudaError_t>(code));
+    return code == -1 ? "no such instance: (warps, stages) must be (4, 3), (4, 2) or (8, 2)" : cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
 }  // extern "C"
