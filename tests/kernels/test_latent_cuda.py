@@ -171,7 +171,8 @@ def test_cuda_config_resolves_its_own_warps_and_waves():
     r = GeoConfig(impl="cuda").resolve(16, 512, 576, True, pairs=16)
     assert (r.impl, r.num_warps, r.waves, r.num_stages) == ("cuda", 8, 2, 2)
     assert GeoConfig(impl="cuda", num_warps=4).resolve(16, 512, 576, True, pairs=16).num_stages == 3
-    assert GeoConfig(impl="cuda").resolve(128, 512, 576, True, pairs=16).num_warps == 4
+    r = GeoConfig(impl="cuda").resolve(128, 512, 576, True, pairs=16)
+    assert (r.num_warps, r.num_stages, r.waves) == (4, 2, 3)
     assert GeoConfig(impl="cuda").resolve(128, 512, 576, True, pairs=1).num_warps == 8
     assert GeoConfig(impl="cuda", num_warps=4, waves=3).resolve(16, 512, 576, True, pairs=16).waves == 3
     assert GeoConfig().resolve(16, 512, 576, True, pairs=16).impl == "triton"

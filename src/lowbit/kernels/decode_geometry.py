@@ -535,14 +535,19 @@ class GeoConfig:
         if self.impl not in (None, "triton", "cuda"):
             raise LowbitError(f"GeoConfig.impl must be 'triton' or 'cuda', got {self.impl!r}")
         if self.impl == "cuda":
-            # the CUDA latent middle: 8 warps (16 a SM) but 4 with many 128-head blocks (128 heads B16 L32k:
-            # 0.712 vs 0.740 ms; tp8 B16 8 warps 0.115 vs 0.136), splits for one wave of 2 blocks a SM (tp8 B16:
-            # 0.115 vs 0.136 ms at two waves); the dense tiers' Triton split resolves as below
+            # the CUDA latent middle (H200, L32k, `results/geometry/decode_attention_latent_s22_call6_*`): 8 warps,
+            # one whole wave of 2 blocks a SM (tp8 B16 0.114 ms, B1 0.030; 128 heads B1 0.069); with many 128-head
+            # blocks the 3-blocks-a-SM instance (4 warps, 2 stages; 128 heads B16 0.649 vs 0.664 for 4 warps at 2
+            # a SM and 0.704 for 8). The dense tiers' Triton split resolves as below
             many = G > 16 and (pairs or 0) >= 16
-            tr = replace(self, impl=None, num_warps=None, waves=None).resolve(G, DV, DK, shared, pairs, dense_mid)
-            warps = self.num_warps or (4 if many else 8)
-            return replace(tr, impl="cuda", num_warps=warps, waves=self.waves or 2,
-                           num_stages=self.num_stages or (3 if warps == 4 else 2))
+            tr = replace(self, impl=None, num_warps=None, num_stages=None, waves=None).resolve(
+                G, DV, DK, shared, pairs, dense_mid)
+            if self.num_warps is None and self.num_stages is None and many:
+                warps, stages, waves = 4, 2, 3
+            else:
+                warps = self.num_warps or 8
+                stages, waves = self.num_stages or (3 if warps == 4 else 2), 2
+            return replace(tr, impl="cuda", num_warps=warps, num_stages=stages, waves=self.waves or waves)
         few = few_pairs(G, DV, shared, pairs, dense_mid)
         if few:
             return replace(self, **{k: v for k, v in few.items() if getattr(self, k) is None}).resolve(G, DV, DK, shared)
