@@ -185,3 +185,9 @@ def test_whole_waves_split_pick_never_spills_one_block_into_a_second_round():
     assert pick_splits(16, 16, 32768, 64, 132, 3, 16 * 512 * 8, 10**9) == 25
     assert pick_splits(16, 16, 32768, 64, 132, 3, 16 * 512 * 8, 10**9, whole=True) == 24
     assert pick_splits(16, 128, 32768, 64, 132, 2, 128 * 512 * 8, 10**10, whole=True) == 2
+
+
+def test_instance_reason_names_the_instances():
+    assert latent_cuda.instance_reason(8) is None and latent_cuda.instance_reason(4, 2) is None
+    msg = latent_cuda.instance_reason(8, 3)
+    assert "(4, 3), (4, 2), (8, 2)" in msg and "(8, 3)" in msg

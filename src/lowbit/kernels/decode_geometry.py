@@ -677,7 +677,8 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
     B, Hq, _ = q.shape
     dev = q.device
     base = config or GeoConfig()
-    if base.impl is None:
+    picked = base.impl is None  # default_impl checks the call's tensors once (the decode step's path)
+    if picked:
         base = replace(base, impl=default_impl(q, qp, vmid, mid_pe, v_bits, shared, dense_mid))
     cfg = base.resolve(Hq // Hkv, DV, DK + DR, shared, pairs=B * Hkv, dense_mid=dense_mid)
     BT, BTD = int(cfg.block_t), int(cfg.dense_block)
@@ -761,9 +762,13 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
     if cuda_mid:
         from lowbit.kernels import latent_cuda
 
-        why = ("the CUDA kernel runs a packed shared (latent) middle" if not shared or dense_mid else
-               latent_cuda.why_not(q, qp, vmid[0] if has_mid else None, *(vmid[1:] if has_mid else (None, None)),
-                                   mid_pe, v_bits, int(cfg.num_warps), cfg.num_stages))
+        if picked:  # the tensors passed default_impl's check: only the resolved instance is left to check
+            why = latent_cuda.instance_reason(int(cfg.num_warps), cfg.num_stages)
+        elif not shared or dense_mid:
+            why = "the CUDA kernel runs a packed shared (latent) middle"
+        else:
+            why = latent_cuda.why_not(q, qp, vmid[0] if has_mid else None, *(vmid[1:] if has_mid else (None, None)),
+                                      mid_pe, v_bits, int(cfg.num_warps), cfg.num_stages)
         if why:
             raise LowbitError(f"GeoConfig(impl='cuda'): {why}; pass impl='triton' (or leave it unset)")
     if has_mid:

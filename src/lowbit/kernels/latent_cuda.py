@@ -28,7 +28,7 @@ from lowbit.kernels import nvcc
 
 SOURCE = Path(__file__).with_name("cuda") / "latent_int2.cu"
 HEADS = 16  # query heads per block (the MMA's M)
-INSTANCES = {(4, 3): 2, (4, 2): 3, (8, 2): 2}  # the library's (warps, stages) -> blocks a SM it is built for
+INSTANCES = ((4, 3), (4, 2), (8, 2))  # the library's (warps, stages): 2, 3 and 2 blocks a SM
 
 
 def default_stages(warps: int) -> int:
@@ -77,6 +77,15 @@ def tile_tokens(warps: int) -> int:
     return 16 * warps
 
 
+def instance_reason(warps: int, stages: int | None = None) -> str | None:
+    """None when the library has the (warps, stages) instance (stages None: `default_stages`), else why not."""
+    stages = default_stages(warps) if stages is None else stages
+    if (warps, stages) not in INSTANCES:
+        return (f"the CUDA latent kernel has (warps, stages) instances {', '.join(map(str, INSTANCES))}, not "
+                f"({warps}, {stages})")
+    return None
+
+
 def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4, stages: int | None = None) -> str | None:
     """None when this kernel runs the call (shapes already checked by decode_attention_latent), else why not."""
     if q_lat.device.type != "cuda":
@@ -88,10 +97,9 @@ def why_not(q_lat, q_pe, codes, scale, zero, pe, bits: int, warps: int = 4, stag
         return nvcc.nvcc_missing()
     if codes is None:
         return "no middle tier: the CUDA kernel runs the packed middle only"
-    stages = default_stages(warps) if stages is None else stages
-    if (warps, stages) not in INSTANCES:
-        return (f"the CUDA latent kernel has (warps, stages) instances {', '.join(map(str, INSTANCES))}, not "
-                f"({warps}, {stages})")
+    why = instance_reason(warps, stages)
+    if why:
+        return why
     _, Hq, D = q_lat.shape
     if bits != 2 or D != 512 or codes.shape[-1] != 128 or scale is None or scale.shape[-1] != 4:
         return (f"the CUDA latent kernel takes a 512-wide latent at 2 bits in groups of 128 (got {D} wide, {bits} "
