@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --cuda-lb | --a8 | --a8-split | --a8-retime | --a8-tma
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --cuda-lb | --cuda-tiled | --a8 | --a8-split | --a8-retime | --a8-tma
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
@@ -12,6 +12,9 @@ the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-
 kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (the packed weight's bytes) at M=1.
 --cuda-ws16: the same at M = 16 alone (the two-activation-tile instances), every launch with PDL. --cuda-lb: the
 warp-split instances under launch bound 256 (up to 255 registers) beside the default 512 (128 registers), M 1 / 4 / 16.
+
+--cuda-tiled: the tiled 4-bit kernel (lowbit.kernels.weight_tiled) at M 17-1024 beside the tabled cell and dequantize +
+cuBLAS, W4A16 g128 and g64-asym on the 8B and fused shapes.
 
 --cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
 
@@ -43,6 +46,7 @@ from lowbit.kernels.weight_audit import random_weight
 from lowbit.kernels.weight_cuda import CudaConfig
 from lowbit.kernels.weight_dispatch import ViaA16, linear_via_a16
 from lowbit.kernels.weight_gemm import GemmConfig
+from lowbit.kernels.weight_tiled import TiledConfig
 
 SHAPES = [("gate/up", 4096, 14336), ("down", 14336, 4096), ("qkv/o", 4096, 4096)]
 
@@ -142,6 +146,10 @@ def explore_cell(scheme, shape, K, N, M, cfgs, tag, log, t0, *, dequant=False) -
             from lowbit.kernels import weight_cuda
 
             fn = weight_cuda.linear
+        if isinstance(cfg, TiledConfig):
+            from lowbit.kernels import weight_tiled
+
+            fn = weight_tiled.linear
         if isinstance(cfg, ViaA16):
             fn = linear_via_a16
         name = f"a16-xq:{cfg.name}" if isinstance(cfg, ViaA16) else cfg.name
@@ -300,7 +308,10 @@ def explore_cuda_lb(rows, log):
 
 
 def explore_cuda_pdl(rows, log):
-    """--cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch
+    """--cuda-tiled: the tiled 4-bit kernel (lowbit.kernels.weight_tiled) at M 17-1024 beside the tabled cell and dequantize +
+cuBLAS, W4A16 g128 and g64-asym on the 8B and fused shapes.
+
+--cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch
     (CudaConfig.pdl: the weight's first lines prefetched into L2 and the launch overlapped with the previous kernel's
     tail; in this harness the previous kernel is the same linear on another weight set, as for consecutive linears).
     M 1 / 4 / 8: the warp-split kernel; 16 / 32: the x-staging one."""
@@ -426,6 +437,32 @@ def explore_swap(rows, log, save):
                 save()
 
 
+def tiled_configs(M: int):
+    """The tiled W4A16 kernel's instances (split-K automatic); the 3-stage and 64 x 128 tiles from M 64."""
+    cfgs = [TiledConfig(8, 1, 1, 4, 4), TiledConfig(4, 1, 2, 4, 4), TiledConfig(4, 2, 2, 4, 4), TiledConfig(4, 2, 1, 4, 4)]
+    if M >= 64:
+        cfgs += [TiledConfig(4, 2, 2, 4, 3), TiledConfig(2, 4, 2, 4, 3)]
+    return cfgs
+
+
+def explore_cuda_tiled(rows, log):
+    """--cuda-tiled: the tiled W4A16 kernel (weight rows x activation rows, lowbit.kernels.weight_tiled) at M 17-1024
+    beside the cell the committed table runs there and dequantize + cuBLAS, on the 8B shapes and the runtime's fused
+    projections, g128 and g64-asym."""
+    from lowbit.kernels.weight_dispatch import Dispatch
+
+    table = Dispatch.for_device("cuda")
+    t0 = time.time()
+    for scheme in ("w4a16-g128", "w4a16-g64-asym"):
+        for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
+            for M in (17, 32, 64, 128, 256, 1024):
+                cfgs = tiled_configs(M)
+                cur = table.choose("w4a16", M)  # shape-free cell of the committed table
+                if cur.config is not None:
+                    cfgs.append(cur.config)
+                rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "cuda-tiled", log, t0, dequant=True))
+
+
 def cuda_ratio_table(rows) -> str:
     """One line per (scheme, shape): speed-up over bf16 of the best CUDA config and of the Triton cell, per M."""
     out, by = [], {}
@@ -519,6 +556,8 @@ if __name__ == "__main__":
             explore_cuda_lb(res["explore"], print)
         if "--cuda-quick" in sys.argv:
             explore_cuda_quick(res["explore"], print)
+        if "--cuda-tiled" in sys.argv:
+            explore_cuda_tiled(res["explore"], print)
         if "--final" in sys.argv:
             explore_final(res["explore"], print)
         if "--a8" in sys.argv:
@@ -536,7 +575,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-ws", "--cuda-ws16", "--cuda-lb", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
+        only = ("--gemv", "--final", "--cuda", "--cuda-tiled", "--cuda-ws", "--cuda-ws16", "--cuda-lb", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
                 "--a8-retime", "--a8-tma", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)

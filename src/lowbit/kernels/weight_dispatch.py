@@ -11,8 +11,10 @@ tuned for that one weight shape (measured there against the bucket's cell) and m
     dequant-cublas  dequantize the weight (Triton) then cuBLAS (A16 only; wins where the GEMM is
                     compute-bound, since the fused kernel's dequantization then costs tensor-core time)
     cuda            lowbit.kernels.weight_cuda.linear with the cell's CudaConfig (A16 bf16, M <= 64: the
-                    CUDA C++ tensor-core kernel built with nvcc); a weight or input it does not take (or no
-                    nvcc on the machine) falls through to the next cell that covers M
+                    CUDA C++ tensor-core kernel built with nvcc), or lowbit.kernels.weight_tiled.linear with a
+                    TiledConfig (4-bit A16, any M: weight rows x activation rows tiles, names cuda-tl-*); a
+                    weight or input it does not take (or no nvcc on the machine) falls through to the next
+                    cell that covers M
     a16-xq          A8 weights: the activations quantized per token (weight_gemm.quantize_rows, the A8
                     kernels' row quantizer, tested equal to weights.act_quant's codes), their int8 codes
                     (integers, exact in bf16) through the A16 path of the cell's ViaA16 for the same weight
@@ -34,6 +36,7 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.kernels.weight_cuda import CudaConfig
 from lowbit.kernels.weight_gemm import GemmConfig, GemvConfig, PackedWeight
+from lowbit.kernels.weight_tiled import TiledConfig
 
 KINDS = ("w4a16", "w8a16", "w8a8", "w4a8")
 M_INF = 1 << 62
@@ -48,7 +51,7 @@ class Cell:
     m_lo: int
     m_hi: int
     path: str
-    config: GemmConfig | GemvConfig | CudaConfig | None = None
+    config: GemmConfig | GemvConfig | CudaConfig | TiledConfig | None = None
     shape: tuple[int, int] | None = None
 
     @property
@@ -64,7 +67,7 @@ class ViaA16:
     """The A16 path (and its config) an A8 weight's "a16-xq" cell runs its activation codes through."""
 
     path: str
-    config: GemmConfig | GemvConfig | CudaConfig | None = None
+    config: GemmConfig | GemvConfig | CudaConfig | TiledConfig | None = None
 
     @property
     def name(self) -> str:
@@ -115,7 +118,7 @@ def config_from_name(path: str, name: str | None):
     if path == "dequant-cublas" or name is None:
         return None
     if path == "cuda":
-        return CudaConfig.from_name(name)
+        return TiledConfig.from_name(name) if name.startswith("cuda-tl-") else CudaConfig.from_name(name)
     if path == "a16-xq":
         return ViaA16.from_name(name)
     return GemvConfig.from_name(name) if path == "gemv" else GemmConfig.from_name(name)
@@ -149,9 +152,10 @@ def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dty
     if cell.path == "gemv":
         return wg.gemv(x, pw, cell.config, out_dtype)
     if cell.path == "cuda":
-        from lowbit.kernels import weight_cuda
+        from lowbit.kernels import weight_cuda, weight_tiled
 
-        return weight_cuda.linear(x, pw, cell.config, out_dtype)
+        kernel = weight_tiled if isinstance(cell.config, TiledConfig) else weight_cuda
+        return kernel.linear(x, pw, cell.config, out_dtype)
     return wg.linear(x, pw, cell.config, out_dtype)
 
 
@@ -184,9 +188,10 @@ def takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
         return tma_why_not(pw, cell.config) is None
     if cell.path != "cuda":
         return True
-    from lowbit.kernels import weight_cuda
+    from lowbit.kernels import weight_cuda, weight_tiled
 
-    return weight_cuda.why_not(pw, x_dtype, M, cell.config) is None and weight_cuda.nvcc_missing() is None
+    kernel = weight_tiled if isinstance(cell.config, TiledConfig) else weight_cuda
+    return kernel.why_not(pw, x_dtype, M, cell.config) is None and weight_cuda.nvcc_missing() is None
 
 
 class Dispatch:

@@ -1,0 +1,467 @@
+// lowbit: 4-bit weight-only GEMM tiled over weight rows AND activation rows, for 17 <= M <= a few hundred (batched
+// decode, prefill chunks) on tensor cores.
+//
+//   y[M, N] = x[M, K] @ W^T,  W[n, k] = (q[n, k] - zero[g, n]) * scale[g, n],  g = k / group
+//
+// Built by lowbit/kernels/weight_tiled.py with nvcc into a shared library (no torch headers), called through ctypes
+// with raw device pointers on the caller's stream (capturable in a CUDA graph).
+//
+// Why a second kernel beside weight_small_m.cu: that one is a GEMV with activation "riders": every block stages the
+// whole x range it needs and each warp owns 16-32 weight rows, so at M = 64 a block re-reads 16x more x than weight
+// and each weight fragment's registers sit beside 8 activation tiles (166 registers, 1 block a SM; 0.40x bf16 at
+// M = 64). Here a block owns BN = WN * RT * 16 weight rows x BM = WM * MTW * 8 activation rows and streams K in
+// stages of 128 through a cp.async ring in shared memory (weights, x, scales, zero-points of one stage together),
+// so x is read once per BN weight rows and nothing waits in registers.
+//
+// Weight layout: lowbit's PackedWeight as it is (compressed-tensors int32 words [N, K/8], nibble i of word j =
+// q[n, 8j + i] + 8), so the M <= 16 kernels and this one read the same tensor. The mma fragments follow
+// weight_small_m.cu: the weight is the mma's A operand (16 rows x 16 k), x the B operand (16 k x 8 activation rows);
+// lane (gid, tig) takes words tig * LW .. tig * LW + LW - 1 of each 4 * LW-word chunk of rows gid and gid + 8, word j
+// giving steps 2j (nibble pairs (0, 4) and (1, 5)) and 2j + 1 ((2, 6), (3, 7)); one lop3 puts two nibbles under the
+// bf16 exponent of 128 and one bf16x2 subtract of 136 + zero gives q - zero exactly. The B fragment of a word is the
+// 16 bytes of x at the same 8 k, permuted by four byte-permutes in registers (x is staged as it lies in memory; its
+// shared-memory pieces are XOR-swizzled so a quarter-warp's 16-byte reads hit distinct banks). A chunk (4 lanes x LW
+// words = 32 * LW k) lies in one group, so its fp32 partial is an exact integer-weight sum and the group scale
+// multiplies it once per chunk and row.
+//
+// Split-K across blockIdx.z: fp32 partials to a workspace, and the last block of a tile (a counter it resets) sums
+// them in a fixed order and writes y: no memset, no second launch.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+enum { KIND_BF16 = 0, KIND_FP16 = 1, KIND_FP32 = 2 };
+constexpr int KS = 128;  // k per pipeline stage
+
+struct Params {
+  const __nv_bfloat16* x;  // [M, ldx] bf16, 16-byte aligned rows
+  long long ldx;
+  const uint32_t* qw;      // [N, K/8] words
+  const void* scale;       // [G, N] bf16 / fp16
+  const int8_t* zero;      // [G, N] or null
+  const void* bias;        // [N] or null
+  void* y;                 // [M, ldy]
+  long long ldy;
+  float* ws;               // split-K partials [splitk, M, N] (splitk > 1)
+  unsigned* counters;      // one per (row block, activation block), zero between launches (splitk > 1)
+  int M, N, K, group;
+  int stages_per_split;    // 128-k stages per blockIdx.z
+  int splitk;              // gridDim.z
+  int scale_kind, bias_kind, out_kind;
+  int pdl;
+};
+
+__device__ __forceinline__ void pdl_launch_dependents() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
+
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 fills zeros (rows past N or M).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+__device__ __forceinline__ float ld_scalar(const void* p, int kind, long long i) {
+  if (kind == KIND_BF16) return __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(p)[i]);
+  if (kind == KIND_FP16) return __half2float(reinterpret_cast<const __half*>(p)[i]);
+  return reinterpret_cast<const float*>(p)[i];
+}
+
+__device__ __forceinline__ float half_bits_to_float(unsigned short r, int kind) {
+  if (kind == KIND_BF16) return __uint_as_float(static_cast<uint32_t>(r) << 16);
+  return __half2float(__ushort_as_half(r));
+}
+
+__device__ __forceinline__ void st_out(void* y, int kind, long long i, float v) {
+  if (kind == KIND_BF16) reinterpret_cast<__nv_bfloat16*>(y)[i] = __float2bfloat16_rn(v);
+  else if (kind == KIND_FP16) reinterpret_cast<__half*>(y)[i] = __float2half_rn(v);
+  else reinterpret_cast<float*>(y)[i] = v;
+}
+
+// Nibbles at bits 0-3 and 16-19 of w -> bf16x2 (128 + c_lo, 128 + c_hi): (w & 0x000F000F) | 0x43004300.
+__device__ __forceinline__ uint32_t nib_pair(uint32_t w) {
+  uint32_t r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(r) : "r"(w), "n"(0x000F000F), "n"(0x43004300));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r = __hsub2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// D = A (16x16, row) * B (16x8, col) + D, bf16 in, fp32 accumulate.
+__device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// x piece p (8 k = 16 bytes) of staged activation row r: its place in the row's 16 pieces. A quarter-warp reads rows
+// 2q, 2q + 1 (gid) x pieces tig * LW + j (+ 4 LW per chunk): without the swizzle tig 0 and 2 (and the two rows, 256
+// bytes apart) fall on the same banks.
+__device__ __forceinline__ int x_slot(int r, int p) { return p ^ (((p >> 3) & 1) << 1) ^ (r & 1); }
+
+// Bytes of one pipeline stage: weights BN x 64, x BM x 256, scales (128 / CK) x BN x 2, zero-points (128 / CK) x BN.
+template <int LW, bool ZP, int BN, int BM>
+struct Stage {
+  static constexpr int CPS = KS / (32 * LW);  // chunks per stage
+  static constexpr int W = 0;
+  static constexpr int X = BN * 64;
+  static constexpr int S = X + BM * 256;
+  static constexpr int Z = S + CPS * BN * 2;
+  static constexpr int BYTES = Z + (ZP ? CPS * BN : 0);
+};
+
+// LW: words per lane per row and chunk (4, 2: group 128+ / 64). WN x WM warps: WN along weight rows, WM along
+// activation rows; each warp RT tiles of 16 weight rows x MTW tiles of 8 activation rows. STAGES: the ring depth.
+template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES>
+__global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_tiled(const Params p) {
+  constexpr int BN = WN * RT * 16, BM = WM * MTW * 8, NT = WN * WM * 32;
+  constexpr int CK = 32 * LW;  // k per chunk (one group)
+  using St = Stage<LW, ZP, BN, BM>;
+  constexpr int CPS = St::CPS;
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ int last_block;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int warp_n = warp % WN, warp_m = warp / WN;
+  const int n_block = blockIdx.x * BN, m_block = blockIdx.y * BM;
+  const int wpr = p.K / 8;
+  const int st_begin = blockIdx.z * p.stages_per_split;
+  const int nst = min(p.K / KS - st_begin, p.stages_per_split);
+
+  // one stage's copies: every thread a fixed set of 16-byte pieces
+  auto load = [&](int buf, int st) {
+    unsigned char* base = smem + buf * St::BYTES;
+    const int k0 = (st_begin + st) * KS;
+    for (int i = tid; i < BN * 4; i += NT) {  // weight rows: 64 bytes = 4 pieces each
+      const int r = i >> 2, pc = i & 3, n = n_block + r;
+      const uint32_t* src = p.qw + (long long)min(n, p.N - 1) * wpr + k0 / 8 + pc * 4;
+      cp_async16(base + St::W + r * 64 + pc * 16, src, n < p.N ? 16 : 0);
+    }
+    for (int i = tid; i < BM * 16; i += NT) {  // activation rows: 256 bytes = 16 pieces each
+      const int r = i >> 4, pc = i & 15, m = m_block + r;
+      const __nv_bfloat16* src = p.x + (long long)min(m, p.M - 1) * p.ldx + k0 + pc * 8;
+      cp_async16(base + St::X + r * 256 + x_slot(r, pc) * 16, src, m < p.M ? 16 : 0);
+    }
+    for (int i = tid; i < CPS * BN / 8; i += NT) {  // scales: 8 rows a piece (N % 16 == 0)
+      const int c = i / (BN / 8), q = i - c * (BN / 8), n = n_block + q * 8;
+      const long long g = (k0 + c * CK) / p.group;
+      const unsigned short* src = reinterpret_cast<const unsigned short*>(p.scale) + g * p.N + min(n, p.N - 8);
+      cp_async16(base + St::S + (c * BN + q * 8) * 2, src, n < p.N ? 16 : 0);
+    }
+    if constexpr (ZP) {
+      for (int i = tid; i < CPS * BN / 16; i += NT) {
+        const int c = i / (BN / 16), q = i - c * (BN / 16), n = n_block + q * 16;
+        const long long g = (k0 + c * CK) / p.group;
+        cp_async16(base + St::Z + c * BN + q * 16, p.zero + g * p.N + min(n, p.N - 16), n < p.N ? 16 : 0);
+      }
+    }
+  };
+
+  pdl_launch_dependents();
+  // the weights are never written by an earlier kernel: warm L2 with this block's first stages before the wait
+  for (int st = 0; st < STAGES - 1 && st < nst; ++st)
+    for (int r = tid; r < BN; r += NT)  // a row's 64 bytes of one stage lie in one 128-byte line
+      prefetch_l2(p.qw + (long long)min(n_block + r, p.N - 1) * wpr + (st_begin + st) * KS / 8);
+  pdl_wait();
+
+#pragma unroll
+  for (int s = 0; s < STAGES - 1; ++s) {
+    if (s < nst) load(s, s);
+    cp_async_commit();
+  }
+
+  float acc[RT][MTW][4];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int t = 0; t < MTW; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[rt][t][i] = 0.f;
+
+  const int row0 = warp_n * RT * 16 + gid;       // this lane's first weight row in the block (and + 8, + 16, ...)
+  const int xrow0 = warp_m * MTW * 8 + gid;      // this lane's first activation row (B fragment column)
+
+  for (int st = 0; st < nst; ++st) {
+    cp_async_wait<STAGES - 2>();
+    __syncthreads();  // stage st landed for every thread; every warp is done with the buffer refilled next
+    if (st + STAGES - 1 < nst) load((st + STAGES - 1) % STAGES, st + STAGES - 1);
+    cp_async_commit();
+
+    const unsigned char* base = smem + (st % STAGES) * St::BYTES;
+#pragma unroll
+    for (int c = 0; c < CPS; ++c) {
+      uint32_t sub2[RT][2];  // bf16x2 (136 + zero) of the lane's rows
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          float z = 0.f;
+          if constexpr (ZP) z = (float)reinterpret_cast<const int8_t*>(base + St::Z)[c * BN + row0 + rt * 16 + 8 * h];
+          sub2[rt][h] = pack_bf16x2(136.f + z, 136.f + z);
+        }
+      // this chunk's words of the lane's rows: LW consecutive words at (c * 4 + tig) * LW
+      uint32_t w[RT][2][LW];
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t* src =
+              reinterpret_cast<const uint32_t*>(base + St::W + (row0 + rt * 16 + 8 * h) * 64) + (c * 4 + tig) * LW;
+          if constexpr (LW == 4) {
+            const uint4 v = *reinterpret_cast<const uint4*>(src);
+            w[rt][h][0] = v.x; w[rt][h][1] = v.y; w[rt][h][2] = v.z; w[rt][h][3] = v.w;
+          } else if constexpr (LW == 2) {
+            const uint2 v = *reinterpret_cast<const uint2*>(src);
+            w[rt][h][0] = v.x; w[rt][h][1] = v.y;
+          } else {
+            w[rt][h][0] = *src;
+          }
+        }
+      float part[RT][MTW][4];
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int t = 0; t < MTW; ++t)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) part[rt][t][i] = 0.f;
+#pragma unroll
+      for (int j = 0; j < LW; ++j) {
+        // B fragments of word j for every activation tile: even step (k0, k4), (k1, k5); odd (k2, k6), (k3, k7)
+        uint32_t be[MTW][2], bo[MTW][2];
+        const int pc = (c * 4 + tig) * LW + j;
+#pragma unroll
+        for (int t = 0; t < MTW; ++t) {
+          const int r = xrow0 + t * 8;
+          const uint4 v = *reinterpret_cast<const uint4*>(base + St::X + r * 256 + x_slot(r, pc) * 16);
+          be[t][0] = __byte_perm(v.x, v.z, 0x5410);
+          be[t][1] = __byte_perm(v.x, v.z, 0x7632);
+          bo[t][0] = __byte_perm(v.y, v.w, 0x5410);
+          bo[t][1] = __byte_perm(v.y, v.w, 0x7632);
+        }
+#pragma unroll
+        for (int hs = 0; hs < 2; ++hs) {
+#pragma unroll
+          for (int rt = 0; rt < RT; ++rt) {
+            const uint32_t wa = w[rt][0][j], wb = w[rt][1][j];
+            uint32_t a[4];
+            a[0] = bf16x2_sub(nib_pair(wa >> (8 * hs)), sub2[rt][0]);
+            a[1] = bf16x2_sub(nib_pair(wb >> (8 * hs)), sub2[rt][1]);
+            a[2] = bf16x2_sub(nib_pair(wa >> (8 * hs + 4)), sub2[rt][0]);
+            a[3] = bf16x2_sub(nib_pair(wb >> (8 * hs + 4)), sub2[rt][1]);
+#pragma unroll
+            for (int t = 0; t < MTW; ++t) {
+              if (hs == 0) mma_bf16(part[rt][t], a, be[t][0], be[t][1]);
+              else mma_bf16(part[rt][t], a, bo[t][0], bo[t][1]);
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt) {
+        float sc[2];  // read here, not held through the mma loop
+#pragma unroll
+        for (int h = 0; h < 2; ++h)
+          sc[h] = half_bits_to_float(reinterpret_cast<const unsigned short*>(base + St::S)[c * BN + row0 + rt * 16 + 8 * h],
+                                     p.scale_kind);
+#pragma unroll
+        for (int t = 0; t < MTW; ++t) {
+          acc[rt][t][0] += part[rt][t][0] * sc[0];
+          acc[rt][t][1] += part[rt][t][1] * sc[0];
+          acc[rt][t][2] += part[rt][t][2] * sc[1];
+          acc[rt][t][3] += part[rt][t][3] * sc[1];
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // C fragment: acc[rt][t][i] is (weight row row0 + 16 rt + 8 (i >= 2), activation row xrow0 - gid + 8 t + 2 tig + (i & 1))
+  if (p.splitk == 1) {
+#pragma unroll
+    for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+      for (int t = 0; t < MTW; ++t)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int n = n_block + row0 + rt * 16 + 8 * (i >> 1);
+          const int m = m_block + warp_m * MTW * 8 + 8 * t + 2 * tig + (i & 1);
+          if (n < p.N && m < p.M) {
+            const float b = p.bias ? ld_scalar(p.bias, p.bias_kind, n) : 0.f;
+            st_out(p.y, p.out_kind, (long long)m * p.ldy + n, acc[rt][t][i] + b);
+          }
+        }
+    return;
+  }
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int t = 0; t < MTW; ++t)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int n = n_block + row0 + rt * 16 + 8 * (i >> 1);
+        const int m = m_block + warp_m * MTW * 8 + 8 * t + 2 * tig + (i & 1);
+        if (n < p.N && m < p.M) p.ws[((long long)blockIdx.z * p.M + m) * p.N + n] = acc[rt][t][i];
+      }
+  // the last split of this tile to arrive sums every split in a fixed order (the result does not depend on which
+  // block finished last) and resets the counter for the next launch on this stream
+  __threadfence();
+  __syncthreads();
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  if (tid == 0) last_block = atomicAdd(&p.counters[tile], 1u) == (unsigned)(p.splitk - 1);
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  for (int idx = tid; idx < BM * BN; idx += NT) {
+    const int mi = idx / BN, n = n_block + idx - mi * BN, m = m_block + mi;
+    if (n >= p.N || m >= p.M) continue;
+    float v = 0.f;
+    for (int ks = 0; ks < p.splitk; ++ks) v += __ldcg(&p.ws[((long long)ks * p.M + m) * p.N + n]);
+    if (p.bias) v += ld_scalar(p.bias, p.bias_kind, n);
+    st_out(p.y, p.out_kind, (long long)m * p.ldy + n, v);
+  }
+  if (tid == 0) p.counters[tile] = 0u;
+}
+
+// <<<>>> or, with p.pdl, cudaLaunchKernelEx with programmatic stream serialization (a programmatic edge when
+// captured). A failed launch's error is returned here, not left for the next launch's cudaGetLastError.
+template <typename Kern>
+int launch_kernel(Kern kern, dim3 grid, int threads, int smem, cudaStream_t stream, const Params& p) {
+  if (!p.pdl) {
+    kern<<<grid, threads, smem, stream>>>(p);
+    return (int)cudaGetLastError();
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(threads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  const cudaError_t e = cudaLaunchKernelEx(&cfg, kern, p);
+  cudaGetLastError();
+  return (int)e;
+}
+
+template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES>
+int launch(const Params& p, cudaStream_t stream, int* occupancy) {
+  auto kern = wq_tiled<LW, ZP, WN, WM, RT, MTW, STAGES>;
+  constexpr int BN = WN * RT * 16, BM = WM * MTW * 8;
+  const int smem = STAGES * Stage<LW, ZP, BN, BM>::BYTES;
+  static int smem_set[64] = {0};
+  int dev = 0;
+  cudaGetDevice(&dev);
+  if (dev >= 64 || smem > smem_set[dev]) {  // every instance opts in (static shared memory: last_block)
+    cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+    if (e != cudaSuccess) return (int)e;
+    if (dev < 64) smem_set[dev] = smem;
+  }
+  if (occupancy) return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(occupancy, kern, WN * WM * 32, smem);
+  dim3 grid((p.N + BN - 1) / BN, (p.M + BM - 1) / BM, p.splitk);
+  return launch_kernel(kern, grid, WN * WM * 32, smem, stream, p);
+}
+
+// The instances: (WN, WM, RT, MTW, STAGES) -> tile BN x BM. Listed once here and in weight_tiled.TILES.
+template <int LW, bool ZP>
+int by_tile(const Params& p, int wn, int wm, int rt, int mtw, int stages, cudaStream_t s, int* occ) {
+#define LOWBIT_TILE(WN_, WM_, RT_, MTW_, ST_) \
+  if (wn == WN_ && wm == WM_ && rt == RT_ && mtw == MTW_ && stages == ST_) return launch<LW, ZP, WN_, WM_, RT_, MTW_, ST_>(p, s, occ);
+#ifdef LOWBIT_COMPILE_CHECK
+  LOWBIT_TILE(4, 2, 2, 4, 4)
+#else
+  LOWBIT_TILE(4, 2, 2, 4, 4)  // 128 x 64
+  LOWBIT_TILE(4, 2, 2, 4, 3)
+  LOWBIT_TILE(8, 1, 1, 4, 4)  // 128 x 32
+  LOWBIT_TILE(4, 1, 2, 4, 4)  // 128 x 32, 4 warps
+  LOWBIT_TILE(4, 2, 1, 4, 4)  // 64 x 64
+  LOWBIT_TILE(2, 4, 2, 4, 3)  // 64 x 128
+#endif
+#undef LOWBIT_TILE
+  return -2;
+}
+
+}  // namespace
+
+extern "C" {
+
+// Shared memory one block of this tile takes (the caller checks it against the device).
+int lowbit_wq_tiled_smem(int lw, int zp, int wn, int wm, int rt, int mtw, int stages) {
+  const int bn = wn * rt * 16, bm = wm * mtw * 8, cps = KS / (32 * lw);
+  return stages * (bn * 64 + bm * 256 + cps * bn * 2 + (zp ? cps * bn : 0));
+}
+
+// y = x @ W^T, 4-bit weights. Returns 0, a cudaError_t, or a negative code (lowbit_wq_tiled_error). With occupancy
+// != null nothing is launched: *occupancy = blocks per SM.
+int lowbit_wq_tiled(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind, const void* zero,
+                    const void* bias, int bias_kind, void* y, long long ldy, int out_kind, float* ws,
+                    unsigned* counters, int M, int N, int K, int group, int lw, int wn, int wm, int rt, int mtw,
+                    int stages, int stages_per_split, int splitk, int pdl, unsigned long long stream, int* occupancy) {
+  if (scale_kind != KIND_BF16 && scale_kind != KIND_FP16) return -3;
+  if (K % KS || N % 16) return -4;
+  Params p;
+  p.x = static_cast<const __nv_bfloat16*>(x);
+  p.ldx = ldx;
+  p.qw = static_cast<const uint32_t*>(qw);
+  p.scale = scale;
+  p.zero = static_cast<const int8_t*>(zero);
+  p.bias = bias;
+  p.y = y;
+  p.ldy = ldy;
+  p.ws = ws;
+  p.counters = counters;
+  p.M = M;
+  p.N = N;
+  p.K = K;
+  p.group = group;
+  p.stages_per_split = stages_per_split;
+  p.splitk = splitk;
+  p.scale_kind = scale_kind;
+  p.bias_kind = bias_kind;
+  p.out_kind = out_kind;
+  p.pdl = pdl;
+  cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
+  const bool zp = zero != nullptr;
+  if (lw == 4) return zp ? by_tile<4, true>(p, wn, wm, rt, mtw, stages, s, occupancy)
+                         : by_tile<4, false>(p, wn, wm, rt, mtw, stages, s, occupancy);
+  if (lw == 2) return zp ? by_tile<2, true>(p, wn, wm, rt, mtw, stages, s, occupancy)
+                         : by_tile<2, false>(p, wn, wm, rt, mtw, stages, s, occupancy);
+  return -1;
+}
+
+const char* lowbit_wq_tiled_error(int code) {
+  if (code == -1) return "no instance for this words-per-lane (4: group >= 128, 2: group 64)";
+  if (code == -2) return "no instance for this tile (warps along N x M, row tiles, activation tiles, stages)";
+  if (code == -3) return "scales must be bf16 or fp16";
+  if (code == -4) return "K must be a multiple of 128 and N of 16";
+  return cudaGetErrorString(static_cast<cudaError_t>(code));
+}
+
+}  // extern "C"
