@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --cuda-lb | --cuda-tiled | --a8 | --a8-split | --a8-retime | --a8-tma
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --cuda-lb | --cuda-tiled | --cuda-tiled-l2 | --a8 | --a8-split | --a8-retime | --a8-tma
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
@@ -463,6 +463,17 @@ def explore_cuda_tiled(rows, log):
                 rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "cuda-tiled", log, t0, dequant=True))
 
 
+def explore_cuda_tiled_l2(rows, log):
+    """--cuda-tiled-l2: the tiled kernel's weight copies with L2 prefetch 0 / 128 / 256 bytes and split-K auto / 1 / 4,
+    W4A16 g128 on the three 8B shapes at M 17 / 64 / 128 (where the weight stream or the math bounds it)."""
+    t0 = time.time()
+    for shape, K, N in SHAPES:
+        for M in (17, 64, 128):
+            cfgs = [TiledConfig(*t, SPLITK=sk, L2P=l2) for t in ((8, 1, 1, 4, 4), (4, 2, 2, 4, 4), (4, 2, 2, 4, 3))
+                    for l2 in (0, 128, 256) for sk in (0, 1, 4)]
+            rows.append(explore_cell("w4a16-g128", shape, K, N, M, cfgs, "cuda-tiled-l2", log, t0))
+
+
 def cuda_ratio_table(rows) -> str:
     """One line per (scheme, shape): speed-up over bf16 of the best CUDA config and of the Triton cell, per M."""
     out, by = [], {}
@@ -558,6 +569,8 @@ if __name__ == "__main__":
             explore_cuda_quick(res["explore"], print)
         if "--cuda-tiled" in sys.argv:
             explore_cuda_tiled(res["explore"], print)
+        if "--cuda-tiled-l2" in sys.argv:
+            explore_cuda_tiled_l2(res["explore"], print)
         if "--final" in sys.argv:
             explore_final(res["explore"], print)
         if "--a8" in sys.argv:
@@ -575,7 +588,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-tiled", "--cuda-ws", "--cuda-ws16", "--cuda-lb", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
+        only = ("--gemv", "--final", "--cuda", "--cuda-tiled", "--cuda-tiled-l2", "--cuda-ws", "--cuda-ws16", "--cuda-lb", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
                 "--a8-retime", "--a8-tma", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)

@@ -37,7 +37,7 @@ def test_tiled_cu_compiles_with_nvcc(tmp_path):
     # x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters, M, N, K, group, lw, wn, wm,
     # rt, mtw, stages, stages_per_split, splitk, pdl, stream, occupancy: refusals before any launch
     args = lambda kind, N, K, lw, wn: (None, 0, None, None, kind, None, None, 0, None, 0, 0, None, None, 17, N, K, 128,  # noqa: E731
-                                       lw, wn, 2, 2, 4, 4, 1, 1, 0, 0, None)
+                                       lw, wn, 2, 2, 4, 4, 1, 1, 0, 256, 0, None)
     for a, code, text in ((args(2, 16, 128, 4, 4), -3, b"bf16 or fp16"), (args(0, 16, 192, 4, 4), -4, b"multiple of 128"),
                           (args(0, 24, 128, 4, 4), -4, b"N of 16"), (args(0, 16, 128, 1, 4), -1, b"words-per-lane"),
                           (args(0, 16, 128, 4, 3), -2, b"no instance for this tile")):
@@ -46,7 +46,7 @@ def test_tiled_cu_compiles_with_nvcc(tmp_path):
 
 
 def test_names_conditions_and_plan():
-    for cfg in (TiledConfig(), TiledConfig(8, 1, 1, 4, 4, 3, pdl=False), TiledConfig(2, 4, 2, 4, 3)):
+    for cfg in (TiledConfig(), TiledConfig(8, 1, 1, 4, 4, 3, pdl=False), TiledConfig(2, 4, 2, 4, 3, L2P=0)):
         assert TiledConfig.from_name(cfg.name) == cfg and config_from_name("cuda", cfg.name) == cfg
     assert (TiledConfig().BN, TiledConfig().BM, TiledConfig(2, 4, 2, 4, 3).BM) == (128, 64, 128)
     with pytest.raises(ValueError, match="not a TiledConfig"):

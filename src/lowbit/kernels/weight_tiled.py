@@ -48,6 +48,7 @@ class TiledConfig:
     STAGES: int = 4
     SPLITK: int = 0
     pdl: bool = True
+    L2P: int = 256  # L2 prefetch size of the weight copies (0, 128, 256 bytes)
 
     @property
     def BN(self) -> int:
@@ -64,14 +65,14 @@ class TiledConfig:
     @property
     def name(self) -> str:
         return (f"cuda-tl-wn{self.WN}-wm{self.WM}-rt{self.RT}-mt{self.MTW}-s{self.STAGES}-sk{self.SPLITK}"
-                + ("-pdl" if self.pdl else ""))
+                + ("" if self.L2P == 256 else f"-l2p{self.L2P}") + ("-pdl" if self.pdl else ""))
 
     @classmethod
     def from_name(cls, name: str) -> TiledConfig:
-        m = re.fullmatch(r"cuda-tl-wn(\d+)-wm(\d+)-rt(\d+)-mt(\d+)-s(\d+)-sk(\d+)(-pdl)?", name)
+        m = re.fullmatch(r"cuda-tl-wn(\d+)-wm(\d+)-rt(\d+)-mt(\d+)-s(\d+)-sk(\d+)(?:-l2p(\d+))?(-pdl)?", name)
         if m is None:
             raise ValueError(f"not a TiledConfig name: {name!r}")
-        return cls(*(int(m[i]) for i in range(1, 7)), pdl=m[7] is not None)
+        return cls(*(int(m[i]) for i in range(1, 7)), pdl=m[8] is not None, L2P=int(m[7] or 256))
 
 
 def words_per_lane(group: int) -> int | None:
@@ -83,6 +84,8 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: TiledConfi
     """None when the tiled kernel runs this weight (and input dtype / M / config), else why not (the dispatch falls
     through to the next cell)."""
     cfg = config or TiledConfig()
+    if cfg.L2P not in (0, 128, 256):
+        return f"{cfg.name}: the L2 prefetch size is 0, 128 or 256 bytes"
     if (cfg.WN, cfg.WM, cfg.RT, cfg.MTW, cfg.STAGES) not in TILES:
         return f"no tiled-kernel instance for {cfg.name} (instances (WN, WM, RT, MTW, STAGES): {sorted(TILES)})"
     if pw.bits != 4 or pw.a_bits != 16:
@@ -143,7 +146,7 @@ def cache_path(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.lowbit_wq_tiled.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I, I,
+    lib.lowbit_wq_tiled.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I, I, I,
                                     ctypes.c_ulonglong, ctypes.POINTER(I)]
     lib.lowbit_wq_tiled.restype = I
     lib.lowbit_wq_tiled_smem.argtypes = [I] * 7
@@ -173,7 +176,7 @@ def occupancy(pw, M: int, cfg: TiledConfig, device) -> int:
     out = ctypes.c_int(0)
     rc = lib.lowbit_wq_tiled(None, 0, None, None, _KIND[pw.scale.dtype], None if pw.zero is None else 1, None, 0,
                              None, 0, 0, None, None, M, pw.N, pw.K, pw.group, pl.lw, cfg.WN, cfg.WM, cfg.RT, cfg.MTW,
-                             cfg.STAGES, pl.stages_per_split, pl.splitk, int(cfg.pdl), 0, ctypes.byref(out))
+                             cfg.STAGES, pl.stages_per_split, pl.splitk, int(cfg.pdl), cfg.L2P, 0, ctypes.byref(out))
     if rc != 0:
         raise LowbitError(f"occupancy query for {cfg.name} failed: {lib.lowbit_wq_tiled_error(rc).decode()}")
     return out.value
@@ -208,7 +211,8 @@ def linear(x: torch.Tensor, pw, config: TiledConfig | None = None, out_dtype: to
                              _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0),
                              _KIND[out_dtype], None if ws is None else ws.data_ptr(),
                              None if cnt is None else cnt.data_ptr(), M, pw.N, K, pw.group, pl.lw, cfg.WN, cfg.WM,
-                             cfg.RT, cfg.MTW, cfg.STAGES, pl.stages_per_split, pl.splitk, int(cfg.pdl), stream, None)
+                             cfg.RT, cfg.MTW, cfg.STAGES, pl.stages_per_split, pl.splitk, int(cfg.pdl), cfg.L2P, stream,
+                             None)
     if rc != 0:
         msg = lib.lowbit_wq_tiled_error(rc).decode()
         raise LowbitError(f"CUDA weight kernel {cfg.name} failed at M={M} N={pw.N} K={K}: {msg}")

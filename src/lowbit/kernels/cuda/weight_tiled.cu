@@ -53,6 +53,7 @@ struct Params {
   int splitk;              // gridDim.z
   int scale_kind, bias_kind, out_kind;
   int pdl;
+  int l2p;                 // L2 prefetch size of the weight copies: 0, 128 or 256 bytes
 };
 
 __device__ __forceinline__ void pdl_launch_dependents() {
@@ -67,10 +68,18 @@ __device__ __forceinline__ void pdl_wait() {
 }
 __device__ __forceinline__ void prefetch_l2(const void* ptr) { asm volatile("prefetch.global.L2 [%0];" ::"l"(ptr)); }
 
-// 16 bytes global -> shared, bypassing L1; src_bytes 0 fills zeros (rows past N or M).
+// 16 bytes global -> shared, bypassing L1; src_bytes 0 fills zeros (rows past N or M). L2P: the L2 prefetch size
+// of the copy (0: none, 128 or 256 bytes): a stage reads 64 bytes of each weight row, rows K / 2 bytes apart, so
+// without it every stage opens each row's DRAM page for 64 bytes.
+template <int L2P = 0>
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, int src_bytes) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+  if constexpr (L2P == 256)
+    asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+  else if constexpr (L2P == 128)
+    asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
+  else
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(gmem), "r"(src_bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N>
@@ -161,7 +170,9 @@ __global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_til
     for (int i = tid; i < BN * 4; i += NT) {  // weight rows: 64 bytes = 4 pieces each
       const int r = i >> 2, pc = i & 3, n = n_block + r;
       const uint32_t* src = p.qw + (long long)min(n, p.N - 1) * wpr + k0 / 8 + pc * 4;
-      cp_async16(base + St::W + r * 64 + pc * 16, src, n < p.N ? 16 : 0);
+      if (p.l2p == 256) cp_async16<256>(base + St::W + r * 64 + pc * 16, src, n < p.N ? 16 : 0);
+      else if (p.l2p == 128) cp_async16<128>(base + St::W + r * 64 + pc * 16, src, n < p.N ? 16 : 0);
+      else cp_async16(base + St::W + r * 64 + pc * 16, src, n < p.N ? 16 : 0);
     }
     for (int i = tid; i < BM * 16; i += NT) {  // activation rows: 256 bytes = 16 pieces each
       const int r = i >> 4, pc = i & 15, m = m_block + r;
@@ -423,7 +434,8 @@ int lowbit_wq_tiled_smem(int lw, int zp, int wn, int wm, int rt, int mtw, int st
 int lowbit_wq_tiled(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind, const void* zero,
                     const void* bias, int bias_kind, void* y, long long ldy, int out_kind, float* ws,
                     unsigned* counters, int M, int N, int K, int group, int lw, int wn, int wm, int rt, int mtw,
-                    int stages, int stages_per_split, int splitk, int pdl, unsigned long long stream, int* occupancy) {
+                    int stages, int stages_per_split, int splitk, int pdl, int l2p, unsigned long long stream,
+                    int* occupancy) {
   if (scale_kind != KIND_BF16 && scale_kind != KIND_FP16) return -3;
   if (K % KS || N % 16) return -4;
   Params p;
@@ -447,6 +459,7 @@ int lowbit_wq_tiled(const void* x, long long ldx, const void* qw, const void* sc
   p.bias_kind = bias_kind;
   p.out_kind = out_kind;
   p.pdl = pdl;
+  p.l2p = l2p;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool zp = zero != nullptr;
   if (lw == 4) return zp ? by_tile<4, true>(p, wn, wm, rt, mtw, stages, s, occupancy)
