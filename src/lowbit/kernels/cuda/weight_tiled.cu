@@ -162,11 +162,15 @@ __global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_til
   const int wpr = p.K / 8;
   const int st_begin = blockIdx.z * p.stages_per_split;
   const int nst = min(p.K / KS - st_begin, p.stages_per_split);
+  // Blocks start their K walk at different stages (and wrap around): in lockstep every block would read the same 64
+  // bytes of its rows, rows K / 2 bytes apart, so all requests in flight would share their low address bits and
+  // queue on a few DRAM channels (s23 call 2: ~0.9 TB/s whatever the L2 prefetch size or split).
+  const int rot = nst > 0 ? (int)((blockIdx.x + 5u * blockIdx.y) % (unsigned)nst) : 0;
 
   // one stage's copies: every thread a fixed set of 16-byte pieces
   auto load = [&](int buf, int st) {
     unsigned char* base = smem + buf * St::BYTES;
-    const int k0 = (st_begin + st) * KS;
+    const int k0 = (st_begin + (st + rot) % nst) * KS;
     for (int i = tid; i < BN * 4; i += NT) {  // weight rows: 64 bytes = 4 pieces each
       const int r = i >> 2, pc = i & 3, n = n_block + r;
       const uint32_t* src = p.qw + (long long)min(n, p.N - 1) * wpr + k0 / 8 + pc * 4;
@@ -198,7 +202,7 @@ __global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_til
   // the weights are never written by an earlier kernel: warm L2 with this block's first stages before the wait
   for (int st = 0; st < STAGES - 1 && st < nst; ++st)
     for (int r = tid; r < BN; r += NT)  // a row's 64 bytes of one stage lie in one 128-byte line
-      prefetch_l2(p.qw + (long long)min(n_block + r, p.N - 1) * wpr + (st_begin + st) * KS / 8);
+      prefetch_l2(p.qw + (long long)min(n_block + r, p.N - 1) * wpr + (st_begin + (st + rot) % nst) * KS / 8);
   pdl_wait();
 
 #pragma unroll
@@ -224,7 +228,7 @@ __global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_til
     if (st + STAGES - 1 < nst) load((st + STAGES - 1) % STAGES, st + STAGES - 1);
     cp_async_commit();
 
-    const unsigned char* base = smem + (st % STAGES) * St::BYTES;
+    const unsigned char* base = smem + (st % STAGES) * St::BYTES;  // holds stage (st + rot) % nst of the split
 #pragma unroll
     for (int c = 0; c < CPS; ++c) {
       uint32_t sub2[RT][2];  // bf16x2 (136 + zero) of the lane's rows
