@@ -1,4 +1,4 @@
-"""Launches of the small-M CUDA weight kernel for Nsight Compute to read (one device call).
+"""Launches of a CUDA weight kernel (small-M: cuda-*; tiled: cuda-tl-*) for Nsight Compute to read (one device call).
 
     ncu --clock-control none -k regex:wq_small_m --launch-skip 2 --launch-count 1 \
         python3 benchmarks/weight_ncu_probe.py SCHEME N K M CONFIG
@@ -13,16 +13,18 @@ import sys
 import torch
 
 from lowbit.kernels import weight_cuda as wc
+from lowbit.kernels import weight_tiled as wt
 from lowbit.kernels.weight_audit import random_weight
 
 
 def main(scheme: str, N: int, K: int, M: int, config: str) -> None:
     pw = random_weight(scheme, N, K, "cuda", seed=0)
     x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-    cfg = wc.CudaConfig.from_name(config)
-    pl = wc.plan(pw, M, cfg, torch.cuda.get_device_properties(0).multi_processor_count)
+    mod = wt if config.startswith("cuda-tl-") else wc
+    cfg = (wt.TiledConfig if mod is wt else wc.CudaConfig).from_name(config)
+    pl = mod.plan(pw, M, cfg, torch.cuda.get_device_properties(0).multi_processor_count)
     for _ in range(3):
-        wc.linear(x, pw, cfg)
+        mod.linear(x, pw, cfg)
     torch.cuda.synchronize()
     print(f"{scheme} N={N} K={K} M={M} {config}: {pl}")
 
