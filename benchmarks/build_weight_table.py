@@ -33,8 +33,11 @@ import json
 import math
 import sys
 
+from lowbit.kernels.weight_audit import tolerance
+
 # 17-32 / 33-64: the CUDA kernel's cost steps with its activation tiles (4 for M 17-32, 8 above), bf16's hardly
-BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 8, 8), (9, 16, 16), (17, 32, 32), (33, 64, 64), (65, 256, 256), (257, 1024, 1024), (1025, None, 4096)]
+BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 8, 8), (9, 16, 16), (17, 32, 32), (33, 64, 64), (65, 128, 128), (129, 256, 256),
+           (257, 1024, 1024), (1025, None, 4096)]
 SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
 CUDA_M_MAX = 64  # lowbit.kernels.weight_cuda.M_MAX
 WS_M_MAX = 16  # lowbit.kernels.weight_cuda.WARP_SPLIT_M_MAX
@@ -79,6 +82,8 @@ def fits(name: str, hi: int | None) -> bool:
         return False
     if n.startswith("cuda-ws-") and (hi is None or hi > WS_M_MAX):
         return False
+    if n.startswith("cuda-tl-"):  # the tiled kernel takes any M
+        return True
     return not n.startswith("cuda-") or (hi is not None and hi <= CUDA_M_MAX)
 
 
@@ -98,8 +103,7 @@ def main(out: str, files: list[str]) -> None:
             slot = cells.setdefault(key, {})
             rels = r.get("rel_l2", {})
             for name, ms in r["candidates"].items():
-                ok_rel = name == "dequant-cublas" or (isinstance(rels.get(name), float) and rels[name] < (
-                    1e-2 if "dequant-cublas" in name else 1e-3))
+                ok_rel = name == "dequant-cublas" or (isinstance(rels.get(name), float) and rels[name] < tolerance(name))
                 if isinstance(ms, float) and ok_rel:
                     slot[name] = r["bf16_ms"] / ms
                 else:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from lowbit.kernels import weight_gemm as wg
 from lowbit.kernels.bench import graph_time_ms, n_buffers
-from lowbit.kernels.weight_audit import random_weight
+from lowbit.kernels.weight_audit import random_weight, tolerance
 from lowbit.kernels.weight_cuda import CudaConfig
 from lowbit.kernels.weight_dispatch import ViaA16, linear_via_a16
 from lowbit.kernels.weight_gemm import GemmConfig
@@ -164,7 +164,7 @@ def explore_cell(scheme, shape, K, N, M, cfgs, tag, log, t0, *, dequant=False) -
                                          for i in range(n)])
     # dequantize + cuBLAS rounds the weight to bf16 first: its own bound (the audit's)
     ok = {k: v for k, v in cands.items() if isinstance(v, float) and (k == "dequant-cublas" or (
-        isinstance(rels.get(k), float) and rels[k] < (1e-2 if "dequant-cublas" in k else 1e-3)))}
+        isinstance(rels.get(k), float) and rels[k] < tolerance(k)))}
     best = min(ok, key=ok.get) if ok else None
     log(f"{tag} {scheme:<11} {shape:<8} M={M:<5} bf16 {bf16 * 1e3:7.1f} us  best "
         + (f"{ok[best] * 1e3:7.1f} us x{bf16 / ok[best]:.2f} {best}" if best else "none") + f"  [{time.time() - t0:.0f}s]")
@@ -438,10 +438,15 @@ def explore_swap(rows, log, save):
 
 
 def tiled_configs(M: int):
-    """The tiled W4A16 kernel's instances (split-K automatic); the 3-stage and 64 x 128 tiles from M 64."""
-    cfgs = [TiledConfig(8, 1, 1, 4, 4), TiledConfig(4, 1, 2, 4, 4), TiledConfig(4, 2, 2, 4, 4), TiledConfig(4, 2, 1, 4, 4)]
+    """The tiled W4A16 kernel's instances (split-K automatic): exact, and folded (-bw: the weight rounded to bf16);
+    the 3-stage, 64-activation-row-a-warp and 128-row tiles from M 33 / 64."""
+    cfgs = [TiledConfig(8, 1, 1, 4, 4), TiledConfig(4, 1, 2, 4, 4), TiledConfig(4, 2, 2, 4, 4), TiledConfig(4, 2, 1, 4, 4),
+            TiledConfig(8, 1, 1, 4, 4, fold=True), TiledConfig(4, 2, 2, 4, 4, fold=True)]
+    if M > 32:
+        cfgs += [TiledConfig(8, 1, 1, 8, 4, fold=True)]
     if M >= 64:
-        cfgs += [TiledConfig(4, 2, 2, 4, 3), TiledConfig(2, 4, 2, 4, 3)]
+        cfgs += [TiledConfig(4, 2, 2, 4, 3), TiledConfig(2, 4, 2, 4, 3), TiledConfig(4, 2, 1, 8, 3, fold=True),
+                 TiledConfig(4, 2, 2, 8, 3, fold=True)]
     return cfgs
 
 
@@ -455,7 +460,7 @@ def explore_cuda_tiled(rows, log):
     t0 = time.time()
     for scheme in ("w4a16-g128", "w4a16-g64-asym"):
         for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
-            for M in (17, 32, 64, 128, 256, 1024):
+            for M in (17, 32, 64, 128, 256, 1024, 4096):
                 cfgs = tiled_configs(M)
                 cur = table.choose("w4a16", M)  # shape-free cell of the committed table
                 if cur.config is not None:

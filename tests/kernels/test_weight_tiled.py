@@ -37,7 +37,7 @@ def test_tiled_cu_compiles_with_nvcc(tmp_path):
     # x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters, M, N, K, group, lw, wn, wm,
     # rt, mtw, stages, stages_per_split, splitk, pdl, stream, occupancy: refusals before any launch
     args = lambda kind, N, K, lw, wn: (None, 0, None, None, kind, None, None, 0, None, 0, 0, None, None, 17, N, K, 128,  # noqa: E731
-                                       lw, wn, 2, 2, 4, 4, 1, 1, 0, 256, 0, None)
+                                       lw, wn, 2, 2, 4, 4, 0, 1, 1, 0, 256, 0, None)
     for a, code, text in ((args(2, 16, 128, 4, 4), -3, b"bf16 or fp16"), (args(0, 16, 192, 4, 4), -4, b"multiple of 128"),
                           (args(0, 24, 128, 4, 4), -4, b"N of 16"), (args(0, 16, 128, 1, 4), -1, b"words-per-lane"),
                           (args(0, 16, 128, 4, 3), -2, b"no instance for this tile")):
@@ -53,6 +53,9 @@ def test_names_conditions_and_plan():
         TiledConfig.from_name("cuda-tl-128x64")
     ok = random_weight("w4a16-g128", 4096, 1024, "cpu")
     assert wt.why_not(ok, M=300) is None and wt.why_not(random_weight("w4a16-g64-asym", 64, 256, "cpu")) is None
+    half = random_weight("w4a16-g128", 64, 256, "cpu")
+    half.scale = half.scale.half()
+    assert wt.why_not(half) is None
     reasons = {
         "4-bit": wt.why_not(random_weight("w8a16", 64, 256, "cpu")),
         "groups of 64": wt.why_not(random_weight("w4a16-g32", 64, 256, "cpu")),
@@ -60,7 +63,11 @@ def test_names_conditions_and_plan():
         "N % 16 == 0": wt.why_not(random_weight("w4a16-g128", 72, 256, "cpu")),
         "bf16 activations": wt.why_not(ok, torch.float16),
         "no tiled-kernel instance": wt.why_not(ok, config=TiledConfig(4, 2, 2, 4, 5)),
+        "bf16 scales when folded": wt.why_not(half, config=TiledConfig(fold=True)),
     }
+    assert TiledConfig.from_name(TiledConfig(8, 1, 1, 8, fold=True).name).fold
+    assert wt.rounds_weight_to_bf16("cuda:" + TiledConfig(fold=True).name)
+    assert not wt.rounds_weight_to_bf16(TiledConfig().name) and wt.rounds_weight_to_bf16("dequant-cublas")
     for want, got in reasons.items():
         assert got is not None and want in got and "\n" not in got, (want, got)
     # the split fills one wave of resident blocks (2 a SM), none empty, never more than the stages
@@ -184,18 +191,25 @@ def test_gpu_tiled_matches_twin(scheme, N, K):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("tile", INSTANCES)
-def test_gpu_every_instance_and_split_agree(tile):
+@pytest.mark.parametrize("tile,fold", [(t, False) for t in INSTANCES] + [(t, True) for t in sorted(wt.TILES_FOLD)])
+def test_gpu_every_instance_and_split_agree(tile, fold):
+    """Exact instances against the twin; folded ones against the product with the weight rounded to bf16 (what
+    dequantize + cuBLAS multiplies), at summation-order error, and the twin at the dequantize bound."""
     N, K = 336, 1536
     for scheme in ("w4a16-g128", "w4a16-g64-asym"):
         pw = random_weight(scheme, N, K, "cuda", seed=3)
-        for M in (5, 71):
+        for M in (5, 71, 130):
             x = torch.randn(M, K, device="cuda").bfloat16()
             ref = wg.linear_twin(x, pw, torch.float32)
+            ref_bw = x.float() @ wg.dequantize(pw).to(torch.bfloat16).float().t()
             for sk in (0, 1, 3, 12):
-                cfg = TiledConfig(*tile, SPLITK=sk)
+                cfg = TiledConfig(*tile, SPLITK=sk, fold=fold)
                 y = wt.linear(x, pw, cfg, torch.float32)
-                assert rel(y, ref) < 1e-4, (scheme, tile, M, sk, rel(y, ref))
+                assert torch.isfinite(y).all()
+                if fold:
+                    assert rel(y, ref_bw) < 1e-4 and rel(y, ref) < 1e-2, (scheme, tile, M, sk, rel(y, ref_bw))
+                else:
+                    assert rel(y, ref) < 1e-4, (scheme, tile, M, sk, rel(y, ref))
                 assert torch.equal(y, wt.linear(x, pw, cfg, torch.float32)), "split-K sum order must be fixed"
 
 

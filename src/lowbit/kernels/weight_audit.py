@@ -4,7 +4,8 @@
 
 A row passes when the output is finite and its relative L2 error against `linear_twin` (float32
 output, so the kernel's own error is measured, not the bf16 rounding) is within TOL for the fused
-kernels and DEQUANT_TOL for dequantize + cuBLAS (its weight is rounded to bf16 first). A cell
+kernels and DEQUANT_TOL where the weight is rounded to bf16 first (dequantize + cuBLAS, the tiled kernel's folded
+instances: `tolerance`). A cell
 whose row fails is removed from the dispatch table by this result (`Dispatch.without`), and the
 failure names the shape: that is how a kernel that returns NaN on some GPU while the capability
 query says yes is kept from serving.
@@ -74,7 +75,15 @@ def random_weight(scheme_name: str, N: int, K: int, device, seed: int = 0):
 
 def cell_passes(rel: float, finite: bool, kernel: str) -> bool:
     """The audit's verdict on one cell (dequantize + cuBLAS rounds the weight to bf16 first: its own bound)."""
-    return finite and rel <= (DEQUANT_TOL if "dequant-cublas" in kernel else TOL)
+    return finite and rel <= tolerance(kernel)
+
+
+def tolerance(kernel: str) -> float:
+    """The audit's rel L2 bound for a kernel: DEQUANT_TOL where the weight is rounded to bf16 before the product
+    (dequantize + cuBLAS, the tiled kernel's folded instances), TOL otherwise."""
+    from lowbit.kernels.weight_tiled import rounds_weight_to_bf16
+
+    return DEQUANT_TOL if rounds_weight_to_bf16(kernel) else TOL
 
 
 def check_cell(dispatch, pw, M: int, *, device, seed: int = 0, dtype=torch.bfloat16) -> tuple[float, bool, str]:

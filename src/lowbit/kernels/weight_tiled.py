@@ -27,8 +27,9 @@ from lowbit.kernels import nvcc
 from lowbit.kernels.weight_cuda import _KIND, _counter_buffer
 
 SOURCE = Path(__file__).with_name("cuda") / "weight_tiled.cu"
-# (WN, WM, RT, MTW, STAGES): the instances in the library (by_tile in the .cu)
+# (WN, WM, RT, MTW, STAGES): the instances in the library (by_tile in the .cu), exact and folded
 TILES = {(4, 2, 2, 4, 4), (4, 2, 2, 4, 3), (8, 1, 1, 4, 4), (4, 1, 2, 4, 4), (4, 2, 1, 4, 4), (2, 4, 2, 4, 3)}
+TILES_FOLD = {(8, 1, 1, 4, 4), (4, 2, 2, 4, 4), (8, 1, 1, 8, 4), (4, 2, 1, 8, 3), (4, 2, 2, 8, 3)}
 KS = 128  # k per pipeline stage
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM (H100/H200); the occupancy query is the device's answer
 _lock = threading.Lock()
@@ -49,6 +50,9 @@ class TiledConfig:
     SPLITK: int = 0
     pdl: bool = True
     L2P: int = 256  # L2 prefetch size of the weight copies (0, 128, 256 bytes)
+    # the A fragment rounded to bf16((q - z) * scale) and accumulated straight into the output (name suffix -bw):
+    # the numerics of dequantize + cuBLAS (the weight rounded to bf16 once), so its audit bound is theirs
+    fold: bool = False
 
     @property
     def BN(self) -> int:
@@ -65,14 +69,22 @@ class TiledConfig:
     @property
     def name(self) -> str:
         return (f"cuda-tl-wn{self.WN}-wm{self.WM}-rt{self.RT}-mt{self.MTW}-s{self.STAGES}-sk{self.SPLITK}"
-                + ("" if self.L2P == 256 else f"-l2p{self.L2P}") + ("-pdl" if self.pdl else ""))
+                + ("" if self.L2P == 256 else f"-l2p{self.L2P}") + ("-bw" if self.fold else "")
+                + ("-pdl" if self.pdl else ""))
 
     @classmethod
     def from_name(cls, name: str) -> TiledConfig:
-        m = re.fullmatch(r"cuda-tl-wn(\d+)-wm(\d+)-rt(\d+)-mt(\d+)-s(\d+)-sk(\d+)(?:-l2p(\d+))?(-pdl)?", name)
+        m = re.fullmatch(r"cuda-tl-wn(\d+)-wm(\d+)-rt(\d+)-mt(\d+)-s(\d+)-sk(\d+)(?:-l2p(\d+))?(-bw)?(-pdl)?", name)
         if m is None:
             raise ValueError(f"not a TiledConfig name: {name!r}")
-        return cls(*(int(m[i]) for i in range(1, 7)), pdl=m[8] is not None, L2P=int(m[7] or 256))
+        return cls(*(int(m[i]) for i in range(1, 7)), pdl=m[9] is not None, L2P=int(m[7] or 256), fold=m[8] is not None)
+
+
+def rounds_weight_to_bf16(kernel: str) -> bool:
+    """Whether a kernel (a dispatch cell's or an exploration candidate's name) multiplies the weight rounded to bf16,
+    as dequantize + cuBLAS does: its error against the fp32 twin is that rounding's (~1e-3 rel L2), not summation
+    order's, so the audit holds it to the dequantize bound."""
+    return "dequant-cublas" in kernel or (kernel.split(":")[-1].startswith("cuda-tl-") and "-bw" in kernel)
 
 
 def words_per_lane(group: int) -> int | None:
@@ -86,8 +98,10 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: TiledConfi
     cfg = config or TiledConfig()
     if cfg.L2P not in (0, 128, 256):
         return f"{cfg.name}: the L2 prefetch size is 0, 128 or 256 bytes"
-    if (cfg.WN, cfg.WM, cfg.RT, cfg.MTW, cfg.STAGES) not in TILES:
-        return f"no tiled-kernel instance for {cfg.name} (instances (WN, WM, RT, MTW, STAGES): {sorted(TILES)})"
+    tiles = TILES_FOLD if cfg.fold else TILES
+    if (cfg.WN, cfg.WM, cfg.RT, cfg.MTW, cfg.STAGES) not in tiles:
+        return (f"no tiled-kernel instance for {cfg.name} (instances (WN, WM, RT, MTW, STAGES)"
+                f"{' folded' if cfg.fold else ''}: {sorted(tiles)})")
     if pw.bits != 4 or pw.a_bits != 16:
         return f"the tiled CUDA kernel is 4-bit weight-only (A16), not {pw.kind}"
     if x_dtype != torch.bfloat16:
@@ -98,8 +112,10 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: TiledConfi
         return f"the tiled CUDA kernel needs K % {KS} == 0 and N % 16 == 0, got N={pw.N} K={pw.K}"
     if words_per_lane(pw.group) is None:
         return f"the tiled CUDA kernel takes groups of 64 or a multiple of 128, got {pw.group}"
-    if pw.scale.dtype not in (torch.bfloat16, torch.float16) or (pw.bias is not None and pw.bias.dtype not in _KIND):
-        return f"the tiled CUDA kernel takes bf16/fp16 scales, got {pw.scale.dtype}"
+    if pw.scale.dtype not in ((torch.bfloat16,) if cfg.fold else (torch.bfloat16, torch.float16)) or (
+            pw.bias is not None and pw.bias.dtype not in _KIND):
+        return (f"the tiled CUDA kernel takes {'bf16' if cfg.fold else 'bf16/fp16'} scales"
+                f"{' when folded' if cfg.fold else ''}, got {pw.scale.dtype}")
     ts = [pw.qweight, pw.scale] + ([pw.zero] if pw.zero is not None else [])
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in ts):
         return "the packed weight (codes, scales, zero-points) is not contiguous / 16-byte aligned"
@@ -126,7 +142,8 @@ def plan(pw, M: int, cfg: TiledConfig, sms: int) -> Plan:
     blocks (at most 2 a SM, by registers; fewer where the ring's shared memory does not fit two), no empty split."""
     lw = words_per_lane(pw.group)
     smem = smem_bytes(cfg, lw, pw.zero is not None)
-    per_sm = max(1, min(2 if cfg.warps <= 8 else 1, SMEM_PER_SM // smem))
+    # registers: 2 blocks of 8 warps a SM, 1 for the instances compiled for up to 255 registers (RT * MTW > 8)
+    per_sm = max(1, min((1 if cfg.RT * cfg.MTW > 8 else 2) * 8 // cfg.warps, SMEM_PER_SM // smem))
     tiles = math.ceil(pw.N / cfg.BN) * math.ceil(M / cfg.BM)
     stages = pw.K // KS
     sk = cfg.SPLITK or max(1, per_sm * sms // tiles)
@@ -146,8 +163,8 @@ def cache_path(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.lowbit_wq_tiled.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P, I, I, I, I, I, I, I, I, I, I, I, I, I, I,
-                                    ctypes.c_ulonglong, ctypes.POINTER(I)]
+    lib.lowbit_wq_tiled.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P] + [I] * 15 + [ctypes.c_ulonglong,
+                                                                                      ctypes.POINTER(I)]
     lib.lowbit_wq_tiled.restype = I
     lib.lowbit_wq_tiled_smem.argtypes = [I] * 7
     lib.lowbit_wq_tiled_smem.restype = I
@@ -176,7 +193,8 @@ def occupancy(pw, M: int, cfg: TiledConfig, device) -> int:
     out = ctypes.c_int(0)
     rc = lib.lowbit_wq_tiled(None, 0, None, None, _KIND[pw.scale.dtype], None if pw.zero is None else 1, None, 0,
                              None, 0, 0, None, None, M, pw.N, pw.K, pw.group, pl.lw, cfg.WN, cfg.WM, cfg.RT, cfg.MTW,
-                             cfg.STAGES, pl.stages_per_split, pl.splitk, int(cfg.pdl), cfg.L2P, 0, ctypes.byref(out))
+                             cfg.STAGES, int(cfg.fold), pl.stages_per_split, pl.splitk, int(cfg.pdl), cfg.L2P, 0,
+                             ctypes.byref(out))
     if rc != 0:
         raise LowbitError(f"occupancy query for {cfg.name} failed: {lib.lowbit_wq_tiled_error(rc).decode()}")
     return out.value
@@ -211,8 +229,8 @@ def linear(x: torch.Tensor, pw, config: TiledConfig | None = None, out_dtype: to
                              _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0),
                              _KIND[out_dtype], None if ws is None else ws.data_ptr(),
                              None if cnt is None else cnt.data_ptr(), M, pw.N, K, pw.group, pl.lw, cfg.WN, cfg.WM,
-                             cfg.RT, cfg.MTW, cfg.STAGES, pl.stages_per_split, pl.splitk, int(cfg.pdl), cfg.L2P, stream,
-                             None)
+                             cfg.RT, cfg.MTW, cfg.STAGES, int(cfg.fold), pl.stages_per_split, pl.splitk, int(cfg.pdl),
+                             cfg.L2P, stream, None)
     if rc != 0:
         msg = lib.lowbit_wq_tiled_error(rc).decode()
         raise LowbitError(f"CUDA weight kernel {cfg.name} failed at M={M} N={pw.N} K={K}: {msg}")

@@ -114,6 +114,11 @@ __device__ __forceinline__ uint32_t bf16x2_sub(uint32_t a, uint32_t b) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+__device__ __forceinline__ uint32_t bf16x2_mul(uint32_t a, uint32_t b) {
+  __nv_bfloat162 r = __hmul2(*reinterpret_cast<__nv_bfloat162*>(&a), *reinterpret_cast<__nv_bfloat162*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
 __device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
   __nv_bfloat162 r = __floats2bfloat162_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&r);
@@ -146,8 +151,12 @@ struct Stage {
 
 // LW: words per lane per row and chunk (4, 2: group 128+ / 64). WN x WM warps: WN along weight rows, WM along
 // activation rows; each warp RT tiles of 16 weight rows x MTW tiles of 8 activation rows. STAGES: the ring depth.
-template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES>
-__global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_tiled(const Params p) {
+// FOLD: the A fragment is bf16((q - zero) * scale) (one bf16x2 multiply by a bf16 scale, rounded once: the weight
+// dequantize + cuBLAS multiplies), accumulated straight into the output tile: no per-chunk fp32 partials, so half the
+// accumulator registers and no per-chunk scale pass; without it the integer-weight partials are exact and the scale
+// is applied in fp32 per chunk (s23 call 4: ~10-15 instructions an mma, the ALU pipe the limit).
+template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES, bool FOLD>
+__global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (WN * WM * 32)) wq_tiled(const Params p) {
   constexpr int BN = WN * RT * 16, BM = WM * MTW * 8, NT = WN * WM * 32;
   constexpr int CK = 32 * LW;  // k per chunk (one group)
   using St = Stage<LW, ZP, BN, BM>;
@@ -232,6 +241,7 @@ __global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_til
 #pragma unroll
     for (int c = 0; c < CPS; ++c) {
       uint32_t sub2[RT][2];  // bf16x2 (136 + zero) of the lane's rows
+      uint32_t sc2[RT][2];   // FOLD: bf16x2 (scale, scale)
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
@@ -239,6 +249,10 @@ __global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_til
           float z = 0.f;
           if constexpr (ZP) z = (float)reinterpret_cast<const int8_t*>(base + St::Z)[c * BN + row0 + rt * 16 + 8 * h];
           sub2[rt][h] = pack_bf16x2(136.f + z, 136.f + z);
+          if constexpr (FOLD) {
+            const uint32_t r = reinterpret_cast<const unsigned short*>(base + St::S)[c * BN + row0 + rt * 16 + 8 * h];
+            sc2[rt][h] = r | (r << 16);
+          }
         }
       // this chunk's words of the lane's rows: LW consecutive words at (c * 4 + tig) * LW
       uint32_t w[RT][2][LW];
@@ -258,13 +272,15 @@ __global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_til
             w[rt][h][0] = *src;
           }
         }
-      float part[RT][MTW][4];
+      float part[FOLD ? 1 : RT][FOLD ? 1 : MTW][4];
+      if constexpr (!FOLD) {
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt)
+        for (int rt = 0; rt < RT; ++rt)
 #pragma unroll
-        for (int t = 0; t < MTW; ++t)
+          for (int t = 0; t < MTW; ++t)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) part[rt][t][i] = 0.f;
+            for (int i = 0; i < 4; ++i) part[rt][t][i] = 0.f;
+      }
 #pragma unroll
       for (int j = 0; j < LW; ++j) {
         // B fragments of word j for every activation tile: even step (k0, k4), (k1, k5); odd (k2, k6), (k3, k7)
@@ -289,14 +305,24 @@ __global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_til
             a[1] = bf16x2_sub(nib_pair(wb >> (8 * hs)), sub2[rt][1]);
             a[2] = bf16x2_sub(nib_pair(wa >> (8 * hs + 4)), sub2[rt][0]);
             a[3] = bf16x2_sub(nib_pair(wb >> (8 * hs + 4)), sub2[rt][1]);
+            if constexpr (FOLD) {
+              a[0] = bf16x2_mul(a[0], sc2[rt][0]);
+              a[1] = bf16x2_mul(a[1], sc2[rt][1]);
+              a[2] = bf16x2_mul(a[2], sc2[rt][0]);
+              a[3] = bf16x2_mul(a[3], sc2[rt][1]);
+            }
 #pragma unroll
             for (int t = 0; t < MTW; ++t) {
-              if (hs == 0) mma_bf16(part[rt][t], a, be[t][0], be[t][1]);
-              else mma_bf16(part[rt][t], a, bo[t][0], bo[t][1]);
+              float* d;
+              if constexpr (FOLD) d = acc[rt][t];
+              else d = part[rt][t];
+              if (hs == 0) mma_bf16(d, a, be[t][0], be[t][1]);
+              else mma_bf16(d, a, bo[t][0], bo[t][1]);
             }
           }
         }
       }
+      if constexpr (!FOLD) {
 #pragma unroll
       for (int rt = 0; rt < RT; ++rt) {
         float sc[2];  // read here, not held through the mma loop
@@ -311,6 +337,7 @@ __global__ void __launch_bounds__(WN * WM * 32, 256 / (WN * WM * 32) * 2) wq_til
           acc[rt][t][2] += part[rt][t][2] * sc[1];
           acc[rt][t][3] += part[rt][t][3] * sc[1];
         }
+      }
       }
     }
   }
@@ -386,9 +413,9 @@ int launch_kernel(Kern kern, dim3 grid, int threads, int smem, cudaStream_t stre
   return (int)e;
 }
 
-template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES>
+template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES, bool FOLD>
 int launch(const Params& p, cudaStream_t stream, int* occupancy) {
-  auto kern = wq_tiled<LW, ZP, WN, WM, RT, MTW, STAGES>;
+  auto kern = wq_tiled<LW, ZP, WN, WM, RT, MTW, STAGES, FOLD>;
   constexpr int BN = WN * RT * 16, BM = WM * MTW * 8;
   const int smem = STAGES * Stage<LW, ZP, BN, BM>::BYTES;
   static int smem_set[64] = {0};
@@ -404,20 +431,28 @@ int launch(const Params& p, cudaStream_t stream, int* occupancy) {
   return launch_kernel(kern, grid, WN * WM * 32, smem, stream, p);
 }
 
-// The instances: (WN, WM, RT, MTW, STAGES) -> tile BN x BM. Listed once here and in weight_tiled.TILES.
+// The instances: (WN, WM, RT, MTW, STAGES) -> tile BN x BM, exact (fp32 partials) or FOLD. Listed once here and in
+// weight_tiled.TILES / TILES_FOLD.
 template <int LW, bool ZP>
-int by_tile(const Params& p, int wn, int wm, int rt, int mtw, int stages, cudaStream_t s, int* occ) {
-#define LOWBIT_TILE(WN_, WM_, RT_, MTW_, ST_) \
-  if (wn == WN_ && wm == WM_ && rt == RT_ && mtw == MTW_ && stages == ST_) return launch<LW, ZP, WN_, WM_, RT_, MTW_, ST_>(p, s, occ);
+int by_tile(const Params& p, int wn, int wm, int rt, int mtw, int stages, int fold, cudaStream_t s, int* occ) {
+#define LOWBIT_TILE(WN_, WM_, RT_, MTW_, ST_, F_)                                        \
+  if (wn == WN_ && wm == WM_ && rt == RT_ && mtw == MTW_ && stages == ST_ && fold == F_) \
+    return launch<LW, ZP, WN_, WM_, RT_, MTW_, ST_, F_>(p, s, occ);
 #ifdef LOWBIT_COMPILE_CHECK
-  LOWBIT_TILE(4, 2, 2, 4, 4)
+  LOWBIT_TILE(4, 2, 2, 4, 4, 0)
+  LOWBIT_TILE(4, 2, 2, 4, 4, 1)
 #else
-  LOWBIT_TILE(4, 2, 2, 4, 4)  // 128 x 64
-  LOWBIT_TILE(4, 2, 2, 4, 3)
-  LOWBIT_TILE(8, 1, 1, 4, 4)  // 128 x 32
-  LOWBIT_TILE(4, 1, 2, 4, 4)  // 128 x 32, 4 warps
-  LOWBIT_TILE(4, 2, 1, 4, 4)  // 64 x 64
-  LOWBIT_TILE(2, 4, 2, 4, 3)  // 64 x 128
+  LOWBIT_TILE(4, 2, 2, 4, 4, 0)  // 128 x 64
+  LOWBIT_TILE(4, 2, 2, 4, 3, 0)
+  LOWBIT_TILE(8, 1, 1, 4, 4, 0)  // 128 x 32
+  LOWBIT_TILE(4, 1, 2, 4, 4, 0)  // 128 x 32, 4 warps
+  LOWBIT_TILE(4, 2, 1, 4, 4, 0)  // 64 x 64
+  LOWBIT_TILE(2, 4, 2, 4, 3, 0)  // 64 x 128
+  LOWBIT_TILE(8, 1, 1, 4, 4, 1)  // 128 x 32
+  LOWBIT_TILE(4, 2, 2, 4, 4, 1)  // 128 x 64
+  LOWBIT_TILE(8, 1, 1, 8, 4, 1)  // 128 x 64, 64 activation rows a warp
+  LOWBIT_TILE(4, 2, 1, 8, 3, 1)  // 64 x 128
+  LOWBIT_TILE(4, 2, 2, 8, 3, 1)  // 128 x 128
 #endif
 #undef LOWBIT_TILE
   return -2;
@@ -438,9 +473,9 @@ int lowbit_wq_tiled_smem(int lw, int zp, int wn, int wm, int rt, int mtw, int st
 int lowbit_wq_tiled(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind, const void* zero,
                     const void* bias, int bias_kind, void* y, long long ldy, int out_kind, float* ws,
                     unsigned* counters, int M, int N, int K, int group, int lw, int wn, int wm, int rt, int mtw,
-                    int stages, int stages_per_split, int splitk, int pdl, int l2p, unsigned long long stream,
-                    int* occupancy) {
-  if (scale_kind != KIND_BF16 && scale_kind != KIND_FP16) return -3;
+                    int stages, int fold, int stages_per_split, int splitk, int pdl, int l2p,
+                    unsigned long long stream, int* occupancy) {
+  if (scale_kind != KIND_BF16 && (fold || scale_kind != KIND_FP16)) return -3;
   if (K % KS || N % 16) return -4;
   Params p;
   p.x = static_cast<const __nv_bfloat16*>(x);
@@ -466,17 +501,17 @@ int lowbit_wq_tiled(const void* x, long long ldx, const void* qw, const void* sc
   p.l2p = l2p;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool zp = zero != nullptr;
-  if (lw == 4) return zp ? by_tile<4, true>(p, wn, wm, rt, mtw, stages, s, occupancy)
-                         : by_tile<4, false>(p, wn, wm, rt, mtw, stages, s, occupancy);
-  if (lw == 2) return zp ? by_tile<2, true>(p, wn, wm, rt, mtw, stages, s, occupancy)
-                         : by_tile<2, false>(p, wn, wm, rt, mtw, stages, s, occupancy);
+  if (lw == 4) return zp ? by_tile<4, true>(p, wn, wm, rt, mtw, stages, fold, s, occupancy)
+                         : by_tile<4, false>(p, wn, wm, rt, mtw, stages, fold, s, occupancy);
+  if (lw == 2) return zp ? by_tile<2, true>(p, wn, wm, rt, mtw, stages, fold, s, occupancy)
+                         : by_tile<2, false>(p, wn, wm, rt, mtw, stages, fold, s, occupancy);
   return -1;
 }
 
 const char* lowbit_wq_tiled_error(int code) {
   if (code == -1) return "no instance for this words-per-lane (4: group >= 128, 2: group 64)";
   if (code == -2) return "no instance for this tile (warps along N x M, row tiles, activation tiles, stages)";
-  if (code == -3) return "scales must be bf16 or fp16";
+  if (code == -3) return "scales must be bf16 or fp16 (bf16 for the folded kernel)";
   if (code == -4) return "K must be a multiple of 128 and N of 16";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
