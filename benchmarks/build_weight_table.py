@@ -36,8 +36,10 @@ import sys
 from lowbit.kernels.weight_audit import tolerance
 
 # 17-32 / 33-64: the CUDA kernel's cost steps with its activation tiles (4 for M 17-32, 8 above), bf16's hardly
-BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 8, 8), (9, 16, 16), (17, 32, 32), (33, 64, 64), (65, 128, 128), (129, 256, 256),
-           (257, 1024, 1024), (1025, None, 4096)]
+BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 8, 8), (9, 16, 16), (17, 32, 32), (33, 64, 64), (65, 256, 256), (257, 1024, 1024),
+           (1025, None, 4096)]
+# 4-bit A16 splits 65-256 at 128: the tiled CUDA kernel's explorations time M 128, where the mma.sync tiles still compete
+BUCKETS_W4A16 = BUCKETS[:6] + [(65, 128, 128), (129, 256, 256)] + BUCKETS[7:]
 SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
 CUDA_M_MAX = 64  # lowbit.kernels.weight_cuda.M_MAX
 WS_M_MAX = 16  # lowbit.kernels.weight_cuda.WARP_SPLIT_M_MAX
@@ -121,7 +123,7 @@ def main(out: str, files: list[str]) -> None:
             cells.setdefault(key, {})[bench_candidate(r["kernel"])] = r["bf16_ms"] / r["ms"]
     table = []
     for scheme, kind in KIND.items():
-        for lo, hi, rep in BUCKETS:
+        for lo, hi, rep in (BUCKETS_W4A16 if kind == "w4a16" else BUCKETS):
             # a bucket whose representative M was not timed for this scheme takes the next timed M above it
             timed = sorted({k[2] for k in cells if k[0] == scheme and k[2] >= max(rep, 16 if kind == "w8a8" else 1)})
             reps = timed[:1]

@@ -2,7 +2,7 @@
 lowbit's kernel per M bucket, and gemlite (a Triton low-bit GEMM library, carried as a wheel) side by
 side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same process.
 
-    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --cuda-lb | --cuda-tiled | --cuda-tiled-l2 | --a8 | --a8-split | --a8-retime | --a8-tma
+    python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --cuda-lb | --cuda-tiled | --a8 | --a8-split | --a8-retime | --a8-tma
                                           | --swap]
 
 --cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
@@ -13,8 +13,9 @@ kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (t
 --cuda-ws16: the same at M = 16 alone (the two-activation-tile instances), every launch with PDL. --cuda-lb: the
 warp-split instances under launch bound 256 (up to 255 registers) beside the default 512 (128 registers), M 1 / 4 / 16.
 
---cuda-tiled: the tiled 4-bit kernel (lowbit.kernels.weight_tiled) at M 17-1024 beside the tabled cell and dequantize +
-cuBLAS, W4A16 g128 and g64-asym on the 8B and fused shapes.
+--cuda-tiled: the tiled 4-bit kernel (lowbit.kernels.weight_tiled) at M 17-4096 beside the tabled cell and dequantize +
+cuBLAS, W4A16 g128 and g64-asym on the 8B and fused shapes. (A --cuda-tiled-l2 run timed the first version's L2 prefetch
+sizes and splits, results/weights/gemm_explore_tiled_l2_s23_*, at commit of scripts/gpu_s23_call2.sh; removed after.)
 
 --cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
 
@@ -308,10 +309,7 @@ def explore_cuda_lb(rows, log):
 
 
 def explore_cuda_pdl(rows, log):
-    """--cuda-tiled: the tiled 4-bit kernel (lowbit.kernels.weight_tiled) at M 17-1024 beside the tabled cell and dequantize +
-cuBLAS, W4A16 g128 and g64-asym on the 8B and fused shapes.
-
---cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch
+    """--cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch
     (CudaConfig.pdl: the weight's first lines prefetched into L2 and the launch overlapped with the previous kernel's
     tail; in this harness the previous kernel is the same linear on another weight set, as for consecutive linears).
     M 1 / 4 / 8: the warp-split kernel; 16 / 32: the x-staging one."""
@@ -439,14 +437,13 @@ def explore_swap(rows, log, save):
 
 def tiled_configs(M: int):
     """The tiled W4A16 kernel's instances (split-K automatic): exact, and folded (-bw: the weight rounded to bf16);
-    the 3-stage, 64-activation-row-a-warp and 128-row tiles from M 33 / 64."""
-    cfgs = [TiledConfig(8, 1, 1, 4, 4), TiledConfig(4, 1, 2, 4, 4), TiledConfig(4, 2, 2, 4, 4), TiledConfig(4, 2, 1, 4, 4),
-            TiledConfig(8, 1, 1, 4, 4, fold=True), TiledConfig(4, 2, 2, 4, 4, fold=True)]
+    the 64-activation-row-a-warp tiles from M 33, the 128 x 128 one from M 64."""
+    cfgs = [TiledConfig(8, 1, 1, 4, 3), TiledConfig(4, 2, 2, 4, 3), TiledConfig(4, 2, 1, 4, 3),
+            TiledConfig(8, 1, 1, 4, 3, fold=True), TiledConfig(4, 2, 2, 4, 3, fold=True)]
     if M > 32:
-        cfgs += [TiledConfig(8, 1, 1, 8, 4, fold=True)]
+        cfgs += [TiledConfig(8, 1, 1, 8, 3, fold=True), TiledConfig(4, 1, 2, 8, 3, fold=True)]
     if M >= 64:
-        cfgs += [TiledConfig(4, 2, 2, 4, 3), TiledConfig(2, 4, 2, 4, 3), TiledConfig(4, 2, 1, 8, 3, fold=True),
-                 TiledConfig(4, 2, 2, 8, 3, fold=True)]
+        cfgs += [TiledConfig(4, 2, 2, 8, 2, fold=True)]
     return cfgs
 
 
@@ -466,17 +463,6 @@ def explore_cuda_tiled(rows, log):
                 if cur.config is not None:
                     cfgs.append(cur.config)
                 rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "cuda-tiled", log, t0, dequant=True))
-
-
-def explore_cuda_tiled_l2(rows, log):
-    """--cuda-tiled-l2: the tiled kernel's weight copies with L2 prefetch 0 / 128 / 256 bytes and split-K auto / 1 / 4,
-    W4A16 g128 on the three 8B shapes at M 17 / 64 / 128 (where the weight stream or the math bounds it)."""
-    t0 = time.time()
-    for shape, K, N in SHAPES:
-        for M in (17, 64, 128):
-            cfgs = [TiledConfig(*t, SPLITK=sk, L2P=l2) for t in ((8, 1, 1, 4, 4), (4, 2, 2, 4, 4), (4, 2, 2, 4, 3))
-                    for l2 in (0, 128, 256) for sk in (0, 1, 4)]
-            rows.append(explore_cell("w4a16-g128", shape, K, N, M, cfgs, "cuda-tiled-l2", log, t0))
 
 
 def cuda_ratio_table(rows) -> str:
@@ -574,8 +560,6 @@ if __name__ == "__main__":
             explore_cuda_quick(res["explore"], print)
         if "--cuda-tiled" in sys.argv:
             explore_cuda_tiled(res["explore"], print)
-        if "--cuda-tiled-l2" in sys.argv:
-            explore_cuda_tiled_l2(res["explore"], print)
         if "--final" in sys.argv:
             explore_final(res["explore"], print)
         if "--a8" in sys.argv:
@@ -593,7 +577,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-tiled", "--cuda-tiled-l2", "--cuda-ws", "--cuda-ws16", "--cuda-lb", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
+        only = ("--gemv", "--final", "--cuda", "--cuda-tiled", "--cuda-ws", "--cuda-ws16", "--cuda-lb", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
                 "--a8-retime", "--a8-tma", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)

@@ -30,7 +30,7 @@ def test_tiled_cu_compiles_with_nvcc(tmp_path):
         pytest.skip(f"no nvcc here: {wc.nvcc_missing()}")
     so = wt.build("sm_90a", cache_dir=tmp_path, defines=("LOWBIT_COMPILE_CHECK",))
     lib = wt._load(so)
-    for cfg in (TiledConfig(4, 2, 2, 4, 4), TiledConfig(2, 4, 2, 4, 3)):
+    for cfg in (TiledConfig(4, 2, 2, 4, 3), TiledConfig(4, 2, 2, 8, 2, fold=True)):
         for lw, zp in ((4, False), (2, True)):
             assert lib.lowbit_wq_tiled_smem(lw, int(zp), cfg.WN, cfg.WM, cfg.RT, cfg.MTW, cfg.STAGES) == \
                 wt.smem_bytes(cfg, lw, zp)
@@ -46,9 +46,9 @@ def test_tiled_cu_compiles_with_nvcc(tmp_path):
 
 
 def test_names_conditions_and_plan():
-    for cfg in (TiledConfig(), TiledConfig(8, 1, 1, 4, 4, 3, pdl=False), TiledConfig(2, 4, 2, 4, 3, L2P=0)):
+    for cfg in (TiledConfig(), TiledConfig(8, 1, 1, 4, 3, 3, pdl=False), TiledConfig(4, 1, 2, 8, 3, L2P=0, fold=True)):
         assert TiledConfig.from_name(cfg.name) == cfg and config_from_name("cuda", cfg.name) == cfg
-    assert (TiledConfig().BN, TiledConfig().BM, TiledConfig(2, 4, 2, 4, 3).BM) == (128, 64, 128)
+    assert (TiledConfig().BN, TiledConfig().BM, TiledConfig(4, 2, 2, 8, 2).BM) == (128, 64, 128)
     with pytest.raises(ValueError, match="not a TiledConfig"):
         TiledConfig.from_name("cuda-tl-128x64")
     ok = random_weight("w4a16-g128", 4096, 1024, "cpu")
@@ -66,13 +66,14 @@ def test_names_conditions_and_plan():
         "bf16 scales when folded": wt.why_not(half, config=TiledConfig(fold=True)),
     }
     assert TiledConfig.from_name(TiledConfig(8, 1, 1, 8, fold=True).name).fold
+    assert wt.why_not(ok, config=TiledConfig(8, 1, 1, 8, 3)) is not None  # a folded-only tile asked exact
     assert wt.rounds_weight_to_bf16("cuda:" + TiledConfig(fold=True).name)
     assert not wt.rounds_weight_to_bf16(TiledConfig().name) and wt.rounds_weight_to_bf16("dequant-cublas")
     for want, got in reasons.items():
         assert got is not None and want in got and "\n" not in got, (want, got)
     # the split fills one wave of resident blocks (2 a SM), none empty, never more than the stages
     for N, K, M, cfg in ((14336, 4096, 64, TiledConfig()), (4096, 14336, 64, TiledConfig()),
-                         (1024, 4096, 17, TiledConfig(8, 1, 1, 4, 4)), (4096, 4096, 1000, TiledConfig(2, 4, 2, 4, 3))):
+                         (1024, 4096, 17, TiledConfig(8, 1, 1, 4, 3)), (4096, 4096, 1000, TiledConfig(4, 2, 2, 8, 2))):
         pw = random_weight("w4a16-g128", N, K, "cpu")
         pl = wt.plan(pw, M, cfg, 132)
         stages = K // 128
@@ -91,27 +92,31 @@ def test_dispatch_passes_the_tiled_cell_over_for_a_weight_it_does_not_take():
     assert d.choose("w4a16", 300, random_weight("w4a16-g128", 256, 256, "cpu")).path == "dequant-cublas"
 
 
-def _x_slot(r, p):
-    return p ^ (((p >> 3) & 1) << 1) ^ (r & 1)
+def _x_unit(lw, r, pc):
+    return pc ^ (r & 3) if lw == 4 else pc ^ ((r & 1) | ((r & 2) << 2))
 
 
 def _emulate_block(x, pw, cfg: TiledConfig, n_block, m_block):
-    """One block of the kernel in torch, index for index as the .cu writes it: every stage's x pieces copied to their
-    swizzled slots, each lane's A registers from the words of its rows, its B registers from the 16-byte piece of
-    the same 8 k by the byte-permutes, the mma as A[16 x 16] @ B[16 x 8] assembled from the lanes' registers, the
-    group scale per chunk. -> [BM, BN] (rows past M or N are zero-filled / clamped, as the copies do)."""
+    """One block of the kernel in torch, index for index as the .cu writes it: every stage's x pieces permuted into
+    their (hs, row, unit) places, each lane's A registers from the words of its rows, its B registers from the unit
+    of its word (its rows' shared XOR key), the mma as A[16 x 16] @ B[16 x 8] assembled from the lanes' registers,
+    the group scale per chunk (exact path) or the weight rounded to bf16 (fold). -> [BM, BN] (rows past M or N are
+    zero-filled / clamped, as the copies do)."""
     M, K = x.shape
     N, BN, BM, lw = pw.N, cfg.BN, cfg.BM, wt.words_per_lane(pw.group)
     ck, cps = 32 * lw, 128 // (32 * lw)
     words = pw.qweight.to(torch.int64) & 0xFFFFFFFF
     out = torch.zeros(BM, BN, dtype=torch.float64)
+    bf = lambda v: float(torch.tensor(v, dtype=torch.float32).to(torch.bfloat16))  # noqa: E731
     for st in range(K // 128):
         k0 = st * 128
-        X = torch.zeros(BM, 16, 8, dtype=torch.float64)  # the stage's x tile: [row][slot][8 values]
+        XP = torch.zeros(2, BM, 16, 4, dtype=torch.float64)  # the permuted buffer: [hs][row][unit][b0 lo, hi, b1 lo, hi]
         for r in range(BM):
             for pc in range(16):
                 if m_block + r < M:
-                    X[r, _x_slot(r, pc)] = x[m_block + r, k0 + 8 * pc:k0 + 8 * pc + 8].double()
+                    v = x[m_block + r, k0 + 8 * pc:k0 + 8 * pc + 8].double()
+                    XP[0, r, _x_unit(lw, r, pc)] = v[[0, 4, 1, 5]]
+                    XP[1, r, _x_unit(lw, r, pc)] = v[[2, 6, 3, 7]]
         for c in range(cps):
             grp = (k0 + c * ck) // pw.group
             for wn in range(cfg.WN):
@@ -119,6 +124,7 @@ def _emulate_block(x, pw, cfg: TiledConfig, n_block, m_block):
                     for rt in range(cfg.RT):
                         rows = [n_block + wn * cfg.RT * 16 + rt * 16 + i for i in range(16)]
                         z = [0 if pw.zero is None or n >= N else int(pw.zero[grp, n]) for n in rows]
+                        sc = [float(pw.scale[grp, n]) if n < N else 0.0 for n in rows]
                         part = torch.zeros(16, cfg.MTW * 8, dtype=torch.float64)
                         for j in range(lw):
                             for hs in range(2):
@@ -133,32 +139,36 @@ def _emulate_block(x, pw, cfg: TiledConfig, n_block, m_block):
                                         lo = [(w >> sh) & 0xF for sh in (8 * hs, 8 * hs + 4)]
                                         hi = [(w >> (sh + 16)) & 0xF for sh in (8 * hs, 8 * hs + 4)]
                                         q = [v - 8 - zz for v in (lo[0], hi[0], lo[1], hi[1])] if n < N else [0] * 4
+                                        if cfg.fold:
+                                            q = [bf(v * sc[gid + 8 * h]) for v in q]
                                         r_ = gid + 8 * h
                                         A[r_, 2 * tig], A[r_, 2 * tig + 1] = q[0], q[1]
                                         A[r_, 2 * tig + 8], A[r_, 2 * tig + 9] = q[2], q[3]
-                                    pc = (c * 4 + tig) * lw + j
+                                    xrow0 = wm * cfg.MTW * 8 + gid
+                                    u = ((c * 4 + tig) * lw + j) ^ _x_unit(lw, xrow0, 0)
                                     for t in range(cfg.MTW):
-                                        r = wm * cfg.MTW * 8 + gid + t * 8
-                                        v = X[r, _x_slot(r, pc)]  # (k0 .. k7) of the piece
-                                        b = v[[0, 4, 1, 5]] if hs == 0 else v[[2, 6, 3, 7]]
+                                        b = XP[hs, xrow0 + 8 * t, u]
                                         Bs[t][2 * tig, gid], Bs[t][2 * tig + 1, gid] = b[0], b[1]
                                         Bs[t][2 * tig + 8, gid], Bs[t][2 * tig + 9, gid] = b[2], b[3]
                                 for t in range(cfg.MTW):
                                     part[:, 8 * t:8 * t + 8] += A @ Bs[t]
-                        sc = torch.tensor([float(pw.scale[grp, n]) if n < N else 0.0 for n in rows], dtype=torch.float64)
+                        scale = torch.ones(16, dtype=torch.float64) if cfg.fold else torch.tensor(sc, dtype=torch.float64)
                         r0 = wn * cfg.RT * 16 + rt * 16
-                        out[wm * cfg.MTW * 8:(wm + 1) * cfg.MTW * 8, r0:r0 + 16] += (part * sc[:, None]).t()
+                        out[wm * cfg.MTW * 8:(wm + 1) * cfg.MTW * 8, r0:r0 + 16] += (part * scale[:, None]).t()
     return out
 
 
-@pytest.mark.parametrize("scheme,N,K,cfg,M", [("w4a16-g128", 48, 256, TiledConfig(2, 1, 1, 2, 4), 11),
-                                              ("w4a16-g64-asym", 32, 128, TiledConfig(2, 1, 1, 2, 4), 13)])
+@pytest.mark.parametrize("scheme,N,K,cfg,M", [("w4a16-g128", 48, 256, TiledConfig(2, 1, 1, 2, 3), 11),
+                                              ("w4a16-g64-asym", 32, 128, TiledConfig(2, 1, 1, 2, 3), 13),
+                                              ("w4a16-g64-asym", 32, 128, TiledConfig(1, 2, 1, 1, 3, fold=True), 13)])
 def test_tiled_index_math_emulated_matches_twin(scheme, N, K, cfg, M):
     """A small tile shape (the emulation takes any WN/WM/RT/MTW; the library's instances are larger) over a weight
-    whose second row block runs past N and an activation block past M."""
+    whose second row block runs past N and an activation block past M; the folded path against the product with
+    the weight rounded to bf16."""
     pw = random_weight(scheme, N, K, "cpu", seed=K)
     x = torch.randn(M, K).bfloat16()
-    ref = wg.linear_twin(x, pw, torch.float32).double()
+    ref = (x.double() @ wg.dequantize(pw).to(torch.bfloat16).double().t() if cfg.fold
+           else wg.linear_twin(x, pw, torch.float32).double())
     for n_block in range(0, N, cfg.BN):
         for m_block in range(0, M, cfg.BM):
             y = _emulate_block(x, pw, cfg, n_block, m_block)

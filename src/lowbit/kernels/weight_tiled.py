@@ -5,7 +5,8 @@ M range between the decode GEMVs (weight_cuda, M <= 16) and dequantize + cuBLAS:
     why_not(pw, x_dtype, M, config)                             None if the kernel takes this call, else the reason
 
 A block of WN x WM warps owns BN = 16 * WN * RT weight rows x BM = 8 * WM * MTW activation rows and streams K in
-stages of 128 through a cp.async ring of STAGES in shared memory; K is split across SPLITK blocks (0: as many as
+stages of 128 through a cp.async ring of STAGES in shared memory (x permuted into mma-fragment order once per stage
+by the threads that copied it); K is split across SPLITK blocks (0: as many as
 fill one wave of resident blocks), reduced by the last block of a tile. It reads lowbit's PackedWeight as it is
 (int32 words [N, K/8], scale [G, N] bf16/fp16, zero int8 [G, N]): no repack, the same tensors as every other path.
 Built and cached by lowbit.kernels.nvcc (its own library beside weight_small_m's).
@@ -28,8 +29,8 @@ from lowbit.kernels.weight_cuda import _KIND, _counter_buffer
 
 SOURCE = Path(__file__).with_name("cuda") / "weight_tiled.cu"
 # (WN, WM, RT, MTW, STAGES): the instances in the library (by_tile in the .cu), exact and folded
-TILES = {(4, 2, 2, 4, 4), (4, 2, 2, 4, 3), (8, 1, 1, 4, 4), (4, 1, 2, 4, 4), (4, 2, 1, 4, 4), (2, 4, 2, 4, 3)}
-TILES_FOLD = {(8, 1, 1, 4, 4), (4, 2, 2, 4, 4), (8, 1, 1, 8, 4), (4, 2, 1, 8, 3), (4, 2, 2, 8, 3)}
+TILES = {(8, 1, 1, 4, 3), (4, 2, 2, 4, 3), (4, 2, 1, 4, 3)}
+TILES_FOLD = {(8, 1, 1, 4, 3), (4, 2, 2, 4, 3), (8, 1, 1, 8, 3), (4, 1, 2, 8, 3), (4, 2, 2, 8, 2)}
 KS = 128  # k per pipeline stage
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM (H100/H200); the occupancy query is the device's answer
 _lock = threading.Lock()
@@ -46,7 +47,7 @@ class TiledConfig:
     WM: int = 2
     RT: int = 2
     MTW: int = 4
-    STAGES: int = 4
+    STAGES: int = 3
     SPLITK: int = 0
     pdl: bool = True
     L2P: int = 256  # L2 prefetch size of the weight copies (0, 128, 256 bytes)
@@ -123,9 +124,9 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: TiledConfi
 
 
 def smem_bytes(cfg: TiledConfig, lw: int, zp: bool) -> int:
-    """Dynamic shared memory of one block (the .cu's lowbit_wq_tiled_smem)."""
+    """Dynamic shared memory of one block (the .cu's lowbit_wq_tiled_smem): the ring, and two permuted x buffers."""
     cps = KS // (32 * lw)
-    return cfg.STAGES * (cfg.BN * 64 + cfg.BM * 256 + cps * cfg.BN * 2 + (cps * cfg.BN if zp else 0))
+    return cfg.STAGES * (cfg.BN * 64 + cfg.BM * 256 + cps * cfg.BN * 2 + (cps * cfg.BN if zp else 0)) + 2 * cfg.BM * 256
 
 
 @dataclass(frozen=True)
@@ -142,8 +143,8 @@ def plan(pw, M: int, cfg: TiledConfig, sms: int) -> Plan:
     blocks (at most 2 a SM, by registers; fewer where the ring's shared memory does not fit two), no empty split."""
     lw = words_per_lane(pw.group)
     smem = smem_bytes(cfg, lw, pw.zero is not None)
-    # registers: 2 blocks of 8 warps a SM, 1 for the instances compiled for up to 255 registers (RT * MTW > 8)
-    per_sm = max(1, min((1 if cfg.RT * cfg.MTW > 8 else 2) * 8 // cfg.warps, SMEM_PER_SM // smem))
+    # registers: every instance is compiled for 16 warps a SM (128 registers a thread)
+    per_sm = max(1, min(16 // cfg.warps, SMEM_PER_SM // smem))
     tiles = math.ceil(pw.N / cfg.BN) * math.ceil(M / cfg.BM)
     stages = pw.K // KS
     sk = cfg.SPLITK or max(1, per_sm * sms // tiles)

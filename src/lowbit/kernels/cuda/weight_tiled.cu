@@ -133,12 +133,18 @@ __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// x piece p (8 k = 16 bytes) of staged activation row r: its place in the row's 16 pieces. A quarter-warp reads rows
-// 2q, 2q + 1 (gid) x pieces tig * LW + j (+ 4 LW per chunk): without the swizzle tig 0 and 2 (and the two rows, 256
-// bytes apart) fall on the same banks.
-__device__ __forceinline__ int x_slot(int r, int p) { return p ^ (((p >> 3) & 1) << 1) ^ (r & 1); }
+// The permuted x of a stage: [hs][row][16 units of 8 bytes], unit = the (b0, b1) of one piece (8 k) for the even (hs 0:
+// (k0, k4), (k1, k5)) or odd (hs 1: (k2, k6), (k3, k7)) mma step. A half-warp's 8-byte reads (rows gid 0..3, pieces
+// tig * LW + j) hit 16 distinct units of a 128-byte row when the unit index is XORed with the row's low bits on the
+// bits tig does not use (LW 4: bits 0-1; LW 2: bits 0 and 3).
+template <int LW>
+__device__ __forceinline__ int x_unit(int r, int pc) {
+  if constexpr (LW == 4) return pc ^ (r & 3);
+  else return pc ^ ((r & 1) | ((r & 2) << 2));
+}
 
-// Bytes of one pipeline stage: weights BN x 64, x BM x 256, scales (128 / CK) x BN x 2, zero-points (128 / CK) x BN.
+// Bytes of one ring stage: weights BN x 64, x as copied BM x 256, scales (128 / CK) x BN x 2, zero-points (128 / CK) x
+// BN; after the ring, two buffers of permuted x (BM x 256 each).
 template <int LW, bool ZP, int BN, int BM>
 struct Stage {
   static constexpr int CPS = KS / (32 * LW);  // chunks per stage
@@ -147,6 +153,7 @@ struct Stage {
   static constexpr int S = X + BM * 256;
   static constexpr int Z = S + CPS * BN * 2;
   static constexpr int BYTES = Z + (ZP ? CPS * BN : 0);
+  static constexpr int XP = BM * 256;  // one permuted buffer
 };
 
 // LW: words per lane per row and chunk (4, 2: group 128+ / 64). WN x WM warps: WN along weight rows, WM along
@@ -154,14 +161,20 @@ struct Stage {
 // FOLD: the A fragment is bf16((q - zero) * scale) (one bf16x2 multiply by a bf16 scale, rounded once: the weight
 // dequantize + cuBLAS multiplies), accumulated straight into the output tile: no per-chunk fp32 partials, so half the
 // accumulator registers and no per-chunk scale pass; without it the integer-weight partials are exact and the scale
-// is applied in fp32 per chunk (s23 call 4: ~10-15 instructions an mma, the ALU pipe the limit).
+// is applied in fp32 per chunk.
+//
+// x is copied as it lies (cp.async) and permuted into mma-fragment order once per stage by the threads that copied
+// it (each its own pieces, after its own cp.async.wait: no extra barrier), into one of two buffers that the next
+// iteration's barrier publishes. s23 call 4 (ncu): with the byte-permutes in every warp's B path the kernel issued
+// ~10-15 instructions an mma, ALU-bound at ~0.16 mma a cycle per SM.
 template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES, bool FOLD>
-__global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (WN * WM * 32)) wq_tiled(const Params p) {
+__global__ void __launch_bounds__(WN * WM * 32, 512 / (WN * WM * 32)) wq_tiled(const Params p) {
   constexpr int BN = WN * RT * 16, BM = WM * MTW * 8, NT = WN * WM * 32;
   constexpr int CK = 32 * LW;  // k per chunk (one group)
   using St = Stage<LW, ZP, BN, BM>;
   constexpr int CPS = St::CPS;
   extern __shared__ __align__(16) unsigned char smem[];
+  unsigned char* xperm = smem + STAGES * St::BYTES;
   __shared__ int last_block;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -171,12 +184,11 @@ __global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (
   const int wpr = p.K / 8;
   const int st_begin = blockIdx.z * p.stages_per_split;
   const int nst = min(p.K / KS - st_begin, p.stages_per_split);
-  // Blocks start their K walk at different stages (and wrap around): in lockstep every block would read the same 64
-  // bytes of its rows, rows K / 2 bytes apart, so all requests in flight would share their low address bits and
-  // queue on a few DRAM channels (s23 call 2: ~0.9 TB/s whatever the L2 prefetch size or split).
+  // Blocks start their K walk at different stages (and wrap around), so the requests in flight do not all share
+  // their low address bits (rows are K / 2 bytes apart).
   const int rot = nst > 0 ? (int)((blockIdx.x + 5u * blockIdx.y) % (unsigned)nst) : 0;
 
-  // one stage's copies: every thread a fixed set of 16-byte pieces
+  // one stage's copies: every thread a fixed set of 16-byte pieces (the permute pass below takes the same x pieces)
   auto load = [&](int buf, int st) {
     unsigned char* base = smem + buf * St::BYTES;
     const int k0 = (st_begin + (st + rot) % nst) * KS;
@@ -187,10 +199,10 @@ __global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (
       else if (p.l2p == 128) cp_async16<128>(base + St::W + r * 64 + pc * 16, src, n < p.N ? 16 : 0);
       else cp_async16(base + St::W + r * 64 + pc * 16, src, n < p.N ? 16 : 0);
     }
-    for (int i = tid; i < BM * 16; i += NT) {  // activation rows: 256 bytes = 16 pieces each
+    for (int i = tid; i < BM * 16; i += NT) {  // activation rows: 256 bytes = 16 pieces each, as in memory
       const int r = i >> 4, pc = i & 15, m = m_block + r;
       const __nv_bfloat16* src = p.x + (long long)min(m, p.M - 1) * p.ldx + k0 + pc * 8;
-      cp_async16(base + St::X + r * 256 + x_slot(r, pc) * 16, src, m < p.M ? 16 : 0);
+      cp_async16(base + St::X + i * 16, src, m < p.M ? 16 : 0);
     }
     for (int i = tid; i < CPS * BN / 8; i += NT) {  // scales: 8 rows a piece (N % 16 == 0)
       const int c = i / (BN / 8), q = i - c * (BN / 8), n = n_block + q * 8;
@@ -206,6 +218,19 @@ __global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (
       }
     }
   };
+  // this thread's copied x pieces of ring slot `buf` -> permuted buffer `pb` (after this thread's cp.async.wait)
+  auto permute = [&](int buf, int pb) {
+    const unsigned char* raw = smem + buf * St::BYTES + St::X;
+    unsigned char* dst = xperm + pb * St::XP;
+    for (int i = tid; i < BM * 16; i += NT) {
+      const int r = i >> 4, pc = i & 15, u = x_unit<LW>(r, pc);
+      const uint4 v = *reinterpret_cast<const uint4*>(raw + i * 16);
+      *reinterpret_cast<uint2*>(dst + (r * 16 + u) * 8) =
+          make_uint2(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632));
+      *reinterpret_cast<uint2*>(dst + BM * 128 + (r * 16 + u) * 8) =
+          make_uint2(__byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+    }
+  };
 
   pdl_launch_dependents();
   // the weights are never written by an earlier kernel: warm L2 with this block's first stages before the wait
@@ -219,6 +244,10 @@ __global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (
     if (s < nst) load(s, s);
     cp_async_commit();
   }
+  if (nst > 0) {
+    cp_async_wait<STAGES - 2>();
+    permute(0, 0);
+  }
 
   float acc[RT][MTW][4];
 #pragma unroll
@@ -228,16 +257,18 @@ __global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc[rt][t][i] = 0.f;
 
-  const int row0 = warp_n * RT * 16 + gid;       // this lane's first weight row in the block (and + 8, + 16, ...)
-  const int xrow0 = warp_m * MTW * 8 + gid;      // this lane's first activation row (B fragment column)
+  const int row0 = warp_n * RT * 16 + gid;  // this lane's first weight row in the block (and + 8, + 16, ...)
+  // this lane's activation rows xrow0 + 8 t share their low bits (gid), so one XOR key for every tile
+  const int xrow0 = warp_m * MTW * 8 + gid;
+  const int key = x_unit<LW>(xrow0, 0);
 
   for (int st = 0; st < nst; ++st) {
-    cp_async_wait<STAGES - 2>();
-    __syncthreads();  // stage st landed for every thread; every warp is done with the buffer refilled next
+    __syncthreads();  // stage st's permuted x is complete; every warp is done with stage st - 1's buffers
     if (st + STAGES - 1 < nst) load((st + STAGES - 1) % STAGES, st + STAGES - 1);
     cp_async_commit();
 
     const unsigned char* base = smem + (st % STAGES) * St::BYTES;  // holds stage (st + rot) % nst of the split
+    const unsigned char* xp = xperm + (st & 1) * St::XP + xrow0 * 128;
 #pragma unroll
     for (int c = 0; c < CPS; ++c) {
       uint32_t sub2[RT][2];  // bf16x2 (136 + zero) of the lane's rows
@@ -265,11 +296,9 @@ __global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (
           if constexpr (LW == 4) {
             const uint4 v = *reinterpret_cast<const uint4*>(src);
             w[rt][h][0] = v.x; w[rt][h][1] = v.y; w[rt][h][2] = v.z; w[rt][h][3] = v.w;
-          } else if constexpr (LW == 2) {
+          } else {
             const uint2 v = *reinterpret_cast<const uint2*>(src);
             w[rt][h][0] = v.x; w[rt][h][1] = v.y;
-          } else {
-            w[rt][h][0] = *src;
           }
         }
       float part[FOLD ? 1 : RT][FOLD ? 1 : MTW][4];
@@ -283,20 +312,12 @@ __global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (
       }
 #pragma unroll
       for (int j = 0; j < LW; ++j) {
-        // B fragments of word j for every activation tile: even step (k0, k4), (k1, k5); odd (k2, k6), (k3, k7)
-        uint32_t be[MTW][2], bo[MTW][2];
-        const int pc = (c * 4 + tig) * LW + j;
-#pragma unroll
-        for (int t = 0; t < MTW; ++t) {
-          const int r = xrow0 + t * 8;
-          const uint4 v = *reinterpret_cast<const uint4*>(base + St::X + r * 256 + x_slot(r, pc) * 16);
-          be[t][0] = __byte_perm(v.x, v.z, 0x5410);
-          be[t][1] = __byte_perm(v.x, v.z, 0x7632);
-          bo[t][0] = __byte_perm(v.y, v.w, 0x5410);
-          bo[t][1] = __byte_perm(v.y, v.w, 0x7632);
-        }
+        const int u = ((c * 4 + tig) * LW + j) ^ key;  // this lane's unit of word j
 #pragma unroll
         for (int hs = 0; hs < 2; ++hs) {
+          uint2 b[MTW];  // the B fragments of step 2j + hs, one per activation tile
+#pragma unroll
+          for (int t = 0; t < MTW; ++t) b[t] = *reinterpret_cast<const uint2*>(xp + hs * BM * 128 + t * 8 * 128 + u * 8);
 #pragma unroll
           for (int rt = 0; rt < RT; ++rt) {
             const uint32_t wa = w[rt][0][j], wb = w[rt][1][j];
@@ -313,32 +334,33 @@ __global__ void __launch_bounds__(WN * WM * 32, (RT * MTW > 8 ? 1 : 2) * 256 / (
             }
 #pragma unroll
             for (int t = 0; t < MTW; ++t) {
-              float* d;
-              if constexpr (FOLD) d = acc[rt][t];
-              else d = part[rt][t];
-              if (hs == 0) mma_bf16(d, a, be[t][0], be[t][1]);
-              else mma_bf16(d, a, bo[t][0], bo[t][1]);
+              if constexpr (FOLD) mma_bf16(acc[rt][t], a, b[t].x, b[t].y);
+              else mma_bf16(part[rt][t], a, b[t].x, b[t].y);
             }
           }
         }
       }
       if constexpr (!FOLD) {
 #pragma unroll
-      for (int rt = 0; rt < RT; ++rt) {
-        float sc[2];  // read here, not held through the mma loop
+        for (int rt = 0; rt < RT; ++rt) {
+          float sc[2];  // read here, not held through the mma loop
 #pragma unroll
-        for (int h = 0; h < 2; ++h)
-          sc[h] = half_bits_to_float(reinterpret_cast<const unsigned short*>(base + St::S)[c * BN + row0 + rt * 16 + 8 * h],
-                                     p.scale_kind);
+          for (int h = 0; h < 2; ++h)
+            sc[h] = half_bits_to_float(
+                reinterpret_cast<const unsigned short*>(base + St::S)[c * BN + row0 + rt * 16 + 8 * h], p.scale_kind);
 #pragma unroll
-        for (int t = 0; t < MTW; ++t) {
-          acc[rt][t][0] += part[rt][t][0] * sc[0];
-          acc[rt][t][1] += part[rt][t][1] * sc[0];
-          acc[rt][t][2] += part[rt][t][2] * sc[1];
-          acc[rt][t][3] += part[rt][t][3] * sc[1];
+          for (int t = 0; t < MTW; ++t) {
+            acc[rt][t][0] += part[rt][t][0] * sc[0];
+            acc[rt][t][1] += part[rt][t][1] * sc[0];
+            acc[rt][t][2] += part[rt][t][2] * sc[1];
+            acc[rt][t][3] += part[rt][t][3] * sc[1];
+          }
         }
       }
-      }
+    }
+    if (st + 1 < nst) {  // stage st + 1's copies of this thread have landed: permute them for the next iteration
+      cp_async_wait<STAGES - 2>();
+      permute((st + 1) % STAGES, (st + 1) & 1);
     }
   }
   cp_async_wait<0>();
@@ -417,7 +439,7 @@ template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES, bool FOL
 int launch(const Params& p, cudaStream_t stream, int* occupancy) {
   auto kern = wq_tiled<LW, ZP, WN, WM, RT, MTW, STAGES, FOLD>;
   constexpr int BN = WN * RT * 16, BM = WM * MTW * 8;
-  const int smem = STAGES * Stage<LW, ZP, BN, BM>::BYTES;
+  const int smem = STAGES * Stage<LW, ZP, BN, BM>::BYTES + 2 * Stage<LW, ZP, BN, BM>::XP;
   static int smem_set[64] = {0};
   int dev = 0;
   cudaGetDevice(&dev);
@@ -439,20 +461,17 @@ int by_tile(const Params& p, int wn, int wm, int rt, int mtw, int stages, int fo
   if (wn == WN_ && wm == WM_ && rt == RT_ && mtw == MTW_ && stages == ST_ && fold == F_) \
     return launch<LW, ZP, WN_, WM_, RT_, MTW_, ST_, F_>(p, s, occ);
 #ifdef LOWBIT_COMPILE_CHECK
-  LOWBIT_TILE(4, 2, 2, 4, 4, 0)
-  LOWBIT_TILE(4, 2, 2, 4, 4, 1)
-#else
-  LOWBIT_TILE(4, 2, 2, 4, 4, 0)  // 128 x 64
   LOWBIT_TILE(4, 2, 2, 4, 3, 0)
-  LOWBIT_TILE(8, 1, 1, 4, 4, 0)  // 128 x 32
-  LOWBIT_TILE(4, 1, 2, 4, 4, 0)  // 128 x 32, 4 warps
-  LOWBIT_TILE(4, 2, 1, 4, 4, 0)  // 64 x 64
-  LOWBIT_TILE(2, 4, 2, 4, 3, 0)  // 64 x 128
-  LOWBIT_TILE(8, 1, 1, 4, 4, 1)  // 128 x 32
-  LOWBIT_TILE(4, 2, 2, 4, 4, 1)  // 128 x 64
-  LOWBIT_TILE(8, 1, 1, 8, 4, 1)  // 128 x 64, 64 activation rows a warp
-  LOWBIT_TILE(4, 2, 1, 8, 3, 1)  // 64 x 128
-  LOWBIT_TILE(4, 2, 2, 8, 3, 1)  // 128 x 128
+  LOWBIT_TILE(4, 2, 2, 4, 3, 1)
+#else
+  LOWBIT_TILE(8, 1, 1, 4, 3, 0)  // 128 x 32
+  LOWBIT_TILE(4, 2, 2, 4, 3, 0)  // 128 x 64
+  LOWBIT_TILE(4, 2, 1, 4, 3, 0)  // 64 x 64
+  LOWBIT_TILE(8, 1, 1, 4, 3, 1)  // 128 x 32
+  LOWBIT_TILE(4, 2, 2, 4, 3, 1)  // 128 x 64
+  LOWBIT_TILE(8, 1, 1, 8, 3, 1)  // 128 x 64, 64 activation rows a warp
+  LOWBIT_TILE(4, 1, 2, 8, 3, 1)  // 128 x 64, 4 warps of 32 x 64
+  LOWBIT_TILE(4, 2, 2, 8, 2, 1)  // 128 x 128
 #endif
 #undef LOWBIT_TILE
   return -2;
@@ -465,7 +484,7 @@ extern "C" {
 // Shared memory one block of this tile takes (the caller checks it against the device).
 int lowbit_wq_tiled_smem(int lw, int zp, int wn, int wm, int rt, int mtw, int stages) {
   const int bn = wn * rt * 16, bm = wm * mtw * 8, cps = KS / (32 * lw);
-  return stages * (bn * 64 + bm * 256 + cps * bn * 2 + (zp ? cps * bn : 0));
+  return stages * (bn * 64 + bm * 256 + cps * bn * 2 + (zp ? cps * bn : 0)) + 2 * bm * 256;
 }
 
 // y = x @ W^T, 4-bit weights. Returns 0, a cudaError_t, or a negative code (lowbit_wq_tiled_error). With occupancy
