@@ -14,7 +14,7 @@ kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (t
 warp-split instances under launch bound 256 (up to 255 registers) beside the default 512 (128 registers), M 1 / 4 / 16.
 
 --cuda-tiled: the tiled 4-bit kernel (lowbit.kernels.weight_tiled) at M 17-4096 beside the tabled cell and dequantize +
-cuBLAS, W4A16 g128 and g64-asym on the 8B and fused shapes. (A --cuda-tiled-l2 run timed the first version's L2 prefetch
+cuBLAS, W4A16 g128 and g64-asym on the 8B and fused shapes. --cuda-wgmma: the same sweep over its wgmma instances. (A --cuda-tiled-l2 run timed the first version's L2 prefetch
 sizes and splits, results/weights/gemm_explore_tiled_l2_s23_*, at commit of scripts/gpu_s23_call2.sh; removed after.)
 
 --cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
@@ -447,7 +447,16 @@ def tiled_configs(M: int):
     return cfgs
 
 
-def explore_cuda_tiled(rows, log):
+def wgmma_configs(M: int):
+    """The tiled kernel's wgmma instances (sm_90a, folded): 64 activation rows a block from M 17, 128 from M 65."""
+    cfgs = [TiledConfig(8, 1, 2, 8, 4, fold=True, wg=True), TiledConfig(16, 1, 1, 8, 4, fold=True, wg=True),
+            TiledConfig(8, 1, 1, 8, 6, fold=True, wg=True)]
+    if M > 64:
+        cfgs += [TiledConfig(8, 1, 2, 16, 4, fold=True, wg=True), TiledConfig(8, 1, 1, 16, 4, fold=True, wg=True)]
+    return cfgs
+
+
+def explore_cuda_tiled(rows, log, wgmma: bool = False):
     """--cuda-tiled: the tiled W4A16 kernel (weight rows x activation rows, lowbit.kernels.weight_tiled) at M 17-1024
     beside the cell the committed table runs there and dequantize + cuBLAS, on the 8B shapes and the runtime's fused
     projections, g128 and g64-asym."""
@@ -458,11 +467,12 @@ def explore_cuda_tiled(rows, log):
     for scheme in ("w4a16-g128", "w4a16-g64-asym"):
         for shape, K, N in CUDA_SHAPES + FUSED_SHAPES:
             for M in (17, 32, 64, 128, 256, 1024, 4096):
-                cfgs = tiled_configs(M)
+                cfgs = wgmma_configs(M) if wgmma else tiled_configs(M)
                 cur = table.choose("w4a16", M)  # shape-free cell of the committed table
                 if cur.config is not None:
                     cfgs.append(cur.config)
-                rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "cuda-tiled", log, t0, dequant=True))
+                rows.append(explore_cell(scheme, shape, K, N, M, cfgs, "cuda-wgmma" if wgmma else "cuda-tiled", log, t0,
+                                         dequant=True))
 
 
 def cuda_ratio_table(rows) -> str:
@@ -560,6 +570,8 @@ if __name__ == "__main__":
             explore_cuda_quick(res["explore"], print)
         if "--cuda-tiled" in sys.argv:
             explore_cuda_tiled(res["explore"], print)
+        if "--cuda-wgmma" in sys.argv:
+            explore_cuda_tiled(res["explore"], print, wgmma=True)
         if "--final" in sys.argv:
             explore_final(res["explore"], print)
         if "--a8" in sys.argv:
@@ -577,7 +589,7 @@ if __name__ == "__main__":
             explore_swap(res["explore"], print, save)
         if "--gemv" in sys.argv:
             explore_gemv(res["gemv"], print)
-        only = ("--gemv", "--final", "--cuda", "--cuda-tiled", "--cuda-ws", "--cuda-ws16", "--cuda-lb", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
+        only = ("--gemv", "--final", "--cuda", "--cuda-tiled", "--cuda-wgmma", "--cuda-ws", "--cuda-ws16", "--cuda-lb", "--cuda-pdl", "--cuda-quick", "--a8", "--a8-split",
                 "--a8-retime", "--a8-tma", "--swap")
         if "--no-explore" not in sys.argv and not any(a in sys.argv for a in only):
             explore(res["explore"], print)

@@ -31,6 +31,8 @@ SOURCE = Path(__file__).with_name("cuda") / "weight_tiled.cu"
 # (WN, WM, RT, MTW, STAGES): the instances in the library (by_tile in the .cu), exact and folded
 TILES = {(8, 1, 1, 4, 3), (4, 2, 2, 4, 3), (4, 2, 1, 4, 3)}
 TILES_FOLD = {(8, 1, 1, 4, 3), (4, 2, 2, 4, 3), (8, 1, 1, 8, 3), (4, 1, 2, 8, 3), (4, 2, 2, 8, 2)}
+# the wgmma instances (sm_90a; always folded): WN = 4 warps a warpgroup, RT m64 tiles a warpgroup, MTW = BM / 8
+TILES_WG = {(8, 1, 2, 16, 4), (8, 1, 1, 16, 4), (8, 1, 2, 8, 4), (16, 1, 1, 8, 4), (8, 1, 1, 8, 6)}
 KS = 128  # k per pipeline stage
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM (H100/H200); the occupancy query is the device's answer
 _lock = threading.Lock()
@@ -54,6 +56,9 @@ class TiledConfig:
     # the A fragment rounded to bf16((q - z) * scale) and accumulated straight into the output (name suffix -bw):
     # the numerics of dequantize + cuBLAS (the weight rounded to bf16 once), so its audit bound is theirs
     fold: bool = False
+    # Hopper wgmma (name suffix -wg): each warpgroup multiplies 64 * RT weight rows by all BM activation rows per
+    # instruction, x read by the tensor cores from shared memory; needs fold and sm_90
+    wg: bool = False
 
     @property
     def BN(self) -> int:
@@ -71,14 +76,16 @@ class TiledConfig:
     def name(self) -> str:
         return (f"cuda-tl-wn{self.WN}-wm{self.WM}-rt{self.RT}-mt{self.MTW}-s{self.STAGES}-sk{self.SPLITK}"
                 + ("" if self.L2P == 256 else f"-l2p{self.L2P}") + ("-bw" if self.fold else "")
-                + ("-pdl" if self.pdl else ""))
+                + ("-wg" if self.wg else "") + ("-pdl" if self.pdl else ""))
 
     @classmethod
     def from_name(cls, name: str) -> TiledConfig:
-        m = re.fullmatch(r"cuda-tl-wn(\d+)-wm(\d+)-rt(\d+)-mt(\d+)-s(\d+)-sk(\d+)(?:-l2p(\d+))?(-bw)?(-pdl)?", name)
+        m = re.fullmatch(r"cuda-tl-wn(\d+)-wm(\d+)-rt(\d+)-mt(\d+)-s(\d+)-sk(\d+)(?:-l2p(\d+))?(-bw)?(-wg)?(-pdl)?",
+                         name)
         if m is None:
             raise ValueError(f"not a TiledConfig name: {name!r}")
-        return cls(*(int(m[i]) for i in range(1, 7)), pdl=m[9] is not None, L2P=int(m[7] or 256), fold=m[8] is not None)
+        return cls(*(int(m[i]) for i in range(1, 7)), pdl=m[10] is not None, L2P=int(m[7] or 256),
+                   fold=m[8] is not None, wg=m[9] is not None)
 
 
 def rounds_weight_to_bf16(kernel: str) -> bool:
@@ -99,10 +106,12 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: TiledConfi
     cfg = config or TiledConfig()
     if cfg.L2P not in (0, 128, 256):
         return f"{cfg.name}: the L2 prefetch size is 0, 128 or 256 bytes"
-    tiles = TILES_FOLD if cfg.fold else TILES
+    if cfg.wg and not cfg.fold:
+        return f"{cfg.name}: the wgmma instances multiply the folded weight (bf16((q - z) * scale)): add -bw"
+    tiles = TILES_WG if cfg.wg else TILES_FOLD if cfg.fold else TILES
     if (cfg.WN, cfg.WM, cfg.RT, cfg.MTW, cfg.STAGES) not in tiles:
         return (f"no tiled-kernel instance for {cfg.name} (instances (WN, WM, RT, MTW, STAGES)"
-                f"{' folded' if cfg.fold else ''}: {sorted(tiles)})")
+                f"{' wgmma' if cfg.wg else ' folded' if cfg.fold else ''}: {sorted(tiles)})")
     if pw.bits != 4 or pw.a_bits != 16:
         return f"the tiled CUDA kernel is 4-bit weight-only (A16), not {pw.kind}"
     if x_dtype != torch.bfloat16:
@@ -124,7 +133,10 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: TiledConfi
 
 
 def smem_bytes(cfg: TiledConfig, lw: int, zp: bool) -> int:
-    """Dynamic shared memory of one block (the .cu's lowbit_wq_tiled_smem): the ring, and two permuted x buffers."""
+    """Dynamic shared memory of one block (the .cu's lowbit_wq_tiled_smem): the ring, and (mma.sync instances) two
+    permuted x buffers; a wgmma stage holds the scales and zero-points of two 64-k chunks."""
+    if cfg.wg:
+        return cfg.STAGES * (cfg.BN * 64 + cfg.BM * 256 + 4 * cfg.BN + (2 * cfg.BN if zp else 0))
     cps = KS // (32 * lw)
     return cfg.STAGES * (cfg.BN * 64 + cfg.BM * 256 + cps * cfg.BN * 2 + (cps * cfg.BN if zp else 0)) + 2 * cfg.BM * 256
 
@@ -143,8 +155,9 @@ def plan(pw, M: int, cfg: TiledConfig, sms: int) -> Plan:
     blocks (at most 2 a SM, by registers; fewer where the ring's shared memory does not fit two), no empty split."""
     lw = words_per_lane(pw.group)
     smem = smem_bytes(cfg, lw, pw.zero is not None)
-    # registers: every instance is compiled for 16 warps a SM (128 registers a thread)
-    per_sm = max(1, min(16 // cfg.warps, SMEM_PER_SM // smem))
+    # registers: every mma.sync instance is compiled for 16 warps a SM (128 registers a thread), the wgmma ones for one
+    # block a SM (up to 204 registers a thread)
+    per_sm = 1 if cfg.wg else max(1, min(16 // cfg.warps, SMEM_PER_SM // smem))
     tiles = math.ceil(pw.N / cfg.BN) * math.ceil(M / cfg.BM)
     stages = pw.K // KS
     sk = cfg.SPLITK or max(1, per_sm * sms // tiles)
@@ -164,10 +177,10 @@ def cache_path(arch: str, *, cache_dir: Path | None = None, defines: tuple[str, 
 def _load(path: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(path))
     P, I, L = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong
-    lib.lowbit_wq_tiled.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P] + [I] * 15 + [ctypes.c_ulonglong,
+    lib.lowbit_wq_tiled.argtypes = [P, L, P, P, I, P, P, I, P, L, I, P, P] + [I] * 16 + [ctypes.c_ulonglong,
                                                                                       ctypes.POINTER(I)]
     lib.lowbit_wq_tiled.restype = I
-    lib.lowbit_wq_tiled_smem.argtypes = [I] * 7
+    lib.lowbit_wq_tiled_smem.argtypes = [I] * 8
     lib.lowbit_wq_tiled_smem.restype = I
     lib.lowbit_wq_tiled_error.argtypes = [I]
     lib.lowbit_wq_tiled_error.restype = ctypes.c_char_p
@@ -194,7 +207,8 @@ def occupancy(pw, M: int, cfg: TiledConfig, device) -> int:
     out = ctypes.c_int(0)
     rc = lib.lowbit_wq_tiled(None, 0, None, None, _KIND[pw.scale.dtype], None if pw.zero is None else 1, None, 0,
                              None, 0, 0, None, None, M, pw.N, pw.K, pw.group, pl.lw, cfg.WN, cfg.WM, cfg.RT, cfg.MTW,
-                             cfg.STAGES, int(cfg.fold), pl.stages_per_split, pl.splitk, int(cfg.pdl), cfg.L2P, 0,
+                             cfg.STAGES, int(cfg.fold), int(cfg.wg), pl.stages_per_split, pl.splitk, int(cfg.pdl),
+                             cfg.L2P, 0,
                              ctypes.byref(out))
     if rc != 0:
         raise LowbitError(f"occupancy query for {cfg.name} failed: {lib.lowbit_wq_tiled_error(rc).decode()}")
@@ -230,8 +244,8 @@ def linear(x: torch.Tensor, pw, config: TiledConfig | None = None, out_dtype: to
                              _KIND[pw.bias.dtype] if pw.bias is not None else 0, y.data_ptr(), y.stride(0),
                              _KIND[out_dtype], None if ws is None else ws.data_ptr(),
                              None if cnt is None else cnt.data_ptr(), M, pw.N, K, pw.group, pl.lw, cfg.WN, cfg.WM,
-                             cfg.RT, cfg.MTW, cfg.STAGES, int(cfg.fold), pl.stages_per_split, pl.splitk, int(cfg.pdl),
-                             cfg.L2P, stream, None)
+                             cfg.RT, cfg.MTW, cfg.STAGES, int(cfg.fold), int(cfg.wg), pl.stages_per_split, pl.splitk,
+                             int(cfg.pdl), cfg.L2P, stream, None)
     if rc != 0:
         msg = lib.lowbit_wq_tiled_error(rc).decode()
         raise LowbitError(f"CUDA weight kernel {cfg.name} failed at M={M} N={pw.N} K={K}: {msg}")

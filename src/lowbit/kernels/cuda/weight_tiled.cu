@@ -133,6 +133,30 @@ __device__ __forceinline__ void mma_bf16(float* d, const uint32_t* a, uint32_t b
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Split-K: every block has written its fp32 partial of the tile to p.ws; the last split of the tile to arrive sums
+// every split in a fixed order (the result does not depend on which block finished last) and resets the counter for
+// the next launch on this stream.
+template <int BN, int BM, int NT>
+__device__ __forceinline__ void finish_split_k(const Params& p, int n_block, int m_block, int& last_block) {
+  const int tid = threadIdx.x;
+  __threadfence();
+  __syncthreads();
+  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
+  if (tid == 0) last_block = atomicAdd(&p.counters[tile], 1u) == (unsigned)(p.splitk - 1);
+  __syncthreads();
+  if (!last_block) return;
+  __threadfence();
+  for (int idx = tid; idx < BM * BN; idx += NT) {
+    const int mi = idx / BN, n = n_block + idx - mi * BN, m = m_block + mi;
+    if (n >= p.N || m >= p.M) continue;
+    float v = 0.f;
+    for (int ks = 0; ks < p.splitk; ++ks) v += __ldcg(&p.ws[((long long)ks * p.M + m) * p.N + n]);
+    if (p.bias) v += ld_scalar(p.bias, p.bias_kind, n);
+    st_out(p.y, p.out_kind, (long long)m * p.ldy + n, v);
+  }
+  if (tid == 0) p.counters[tile] = 0u;
+}
+
 // The permuted x of a stage: [hs][row][16 units of 8 bytes], unit = the (b0, b1) of one piece (8 k) for the even (hs 0:
 // (k0, k4), (k1, k5)) or odd (hs 1: (k2, k6), (k3, k7)) mma step. A half-warp's 8-byte reads (rows gid 0..3, pieces
 // tig * LW + j) hit 16 distinct units of a 128-byte row when the unit index is XORed with the row's low bits on the
@@ -392,24 +416,266 @@ __global__ void __launch_bounds__(WN * WM * 32, 512 / (WN * WM * 32)) wq_tiled(c
         const int m = m_block + warp_m * MTW * 8 + 8 * t + 2 * tig + (i & 1);
         if (n < p.N && m < p.M) p.ws[((long long)blockIdx.z * p.M + m) * p.N + n] = acc[rt][t][i];
       }
-  // the last split of this tile to arrive sums every split in a fixed order (the result does not depend on which
-  // block finished last) and resets the counter for the next launch on this stream
-  __threadfence();
-  __syncthreads();
-  const int tile = blockIdx.y * gridDim.x + blockIdx.x;
-  if (tid == 0) last_block = atomicAdd(&p.counters[tile], 1u) == (unsigned)(p.splitk - 1);
-  __syncthreads();
-  if (!last_block) return;
-  __threadfence();
-  for (int idx = tid; idx < BM * BN; idx += NT) {
-    const int mi = idx / BN, n = n_block + idx - mi * BN, m = m_block + mi;
-    if (n >= p.N || m >= p.M) continue;
-    float v = 0.f;
-    for (int ks = 0; ks < p.splitk; ++ks) v += __ldcg(&p.ws[((long long)ks * p.M + m) * p.N + n]);
-    if (p.bias) v += ld_scalar(p.bias, p.bias_kind, n);
-    st_out(p.y, p.out_kind, (long long)m * p.ldy + n, v);
+  finish_split_k<BN, BM, NT>(p, n_block, m_block, last_block);
+}
+
+// ---- Hopper (sm_90a): the folded product on wgmma ----
+//
+// s23 (NOTES round 21, ncu): above M ~ 32 the mma.sync kernel above is bound by instruction issue (10-15 warp
+// instructions an mma: the B fragments' shared-memory reads and the per-warp dequantize), not by the weight stream.
+// Here a warpgroup (4 warps) multiplies 64 weight rows by all BM activation rows in one wgmma m64nBMk16: the
+// dequantized weight is the register A operand (each warp's 16 rows in the mma.sync A layout) and x is read by the
+// tensor cores straight from shared memory through a descriptor, once per warpgroup, with no permute: cp.async puts
+// each 16-byte piece of x (8 consecutive k of one activation row) where the B operand's no-swizzle K-major core
+// matrices expect it, so the mma's k order is memory order and the lane (gid, tig) takes nibbles 2 tig, 2 tig + 1
+// (byte tig) of words 2s and 2s + 1 of its rows at step s (one byte-permute puts a byte's two nibbles under the bf16
+// exponent of 128, one lop3 masks them). Always folded: A = bf16((q - zero) * scale) per 64-k chunk's group, the
+// numerics of dequantize + cuBLAS. Operand layouts and the descriptor's (LBO, SBO) reading: benchmarks/probes/
+// wgmma_rs_layout.cu (s22, H200).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ == 900 && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define LOWBIT_SM90_WGMMA 1
+#endif
+
+__device__ __forceinline__ void wg_fence() {
+#ifdef LOWBIT_SM90_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void wg_commit() {
+#ifdef LOWBIT_SM90_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#endif
+}
+template <int N>
+__device__ __forceinline__ void wg_wait() {
+#ifdef LOWBIT_SM90_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+#endif
+}
+// cp.async writes shared memory through the generic proxy, wgmma reads it through the async proxy
+__device__ __forceinline__ void fence_async_smem() {
+#ifdef LOWBIT_SM90_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+// keeps the compiler from moving accumulators that an in-flight wgmma owns
+template <int N>
+__device__ __forceinline__ void fence_acc(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+
+// no-swizzle K-major B descriptor: core matrix (n block, k block) at start + n * 2048 + k * 128 (LBO 128, SBO 2048)
+__device__ __forceinline__ uint64_t b_desc(uint32_t smem_addr) {
+  return static_cast<uint64_t>((smem_addr & 0x3FFFF) >> 4) | (static_cast<uint64_t>(128 >> 4) << 16) |
+         (static_cast<uint64_t>(2048 >> 4) << 32);
+}
+
+__device__ __forceinline__ void wgmma_n64(float (&d)[32], const uint32_t (&a)[4], uint64_t desc) {
+#ifdef LOWBIT_SM90_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
+      "}, {%32,%33,%34,%35}, %36, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#endif
+}
+__device__ __forceinline__ void wgmma_n128(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+#ifdef LOWBIT_SM90_WGMMA
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,"
+      "%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,"
+      "%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,"
+      "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+      "}, {%64,%65,%66,%67}, %68, p, 1, 1, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]),
+        "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]),
+        "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]),
+        "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]),
+        "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]),
+        "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]),
+        "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]),
+        "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+#endif
+}
+
+template <int BM>
+__device__ __forceinline__ void wgmma_bm(float (&d)[BM / 2], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (BM == 64) wgmma_n64(d, a, desc);
+  else wgmma_n128(d, a, desc);
+}
+
+// Byte b of w -> bf16x2 (128 + low nibble, 128 + high nibble); sel = b | (4 + b) << 8.
+__device__ __forceinline__ uint32_t byte_nibbles(uint32_t w, uint32_t sel) { return nib_pair(__byte_perm(w, w >> 4, sel)); }
+
+// One ring stage: weights BN x 64 bytes (16-byte pieces XOR-swizzled by row bits 1-2, so the 8 rows a warp reads
+// at once hit 8 distinct bank groups), x as B core matrices [BM / 8][16 k blocks][8 rows][16 bytes], scales and
+// zero-points of the stage's two 64-k chunks.
+template <bool ZP, int BN, int BM>
+struct WgStage {
+  static constexpr int W = 0;
+  static constexpr int X = BN * 64;
+  static constexpr int S = X + BM * 256;
+  static constexpr int Z = S + 2 * BN * 2;
+  static constexpr int BYTES = Z + (ZP ? 2 * BN : 0);
+};
+
+// NWG warpgroups, each RT m64 tiles of weight rows (BN = 64 * NWG * RT) x BM activation rows; a ring of STAGES, of
+// which STAGES - 2 are in flight ahead: a slot is refilled two stages after its wgmmas were issued, and each step
+// leaves at most one wgmma group in flight behind it, so the refill never races a read.
+template <bool ZP, int NWG, int RT, int BM, int STAGES>
+__global__ void __launch_bounds__(NWG * 128, 1) wq_wgmma(const Params p) {
+#ifdef LOWBIT_SM90_WGMMA
+  constexpr int BN = NWG * RT * 64, NT = NWG * 128, D = STAGES - 2;
+  static_assert(D >= 1 && (BM == 64 || BM == 128), "wgmma instance");
+  using St = WgStage<ZP, BN, BM>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ int last_block;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int gid = lane >> 2, tig = lane & 3;
+  const int n_block = blockIdx.x * BN, m_block = blockIdx.y * BM;
+  const int wpr = p.K / 8;
+  const int st_begin = blockIdx.z * p.stages_per_split;
+  const int nst = min(p.K / KS - st_begin, p.stages_per_split);
+  const int rot = nst > 0 ? (int)((blockIdx.x + 5u * blockIdx.y) % (unsigned)nst) : 0;
+
+  auto load = [&](int buf, int st) {
+    unsigned char* base = smem + buf * St::BYTES;
+    const int k0 = (st_begin + (st + rot) % nst) * KS;
+    for (int i = tid; i < BN * 4; i += NT) {
+      const int r = i >> 2, pc = i & 3, n = n_block + r;
+      const uint32_t* src = p.qw + (long long)min(n, p.N - 1) * wpr + k0 / 8 + pc * 4;
+      unsigned char* dst = base + St::W + r * 64 + ((pc ^ ((r >> 1) & 3)) << 4);
+      if (p.l2p == 256) cp_async16<256>(dst, src, n < p.N ? 16 : 0);
+      else if (p.l2p == 128) cp_async16<128>(dst, src, n < p.N ? 16 : 0);
+      else cp_async16(dst, src, n < p.N ? 16 : 0);
+    }
+    for (int i = tid; i < BM * 16; i += NT) {
+      const int r = i >> 4, kb = i & 15, m = m_block + r;
+      const __nv_bfloat16* src = p.x + (long long)min(m, p.M - 1) * p.ldx + k0 + kb * 8;
+      cp_async16(base + St::X + (r >> 3) * 2048 + kb * 128 + (r & 7) * 16, src, m < p.M ? 16 : 0);
+    }
+    for (int i = tid; i < 2 * BN / 8; i += NT) {
+      const int ch = i / (BN / 8), q = i - ch * (BN / 8), n = n_block + q * 8;
+      const long long g = (k0 + ch * 64) / p.group;
+      const unsigned short* src = reinterpret_cast<const unsigned short*>(p.scale) + g * p.N + min(n, p.N - 8);
+      cp_async16(base + St::S + (ch * BN + q * 8) * 2, src, n < p.N ? 16 : 0);
+    }
+    if constexpr (ZP) {
+      for (int i = tid; i < 2 * BN / 16; i += NT) {
+        const int ch = i / (BN / 16), q = i - ch * (BN / 16), n = n_block + q * 16;
+        const long long g = (k0 + ch * 64) / p.group;
+        cp_async16(base + St::Z + ch * BN + q * 16, p.zero + g * p.N + min(n, p.N - 16), n < p.N ? 16 : 0);
+      }
+    }
+  };
+
+  pdl_launch_dependents();
+  for (int st = 0; st < D && st < nst; ++st)
+    for (int r = tid; r < BN; r += NT)
+      prefetch_l2(p.qw + (long long)min(n_block + r, p.N - 1) * wpr + (st_begin + (st + rot) % nst) * KS / 8);
+  pdl_wait();
+
+#pragma unroll
+  for (int s = 0; s < D; ++s) {
+    if (s < nst) load(s, s);
+    cp_async_commit();
   }
-  if (tid == 0) p.counters[tile] = 0u;
+
+  float acc[RT][BM / 2];
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int i = 0; i < BM / 2; ++i) acc[rt][i] = 0.f;
+
+  const int row0 = (warp >> 2) * RT * 64 + (warp & 3) * 16 + gid;  // + 64 rt, + 8 h
+  const int key = (gid >> 1) & 3;                                  // the swizzle of every row the lane reads
+  const uint32_t sel = tig | ((4 + tig) << 8);
+  const uint32_t smem0 = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+
+  for (int st = 0; st < nst; ++st) {
+    cp_async_wait<D - 1>();  // this thread's copies of stage st have landed
+    fence_async_smem();
+    __syncthreads();  // every thread's copies; every warpgroup is past stage st - 2's wgmmas
+    if (st + D < nst) load((st + D) % STAGES, st + D);
+    cp_async_commit();
+
+    const int slot = st % STAGES;
+    const unsigned char* base = smem + slot * St::BYTES;
+    const uint32_t xs = smem0 + slot * St::BYTES + St::X;
+#pragma unroll
+    for (int ch = 0; ch < 2; ++ch) {
+      uint32_t sub2[RT][2], sc2[RT][2];  // bf16x2 (136 + zero), (scale, scale) of the lane's rows in chunk ch
+#pragma unroll
+      for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int r = row0 + rt * 64 + 8 * h;
+          float z = 0.f;
+          if constexpr (ZP) z = (float)reinterpret_cast<const int8_t*>(base + St::Z)[ch * BN + r];
+          sub2[rt][h] = pack_bf16x2(136.f + z, 136.f + z);
+          const uint32_t sr = reinterpret_cast<const unsigned short*>(base + St::S)[ch * BN + r];
+          sc2[rt][h] = sr | (sr << 16);
+        }
+#pragma unroll
+      for (int s4 = 0; s4 < 4; ++s4) {
+        const int s = ch * 4 + s4;  // k16 step of the stage: words 2s, 2s + 1 of every row
+        uint32_t a[RT][4];
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const uint2 w = *reinterpret_cast<const uint2*>(base + St::W + (row0 + rt * 64 + 8 * h) * 64 +
+                                                            (((s >> 1) ^ key) << 4) + (s & 1) * 8);
+            a[rt][h] = bf16x2_mul(bf16x2_sub(byte_nibbles(w.x, sel), sub2[rt][h]), sc2[rt][h]);
+            a[rt][2 + h] = bf16x2_mul(bf16x2_sub(byte_nibbles(w.y, sel), sub2[rt][h]), sc2[rt][h]);
+          }
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) fence_acc(acc[rt]);
+        wg_fence();
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) wgmma_bm<BM>(acc[rt], a[rt], b_desc(xs + s * 256));
+        wg_commit();
+        wg_wait<1>();
+#pragma unroll
+        for (int rt = 0; rt < RT; ++rt) fence_acc(acc[rt]);
+      }
+    }
+  }
+  wg_wait<0>();
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt) fence_acc(acc[rt]);
+  cp_async_wait<0>();
+
+  // D fragment: acc[rt][4j + e] is (weight row row0 + 64 rt + 8 (e >= 2), activation row 8j + 2 tig + (e & 1))
+#pragma unroll
+  for (int rt = 0; rt < RT; ++rt)
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int n = n_block + row0 + rt * 64 + 8 * (e >> 1);
+        const int m = m_block + 8 * j + 2 * tig + (e & 1);
+        if (n >= p.N || m >= p.M) continue;
+        if (p.splitk == 1) {
+          const float b = p.bias ? ld_scalar(p.bias, p.bias_kind, n) : 0.f;
+          st_out(p.y, p.out_kind, (long long)m * p.ldy + n, acc[rt][4 * j + e] + b);
+        } else {
+          p.ws[((long long)blockIdx.z * p.M + m) * p.N + n] = acc[rt][4 * j + e];
+        }
+      }
+  if (p.splitk > 1) finish_split_k<BN, BM, NT>(p, n_block, m_block, last_block);
+#endif
 }
 
 // <<<>>> or, with p.pdl, cudaLaunchKernelEx with programmatic stream serialization (a programmatic edge when
@@ -435,22 +701,57 @@ int launch_kernel(Kern kern, dim3 grid, int threads, int smem, cudaStream_t stre
   return (int)e;
 }
 
-template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES, bool FOLD>
-int launch(const Params& p, cudaStream_t stream, int* occupancy) {
-  auto kern = wq_tiled<LW, ZP, WN, WM, RT, MTW, STAGES, FOLD>;
-  constexpr int BN = WN * RT * 16, BM = WM * MTW * 8;
-  const int smem = STAGES * Stage<LW, ZP, BN, BM>::BYTES + 2 * Stage<LW, ZP, BN, BM>::XP;
-  static int smem_set[64] = {0};
+// Opts the kernel into `smem` bytes of dynamic shared memory once per device (every instance opts in: its static
+// shared memory, last_block, counts against the default), then launches it, or with `occupancy` only asks.
+template <typename Kern>
+int launch_tile(Kern kern, int bn, int bm, int threads, int smem, int* smem_set, const Params& p, cudaStream_t stream,
+                int* occupancy) {
   int dev = 0;
   cudaGetDevice(&dev);
-  if (dev >= 64 || smem > smem_set[dev]) {  // every instance opts in (static shared memory: last_block)
+  if (dev >= 64 || smem > smem_set[dev]) {
     cudaError_t e = cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
     if (e != cudaSuccess) return (int)e;
     if (dev < 64) smem_set[dev] = smem;
   }
-  if (occupancy) return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(occupancy, kern, WN * WM * 32, smem);
-  dim3 grid((p.N + BN - 1) / BN, (p.M + BM - 1) / BM, p.splitk);
-  return launch_kernel(kern, grid, WN * WM * 32, smem, stream, p);
+  if (occupancy) return (int)cudaOccupancyMaxActiveBlocksPerMultiprocessor(occupancy, kern, threads, smem);
+  dim3 grid((p.N + bn - 1) / bn, (p.M + bm - 1) / bm, p.splitk);
+  return launch_kernel(kern, grid, threads, smem, stream, p);
+}
+
+template <int LW, bool ZP, int WN, int WM, int RT, int MTW, int STAGES, bool FOLD>
+int launch(const Params& p, cudaStream_t stream, int* occupancy) {
+  constexpr int BN = WN * RT * 16, BM = WM * MTW * 8;
+  static int smem_set[64] = {0};
+  return launch_tile(wq_tiled<LW, ZP, WN, WM, RT, MTW, STAGES, FOLD>, BN, BM, WN * WM * 32,
+                     STAGES * Stage<LW, ZP, BN, BM>::BYTES + 2 * Stage<LW, ZP, BN, BM>::XP, smem_set, p, stream,
+                     occupancy);
+}
+
+template <bool ZP, int NWG, int RT, int BM, int STAGES>
+int launch_wg(const Params& p, cudaStream_t stream, int* occupancy) {
+  constexpr int BN = NWG * RT * 64;
+  static int smem_set[64] = {0};
+  return launch_tile(wq_wgmma<ZP, NWG, RT, BM, STAGES>, BN, BM, NWG * 128, STAGES * WgStage<ZP, BN, BM>::BYTES,
+                     smem_set, p, stream, occupancy);
+}
+
+// The wgmma instances: (WN = 4 warps a warpgroup, RT m64 tiles a warpgroup, MTW = BM / 8, STAGES); always folded.
+// Listed once here and in weight_tiled.TILES_WG.
+template <bool ZP>
+int by_tile_wg(const Params& p, int wn, int rt, int mtw, int stages, cudaStream_t s, int* occ) {
+#define LOWBIT_WG(WN_, RT_, MTW_, ST_) \
+  if (wn == WN_ && rt == RT_ && mtw == MTW_ && stages == ST_) return launch_wg<ZP, WN_ / 4, RT_, MTW_ * 8, ST_>(p, s, occ);
+#ifdef LOWBIT_COMPILE_CHECK
+  LOWBIT_WG(8, 2, 8, 4)
+#else
+  LOWBIT_WG(8, 2, 16, 4)  // 256 x 128, 2 warpgroups of 2 m64 tiles
+  LOWBIT_WG(8, 1, 16, 4)  // 128 x 128
+  LOWBIT_WG(8, 2, 8, 4)   // 256 x 64
+  LOWBIT_WG(16, 1, 8, 4)  // 256 x 64, 4 warpgroups
+  LOWBIT_WG(8, 1, 8, 6)   // 128 x 64, 6 stages
+#endif
+#undef LOWBIT_WG
+  return -2;
 }
 
 // The instances: (WN, WM, RT, MTW, STAGES) -> tile BN x BM, exact (fp32 partials) or FOLD. Listed once here and in
@@ -482,8 +783,9 @@ int by_tile(const Params& p, int wn, int wm, int rt, int mtw, int stages, int fo
 extern "C" {
 
 // Shared memory one block of this tile takes (the caller checks it against the device).
-int lowbit_wq_tiled_smem(int lw, int zp, int wn, int wm, int rt, int mtw, int stages) {
+int lowbit_wq_tiled_smem(int lw, int zp, int wn, int wm, int rt, int mtw, int stages, int wg) {
   const int bn = wn * rt * 16, bm = wm * mtw * 8, cps = KS / (32 * lw);
+  if (wg) return stages * (bn * 64 + bm * 256 + 4 * bn + (zp ? 2 * bn : 0));
   return stages * (bn * 64 + bm * 256 + cps * bn * 2 + (zp ? cps * bn : 0)) + 2 * bm * 256;
 }
 
@@ -492,7 +794,7 @@ int lowbit_wq_tiled_smem(int lw, int zp, int wn, int wm, int rt, int mtw, int st
 int lowbit_wq_tiled(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind, const void* zero,
                     const void* bias, int bias_kind, void* y, long long ldy, int out_kind, float* ws,
                     unsigned* counters, int M, int N, int K, int group, int lw, int wn, int wm, int rt, int mtw,
-                    int stages, int fold, int stages_per_split, int splitk, int pdl, int l2p,
+                    int stages, int fold, int wg, int stages_per_split, int splitk, int pdl, int l2p,
                     unsigned long long stream, int* occupancy) {
   if (scale_kind != KIND_BF16 && (fold || scale_kind != KIND_FP16)) return -3;
   if (K % KS || N % 16) return -4;
@@ -520,6 +822,16 @@ int lowbit_wq_tiled(const void* x, long long ldx, const void* qw, const void* sc
   p.l2p = l2p;
   cudaStream_t s = reinterpret_cast<cudaStream_t>(stream);
   const bool zp = zero != nullptr;
+  if (wg) {
+    int dev = 0, major = 0, minor = 0;
+    cudaGetDevice(&dev);
+    cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev);
+    cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
+    if (major != 9 || minor != 0) return -5;
+    if (!fold || wm != 1) return -2;
+    return zp ? by_tile_wg<true>(p, wn, rt, mtw, stages, s, occupancy)
+              : by_tile_wg<false>(p, wn, rt, mtw, stages, s, occupancy);
+  }
   if (lw == 4) return zp ? by_tile<4, true>(p, wn, wm, rt, mtw, stages, fold, s, occupancy)
                          : by_tile<4, false>(p, wn, wm, rt, mtw, stages, fold, s, occupancy);
   if (lw == 2) return zp ? by_tile<2, true>(p, wn, wm, rt, mtw, stages, fold, s, occupancy)
@@ -532,6 +844,7 @@ const char* lowbit_wq_tiled_error(int code) {
   if (code == -2) return "no instance for this tile (warps along N x M, row tiles, activation tiles, stages)";
   if (code == -3) return "scales must be bf16 or fp16 (bf16 for the folded kernel)";
   if (code == -4) return "K must be a multiple of 128 and N of 16";
+  if (code == -5) return "the wgmma instances run on sm_90 (Hopper) only";
   return cudaGetErrorString(static_cast<cudaError_t>(code));
 }
 
