@@ -448,12 +448,11 @@ def tiled_configs(M: int):
 
 
 def wgmma_configs(M: int):
-    """The tiled kernel's wgmma instances (sm_90a, folded): 64 activation rows a block from M 17, 128 from M 65."""
-    cfgs = [TiledConfig(8, 1, 2, 8, 4, fold=True, wg=True), TiledConfig(16, 1, 1, 8, 4, fold=True, wg=True),
-            TiledConfig(8, 1, 1, 8, 6, fold=True, wg=True)]
-    if M > 64:
-        cfgs += [TiledConfig(8, 1, 2, 16, 4, fold=True, wg=True), TiledConfig(8, 1, 1, 16, 4, fold=True, wg=True)]
-    return cfgs
+    """The tiled kernel's wgmma instances (sm_90a, folded; weight_tiled.TILES_WG): 64 activation rows a block from
+    M 17, 128 from M 65."""
+    from lowbit.kernels.weight_tiled import TILES_WG
+
+    return [TiledConfig(*t[:5], fold=True, wg=t[5]) for t in sorted(TILES_WG) if M > 64 or t[3] * 8 <= 64]
 
 
 def explore_cuda_tiled(rows, log, wgmma: bool = False):

@@ -32,7 +32,7 @@ def test_tiled_cu_compiles_with_nvcc(tmp_path):
     hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
     lib = wt._load(so)
     for cfg in (TiledConfig(4, 2, 2, 4, 3), TiledConfig(4, 2, 2, 8, 2, fold=True),
-                TiledConfig(8, 1, 2, 8, 4, fold=True, wg=True)):
+                TiledConfig(8, 1, 2, 8, 4, fold=True, wg=3)):
         for lw, zp in ((4, False), (2, True)):
             assert lib.lowbit_wq_tiled_smem(lw, int(zp), cfg.WN, cfg.WM, cfg.RT, cfg.MTW, cfg.STAGES, int(cfg.wg)) == \
                 wt.smem_bytes(cfg, lw, zp)
@@ -53,7 +53,7 @@ def test_tiled_cu_compiles_with_nvcc(tmp_path):
 
 def test_names_conditions_and_plan():
     for cfg in (TiledConfig(), TiledConfig(8, 1, 1, 4, 3, 3, pdl=False), TiledConfig(4, 1, 2, 8, 3, L2P=0, fold=True),
-                TiledConfig(8, 1, 2, 16, 4, fold=True, wg=True)):
+                TiledConfig(8, 1, 2, 16, 4, fold=True, wg=1), TiledConfig(16, 1, 1, 8, 4, fold=True, wg=3)):
         assert TiledConfig.from_name(cfg.name) == cfg and config_from_name("cuda", cfg.name) == cfg
     assert (TiledConfig().BN, TiledConfig().BM, TiledConfig(4, 2, 2, 8, 2).BM) == (128, 64, 128)
     with pytest.raises(ValueError, match="not a TiledConfig"):
@@ -71,11 +71,14 @@ def test_names_conditions_and_plan():
         "bf16 activations": wt.why_not(ok, torch.float16),
         "no tiled-kernel instance": wt.why_not(ok, config=TiledConfig(4, 2, 2, 4, 5)),
         "bf16 scales when folded": wt.why_not(half, config=TiledConfig(fold=True)),
-        "add -bw": wt.why_not(ok, config=TiledConfig(8, 1, 2, 16, 4, wg=True)),
-        "instances (WN, WM, RT, MTW, STAGES) wgmma": wt.why_not(ok, config=TiledConfig(4, 2, 2, 4, 3, fold=True, wg=True)),
+        "add -bw": wt.why_not(ok, config=TiledConfig(8, 1, 2, 16, 4, wg=1)),
+        "groups in flight) wgmma": wt.why_not(ok, config=TiledConfig(4, 2, 2, 4, 3, fold=True, wg=1)),
+        "instances (WN, WM, RT, MTW, STAGES, groups": wt.why_not(ok, config=TiledConfig(8, 1, 2, 16, 4, fold=True, wg=2)),
     }
-    assert wt.why_not(ok, config=TiledConfig(8, 1, 2, 16, 4, fold=True, wg=True)) is None
-    assert (TiledConfig(8, 1, 2, 16, 4, wg=True).BN, TiledConfig(8, 1, 2, 16, 4, wg=True).BM) == (256, 128)
+    assert wt.why_not(ok, config=TiledConfig(8, 1, 2, 16, 4, fold=True, wg=1)) is None
+    assert TiledConfig.from_name("cuda-tl-wn16-wm1-rt1-mt8-s4-sk0-bw-wg3-pdl").wg == 3
+    assert TiledConfig.from_name("cuda-tl-wn16-wm1-rt1-mt8-s4-sk0-bw-wg-pdl").wg == 1
+    assert (TiledConfig(8, 1, 2, 16, 4, wg=1).BN, TiledConfig(8, 1, 2, 16, 4, wg=1).BM) == (256, 128)
     assert TiledConfig.from_name(TiledConfig(8, 1, 1, 8, fold=True).name).fold
     assert wt.why_not(ok, config=TiledConfig(8, 1, 1, 8, 3)) is not None  # a folded-only tile asked exact
     assert wt.rounds_weight_to_bf16("cuda:" + TiledConfig(fold=True).name)
@@ -246,7 +249,7 @@ def _emulate_block_wg(x, pw, cfg: TiledConfig, n_block, m_block):
 def test_wgmma_index_math_emulated_matches_folded_product(scheme):
     """A one-warpgroup tile of 64 x 16 (the emulation takes any WN/RT/MTW) over a weight whose second row block runs
     past N and an activation block past M, against the product with the weight rounded to bf16."""
-    cfg = TiledConfig(4, 1, 1, 2, 4, fold=True, wg=True)
+    cfg = TiledConfig(4, 1, 1, 2, 4, fold=True, wg=1)
     N, K, M = 80, 256, 13
     pw = random_weight(scheme, N, K, "cpu", seed=5)
     x = torch.randn(M, K).bfloat16()
@@ -282,8 +285,8 @@ def test_gpu_tiled_matches_twin(scheme, N, K):
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("tile,fold,wgmma", [(t, False, False) for t in INSTANCES] +
-                         [(t, True, False) for t in sorted(wt.TILES_FOLD)] + [(t, True, True) for t in sorted(wt.TILES_WG)])
+@pytest.mark.parametrize("tile,fold,wgmma", [(t, False, 0) for t in INSTANCES] +
+                         [(t, True, 0) for t in sorted(wt.TILES_FOLD)] + [(t[:5], True, t[5]) for t in sorted(wt.TILES_WG)])
 def test_gpu_every_instance_and_split_agree(tile, fold, wgmma):
     """Exact instances against the twin; folded ones against the product with the weight rounded to bf16 (what
     dequantize + cuBLAS multiplies), at summation-order error, and the twin at the dequantize bound."""
@@ -319,7 +322,7 @@ def test_gpu_strided_x_fp16_scales_and_no_pdl():
 
 @gpu
 @needs_cuda
-@pytest.mark.parametrize("cfg", [TiledConfig(SPLITK=4), TiledConfig(8, 1, 2, 8, 4, SPLITK=4, fold=True, wg=True)])
+@pytest.mark.parametrize("cfg", [TiledConfig(SPLITK=4), TiledConfig(8, 1, 2, 8, 4, SPLITK=4, fold=True, wg=3)])
 def test_gpu_tiled_graph_replay(cfg):
     """Split-K forced: the workspace and the counters inside the graph."""
     pw = random_weight("w4a16-g128", 4096, 4096, "cuda")

@@ -33,8 +33,10 @@ SOURCE = Path(__file__).with_name("cuda") / "weight_tiled.cu"
 # (WN, WM, RT, MTW, STAGES): the instances in the library (by_tile in the .cu), exact and folded
 TILES = {(8, 1, 1, 4, 3), (4, 2, 2, 4, 3), (4, 2, 1, 4, 3)}
 TILES_FOLD = {(8, 1, 1, 4, 3), (4, 2, 2, 4, 3), (8, 1, 1, 8, 3), (4, 1, 2, 8, 3), (4, 2, 2, 8, 2)}
-# the wgmma instances (sm_90a; always folded): WN = 4 warps a warpgroup, RT m64 tiles a warpgroup, MTW = BM / 8
-TILES_WG = {(8, 1, 2, 16, 4), (8, 1, 1, 16, 4), (8, 1, 2, 8, 4), (16, 1, 1, 8, 4), (8, 1, 1, 8, 6)}
+# the wgmma instances (sm_90a; always folded): WN = 4 warps a warpgroup, RT m64 tiles a warpgroup, MTW = BM / 8, and
+# the wgmma groups left in flight behind each step (TiledConfig.wg)
+TILES_WG = {(8, 1, 2, 16, 4, 1), (8, 1, 1, 16, 4, 1), (8, 1, 2, 8, 4, 1), (16, 1, 1, 8, 4, 1),
+            (16, 1, 1, 8, 4, 3), (8, 1, 1, 16, 4, 3), (8, 1, 2, 8, 4, 3)}
 KS = 128  # k per pipeline stage
 SMEM_PER_SM = 227 * 1024  # usable shared memory per SM (H100/H200); the occupancy query is the device's answer
 _lock = threading.Lock()
@@ -58,9 +60,10 @@ class TiledConfig:
     # the A fragment rounded to bf16((q - z) * scale) and accumulated straight into the output (name suffix -bw):
     # the numerics of dequantize + cuBLAS (the weight rounded to bf16 once), so its audit bound is theirs
     fold: bool = False
-    # Hopper wgmma (name suffix -wg): each warpgroup multiplies 64 * RT weight rows by all BM activation rows per
-    # instruction, x read by the tensor cores from shared memory; needs fold and sm_90
-    wg: bool = False
+    # Hopper wgmma (name suffix -wg, -wg<k>): each warpgroup multiplies 64 * RT weight rows by all BM activation rows
+    # per instruction, x read by the tensor cores from shared memory, k (1 for -wg) wgmma groups left in flight
+    # behind each step; 0: the mma.sync kernel. Needs fold and sm_90
+    wg: int = 0
 
     @property
     def BN(self) -> int:
@@ -78,16 +81,16 @@ class TiledConfig:
     def name(self) -> str:
         return (f"cuda-tl-wn{self.WN}-wm{self.WM}-rt{self.RT}-mt{self.MTW}-s{self.STAGES}-sk{self.SPLITK}"
                 + ("" if self.L2P == 256 else f"-l2p{self.L2P}") + ("-bw" if self.fold else "")
-                + ("-wg" if self.wg else "") + ("-pdl" if self.pdl else ""))
+                + ("" if not self.wg else "-wg" if self.wg == 1 else f"-wg{self.wg}") + ("-pdl" if self.pdl else ""))
 
     @classmethod
     def from_name(cls, name: str) -> TiledConfig:
-        m = re.fullmatch(r"cuda-tl-wn(\d+)-wm(\d+)-rt(\d+)-mt(\d+)-s(\d+)-sk(\d+)(?:-l2p(\d+))?(-bw)?(-wg)?(-pdl)?",
+        m = re.fullmatch(r"cuda-tl-wn(\d+)-wm(\d+)-rt(\d+)-mt(\d+)-s(\d+)-sk(\d+)(?:-l2p(\d+))?(-bw)?(-wg(\d*))?(-pdl)?",
                          name)
         if m is None:
             raise ValueError(f"not a TiledConfig name: {name!r}")
-        return cls(*(int(m[i]) for i in range(1, 7)), pdl=m[10] is not None, L2P=int(m[7] or 256),
-                   fold=m[8] is not None, wg=m[9] is not None)
+        return cls(*(int(m[i]) for i in range(1, 7)), pdl=m[11] is not None, L2P=int(m[7] or 256),
+                   fold=m[8] is not None, wg=0 if m[9] is None else int(m[10] or 1))
 
 
 def rounds_weight_to_bf16(kernel: str) -> bool:
@@ -111,9 +114,10 @@ def why_not(pw, x_dtype=torch.bfloat16, M: int | None = None, config: TiledConfi
     if cfg.wg and not cfg.fold:
         return f"{cfg.name}: the wgmma instances multiply the folded weight (bf16((q - z) * scale)): add -bw"
     tiles = TILES_WG if cfg.wg else TILES_FOLD if cfg.fold else TILES
-    if (cfg.WN, cfg.WM, cfg.RT, cfg.MTW, cfg.STAGES) not in tiles:
-        return (f"no tiled-kernel instance for {cfg.name} (instances (WN, WM, RT, MTW, STAGES)"
-                f"{' wgmma' if cfg.wg else ' folded' if cfg.fold else ''}: {sorted(tiles)})")
+    key = (cfg.WN, cfg.WM, cfg.RT, cfg.MTW, cfg.STAGES) + ((cfg.wg,) if cfg.wg else ())
+    if key not in tiles:
+        return (f"no tiled-kernel instance for {cfg.name} (instances (WN, WM, RT, MTW, STAGES"
+                f"{', groups in flight) wgmma' if cfg.wg else ') folded' if cfg.fold else ')'}: {sorted(tiles)})")
     if pw.bits != 4 or pw.a_bits != 16:
         return f"the tiled CUDA kernel is 4-bit weight-only (A16), not {pw.kind}"
     if x_dtype != torch.bfloat16:

@@ -531,12 +531,14 @@ struct WgStage {
 
 // NWG warpgroups, each RT m64 tiles of weight rows (BN = 64 * NWG * RT) x BM activation rows; a ring of STAGES, of
 // which STAGES - 2 are in flight ahead: a slot is refilled two stages after its wgmmas were issued, and each step
-// leaves at most one wgmma group in flight behind it, so the refill never races a read.
-template <bool ZP, int NWG, int RT, int BM, int STAGES>
+// leaves at most WD (<= 8, one stage of steps) wgmma groups in flight behind it, so the refill never races a read.
+// WD: s24 call 1 measured WD 1 at ~600 cycles a k16 step whatever M (NOTES round 22): with WD groups in flight the
+// dequantize of a step waits only for the wgmma WD + 1 steps back.
+template <bool ZP, int NWG, int RT, int BM, int STAGES, int WD>
 __global__ void __launch_bounds__(NWG * 128, 1) wq_wgmma(const Params p) {
 #ifdef LOWBIT_SM90_WGMMA
   constexpr int BN = NWG * RT * 64, NT = NWG * 128, D = STAGES - 2;
-  static_assert(D >= 1 && (BM == 64 || BM == 128), "wgmma instance");
+  static_assert(D >= 1 && (BM == 64 || BM == 128) && WD >= 1 && WD <= 8, "wgmma instance");
   using St = WgStage<ZP, BN, BM>;
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ int last_block;
@@ -646,7 +648,7 @@ __global__ void __launch_bounds__(NWG * 128, 1) wq_wgmma(const Params p) {
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) wgmma_bm<BM>(acc[rt], a[rt], b_desc(xs + s * 256));
         wg_commit();
-        wg_wait<1>();
+        wg_wait<WD>();
 #pragma unroll
         for (int rt = 0; rt < RT; ++rt) fence_acc(acc[rt]);
       }
@@ -727,28 +729,31 @@ int launch(const Params& p, cudaStream_t stream, int* occupancy) {
                      occupancy);
 }
 
-template <bool ZP, int NWG, int RT, int BM, int STAGES>
+template <bool ZP, int NWG, int RT, int BM, int STAGES, int WD>
 int launch_wg(const Params& p, cudaStream_t stream, int* occupancy) {
   constexpr int BN = NWG * RT * 64;
   static int smem_set[64] = {0};
-  return launch_tile(wq_wgmma<ZP, NWG, RT, BM, STAGES>, BN, BM, NWG * 128, STAGES * WgStage<ZP, BN, BM>::BYTES,
+  return launch_tile(wq_wgmma<ZP, NWG, RT, BM, STAGES, WD>, BN, BM, NWG * 128, STAGES * WgStage<ZP, BN, BM>::BYTES,
                      smem_set, p, stream, occupancy);
 }
 
-// The wgmma instances: (WN = 4 warps a warpgroup, RT m64 tiles a warpgroup, MTW = BM / 8, STAGES); always folded.
-// Listed once here and in weight_tiled.TILES_WG.
+// The wgmma instances: (WN = 4 warps a warpgroup, RT m64 tiles a warpgroup, MTW = BM / 8, STAGES, WD wgmma groups in
+// flight); always folded. Listed once here and in weight_tiled.TILES_WG.
 template <bool ZP>
-int by_tile_wg(const Params& p, int wn, int rt, int mtw, int stages, cudaStream_t s, int* occ) {
-#define LOWBIT_WG(WN_, RT_, MTW_, ST_) \
-  if (wn == WN_ && rt == RT_ && mtw == MTW_ && stages == ST_) return launch_wg<ZP, WN_ / 4, RT_, MTW_ * 8, ST_>(p, s, occ);
+int by_tile_wg(const Params& p, int wn, int rt, int mtw, int stages, int wd, cudaStream_t s, int* occ) {
+#define LOWBIT_WG(WN_, RT_, MTW_, ST_, WD_)                                        \
+  if (wn == WN_ && rt == RT_ && mtw == MTW_ && stages == ST_ && wd == WD_) \
+    return launch_wg<ZP, WN_ / 4, RT_, MTW_ * 8, ST_, WD_>(p, s, occ);
 #ifdef LOWBIT_COMPILE_CHECK
-  LOWBIT_WG(8, 2, 8, 4)
+  LOWBIT_WG(8, 2, 8, 4, 3)
 #else
-  LOWBIT_WG(8, 2, 16, 4)  // 256 x 128, 2 warpgroups of 2 m64 tiles
-  LOWBIT_WG(8, 1, 16, 4)  // 128 x 128
-  LOWBIT_WG(8, 2, 8, 4)   // 256 x 64
-  LOWBIT_WG(16, 1, 8, 4)  // 256 x 64, 4 warpgroups
-  LOWBIT_WG(8, 1, 8, 6)   // 128 x 64, 6 stages
+  LOWBIT_WG(8, 2, 16, 4, 1)  // 256 x 128, 2 warpgroups of 2 m64 tiles
+  LOWBIT_WG(8, 1, 16, 4, 1)  // 128 x 128
+  LOWBIT_WG(8, 2, 8, 4, 1)   // 256 x 64
+  LOWBIT_WG(16, 1, 8, 4, 1)  // 256 x 64, 4 warpgroups
+  LOWBIT_WG(16, 1, 8, 4, 3)  // the s24 call 1 best (256 x 64), 3 groups in flight (not yet run)
+  LOWBIT_WG(8, 1, 16, 4, 3)  // 128 x 128, 3 groups in flight (not yet run)
+  LOWBIT_WG(8, 2, 8, 4, 3)   // 256 x 64, 3 groups in flight (not yet run)
 #endif
 #undef LOWBIT_WG
   return -2;
@@ -790,7 +795,8 @@ int lowbit_wq_tiled_smem(int lw, int zp, int wn, int wm, int rt, int mtw, int st
 }
 
 // y = x @ W^T, 4-bit weights. Returns 0, a cudaError_t, or a negative code (lowbit_wq_tiled_error). With occupancy
-// != null nothing is launched: *occupancy = blocks per SM.
+// != null nothing is launched: *occupancy = blocks per SM. wg: 0 for the mma.sync instances, k >= 1 for the wgmma
+// instance with k groups in flight (sm_90 only).
 int lowbit_wq_tiled(const void* x, long long ldx, const void* qw, const void* scale, int scale_kind, const void* zero,
                     const void* bias, int bias_kind, void* y, long long ldy, int out_kind, float* ws,
                     unsigned* counters, int M, int N, int K, int group, int lw, int wn, int wm, int rt, int mtw,
@@ -829,8 +835,8 @@ int lowbit_wq_tiled(const void* x, long long ldx, const void* qw, const void* sc
     cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev);
     if (major != 9 || minor != 0) return -5;
     if (!fold || wm != 1) return -2;
-    return zp ? by_tile_wg<true>(p, wn, rt, mtw, stages, s, occupancy)
-              : by_tile_wg<false>(p, wn, rt, mtw, stages, s, occupancy);
+    return zp ? by_tile_wg<true>(p, wn, rt, mtw, stages, wg, s, occupancy)
+              : by_tile_wg<false>(p, wn, rt, mtw, stages, wg, s, occupancy);
   }
   if (lw == 4) return zp ? by_tile<4, true>(p, wn, wm, rt, mtw, stages, fold, s, occupancy)
                          : by_tile<4, false>(p, wn, wm, rt, mtw, stages, fold, s, occupancy);
