@@ -10,8 +10,9 @@ by the threads that copied it); K is split across SPLITK blocks (0: as many as
 fill one wave of resident blocks), reduced by the last block of a tile. It reads lowbit's PackedWeight as it is
 (int32 words [N, K/8], scale [G, N] bf16/fp16, zero int8 [G, N]): no repack, the same tensors as every other path.
 Built and cached by lowbit.kernels.nvcc (its own library beside weight_small_m's). On sm_90a the wgmma instances
-(TiledConfig(..., fold=True, wg=k), k wgmma groups in flight) run the same product with a warpgroup per 64 weight rows and x read by the
-tensor cores from shared memory (NOTES round 22: correct, not yet faster, so not in the dispatch table).
+(TiledConfig(..., fold=True, wg=k), k wgmma groups in flight) run the same product with a warpgroup per 64 weight
+rows and x read by the tensor cores from shared memory (NOTES round 22: correct, not yet faster, so not in the
+dispatch table).
 """
 
 from __future__ import annotations
