@@ -38,7 +38,7 @@ def test_tiled_cu_compiles_with_nvcc(tmp_path):
                 wt.smem_bytes(cfg, lw, zp)
     # x, ldx, qw, scale, scale_kind, zero, bias, bias_kind, y, ldy, out_kind, ws, counters, M, N, K, group, lw, wn, wm,
     # rt, mtw, stages, fold, wg, stages_per_split, splitk, pdl, l2p, stream, occupancy: refusals before any launch
-    args = lambda kind, N, K, lw, wn, wg=0: (None, 0, None, None, kind, None, None, 0, None, 0, 0, None, None, 17, N, K,  # noqa: E731
+    args = lambda kind, N, K, lw, wn, wg=0: (None, 0, None, None, kind, None, None, 0, None, 0, 0, None, None, 17, N, K,
                                              128, lw, wn, 1 if wg else 2, 2, 4 if not wg else 8, 4, wg, wg, 1, 1, 0,
                                              256, 0, None)
     for a, code, text in ((args(2, 16, 128, 4, 4), -3, b"bf16 or fp16"), (args(0, 16, 192, 4, 4), -4, b"multiple of 128"),
@@ -121,7 +121,7 @@ def _emulate_block(x, pw, cfg: TiledConfig, n_block, m_block):
     ck, cps = 32 * lw, 128 // (32 * lw)
     words = pw.qweight.to(torch.int64) & 0xFFFFFFFF
     out = torch.zeros(BM, BN, dtype=torch.float64)
-    bf = lambda v: float(torch.tensor(v, dtype=torch.float32).to(torch.bfloat16))  # noqa: E731
+    bf = lambda v: float(torch.tensor(v, dtype=torch.float32).to(torch.bfloat16))
     for st in range(K // 128):
         k0 = st * 128
         XP = torch.zeros(2, BM, 16, 4, dtype=torch.float64)  # the permuted buffer: [hs][row][unit][b0 lo, hi, b1 lo, hi]
@@ -200,7 +200,7 @@ def _emulate_block_wg(x, pw, cfg: TiledConfig, n_block, m_block):
     N, BN, BM = pw.N, cfg.BN, cfg.BM
     words = pw.qweight.to(torch.int64) & 0xFFFFFFFF
     out = torch.zeros(BN, BM, dtype=torch.float64)
-    bf = lambda v: float(torch.tensor(v, dtype=torch.float32).to(torch.bfloat16))  # noqa: E731
+    bf = lambda v: float(torch.tensor(v, dtype=torch.float32).to(torch.bfloat16))
     for st in range(K // 128):
         k0 = st * 128
         wsm = [0] * (BN * 16)  # the weight slot as 32-bit words
