@@ -543,3 +543,14 @@ def _check_emulated_warp_split(pw, lw, nw, M):
         y = _emulate_warp_split(x, pw, lw, nw, n0)
         n = min(16, 21 - n0)
         assert rel(y[:, :n], ref[:, n0:n0 + n]) < 1e-6, (lw, M, n0)  # the twin sums in fp32
+
+
+def test_kernel_input_refuses_before_any_launch():
+    """The checks both CUDA weight kernels' linear share (weight_cuda.kernel_input), in their order."""
+    pw = random_weight("w4a16-g128", 64, 256, "cpu")
+    with pytest.raises(ValueError, match="x has K=128, the weight K=256"):
+        wc.kernel_input(torch.zeros(3, 128, dtype=torch.bfloat16), pw, "not reached")
+    with pytest.raises(ValueError, match="^no instance here$"):
+        wc.kernel_input(torch.zeros(3, 256, dtype=torch.bfloat16), pw, "no instance here")
+    with pytest.raises(ValueError, match="one CUDA device"):
+        wc.kernel_input(torch.zeros(3, 256, dtype=torch.bfloat16), pw, None)

@@ -268,20 +268,26 @@ def _counter_buffer(device, stream: int, n: int) -> torch.Tensor:
     return buf
 
 
-def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """x [M, K] bf16 (1 <= M <= 64) -> y [M, N] in out_dtype (default x's) on the current stream."""
-    cfg = config or CudaConfig()
-    M, K = x.shape
-    if K != pw.K:
-        raise ValueError(f"x has K={K}, the weight K={pw.K}")
-    reason = why_not(pw, x.dtype, M, cfg)
+def kernel_input(x: torch.Tensor, pw, reason: str | None) -> torch.Tensor:
+    """The checks every CUDA weight kernel's linear makes before it launches (x's K, the kernel's own why_not
+    `reason`, one CUDA device), and x as the kernels read it: rows 16-byte aligned, unit stride."""
+    if x.shape[1] != pw.K:
+        raise ValueError(f"x has K={x.shape[1]}, the weight K={pw.K}")
     if reason:
         raise ValueError(reason)
     if not (x.is_cuda and pw.qweight.device == x.device):
         raise ValueError(f"the CUDA kernel needs x and the weight on one CUDA device, got {x.device} / {pw.qweight.device}")
-    out_dtype = out_dtype or x.dtype
     if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
         x = x.contiguous()
+    return x
+
+
+def linear(x: torch.Tensor, pw, config: CudaConfig | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [M, K] bf16 (1 <= M <= 64) -> y [M, N] in out_dtype (default x's) on the current stream."""
+    cfg = config or CudaConfig()
+    M, K = x.shape
+    x = kernel_input(x, pw, why_not(pw, x.dtype, M, cfg))
+    out_dtype = out_dtype or x.dtype
     dev = x.device
     lib, sms = _device(dev)
     pl = plan_warp_split(pw, M, cfg, sms) if cfg.NB else plan(pw, M, cfg, sms)

@@ -28,7 +28,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.kernels import nvcc
-from lowbit.kernels.weight_cuda import _KIND, _counter_buffer
+from lowbit.kernels.weight_cuda import _KIND, _counter_buffer, kernel_input
 
 SOURCE = Path(__file__).with_name("cuda") / "weight_tiled.cu"
 # (WN, WM, RT, MTW, STAGES): the instances in the library (by_tile in the .cu), exact and folded
@@ -226,16 +226,8 @@ def linear(x: torch.Tensor, pw, config: TiledConfig | None = None, out_dtype: to
     """x [M, K] bf16 -> y [M, N] in out_dtype (default x's) on the current stream."""
     cfg = config or TiledConfig()
     M, K = x.shape
-    if K != pw.K:
-        raise ValueError(f"x has K={K}, the weight K={pw.K}")
-    reason = why_not(pw, x.dtype, M, cfg)
-    if reason:
-        raise ValueError(reason)
-    if not (x.is_cuda and pw.qweight.device == x.device):
-        raise ValueError(f"the CUDA kernel needs x and the weight on one CUDA device, got {x.device} / {pw.qweight.device}")
+    x = kernel_input(x, pw, why_not(pw, x.dtype, M, cfg))
     out_dtype = out_dtype or x.dtype
-    if x.stride(1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:
-        x = x.contiguous()
     dev = x.device
     lib, sms = _device(dev)
     pl = plan(pw, M, cfg, sms)

@@ -32,6 +32,10 @@
 #include <cuda_runtime.h>
 #include <stdint.h>
 
+// The small helpers below (Params' kinds, PDL, cp.async, scalar load/store, nib_pair, launch_kernel) repeat
+// weight_small_m.cu's on purpose: lowbit.kernels.nvcc builds each library from one source file and keys its cache
+// (and the libraries carried to the device) on that file's bytes alone, so a shared header would change a kernel
+// without changing its cache key.
 namespace {
 
 enum { KIND_BF16 = 0, KIND_FP16 = 1, KIND_FP32 = 2 };
