@@ -103,21 +103,27 @@ def capture(argv):
     wins = token_windows(lm.tokenizer, open(a.data).read() if a.data else stdlib_text(), a.seq_len, a.windows)
     K, V, SQ, Q, M1, M2 = {}, {}, {}, {}, {}, {}
 
+    from lowbit.kv.key_affine import map_keys, map_queries
+
     def rot(x, r):
         return x.float() if r is None else torch.matmul(x.float(), r)
 
     def obs(module, q, k, v, mask, scaling, softcap):
         i = module.layer_idx
         pl = plan.layers[i]
-        kr = rot(k, pl.rot_k).to(torch.bfloat16)[0, :, SKIP:]  # [H, T', D], as _ingest holds it
+        ka = getattr(pl, "k_affine", None)  # the key affine map, as _ingest applies it before R_k
+        kr = rot(map_keys(k, ka), pl.rot_k).to(torch.bfloat16)[0, :, SKIP:]  # [H, T', D], as _ingest holds it
         vr = rot(v, pl.rot_v).to(torch.bfloat16)[0, :, SKIP:]
-        qr = rot(q, pl.rot_k)[0, :, SKIP:]  # [Hq, T', D]
-        H, Hq = kr.shape[0], qr.shape[0]
+        H, Hq = k.shape[1], q.shape[1]
+        qm = map_queries(q.reshape(1, H, -1, q.shape[-1]), ka)  # [1, H, G*T, D]
+        qr = rot(qm, pl.rot_k).reshape(1, Hq, -1, q.shape[-1])[0, :, SKIP:]  # [Hq, T', D]
         qg = qr.reshape(H, Hq // H, -1, qr.shape[-1]).flatten(1, 2)  # [H, G*T', D]
         SQ[i] = SQ.get(i, 0) + torch.einsum("htd,hte->hde", qg, qg) / qg.shape[1]
         # attention each key row receives (sum over the group's queries of p, and of p^2), post-sink rows
         T = q.shape[2]
         sc = torch.matmul(q[0].float(), k[0].float().repeat_interleave(Hq // H, 0).transpose(-1, -2)) * scaling
+        if pl.window is not None:
+            sc = sc.masked_fill(torch.ones(T, T, dtype=torch.bool).tril(-pl.window), -torch.inf)
         p = sc.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), -torch.inf).softmax(-1)  # [Hq, T, T]
         M1.setdefault(i, []).append(p.sum(1).reshape(H, Hq // H, T).sum(1)[:, SKIP:].clone())
         M2.setdefault(i, []).append(p.pow(2).sum(1).reshape(H, Hq // H, T).sum(1)[:, SKIP:].clone())
@@ -173,6 +179,8 @@ def fit(argv):
     ap.add_argument("--holdout", type=int, default=2)
     ap.add_argument("--sample", type=int, default=65536)
     ap.add_argument("--tensors", default="KV", help="fit K, V or both")
+    ap.add_argument("--layers", default="", help="fit only these layers (comma list); the rest keep the recipe's codecs")
+    ap.add_argument("--recipe", default=None, help="the int2 / int4 comparison codecs' recipe (default: smollm2's)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args(argv)
     t0 = time.time()
@@ -180,12 +188,19 @@ def fit(argv):
     cap = torch.load(a.cap)
     lm = resolve_model(cap["model"], dtype=torch.bfloat16)
     geo = lm.geometry
-    plan2 = resolve(kv_scheme_from_dict({k: v for k, v in read_recipe_file(RECIPE)["kv"].items() if k != "layer_bits"}), geo)
-    plan4 = resolve(load_recipe(K4ALL), geo)
+    rec = a.recipe or RECIPE
+    if a.recipe is None:  # smollm2: int2 everywhere, and int4 keys everywhere
+        plan2 = resolve(kv_scheme_from_dict({k: v for k, v in read_recipe_file(rec)["kv"].items() if k != "layer_bits"}), geo)
+        plan4 = resolve(load_recipe(K4ALL), geo)
+    else:  # the recipe's own per-layer codecs in both comparison columns
+        plan2 = plan4 = resolve(load_recipe(rec), geo)
     over = {t: {int(p.split(":")[0]): float(p.split(":")[1]) for p in s.split(",") if p}
             for t, s in (("K", a.kbits_layers), ("V", a.vbits_layers))}
     res, rows = {"K": {}, "V": {}}, []
+    only = {int(x) for x in a.layers.split(",") if x}
     for i in sorted(cap["K"]):
+        if only and i not in only:
+            continue
         row = [i]
         for t in ("K", "V"):
             if t not in a.tensors:
