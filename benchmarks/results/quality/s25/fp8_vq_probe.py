@@ -1,10 +1,11 @@
-"""Probe (s25, issue 18): s20's fp8 scales and s21's VQ 2x16 keys together, at 2.49 held b/elt on smollm2-135m.
+"""Probe (s25, issue 18): s20's fp8 scales and s21's VQ 2x16 keys (and s24's VQ values) together, on smollm2-135m.
 
 The recipe s20/smollm2-135m-k4x11@2.5.toml (K int4 on 11 layers, int2 elsewhere, V int2) with every scalar codec's
 scales rounded to e4m3 (s20/fp8_scale_probe.py's encoder patch), and its 19 int2 key layers replaced by s21's VQ
 2x16 codec (s21/vq_key_probe.py) whose per-row scale is rounded to e4m3 the same way. Held bits with 1-byte scales:
-int2 and VQ 2x16 rows 2.125, int4 rows 4.125 b/elt -> (11 * 4.125 + 19 * 2.125) / 30 / 2 + 2.125 / 2 = 2.491 at the
-middle tier (storage in the probe is unchanged: fake quant of the scales).
+int2 and VQ 2x16 rows 2.125, int4 rows 4.125 b/elt -> (11 * 4.125 + 19 * 2.125) / 30 / 2 + 2.125 / 2 = 2.4917 at the
+middle tier, plus the fp16 codebooks amortised at 8k: 2.492 with VQ keys, 2.508 with VQ 4x256 values too (storage in
+the probe is unchanged: fake quant of the scales).
 
     VQ_CB=benchmarks/results/quality/s21/vq_cb_2x16.pt [VQ_V_CB=benchmarks/results/quality/s24/vq_v_cb_4x256.pt] \
         python fp8_vq_probe.py eval <lowbit eval arguments>
