@@ -34,7 +34,8 @@ def fp8_scaled(x, bits, group, *, grid="std", clip_ratio=1.0, scale_dtype=torch.
                              True, q.clip_ratio)
 
 
-A.quantize_centred = fp8_scaled
-from lowbit.cli import main  # noqa: E402
+if __name__ == "__main__":
+    A.quantize_centred = fp8_scaled
+    from lowbit.cli import main
 
-sys.exit(main(sys.argv[1:]))
+    sys.exit(main(sys.argv[1:]))

@@ -28,13 +28,8 @@ def load(name, path):
     return mod
 
 
-# s20's encoder patch, without its trailing `sys.exit(main(...))`
-src = (HERE.parent / "s20" / "fp8_scale_probe.py").read_text().split("A.quantize_centred = fp8_scaled")[0]
-fp8 = {}
-exec(compile(src, "fp8_scale_probe.py", "exec"), fp8)
-import lowbit.quant.affine as A  # noqa: E402
-
-A.quantize_centred = fp8["fp8_scaled"]
+fp8 = load("fp8_scale_probe", HERE.parent / "s20" / "fp8_scale_probe.py")  # s20's encoder patch
+fp8.A.quantize_centred = fp8.fp8_scaled
 
 vk = load("vq_key_probe", HERE.parent / "s21" / "vq_key_probe.py")
 _vq_encode = vk.vq_encode

@@ -42,7 +42,10 @@ for i in sorted(cap["K"]):
             e2 = c.decode(c.encode(x.to(torch.bfloat16)[None, None], torch.bfloat16))[0, 0] - x
             xc = x - x.mean(0)
             W = Wt[h]
-            q = lambda u: torch.einsum("nd,de,ne->", u, W, u).item()  # noqa: E731
+
+            def q(u, W=W):
+                return torch.einsum("nd,de,ne->", u, W, u).item()
+
             acc += torch.tensor([q(e), q(e2), q(xc), e.pow(2).sum().item(), e2.pow(2).sum().item(), xc.pow(2).sum().item()])
         out += [acc[0] / acc[2], acc[1] / acc[2], acc[3] / acc[5], acc[4] / acc[5]]
         tot.setdefault(t, []).append(acc)

@@ -21,10 +21,10 @@ into W_o): a decode kernel reads per-dimension codebook entries, as a rotation-s
 """
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -37,7 +37,7 @@ MAXB = 6
 # ----------------------------------------------------------------------------- maths
 def lloyd_1d(z: torch.Tensor, L: int, iters: int = 30, w: torch.Tensor | None = None) -> torch.Tensor:
     """z [D, N] float32 (w [N] row weights) -> sorted levels [D, L] (per-row 1-D Lloyd-Max, quantile init)."""
-    D, N = z.shape
+    D = z.shape[0]
     ones = torch.ones_like(z) if w is None else w.expand_as(z).contiguous()
     if L == 1:
         return (z * ones).sum(1, keepdim=True) / ones.sum(1, keepdim=True)
@@ -100,7 +100,7 @@ def capture(argv):
     t0 = time.time()
     lm = resolve_model(a.model, dtype=torch.bfloat16)
     plan = resolve(load_recipe(a.recipe), lm.geometry)
-    wins = token_windows(lm.tokenizer, open(a.data).read() if a.data else stdlib_text(), a.seq_len, a.windows)
+    wins = token_windows(lm.tokenizer, Path(a.data).read_text() if a.data else stdlib_text(), a.seq_len, a.windows)
     K, V, SQ, Q, M1, M2 = {}, {}, {}, {}, {}, {}
 
     from lowbit.kv.key_affine import map_keys, map_queries
@@ -207,7 +207,7 @@ def fit(argv):
                 row += [0.0] * 5
                 continue
             X = cap[t][i].float()  # [Wn, H, T', D]
-            Wn, H, T, D = X.shape
+            Wn, H, _, D = X.shape
             fx, hx = X[: Wn - a.holdout], X[Wn - a.holdout:]
             if t == "K":
                 Wt = cap["SQ"][i] if a.kw == "q" else torch.eye(D).expand(H, D, D)
@@ -225,7 +225,7 @@ def fit(argv):
                 m = (x * wr[:, None]).sum(0) / wr.sum()
                 A, Ai = sqrt_pair(Wt[h], a.eps)
                 y = (x - m) @ A
-                mu, U = torch.linalg.eigh(((y * wr[:, None]).T @ y / wr.sum()).double())
+                _, U = torch.linalg.eigh(((y * wr[:, None]).T @ y / wr.sum()).double())
                 U = U.flip(1).float()
                 z = (y @ U).T.contiguous()  # [D, N]
                 if a.gain:
@@ -269,7 +269,7 @@ def fit(argv):
                   flush=True)
         rows.append(row)
     for t, o in (("K", 1), ("V", 6)):
-        med = lambda c: sorted(r[c] for r in rows)[len(rows) // 2]  # noqa: E731
+        med = lambda c: sorted(r[c] for r in rows)[len(rows) // 2]
         print(f"{t} median over layers: int2 {med(o):.4f}  int4 {med(o + 1):.5f}  TC {med(o + 2):.4f}")
     torch.save({"res": res, "rows": rows, "args": vars(a)}, a.out)
 
