@@ -51,8 +51,9 @@ DEFAULT_SINK = 64
 DEFAULT_RECENT = 256
 DEFAULT_GROUP = 128
 DEFAULT_PAGE = 16
-# What every scale and zero costs in the middle tier (fp16 each).
+# What every fp16 scale and zero costs in the middle tier (scale_format "ue5m3": 8 bits, see TensorQuant).
 SCALE_BITS = 16
+SCALE_FORMATS = ("fp16", "ue5m3")
 SUPPORTED_ATTENTION = ("full", "sliding")
 
 
@@ -123,6 +124,11 @@ class TensorQuant:
           grid takes its step from each group's RMS about 0 (not its mean/std), the min/max grid must
           be symmetric; per-token groups only, no Lloyd-Max. A per-channel offset (keys' channel means)
           is removed before it by a key affine with a shift (lowbit.kv.key_affine, exact for attention).
+    scale_format: "fp16" (the default) or "ue5m3": scale-only groups (zero "none") stored as one-byte
+          unsigned floats, 3 mantissa bits (lowbit.quant.scale_format): int2 at group 64 holds 2.125
+          b/elt instead of 2.25. The encoder rounds each step to that grid and codes against it; the torch
+          decode and the fused decode kernel read it; readers that do not (the geometry kernels, the vLLM
+          plugin) refuse it by name.
     """
 
     bits: int = 16
@@ -134,6 +140,7 @@ class TensorQuant:
     grid: str = "minmax"
     levels: tuple | None = None
     zero: str = "group"
+    scale_format: str = "fp16"
 
     def __post_init__(self):
         if not _is_int(self.bits) or self.bits not in KV_BITS:
@@ -191,6 +198,11 @@ class TensorQuant:
                 raise LowbitError("Lloyd-Max levels store each group's mean; use zero 'group' with them")
             if self.grid == "minmax" and not self.symmetric:
                 raise LowbitError("zero 'none' centres the grid on 0; use grid 'std' or a symmetric min/max grid")
+        if self.scale_format not in SCALE_FORMATS:
+            raise LowbitError(f"scale_format {self.scale_format!r} unknown; use one of {', '.join(SCALE_FORMATS)}")
+        if self.scale_format != "fp16" and not (self.quantized and self.zero == "none"):
+            raise LowbitError(f"scale_format {self.scale_format!r} stores the positive step of scale-only groups; "
+                              "set zero 'none' on a quantized tensor, or use scale_format 'fp16'")
 
     @property
     def quantized(self) -> bool:
@@ -221,7 +233,10 @@ class TensorQuant:
         """Middle-tier bits per stored element, codes plus the fp16 scale (and zero) per group."""
         if not self.quantized:
             return 16.0
-        return self.container_bits + (2 if self.stores_zero else 1) * SCALE_BITS / self.group_for(head_dim, page)
+        from lowbit.quant.scale_format import bits_of
+
+        scale_bits = bits_of(self.scale_format)  # a stored zero only exists with fp16 scales
+        return self.container_bits + (2 if self.stores_zero else 1) * scale_bits / self.group_for(head_dim, page)
 
     def describe(self) -> str:
         if not self.quantized:
@@ -238,6 +253,8 @@ class TensorQuant:
             parts.append(f"clip {self.clip:g}")
         if self.zero == "none":
             parts.append("scale-only")
+        if self.scale_format != "fp16":
+            parts.append(f"{self.scale_format} scales")
         return " ".join(parts)
 
 
@@ -434,8 +451,10 @@ def _with_bits(t: TensorQuant, bits: int) -> TensorQuant:
     group = t.group if t.quantized else None
     if t.zero == "none" and t.quantized:  # scale-only storage at every width: std grid (2-4 bits), symmetric at 8
         if bits == 8:
-            return TensorQuant(bits=8, symmetric=True, axis=t.axis, group=group, zero="none")
-        return TensorQuant(bits=bits, axis=t.axis, group=group, grid="mse" if t.grid == "mse" else "std", zero="none")
+            return TensorQuant(bits=8, symmetric=True, axis=t.axis, group=group, zero="none",
+                               scale_format=t.scale_format)
+        return TensorQuant(bits=bits, axis=t.axis, group=group, grid="mse" if t.grid == "mse" else "std", zero="none",
+                           scale_format=t.scale_format)
     grid = "std" if bits == 2 and t.axis == "token" else "minmax"
     return TensorQuant(bits=bits, axis=t.axis, group=group, grid=grid)
 
@@ -530,6 +549,7 @@ def parse_kv_scheme(
     grid: str | None = None,
     levels=None,
     zero=None,
+    scale_format=None,
 ) -> KVScheme:
     """Scheme string + flags -> KVScheme.
 
@@ -541,6 +561,7 @@ def parse_kv_scheme(
     quantized tensors (see TensorQuant). rotation: "none" | "hadamard" | a RotationSet path or
     RotationRef; levels: a per-layer levels artifact path or LevelsRef (with lloyd_max).
     zero: "group" | "none" (scale-only groups, see TensorQuant.zero), one for both or "K,V".
+    scale_format: "fp16" | "ue5m3" (one-byte scales of scale-only groups), one for both or "K,V".
 
     Defaults (what `--kv int2` means without flags) are the best data-free recipe measured on the
     built-in models: rotation "hadamard" whenever K or V is stored at 4 bits or fewer (plain int4
@@ -573,6 +594,7 @@ def parse_kv_scheme(
         raise LowbitError(f"unknown KV scheme {name!r}; use one of {', '.join(SCHEME_NAMES)}")
     kc, vc = _float_pair(1.0 if clip is None else clip, "clip")
     kz, vz = _pair("group" if zero is None else zero, "zero")
+    ksf, vsf = (str(f).strip().lower() for f in _pair("fp16" if scale_format is None else scale_format, "scale_format"))
     if k_axis == "channel" and group is not None and page is None:
         # --group on a KIVI scheme sets the key block: the block is the page.
         defaults["page"] = group
@@ -586,10 +608,12 @@ def parse_kv_scheme(
         gv = default_grid(vb, vc, "token", vz) if grid is None else (str(grid) if vb < 16 else "minmax")
         kq = TensorQuant(bits=kb, symmetric=symmetric, clip=kc, lloyd_max=bool(lloyd_max) and kb < 16,
                          axis=k_axis, group=k_group if kb < 16 else None, grid=gk,
-                         zero=str(kz).strip().lower() if kb < 16 else "group")
+                         zero=str(kz).strip().lower() if kb < 16 else "group",
+                         scale_format=ksf if kb < 16 else "fp16")
         vq = TensorQuant(bits=vb, symmetric=symmetric, clip=vc, lloyd_max=bool(lloyd_max) and vb < 16,
                          group=v_group if vb < 16 else None, grid=gv,
-                         zero=str(vz).strip().lower() if vb < 16 else "group")
+                         zero=str(vz).strip().lower() if vb < 16 else "group",
+                         scale_format=vsf if vb < 16 else "fp16")
     except LowbitError as e:
         raise LowbitError(f"KV scheme {name!r}: {e}") from None
     if lloyd_max and not (kq.lloyd_max or vq.lloyd_max):
@@ -610,9 +634,10 @@ def parse_kv_scheme(
 
 
 # ---------------------------------------------------------------- files
-_TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group", "grid", "levels", "zero"}
+_TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group", "grid", "levels", "zero", "scale_format"}
 _FILE_FIELDS = {"scheme", "group", "sink", "recent", "page", "clip", "lloyd_max", "rotation", "symmetric",
-                "fold_v_rotation", "layer_bits", "grid", "k", "v", "version", "name", "levels", "zero"}
+                "fold_v_rotation", "layer_bits", "grid", "k", "v", "version", "name", "levels", "zero",
+                "scale_format"}
 
 
 def _ref_from_field(value, cls, what: str, base_dir: Path | None):
@@ -679,6 +704,7 @@ def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
         layer_bits=d.get("layer_bits"),
         grid=d.get("grid") if not isinstance(d.get("k"), dict) else None,
         zero=d.get("zero") if not isinstance(d.get("k"), dict) else None,
+        scale_format=d.get("scale_format") if not isinstance(d.get("k"), dict) else None,
     )
     if "group" in d and isinstance(d.get("k"), dict):
         s = replace(s, k=replace(s.k, group=d["group"]) if s.k.quantized else s.k,

@@ -231,3 +231,31 @@ def test_tune_scale_only_grid_buys_a_4bit_tensor_the_std_grid_cannot(tiny_dir, c
         assert held_bits(s, 4000, geometry=geo).bits == pytest.approx(doc["tune"]["held_bits"], abs=1e-6)
         (i, name), = s.layer_bits
         assert s.for_layer(i).k.zero == s.for_layer(i).v.zero == "none" and "4" in name
+
+
+def test_tune_offers_one_byte_scales_and_writes_them(tiny_dir, corpus, tmp_path, capsys):
+    """--grids scale-only-mse,scale-only-mse-ue5m3 at 2.7 b/elt (head_dim 64, 2 layers: 4 tensors of 1/4 the
+    elements): fp16 scale-only int2 holds 2.25 and one int4 tensor would make it 2.75 (over); with one-byte
+    scales int2 holds 2.125 and one 4.125-bit tensor brings it to 2.625. The recipe names the format."""
+    import tomllib
+
+    out = tmp_path / "tiny@2.7.toml"
+    rc = main(["tune", "--model", str(tiny_dir), "--budget", "2.7", "--context", "4000", "--sink", "16",
+               "--recent", "32", "--seq-len", "99", "--windows", "1", "--data", str(corpus),
+               "--grids", "scale-only-mse,scale-only-mse-ue5m3", "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    doc = tomllib.loads(out.read_text())
+    cands = {c["grid_2bit"]: c for c in doc["tune"]["candidates"]}
+    assert cands["scale-only-mse"]["layers_above_2bit"] == 0
+    assert cands["scale-only-mse-ue5m3"]["layers_above_2bit"] == 1
+    assert cands["scale-only-mse-ue5m3"]["held_bits"] == pytest.approx(2.625, abs=1e-3)
+    assert "hadamard|K2|scale-only-mse-ue5m3" in doc["tune"]["layer_error_db"]
+    s = load_recipe(out)
+    if doc["tune"]["grid_2bit"] == "scale-only-mse-ue5m3":
+        assert doc["kv"]["scale_format"] == "ue5m3" and s.k.scale_format == s.v.scale_format == "ue5m3"
+        (i, _name), = s.layer_bits
+        assert s.for_layer(i).k.scale_format == "ue5m3"
+    else:
+        assert "scale_format" not in doc["kv"] and s.k.scale_format == "fp16"
+    geo = ModelGeometry.from_config(json.loads((tiny_dir / "config.json").read_text()), name=tiny_dir.name)
+    assert held_bits(s, 4000, geometry=geo).bits == pytest.approx(doc["tune"]["held_bits"], abs=1e-6)

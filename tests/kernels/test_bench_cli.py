@@ -136,6 +136,11 @@ def test_bits_specs_scale_only_rows_and_bytes():
         with pytest.raises(LowbitError, match="--bits"):
             cmd._bit_specs(bad)
     assert [kbench.bits_tag(s) for s in cmd._bit_specs("2,2so")] == ["k2v2", "k2v2so"]
+    assert cmd._bit_specs("2s8,4s8") == ((2, 2, "s8"), (4, 4, "s8"))
+    assert kbench.bits_tag((2, 2, "s8")) == "k2v2s8"
+    # one-byte scales: a group of 64 at head_dim 128 costs 1 byte, not 2 (and no zero)
+    assert kbench.packed_bytes(1, 1, 1, 128, 2, 64, True, one_byte=True) == 2 * (32 + 2)
+    assert kbench.packed_bytes(1, 1, 1, 128, 2, 64, True) == 2 * (32 + 4)
     # scale-only groups hold one fp16 per group (no zero): smollm2's D 64 int2 is 16 + 2 bytes a tensor per token
     assert kbench.packed_bytes(1, 3, 10, 64, 2, 64, scale_only=True) == 2 * 3 * 10 * (16 + 2)
     assert kbench.packed_bytes(1, 3, 10, 64, 2, 64) == 2 * 3 * 10 * (16 + 4)

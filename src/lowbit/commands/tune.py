@@ -38,7 +38,8 @@ def add_arguments(p) -> None:
     p.add_argument("--grids", default="std,lloyd-max",
                    help="2-bit grid candidates: std, lloyd-max, scale-only (the std grid without a stored zero: "
                         "int2 at head_dim 64 costs 2.25 b/elt instead of 2.5; best after a key shift), scale-only-mse (the same "
-                        "storage, each group's step searched for the least squared error when written) "
+                        "storage, each group's step searched for the least squared error when written), "
+                        "scale-only-mse-ue5m3 (that with one-byte scales: int2 at head_dim 64 costs 2.125 b/elt) "
                         "(default std,lloyd-max)")
     p.add_argument("--sink", type=int, default=None, help="sink tokens kept in the model dtype (default 64)")
     p.add_argument("--recent", type=int, default=None, help="recent tokens kept in the model dtype (default 256)")

@@ -35,7 +35,9 @@ BITS = (2, 4, 8)
 # "none"): int2 at group 64 costs 2.25 b/elt instead of 2.5, so the budget left buys more 4-bit tensors.
 # "scale-only-mse": the same storage, each group's step searched for the least squared error at write time
 # (TensorQuant grid "mse"; read exactly as scale-only, so the fused kernel serves it).
-GRIDS = ("std", "lloyd-max", "scale-only", "scale-only-mse")
+# "scale-only-mse-ue5m3": scale-only-mse with one-byte scales (TensorQuant scale_format "ue5m3"): int2 at
+# group 64 holds 2.125 b/elt, and the fused kernel decodes the byte.
+GRIDS = ("std", "lloyd-max", "scale-only", "scale-only-mse", "scale-only-mse-ue5m3")
 DEFAULT_GRIDS = ("std", "lloyd-max")
 DEFAULT_ROTATIONS = ("hadamard",)
 
@@ -48,7 +50,8 @@ def base_scheme(rotation, grid: str, *, sink=None, recent=None, page=None):
         raise LowbitError(f"2-bit grid {grid!r} unknown; use {', '.join(GRIDS)}")
     return parse_kv_scheme("int2", sink=sink, recent=recent, page=page, rotation=rotation,
                            lloyd_max=grid == "lloyd-max", zero="none" if grid.startswith("scale-only") else None,
-                           grid="mse" if grid == "scale-only-mse" else None)
+                           grid="mse" if grid.startswith("scale-only-mse") else None,
+                           scale_format="ue5m3" if grid.endswith("-ue5m3") else None)
 
 
 def family(grid: str, bits: int) -> str:
@@ -370,8 +373,10 @@ def recipe_toml(res: TuneResult, *, command: str = "", out=None) -> str:
         lines.append("lloyd_max = true")
     if b.grid.startswith("scale-only"):
         lines.append('zero = "none"')
-    if b.grid == "scale-only-mse":
+    if b.grid.startswith("scale-only-mse"):
         lines.append('grid = "mse"')
+    if s.k.scale_format != "fp16":
+        lines.append(f'scale_format = "{s.k.scale_format}"')
     lines += ["", "[kv.layer_bits]"] + [f'"{i}" = "{name}"' for i, name in s.layer_bits]
     d = h.dense()
     tune_doc = {

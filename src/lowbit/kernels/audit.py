@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from lowbit.quant.affine import centre, quantize, quantize_centred
+from lowbit.quant import scale_format as sf
 from lowbit.quant.packing import pack
 
 TOL = 1e-3  # relative L2 error, kernel (fp32 output) vs float32 twin
@@ -33,20 +34,25 @@ class AuditRow:
         return asdict(self)
 
 
-def _packed(x, bits, group, zero="group"):
-    """-> codes, scale, zero (None for zero "none": scale-only groups, lowbit.kv.codec)."""
+def _packed(x, bits, group, zero="group", scale_format="fp16"):
+    """-> codes, scale, zero (None for zero "none": scale-only groups, lowbit.kv.codec; their scale is
+    uint8 UE5M3 codes with scale_format "ue5m3")."""
     if zero == "none":
-        qz = quantize_centred(x, bits, group, grid="std" if bits <= 4 else "absmax", scale_dtype=torch.float16)
-        return (pack(qz.codes, bits, "strided") if bits < 8 else qz.codes), qz.scale, None
+        one_byte = scale_format == "ue5m3"
+        qz = quantize_centred(x, bits, group, grid="std" if bits <= 4 else "absmax", scale_format=scale_format,
+                              scale_dtype=torch.float32 if one_byte else torch.float16)
+        scale = sf.encode(qz.scale) if one_byte else qz.scale
+        return (pack(qz.codes, bits, "strided") if bits < 8 else qz.codes), scale, None
     qz = quantize(x, bits, group, scale_dtype=torch.float16)
     return pack(qz.codes, bits, "strided"), qz.scale, qz.zero
 
 
 def make_case(B, Hq, Hkv, D, T, kbits, vbits, *, group=None, sink=0, recent=0, ragged=False, zero="group",
-              dtype=torch.bfloat16, device="cpu", seed=0):
+              scale_format="fp16", dtype=torch.bfloat16, device="cpu", seed=0):
     """Random inputs for decode_attention: keys with per-channel offsets (outlier channels), packed
     through lowbit.quant (the one quantizer + the strided layout). zero "none": K and V in scale-only
-    groups (no zero stored; the kernel computes zero = -centre * scale)."""
+    groups (no zero stored; the kernel computes zero = -centre * scale), with scale_format "ue5m3" their
+    scales as one-byte codes."""
     g = torch.Generator(device=device).manual_seed(seed)
     group = group or D
 
@@ -55,8 +61,8 @@ def make_case(B, Hq, Hkv, D, T, kbits, vbits, *, group=None, sink=0, recent=0, r
 
     kx = rnd(B, Hkv, T, D) + 2.0 * rnd(1, Hkv, 1, D)
     vx = rnd(B, Hkv, T, D)
-    kc, ks, kz = _packed(kx, kbits, group, zero)
-    vc, vs, vz = _packed(vx, vbits, group, zero)
+    kc, ks, kz = _packed(kx, kbits, group, zero, scale_format)
+    vc, vs, vz = _packed(vx, vbits, group, zero, scale_format)
     del kx, vx
     lens = torch.randint(0, T + 1, (B,), generator=g, device=device) if ragged else torch.full((B,), T, device=device)
     kw = {"q": rnd(B, Hq, D).to(dtype), "k_codes": kc, "k_scale": ks, "k_zero": kz,
@@ -90,12 +96,16 @@ def sweep(device: str) -> list[dict]:
             (16, 32, 8, 128, 32768, 2, 2, {"zero": "none"}),  # scale-only groups
             (17, 9, 3, 64, 4099, 2, 2, {"zero": "none", "ragged": True}),  # smollm2's geometry, scale-only
             (3, 4, 1, 256, 5000, 2, 4, {"group": 128, "zero": "none", "ragged": True}),
+            (16, 32, 8, 128, 32768, 2, 2, {"zero": "none", "scale_format": "ue5m3"}),  # one-byte scales
+            (17, 9, 3, 64, 4099, 4, 2, {"zero": "none", "scale_format": "ue5m3", "ragged": True}),
+            (3, 4, 1, 256, 5000, 2, 2, {"group": 128, "zero": "none", "scale_format": "ue5m3", "ragged": True}),
         ]
         out = []
         for B, Hq, Hkv, D, T, kb, vb, extra in base:
             for tiers in ({}, {"sink": 64, "recent": 256}):
                 out.append((f"B{B} Hq{Hq}/Hkv{Hkv} D{D} T{T} k{kb}v{vb}" + (" +tiers" if tiers else "")
-                            + (" ragged" if extra.get("ragged") else "") + (" scale-only" if extra.get("zero") else ""),
+                            + (" ragged" if extra.get("ragged") else "") + (" scale-only" if extra.get("zero") else "")
+                            + (" ue5m3" if extra.get("scale_format") == "ue5m3" else ""),
                             dict(B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, kbits=kb, vbits=vb, **extra, **tiers)))
         return out
     return [
@@ -106,6 +116,9 @@ def sweep(device: str) -> list[dict]:
         ("B2 Hq2/Hkv2 D128 T70 k4v2 g64", {"B": 2, "Hq": 2, "Hkv": 2, "D": 128, "T": 70, "kbits": 4, "vbits": 2, "group": 64}),
         ("B3 Hq9/Hkv3 D64 T99 k2v2 scale-only ragged", {"B": 3, "Hq": 9, "Hkv": 3, "D": 64, "T": 99, "kbits": 2,
                                                         "vbits": 2, "zero": "none", "ragged": True}),
+        ("B3 Hq9/Hkv3 D64 T99 k4v2 scale-only ue5m3 ragged +tiers", {
+            "B": 3, "Hq": 9, "Hkv": 3, "D": 64, "T": 99, "kbits": 4, "vbits": 2, "zero": "none",
+            "scale_format": "ue5m3", "ragged": True, "sink": 3, "recent": 5}),
     ]
 
 

@@ -26,16 +26,17 @@ GEOMETRIES = {
 }
 
 
-def packed_bytes(B, Hkv, L, D, bits, group, scale_only: bool = False) -> int:
+def packed_bytes(B, Hkv, L, D, bits, group, scale_only: bool = False, one_byte: bool = False) -> int:
     """Bytes the kernel must read for K + V: codes plus fp16 scale and zero per group (scale-only groups: the
-    scale alone)."""
-    per_tensor = D * bits // 8 + (2 if scale_only else 4) * (D // group)
+    scale alone; one_byte: a one-byte ue5m3 scale)."""
+    per_tensor = D * bits // 8 + (1 if one_byte else 2 if scale_only else 4) * (D // group)
     return 2 * B * Hkv * L * per_tensor
 
 
 def bits_tag(spec: tuple) -> str:
-    """(kbits, vbits) -> "k2v2"; (kbits, vbits, "so") -> "k2v2so" (scale-only groups, the shipped @2.5 recipes')."""
-    return f"k{spec[0]}v{spec[1]}" + ("so" if len(spec) > 2 and spec[2] == "so" else "")
+    """(kbits, vbits) -> "k2v2"; (kbits, vbits, "so") -> "k2v2so" (scale-only groups, the shipped @2.5 recipes');
+    (kbits, vbits, "s8") -> "k2v2s8" (scale-only groups with one-byte ue5m3 scales)."""
+    return f"k{spec[0]}v{spec[1]}" + (spec[2] if len(spec) > 2 else "")
 
 
 def dense_bytes(B, Hkv, L, D) -> int:
@@ -117,10 +118,13 @@ def sdpa_case(B, Hq, Hkv, D, L, nbuf, seed=0):
     return [mk(k, v) for k, v in sets], sets
 
 
-def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0, scale_only: bool = False):
+def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0, scale_only: bool = False,
+                one_byte: bool = False):
     """Callables running the fused kernel over nbuf packed KV sets (random codes and scales; scale_only: no zero
-    stored, the kernel takes the centre code, as lowbit.kv.codec writes zero "none" groups)."""
+    stored, the kernel takes the centre code, as lowbit.kv.codec writes zero "none" groups; one_byte: those
+    scales as uint8 ue5m3 codes, scale_format "ue5m3")."""
     from lowbit.kernels.decode_attention import decode_attention
+    from lowbit.quant import scale_format
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -133,9 +137,11 @@ def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0, scale_
             t[n + "c"] = torch.randint(0, 256, (B, Hkv, L, D * bits // 8), device="cuda", dtype=torch.uint8,
                                        generator=g)
             t[n + "s"] = (torch.rand(B, Hkv, L, ng, device="cuda", generator=g) * 0.1 + 0.01).half()
+            if one_byte:
+                t[n + "s"] = scale_format.encode(t[n + "s"].float())
             t[n + "z"] = None if scale_only else (-torch.rand(B, Hkv, L, ng, device="cuda", generator=g)).half()
         sets.append(t)
-    centre = dict(k_centre=((1 << kbits) - 1) / 2, v_centre=((1 << vbits) - 1) / 2) if scale_only else {}
+    centre = dict(k_centre=((1 << kbits) - 1) / 2, v_centre=((1 << vbits) - 1) / 2) if scale_only or one_byte else {}
 
     def mk(t):
         def f():  # the set keeps what its last call launched (t["launch"]: decode_attention.Launch)
@@ -169,7 +175,8 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
         bits=((2, 2), (4, 4), (8, 8)), configs=None, mem_cap_gb: float = 60.0, event_timing: bool = False,
         log=print) -> dict:
     """The decode-attention table. bits: (kbits, vbits) or (kbits, vbits, "so") for scale-only groups (tag
-    "k2v2so"). configs: {(geometry, B, L, kbits): KernelConfig} (default: the kernel's own choice). Returns a
+    "k2v2so"), (kbits, vbits, "s8") for them with one-byte ue5m3 scales (tag "k2v2s8"). configs:
+    {(geometry, B, L, kbits): KernelConfig} (default: the kernel's own choice). Returns a
     JSON-able dict with env, rows and the ratios."""
     from lowbit.kernels.decode_attention import KernelConfig
 
@@ -192,11 +199,11 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
                     row["sdpa_event_ms"] = event_time_ms(fns)
                 del fns, keep
                 for spec in bits:
-                    kb, vb, so = spec[0], spec[1], spec[2:] == ("so",)
-                    pb = packed_bytes(B, Hkv, L, D, kb, group, so)
+                    kb, vb, so, s8 = spec[0], spec[1], spec[2:] == ("so",), spec[2:] == ("s8",)
+                    pb = packed_bytes(B, Hkv, L, D, kb, group, so or s8, one_byte=s8)
                     nbk = n_buffers(pb, mem_cap_gb * 1e9)
                     cfg = configs.get((geo, B, L, kb)) or KernelConfig()
-                    fns, keep = kernel_case(B, Hq, Hkv, D, L, kb, vb, group, nbk, cfg, scale_only=so)
+                    fns, keep = kernel_case(B, Hq, Hkv, D, L, kb, vb, group, nbk, cfg, scale_only=so, one_byte=s8)
                     t = graph_time_ms(fns)
                     tag = bits_tag(spec)
                     row[f"{tag}_ms"] = t

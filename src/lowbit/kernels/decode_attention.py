@@ -228,11 +228,24 @@ def _dense_tier(Kp, Vp, skt, svt, n, ITERS: tl.constexpr, q_t, m_i, l_v, o_t,
 
 
 @triton.jit
+def _ue5m3(u):
+    """uint8 UE5M3 scale codes (lowbit.quant.scale_format) -> fp32, exactly: E = u >> 3, M = u & 7;
+    E > 0 is the fp32 with exponent field E + 112 and top mantissa bits M; E = 0 is M * 2**-17."""
+    u32 = u.to(tl.int32)
+    e = u32 >> 3
+    m = u32 & 7
+    normal = (((e + 112) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e > 0, normal, m.to(tl.float32) * 7.62939453125e-06)
+
+
+@triton.jit
 def _load_sz(SC, ZE, base, t0, end, g: tl.constexpr, NG: tl.constexpr, NW: tl.constexpr, BTW: tl.constexpr,
-             DIRECT: tl.constexpr = False, ZC: tl.constexpr = 0.0):
+             DIRECT: tl.constexpr = False, ZC: tl.constexpr = 0.0, SF: tl.constexpr = 0):
     """fp16 scale/zero of group g for the block at t0 -> fp32 [NW, BTW] (0 past `end`).
 
     ZC != 0: scale-only groups (no zero stored, the grid centred on 0): zero = -ZC * scale, ZE unread.
+    SF 1: the scales are one-byte UE5M3 codes (scale-only groups only): a byte load, decoded by _ue5m3
+    (DIRECT then clamps the index the same way, through a plain tl.load).
 
     DIRECT (GPU only, needs end >= 1 slot): one inline-asm load per element with the token index
     clamped into [0, end) instead of a masked tl.load. Triton treats an inline-asm op as cheap to
@@ -240,7 +253,14 @@ def _load_sz(SC, ZE, base, t0, end, g: tl.constexpr, NG: tl.constexpr, NW: tl.co
     blocked layout followed by a round trip through shared memory and a CTA barrier. Values past
     `end` are finite duplicates; their tokens are masked out of the softmax."""
     tok = t0 + tl.arange(0, NW)[:, None] * BTW + tl.arange(0, BTW)[None, :]
-    if DIRECT:
+    if SF == 1:
+        if DIRECT:
+            tc = tl.maximum(tl.minimum(tok, end - 1), 0)
+            sc = _ue5m3(tl.load(SC + base + tc * NG + g))
+        else:
+            sc = _ue5m3(tl.load(SC + base + tok * NG + g, mask=tok < end, other=0))
+        ze = sc * (-ZC)
+    elif DIRECT:
         tc = tl.maximum(tl.minimum(tok, end - 1), 0)
         sc = tl.inline_asm_elementwise("ld.global.nc.b16 $0, [$1];", "=h,l", [SC + base + tc * NG + g],
                                        dtype=tl.float16, is_pure=True, pack=1).to(tl.float32)
@@ -373,7 +393,7 @@ def _stage1(
     USE_PRMT: tl.constexpr, INTERP: tl.constexpr, Q_LO: tl.constexpr, P_HILO: tl.constexpr,
     V_CENTER: tl.constexpr, PV_FRESH: tl.constexpr, SZ_DIRECT: tl.constexpr,
     MID_ITERS: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr,
-    KZC: tl.constexpr = 0.0, VZC: tl.constexpr = 0.0,
+    KZC: tl.constexpr = 0.0, VZC: tl.constexpr = 0.0, KSF: tl.constexpr = 0, VSF: tl.constexpr = 0,
 ):
     split = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -440,37 +460,37 @@ def _stage1(
             for it in range(MID_ITERS):  # constexpr trip count: see _dense_tier
                 t0 = start + it * BT
                 if t0 < end:
-                    ks0, kz0 = _load_sz(KS, KZ, ks_base, t0, end, 0, NGK, NW, BTW, ZC=KZC)
-                    vs0, vz0 = _load_sz(VS, VZ, vs_base, t0, end, 0, NGV, NW, BTW, ZC=VZC)
-                    ks1, kz1 = _load_sz(KS, KZ, ks_base, t0, end, NGK - 1, NGK, NW, BTW, ZC=KZC)
-                    vs1, vz1 = _load_sz(VS, VZ, vs_base, t0, end, NGV - 1, NGV, NW, BTW, ZC=VZC)
+                    ks0, kz0 = _load_sz(KS, KZ, ks_base, t0, end, 0, NGK, NW, BTW, ZC=KZC, SF=KSF)
+                    vs0, vz0 = _load_sz(VS, VZ, vs_base, t0, end, 0, NGV, NW, BTW, ZC=VZC, SF=VSF)
+                    ks1, kz1 = _load_sz(KS, KZ, ks_base, t0, end, NGK - 1, NGK, NW, BTW, ZC=KZC, SF=KSF)
+                    vs1, vz1 = _load_sz(VS, VZ, vs_base, t0, end, NGV - 1, NGV, NW, BTW, ZC=VZC, SF=VSF)
                     m_i, l_v, o0, o1, lz0, lz1 = _mid_block(
                         t0, end, kw_base, vw_base, qk0, qk1, ql0, ql1, c20, c21, ks_mul,
                         ks0, kz0, ks1, kz1, vs0, vz0, vs1, vz1, m_i, l_v, o0, o1, lz0, lz1,
                         NW, BTW, KBITS, VBITS, SK, SV, GK, GV, NGK, NGV, NPK, NPV, WK, WV, USE_PRMT, Q_LO, P_HILO, V_CENTER, PV_FRESH, True)
         else:
             # scales/zeros are 2-byte loads the pipeliner does not stage: prefetch one block ahead
-            ks0, kz0 = _load_sz(KS, KZ, ks_base, start, end, 0, NGK, NW, BTW, SZ_DIRECT, ZC=KZC)
-            vs0, vz0 = _load_sz(VS, VZ, vs_base, start, end, 0, NGV, NW, BTW, SZ_DIRECT, ZC=VZC)
+            ks0, kz0 = _load_sz(KS, KZ, ks_base, start, end, 0, NGK, NW, BTW, SZ_DIRECT, ZC=KZC, SF=KSF)
+            vs0, vz0 = _load_sz(VS, VZ, vs_base, start, end, 0, NGV, NW, BTW, SZ_DIRECT, ZC=VZC, SF=VSF)
             if NGK == 2:
-                ks1, kz1 = _load_sz(KS, KZ, ks_base, start, end, 1, NGK, NW, BTW, SZ_DIRECT, ZC=KZC)
+                ks1, kz1 = _load_sz(KS, KZ, ks_base, start, end, 1, NGK, NW, BTW, SZ_DIRECT, ZC=KZC, SF=KSF)
             else:
                 ks1, kz1 = ks0, kz0
             if NGV == 2:
-                vs1, vz1 = _load_sz(VS, VZ, vs_base, start, end, 1, NGV, NW, BTW, SZ_DIRECT, ZC=VZC)
+                vs1, vz1 = _load_sz(VS, VZ, vs_base, start, end, 1, NGV, NW, BTW, SZ_DIRECT, ZC=VZC, SF=VSF)
             else:
                 vs1, vz1 = vs0, vz0
             # full blocks without bound checks, then one masked tail block
             full_end = start + (tl.maximum(end - start, 0) // BT) * BT
             for t0 in range(start, full_end, BT):
-                nks0, nkz0 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 0, NGK, NW, BTW, SZ_DIRECT, ZC=KZC)
-                nvs0, nvz0 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 0, NGV, NW, BTW, SZ_DIRECT, ZC=VZC)
+                nks0, nkz0 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 0, NGK, NW, BTW, SZ_DIRECT, ZC=KZC, SF=KSF)
+                nvs0, nvz0 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 0, NGV, NW, BTW, SZ_DIRECT, ZC=VZC, SF=VSF)
                 if NGK == 2:
-                    nks1, nkz1 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 1, NGK, NW, BTW, SZ_DIRECT, ZC=KZC)
+                    nks1, nkz1 = _load_sz(KS, KZ, ks_base, t0 + BT, end, 1, NGK, NW, BTW, SZ_DIRECT, ZC=KZC, SF=KSF)
                 else:
                     nks1, nkz1 = nks0, nkz0
                 if NGV == 2:
-                    nvs1, nvz1 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 1, NGV, NW, BTW, SZ_DIRECT, ZC=VZC)
+                    nvs1, nvz1 = _load_sz(VS, VZ, vs_base, t0 + BT, end, 1, NGV, NW, BTW, SZ_DIRECT, ZC=VZC, SF=VSF)
                 else:
                     nvs1, nvz1 = nvs0, nvz0
                 m_i, l_v, o0, o1, lz0, lz1 = _mid_block(
@@ -807,10 +827,12 @@ def centred_zero(scale, zero, centre, what: str):
     return zero, 0.0
 
 
-def check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what) -> int:
+def check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what, one_byte_scales: bool = False) -> int:
     """The packed middle tier's layout, as both fused kernels read it: codes uint8 [B, Hkv, T, D*bits/8]
     with each (sequence, head)'s rows back to back and 4-byte aligned, scale/zero float16 [B, Hkv, T, G]
-    sharing strides, all on q's device. Returns G (groups per head); each kernel checks its own tiling."""
+    sharing strides, all on q's device. one_byte_scales (the head_dim 64/128/256 kernel): scale may also
+    be uint8 UE5M3 codes of scale-only groups (zero is then the scale itself, see centred_zero).
+    Returns G (groups per head); each kernel checks its own tiling."""
     if codes.dtype != torch.uint8 or codes.dim() != 4:
         raise LowbitError(f"{what} codes must be uint8 [B, Hkv, T, D*bits/8], got {codes.dtype} {tuple(codes.shape)}")
     S = D * bits // 8
@@ -824,8 +846,16 @@ def check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what) -> int:
         raise LowbitError(f"{what} codes: {codes.shape[2]} slots x {S} bytes exceed the kernel's 32-bit offsets")
     if scale.shape != zero.shape or scale.dim() != 4 or scale.shape[:3] != codes.shape[:3]:
         raise LowbitError(f"{what} scale/zero must be [B, Hkv, T, D/group] like the codes, got {tuple(scale.shape)}")
-    if scale.dtype != torch.float16 or zero.dtype != torch.float16:
-        raise LowbitError(f"{what} scale/zero must be float16 (the cache layout), got {scale.dtype}/{zero.dtype}")
+    if scale.dtype == torch.uint8:
+        if not one_byte_scales:
+            raise LowbitError(f"{what}: one-byte (ue5m3) scales are read by the head_dim 64/128/256 kernel only; "
+                              "store fp16 scales (scale_format 'fp16') or use the torch path")
+        if zero is not scale:
+            raise LowbitError(f"{what}: one-byte (ue5m3) scales are for scale-only groups; pass no zero tensor, "
+                              "and the centre code")
+    elif scale.dtype != torch.float16 or zero.dtype != torch.float16:
+        raise LowbitError(f"{what} scale/zero must be float16 (the cache layout), or uint8 ue5m3 scale codes of "
+                          f"scale-only groups; got {scale.dtype}/{zero.dtype}")
     ng = scale.shape[3]
     if scale.stride() != zero.stride() or scale.stride(3) != 1 or (scale.shape[2] > 1 and scale.stride(2) != ng):
         raise LowbitError(f"{what} scale and zero must share strides with contiguous [T, D/group] rows per head")
@@ -838,7 +868,7 @@ def check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what) -> int:
 def _check_codes(codes, scale, zero, bits, B, Hkv, D, device, what):
     if bits not in (2, 4, 8):
         raise LowbitError(f"{what}: {bits}-bit codes are not supported by the kernel; use 2, 4 or 8")
-    ng = check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what)
+    ng = check_packed_tier(codes, scale, zero, bits, B, Hkv, D, device, what, one_byte_scales=True)
     S = D * bits // 8
     if ng not in (1, 2) or D % ng:
         raise LowbitError(f"{what}: {ng} groups per head; the kernel takes group = D or D/2 (D={D})")
@@ -882,6 +912,8 @@ def decode_attention(
     v_codes, v_scale, v_zero  likewise with Dv and v_bits (k4v2 is fine).
     k_centre / v_centre  scale-only groups (lowbit.kv.codec, zero "none"): pass k_zero=None and the centre
              code mid = (2**bits - 1) / 2; the kernel reads no zero and uses zero = -mid * scale.
+             Their scale may be uint8 [B, Hkv, T, D/group]: one-byte UE5M3 codes (scale_format "ue5m3",
+             lowbit.quant.scale_format), decoded exactly in the kernel.
     mid_lens int32 [B] (or int): valid middle slots [0, mid_lens[b]). Pass k_codes=None for no middle.
     sink_k/sink_v, recent_k/recent_v  [B, Hkv, N, D] / [B, Hkv, N, Dv] dense tiers (any float dtype),
              valid slots [0, *_lens[b]) (default: all N).
@@ -900,9 +932,11 @@ def decode_attention(
     B, Hq, D = q.shape
     dev = q.device
     kzc = vzc = 0.0
+    ksf = vsf = 0  # 1: uint8 UE5M3 scale codes (lowbit.quant.scale_format)
     if k_codes is not None:  # scale-only groups: the scale stands in for the zero pointer (never read)
         k_zero, kzc = centred_zero(k_scale, k_zero, k_centre, "K middle")
         v_zero, vzc = centred_zero(v_scale, v_zero, v_centre, "V middle")
+        ksf, vsf = int(k_scale.dtype == torch.uint8), int(v_scale.dtype == torch.uint8)
     has_mid, Hkv, DV = tier_heads(Hq, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, v_bits,
                                   sink_k, sink_v, recent_k, recent_v)
     if (kzc or vzc) and (D not in (64, 128, 256) or DV not in (64, 128, 256)):
@@ -981,7 +1015,7 @@ def decode_attention(
         USE_PRMT=(dev.type == "cuda"), INTERP=interp, Q_LO=(q.dtype == torch.float32), P_HILO=cfg.p_hilo,
         V_CENTER=cfg.v_center, PV_FRESH=cfg.pv_fresh,
         SZ_DIRECT=bool(cfg.sz_direct and has_mid and dev.type == "cuda" and T > 0),
-        KZC=float(kzc), VZC=float(vzc),
+        KZC=float(kzc), VZC=float(vzc), KSF=int(ksf), VSF=int(vsf),
         SINK_ITERS=triton.cdiv(sk.shape[2], BTD) if interp else 0,
         REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
         num_warps=NW, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

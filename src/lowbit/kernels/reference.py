@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from lowbit.quant import scale_format
 from lowbit.quant.packing import unpack
 
 LAYOUT = "strided"  # the middle-tier packing layout the kernel reads (docs/CONTRACTS.md)
@@ -20,13 +21,14 @@ LAYOUT = "strided"  # the middle-tier packing layout the kernel reads (docs/CONT
 def dequantize_tier(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, bits: int,
                     centre: float | None = None) -> torch.Tensor:
     """uint8 [..., D*bits/8] + fp16 [..., D/group] -> float32 [..., D]. zero None: scale-only groups,
-    x = (codes - centre) * scale."""
+    x = (codes - centre) * scale; their scale may be uint8 UE5M3 codes (lowbit.quant.scale_format)."""
     c = unpack(codes, bits, LAYOUT).float()  # [..., D]
     ng = scale.shape[-1]
     D = c.shape[-1]
     c = c.reshape(*c.shape[:-1], ng, D // ng)
-    z = zero.float() if zero is not None else scale.float() * -float(centre)
-    x = c * scale.float()[..., None] + z[..., None]
+    s = scale_format.decode(scale) if scale.dtype == torch.uint8 else scale.float()
+    z = zero.float() if zero is not None else s * -float(centre)
+    x = c * s[..., None] + z[..., None]
     return x.reshape(*x.shape[:-2], D)
 
 

@@ -12,6 +12,8 @@ Stored fields (what `encode` returns, per middle row block; T rows, D = head_dim
                                (each channel over a block of `page` tokens: KIVI keys)
     bits < 16, zero "none":    codes as above; scale fp16 [B, H, T, D // group] only (no zero field:
                                zero = -mid * scale, mid = (2**bits - 1) / 2, lowbit.quant.affine.centre)
+                               scale_format "ue5m3": scale uint8 [B, H, T, D // group], one-byte codes
+                               (lowbit.quant.scale_format) of the steps the encoder rounded to that grid
     bits == 16:                dense [B, H, T, D] in the model dtype (no quantization)
 cbits is the container width: 3-bit codes are packed as 4-bit. Dequantization is always
     x_hat = codes * scale + zero                    (uniform grid, lowbit.quant.affine; min/max or std placed;
@@ -25,6 +27,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.quant import affine, packing
+from lowbit.quant import scale_format as sf
 from lowbit.recipe import TensorQuant
 
 SCALE_DTYPE = torch.float16
@@ -48,6 +51,7 @@ class TensorCodec:
         self.group = tq.group_for(head_dim, page)
         self.levels: torch.Tensor | None = None
         self.stores_zero = tq.stores_zero  # False: scale-only groups (zero = -centre * scale)
+        self.scale_format = tq.scale_format  # "ue5m3": one-byte scale codes (scale-only groups only)
         self.centre = affine.centre(tq.bits) if tq.quantized else 0.0
         self.unit_step: float | None = None  # the std grid's step per unit std, resolved once
         if tq.quantized and tq.grid in ("std", "mse") and not tq.lloyd_max:
@@ -86,6 +90,18 @@ class TensorCodec:
             return {"codes": D * self.cbits // 8, "scale": D // self.group}
         return {"codes": D * self.cbits // 8, "scale": D // self.group, "zero": D // self.group}
 
+    def field_dtype(self, name: str, dense_dtype: torch.dtype) -> torch.dtype:
+        """The dtype every holder of field `name` allocates (the layer, the static cache, the vLLM slot)."""
+        if name == "codes" or (name == "scale" and self.scale_format == "ue5m3"):
+            return torch.uint8
+        return dense_dtype if name == "dense" else SCALE_DTYPE
+
+    def field_bits(self, name: str, dense_bits: int = 16) -> int:
+        """Bits one entry of field `name` costs (what the held-bits accounting counts)."""
+        if name == "dense":
+            return dense_bits
+        return 8 if self.field_dtype(name, SCALE_DTYPE) == torch.uint8 else 16
+
     def rows_per_entry(self, name: str) -> int:
         """Middle rows (tokens) covered by one row of field `name` (page for channel-axis scales)."""
         return self.page if (self.quantized and self.tq.axis == "channel" and name != "codes") else 1
@@ -112,6 +128,8 @@ class TensorCodec:
         else:
             codes, scale, zero = self._quantize_last(x, self.group, checks)  # [B,H,T,D], [B,H,T,D/g]
         packed = codes if self.cbits == 8 else packing.pack(codes, self.cbits, LAYOUT, checks=checks)
+        if self.scale_format == "ue5m3":  # exact: the encoder's scales are UE5M3 values already
+            return {"codes": packed, "scale": sf.encode(scale)}
         if not self.stores_zero:
             return {"codes": packed, "scale": scale}
         return {"codes": packed, "scale": scale, "zero": zero}
@@ -126,8 +144,9 @@ class TensorCodec:
             return q.codes, q.std, q.mean
         if not self.stores_zero:  # scale-only: the grid centred on 0
             q = affine.quantize_centred(x, tq.bits, group, grid="absmax" if tq.grid == "minmax" else "std",
-                                        clip_ratio=tq.clip, scale_dtype=SCALE_DTYPE, checks=checks,
-                                        unit_step=self.unit_step,
+                                        clip_ratio=tq.clip, checks=checks, unit_step=self.unit_step,
+                                        scale_dtype=torch.float32 if self.scale_format == "ue5m3" else SCALE_DTYPE,
+                                        scale_format=self.scale_format,
                                         search=affine.MSE_STEPS if tq.grid == "mse" else ())
         elif tq.grid == "std":
             q = affine.quantize_std(x, tq.bits, group, scale_dtype=SCALE_DTYPE, checks=checks, unit_step=self.unit_step)
@@ -146,7 +165,7 @@ class TensorCodec:
         c = codes if self.cbits == 8 else packing.unpack(codes, self.cbits, LAYOUT)  # [B,H,T,D]
         B, H, T, D = c.shape
         vals = self.levels.to(c.device)[c.long()] if self.tq.lloyd_max else c.float()
-        scale = fields["scale"].float()
+        scale = sf.decode(fields["scale"]) if self.scale_format == "ue5m3" else fields["scale"].float()
         zero = fields["zero"].float() if self.stores_zero else scale * -self.centre
         if self.tq.axis == "channel":
             P = self.page

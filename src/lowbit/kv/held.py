@@ -82,12 +82,11 @@ def tier_tokens(context: int, sink: int, recent: int, page: int, window: int | N
 
 def codec_bits_per_token(codec, dense_bits: int = 16) -> float:
     """Bits one middle token costs per KV head in this codec (codes + scale/zero), from its fields:
-    what QuantizedKVLayer._alloc_mid allocates (uint8 codes, fp16 scale/zero; channel-axis scale
-    rows cover a page of tokens)."""
+    what QuantizedKVLayer._alloc_mid allocates (uint8 codes, fp16 or one-byte scales, fp16 zeros;
+    channel-axis scale rows cover a page of tokens)."""
     total = 0.0
     for name, width in codec.fields().items():
-        bits = dense_bits if name == "dense" else 8 if name == "codes" else 16
-        total += width * bits / codec.rows_per_entry(name)
+        total += width * codec.field_bits(name, dense_bits) / codec.rows_per_entry(name)
     return total
 
 

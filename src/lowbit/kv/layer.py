@@ -246,7 +246,7 @@ class QuantizedKVLayer(CacheLayerMixin):
         for t, codec in (("k", self.k_codec), ("v", self.v_codec)):
             bufs = {}
             for name, width in codec.fields().items():
-                dtype = torch.uint8 if name == "codes" else (self.dtype if name == "dense" else torch.float16)
+                dtype = codec.field_dtype(name, self.dtype)
                 fr = self._field_rows(codec, name, cap)
                 new = torch.zeros(B, H, fr, width, device=self.device, dtype=dtype)
                 old = self.mid[t].get(name)

@@ -220,6 +220,7 @@ def quantize_centred(
     checks: bool = True,
     unit_step: float | None = None,
     search: tuple[float, ...] = (),
+    scale_format: str = "fp16",
 ) -> AffineQuantized:
     """A grid centred on 0 whose only per-group parameter is the scale (nothing else is stored).
 
@@ -237,7 +238,13 @@ def quantize_centred(
     search: step multiples to try besides 1 (e.g. MSE_STEPS): each group keeps the rounded scale whose
     reconstruction has the least squared error (ties keep the earlier candidate, 1 first). Only the
     encoder changes: what is stored, and how it is read, is the same as without the search.
+
+    scale_format "ue5m3": each candidate step is rounded to the nearest one-byte UE5M3 value
+    (lowbit.quant.scale_format) instead of to scale_dtype, which must then be float32: the returned
+    scale holds those values exactly (the caller stores their codes), and the codes are computed
+    against them, as for fp16.
     """
+    from lowbit.quant import scale_format as sf
     from lowbit.quant.lloyd_max import gaussian_uniform_step
 
     if grid not in ("std", "absmax"):
@@ -245,6 +252,9 @@ def quantize_centred(
     if grid == "std" and bits not in (2, 3, 4):
         raise LowbitError(f"the std-placed grid is for 2, 3 or 4 bits, got {bits}; use the absmax grid at 8 bits")
     r = _check_clip(clip_ratio)
+    sf.bits_of(scale_format)
+    if scale_format != "fp16" and scale_dtype != torch.float32:
+        raise LowbitError(f"scale_format {scale_format!r} returns its values in float32; pass scale_dtype=torch.float32")
     bits, g, xg = _groups(x, bits, group, scale_dtype)  # xg [..., G, g]
     qmax = (1 << bits) - 1
     if grid == "std":
@@ -261,9 +271,13 @@ def quantize_centred(
     best = None  # (squared error [..., G], scale float32 [..., G], codes [..., G, g])
     for f in factors:
         st = step * f
-        scale = st if scale_dtype == torch.float32 else _round_up(st, scale_dtype).float()
+        if scale_format == "ue5m3":
+            scale = sf.round_to_grid(st)
+        else:
+            scale = st if scale_dtype == torch.float32 else _round_up(st, scale_dtype).float()
         scale = torch.where(live, scale, torch.zeros_like(scale))
-        inv = torch.where(live, 1.0 / torch.where(live, scale, torch.ones_like(scale)), torch.zeros_like(scale))
+        pos = scale > 0  # a tiny step can round to a zero one-byte scale: that group reconstructs 0
+        inv = torch.where(pos, 1.0 / torch.where(pos, scale, torch.ones_like(scale)), torch.zeros_like(scale))
         codes = torch.round(xg * inv.unsqueeze(-1) + mid).clamp_(0, qmax)
         if not search:
             best = (None, scale, codes)

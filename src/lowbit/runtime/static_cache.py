@@ -211,7 +211,7 @@ class StaticLayer(CacheLayerMixin):
         elif self.kind == "tiers":
             for t, codec in (("k", self.k_codec), ("v", self.v_codec)):
                 for name, width in codec.fields().items():
-                    dt = torch.uint8 if name == "codes" else torch.float16
+                    dt = codec.field_dtype(name, dtype)
                     self.mid[t][name] = torch.zeros(B, H, _rows(self.C), width, device=device, dtype=dt)
         self.rot_k = None if plan.rot_k is None else plan.rot_k.to(device, dtype)
         self.rot_v = None if plan.rot_v is None else plan.rot_v.to(device, dtype)

@@ -124,7 +124,7 @@ class SlotFormat:
 
     def __init__(self, scheme, head_dim_k: int, head_dim_v: int, dense_dtype: torch.dtype = torch.float16,
                  slot_bytes: int | None = None):
-        from lowbit.kv.codec import SCALE_DTYPE, TensorCodec
+        from lowbit.kv.codec import TensorCodec
 
         self.scheme = scheme
         self.codecs = {"k": TensorCodec(scheme.k, head_dim_k, scheme.page),
@@ -138,7 +138,7 @@ class SlotFormat:
         for which in ("k", "v"):
             c = self.codecs[which]
             for name, width in c.fields().items():
-                dt = torch.uint8 if name == "codes" else (SCALE_DTYPE if name in ("scale", "zero") else dense_dtype)
+                dt = c.field_dtype(name, dense_dtype)
                 f = _Field(which, name, width, dt, off)
                 self.fields.append(f)
                 off += f.nbytes
