@@ -1,6 +1,8 @@
 """Collect measured `lowbit eval` runs (PPL and --task needle JSONs) into benchmarks/results/quality/summary.json.
 
     python benchmarks/quality_summary.py benchmarks/results/quality/*.json
+    python benchmarks/quality_summary.py --update NEW.json ...   # these runs' rows replace the same (model, recipe)
+                                                                 # rows of the committed summary; others are kept
 
 Rows: {"model", "recipe", "bits_held", "context", "delta_ppl_pct", "needle_rel_bf16", "data"}, one per
 (model, recipe) seen in a PPL run; needle_rel_bf16 from a needle run of the same model and recipe name,
@@ -41,6 +43,10 @@ def _held(model: str, row: dict, context: int, chunk: int):
 def main(paths: list[str]) -> int:
     from lowbit.recipes import index
 
+    update = paths[:1] == ["--update"]
+    if update:
+        paths = paths[1:]
+
     ppl, needle = [], {}
     for p in paths:
         d = json.loads(Path(p).read_text())
@@ -71,6 +77,10 @@ def main(paths: list[str]) -> int:
                 row.update({"budget": shipped["budget"], "budget_context": shipped["context"],
                             "bits_held_at_budget_context": shipped["held_bits"]})
             rows.append(row)
+    if update:  # a re-run of a recipe (say a re-shipped one) replaces its row where it stood
+        new = {(r["model"], r["recipe"]): r for r in rows}
+        old = json.loads(OUT.read_text())["rows"]
+        rows = [new.pop((r["model"], r["recipe"]), r) for r in old] + list(new.values())
     OUT.parent.mkdir(parents=True, exist_ok=True)
     OUT.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     print(f"wrote {OUT} ({len(rows)} rows)")

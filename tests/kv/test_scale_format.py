@@ -140,6 +140,12 @@ def test_cli_flag():
     add_kv_arguments(p)
     s = scheme_from_args(p.parse_args(["--kv", "int2", "--zero", "none", "--scale-format", "ue5m3"]))
     assert s.v.scale_format == "ue5m3"
+    from lowbit.kv.plan import resolve
+
+    plan = resolve(s, ModelGeometry.from_config(tiny_config("smollm2-135m", num_layers=2), name="tiny"))
+    assert "s-only ue5m3" in plan.table()
+    with pytest.raises(LowbitError, match="scale_format 'fp8' unknown"):
+        scheme_from_args(p.parse_args(["--kv", "int2", "--zero", "none", "--scale-format", "fp8"]))
 
 
 # ------------------------------------------------------------------ cache: held bits and readers
@@ -211,8 +217,8 @@ def test_kernel_decodes_the_byte_not_its_integer_value():
 
     if not interpreted():
         pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")
-    case = dict(B=3, Hq=9, Hkv=3, D=64, T=99, kbits=4, vbits=2, zero="none", scale_format="ue5m3", ragged=True,
-                sink=3, recent=5)
+    case = {"B": 3, "Hq": 9, "Hkv": 3, "D": 64, "T": 99, "kbits": 4, "vbits": 2, "zero": "none",
+            "scale_format": "ue5m3", "ragged": True, "sink": 3, "recent": 5}
     (row,) = audit("cpu", cases=[("ue5m3", case)], kernels=("decode_attention",))
     assert row.ok and row.finite, row
     kw = make_case(**case)

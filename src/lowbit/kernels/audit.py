@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lowbit.quant.affine import centre, quantize, quantize_centred
 from lowbit.quant import scale_format as sf
+from lowbit.quant.affine import centre, quantize, quantize_centred
 from lowbit.quant.packing import pack
 
 TOL = 1e-3  # relative L2 error, kernel (fp32 output) vs float32 twin

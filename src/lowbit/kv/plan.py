@@ -132,7 +132,8 @@ def _codec_label(c: TensorCodec) -> str:
     t = c.tq
     grid = "lloyd-max" if t.lloyd_max else t.grid
     axis = f"ch/{c.page}" if t.axis == "channel" else f"g{c.group}"
-    return f"int{t.bits} {axis} {grid}" + ("" if c.stores_zero else " s-only")
+    return (f"int{t.bits} {axis} {grid}" + ("" if c.stores_zero else " s-only")
+            + ("" if c.scale_format == "fp16" else f" {c.scale_format}"))
 
 
 def _codec_doc(c: TensorCodec) -> dict:
