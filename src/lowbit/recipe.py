@@ -129,6 +129,11 @@ class TensorQuant:
           b/elt instead of 2.25. The encoder rounds each step to that grid and codes against it; the torch
           decode and the fused decode kernel read it; readers that do not (the geometry kernels, the vLLM
           plugin) refuse it by name.
+    vq: None, or "SUBxENTRIES" (e.g. "2x16", "4x256"): vector-quantized rows (lowbit.quant.vq): each row's
+          RMS-normalised SUB-dim sub-vectors store the index of their nearest codeword in a per-(layer, KV head)
+          codebook fitted by `lowbit calibrate --vq-for RECIPE` (named by the scheme's `levels` artifact, the
+          one home of fitted codebooks), plus one scale per row (scale_format). bits must equal
+          log2(ENTRIES) / SUB; scale-only (zero "none"), per-token; the grid is not used.
     """
 
     bits: int = 16
@@ -141,6 +146,7 @@ class TensorQuant:
     levels: tuple | None = None
     zero: str = "group"
     scale_format: str = "fp16"
+    vq: str | None = None
 
     def __post_init__(self):
         if not _is_int(self.bits) or self.bits not in KV_BITS:
@@ -203,6 +209,17 @@ class TensorQuant:
         if self.scale_format != "fp16" and not (self.quantized and self.zero == "none"):
             raise LowbitError(f"scale_format {self.scale_format!r} stores the positive step of scale-only groups; "
                               "set zero 'none' on a quantized tensor, or use scale_format 'fp16'")
+        if self.vq is not None:
+            from lowbit.quant import vq as vqm
+
+            sub, entries = vqm.parse(self.vq)
+            object.__setattr__(self, "vq", f"{sub}x{entries}")
+            if not self.quantized or vqm.bits_per_element(sub, entries) != self.bits:
+                raise LowbitError(f"VQ {self.vq} stores {vqm.bits_per_element(sub, entries):g} bits per element, but the "
+                                  f"tensor is at {self.bits} bits; pick a VQ spec of those bits (2x16 or 4x256 at 2)")
+            if self.zero != "none" or self.axis != "token" or self.lloyd_max or self.group is not None:
+                raise LowbitError("VQ rows keep one scale per row and no zero: set zero 'none', per-token axis, no "
+                                  "Lloyd-Max and no group")
 
     @property
     def quantized(self) -> bool:
@@ -217,6 +234,8 @@ class TensorQuant:
         """The group this tensor uses at `head_dim` (token axis) or over a page (channel axis)."""
         if self.axis == "channel":
             return page if self.group is None else self.group
+        if self.vq is not None:
+            return head_dim  # one scale per row
         if self.group is not None:
             return self.group
         if head_dim <= DEFAULT_GROUP or head_dim % DEFAULT_GROUP == 0:
@@ -241,6 +260,8 @@ class TensorQuant:
     def describe(self) -> str:
         if not self.quantized:
             return "16-bit"
+        if self.vq is not None:
+            return f"int{self.bits} vq {self.vq} per-token, one {self.scale_format} scale per row"
         parts = [f"int{self.bits}"]
         if self.bits == 3:
             parts[0] += "(in 4-bit containers)"
@@ -255,6 +276,7 @@ class TensorQuant:
             parts.append("scale-only")
         if self.scale_format != "fp16":
             parts.append(f"{self.scale_format} scales")
+
         return " ".join(parts)
 
 
@@ -448,6 +470,8 @@ def _with_bits(t: TensorQuant, bits: int) -> TensorQuant:
         return t
     if bits == 16:
         return TensorQuant()
+    if t.vq is not None:  # another width is a scalar grid: the scale-only std grid (the VQ's storage family)
+        t = replace(t, vq=None)
     group = t.group if t.quantized else None
     if t.zero == "none" and t.quantized:  # scale-only storage at every width: std grid (2-4 bits), symmetric at 8
         if bits == 8:
@@ -550,6 +574,7 @@ def parse_kv_scheme(
     levels=None,
     zero=None,
     scale_format=None,
+    vq=None,
 ) -> KVScheme:
     """Scheme string + flags -> KVScheme.
 
@@ -562,6 +587,7 @@ def parse_kv_scheme(
     RotationRef; levels: a per-layer levels artifact path or LevelsRef (with lloyd_max).
     zero: "group" | "none" (scale-only groups, see TensorQuant.zero), one for both or "K,V".
     scale_format: "fp16" | "ue5m3" (one-byte scales of scale-only groups), one for both or "K,V".
+    vq: None | "SUBxENTRIES" (vector-quantized rows, TensorQuant.vq; "none" for one side), one or "K,V".
 
     Defaults (what `--kv int2` means without flags) are the best data-free recipe measured on the
     built-in models: rotation "hadamard" whenever K or V is stored at 4 bits or fewer (plain int4
@@ -595,6 +621,8 @@ def parse_kv_scheme(
     kc, vc = _float_pair(1.0 if clip is None else clip, "clip")
     kz, vz = _pair("group" if zero is None else zero, "zero")
     ksf, vsf = (str(f).strip().lower() for f in _pair("fp16" if scale_format is None else scale_format, "scale_format"))
+    kvq, vvq = (None if f is None or str(f).strip().lower() == "none" else str(f).strip().lower()
+                for f in _pair(vq, "vq"))
     if k_axis == "channel" and group is not None and page is None:
         # --group on a KIVI scheme sets the key block: the block is the page.
         defaults["page"] = group
@@ -609,11 +637,11 @@ def parse_kv_scheme(
         kq = TensorQuant(bits=kb, symmetric=symmetric, clip=kc, lloyd_max=bool(lloyd_max) and kb < 16,
                          axis=k_axis, group=k_group if kb < 16 else None, grid=gk,
                          zero=str(kz).strip().lower() if kb < 16 else "group",
-                         scale_format=ksf if kb < 16 else "fp16")
+                         scale_format=ksf if kb < 16 else "fp16", vq=kvq if kb < 16 else None)
         vq = TensorQuant(bits=vb, symmetric=symmetric, clip=vc, lloyd_max=bool(lloyd_max) and vb < 16,
                          group=v_group if vb < 16 else None, grid=gv,
                          zero=str(vz).strip().lower() if vb < 16 else "group",
-                         scale_format=vsf if vb < 16 else "fp16")
+                         scale_format=vsf if vb < 16 else "fp16", vq=vvq if vb < 16 else None)
     except LowbitError as e:
         raise LowbitError(f"KV scheme {name!r}: {e}") from None
     if lloyd_max and not (kq.lloyd_max or vq.lloyd_max):
@@ -634,10 +662,11 @@ def parse_kv_scheme(
 
 
 # ---------------------------------------------------------------- files
-_TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group", "grid", "levels", "zero", "scale_format"}
+_TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group", "grid", "levels", "zero", "scale_format",
+                  "vq"}
 _FILE_FIELDS = {"scheme", "group", "sink", "recent", "page", "clip", "lloyd_max", "rotation", "symmetric",
                 "fold_v_rotation", "layer_bits", "grid", "k", "v", "version", "name", "levels", "zero",
-                "scale_format"}
+                "scale_format", "vq"}
 
 
 def _ref_from_field(value, cls, what: str, base_dir: Path | None):
@@ -705,6 +734,7 @@ def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
         grid=d.get("grid") if not isinstance(d.get("k"), dict) else None,
         zero=d.get("zero") if not isinstance(d.get("k"), dict) else None,
         scale_format=d.get("scale_format") if not isinstance(d.get("k"), dict) else None,
+        vq=d.get("vq") if not isinstance(d.get("k"), dict) else None,
     )
     if "group" in d and isinstance(d.get("k"), dict):
         s = replace(s, k=replace(s.k, group=d["group"]) if s.k.quantized else s.k,

@@ -71,10 +71,9 @@ def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_wei
     return col
 
 
-def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_len: int, skip: int,
-              score_weighted: bool = True, progress: bool | None = None) -> dict:
-    """Tokenize `text`, collect statistics with `loaded.model`, write the artifact. Returns counts.
-    progress: a bar over sequences with ETA (None: when stderr is a terminal; else a line per 1/8)."""
+def _collect_text(loaded, data_spec: str, text: str, *, tokens: int, seq_len: int, skip: int, score_weighted: bool,
+                  sample_per_seq: int, progress: bool | None):
+    """Tokenize `text` into windows and collect them with `loaded.model` -> (collector, seconds)."""
     geo = loaded.geometry
     if seq_len <= skip:
         raise LowbitError(f"--seq-len {seq_len} must exceed --skip {skip}")
@@ -104,16 +103,51 @@ def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_
             print(f"  {n}/{total} sequences, {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
 
     with pb:
-        col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted, progress=step, geometry=geo)
-    seconds = time.time() - t0
-    inputs = {
-        "model": loaded.name,
-        "weights_sha256": loaded.weights_sha256,
-        "data": data_spec,
-        "data_sha256": hashlib.sha256(text.encode()).hexdigest(),
-    }
-    counts = write_calibration(col, out, geo, inputs, tokens=tokens, seq_len=seq_len)
+        col = collect(loaded.model, windows, skip=skip, score_weighted=score_weighted, sample_per_seq=sample_per_seq,
+                      progress=step, geometry=geo)
+    return col, time.time() - t0
+
+
+def _inputs(loaded, data_spec: str, text: str) -> dict:
+    return {"model": loaded.name, "weights_sha256": loaded.weights_sha256, "data": data_spec,
+            "data_sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def calibrate(loaded, data_spec: str, text: str, out: Path, *, tokens: int, seq_len: int, skip: int,
+              score_weighted: bool = True, progress: bool | None = None) -> dict:
+    """Tokenize `text`, collect statistics with `loaded.model`, write the artifact. Returns counts.
+    progress: a bar over sequences with ETA (None: when stderr is a terminal; else a line per 1/8)."""
+    col, seconds = _collect_text(loaded, data_spec, text, tokens=tokens, seq_len=seq_len, skip=skip,
+                                 score_weighted=score_weighted, sample_per_seq=16, progress=progress)
+    counts = write_calibration(col, out, loaded.geometry, _inputs(loaded, data_spec, text), tokens=tokens, seq_len=seq_len)
     return {**counts, "seconds": round(seconds, 1)}
+
+
+def calibrate_vq(loaded, data_spec: str, text: str, out: Path, scheme, recipe_name: str, *, tokens: int, seq_len: int,
+                 skip: int, progress: bool | None = None) -> dict:
+    """Fit the VQ codebooks of `scheme` (lowbit.calib.vq) on `text` and write them as a levels artifact (kind
+    "kv-levels", the recipe's `levels`). Returns counts with the sha256 a recipe pins."""
+    from lowbit.calib.vq import VQ_SAMPLE_PER_SEQ, fit_codebooks, vq_tensors
+    from lowbit.kv.plan import LEVELS_FILE, load_rotations, save_levels
+
+    geo = loaded.geometry
+    scheme.validate(geo)
+    todo = vq_tensors(scheme, geo)
+    if not todo:
+        raise LowbitError(f"--vq-for {recipe_name}: the recipe has no vector-quantized tensor (vq = \"2x16\" on K or V)")
+    rotations = load_rotations(scheme.rotation, geo)  # before the model work: a bad rotation fails first
+    col, seconds = _collect_text(loaded, data_spec, text, tokens=tokens, seq_len=seq_len, skip=skip,
+                                 score_weighted=False, sample_per_seq=VQ_SAMPLE_PER_SEQ, progress=progress)
+    t0 = time.time()
+    dtype = next(iter(loaded.model.parameters())).dtype
+    cbs = fit_codebooks(col.layers, scheme, rotations, geo, dtype)
+    inputs = {**_inputs(loaded, data_spec, text), "vq_for": recipe_name, "tokens": tokens, "seq_len": seq_len,
+              "skip": skip, "rows_per_sequence": VQ_SAMPLE_PER_SEQ}
+    save_levels(out, cbs, model=loaded.name, inputs=inputs)
+    from lowbit.artifacts import load_manifest
+
+    sha = load_manifest(out).file_map()[LEVELS_FILE].sha256
+    return {"tensors": len(todo), "tokens": tokens, "seconds": round(seconds + time.time() - t0, 1), "sha256": sha}
 
 
 def write_calibration(col, out: Path, geo, inputs: dict, *, tokens: int, seq_len: int) -> dict:

@@ -25,6 +25,10 @@ def add_arguments(p) -> None:
 
     add_dtype(p, default="bf16", help="model dtype while capturing (the serving dtype; statistics are summed in float64)")
     p.add_argument("--no-score-weighted", action="store_true", help="skip the attention-weighted V covariance (faster)")
+    p.add_argument("--vq-for", default=None, metavar="RECIPE",
+                   help="instead of the statistics: fit the VQ codebooks of RECIPE's vector-quantized tensors (vq = "
+                        "\"2x16\") on the rows the cache would store, and write them as the levels artifact the "
+                        "recipe names")
     p.add_argument("--out", required=True, help="new artifact directory")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (a line per eighth of the sequences instead; also when stderr is not a terminal)")
@@ -44,8 +48,22 @@ def run(args) -> int:
         raise LowbitError(f"{out} already exists; artifacts are never overwritten: choose a new --out")
     from lowbit.flags import torch_dtype
 
+    scheme = None
+    if args.vq_for:
+        from lowbit.recipe import load_recipe
+
+        scheme = load_recipe(args.vq_for)  # a bad recipe fails before any model work
     loaded = resolve(args.model, dtype=torch_dtype(args.dtype))
     text = load_text(args.data)
+    if scheme is not None:
+        from lowbit.calib.run import calibrate_vq
+
+        c = calibrate_vq(loaded, args.data, text, out, scheme, str(args.vq_for), tokens=args.tokens,
+                         seq_len=args.seq_len, skip=args.skip, progress=False if args.no_progress else None)
+        print(f"VQ codebooks of {c['tensors']} tensors of {loaded.name} fitted on {args.data} ({c['tokens']} tokens, "
+              f"{c['seconds']} s) -> {out}\nname them in the recipe's [kv]: levels = {{ path = \"{out}\", "
+              f"sha256 = \"{c['sha256']}\" }}")
+        return 0
     counts = calibrate(loaded, args.data, text, out, tokens=args.tokens, seq_len=args.seq_len, skip=args.skip,
                        score_weighted=not args.no_score_weighted, progress=False if args.no_progress else None)
     print(f"calibration of {loaded.name} on {args.data}: {counts['tokens']} tokens in {counts['sequences']} sequences, "

@@ -75,6 +75,8 @@ def codec_reason(which: str, codec) -> str | None:
         return f"{which} is grouped per channel (the kernel takes per-token groups)"
     if codec.tq.lloyd_max:
         return f"{which} uses Lloyd-Max levels (the kernel takes the affine grid)"
+    if codec.tq.vq is not None:
+        return f"{which} is vector-quantized (vq {codec.tq.vq}; the kernel takes the affine grid)"
     if not codec.stores_zero and codec.head_dim not in KERNEL_HEAD_DIMS:
         return (f"{which} has scale-only groups at head_dim {codec.head_dim} (only the head_dim "
                 f"{'/'.join(map(str, KERNEL_HEAD_DIMS))} kernel computes the zero from the scale)")

@@ -14,6 +14,9 @@ Stored fields (what `encode` returns, per middle row block; T rows, D = head_dim
                                zero = -mid * scale, mid = (2**bits - 1) / 2, lowbit.quant.affine.centre)
                                scale_format "ue5m3": scale uint8 [B, H, T, D // group], one-byte codes
                                (lowbit.quant.scale_format) of the steps the encoder rounded to that grid
+    vq "SUBxE" (2 bits):       codes uint8 [B, H, T, D * 2 // 8]: D/SUB codeword indices (E 16: 4-bit, strided
+                               packing; E 256: one byte each), scale [B, H, T, 1] (fp16, or uint8 ue5m3)
+                               x_hat = scale * codebook[h][idx] (lowbit.quant.vq; codebook [H, E, SUB] per layer)
     bits == 16:                dense [B, H, T, D] in the model dtype (no quantization)
 cbits is the container width: 3-bit codes are packed as 4-bit. Dequantization is always
     x_hat = codes * scale + zero                    (uniform grid, lowbit.quant.affine; min/max or std placed;
@@ -28,6 +31,7 @@ import torch
 from lowbit.errors import LowbitError
 from lowbit.quant import affine, packing
 from lowbit.quant import scale_format as sf
+from lowbit.quant import vq as vqm
 from lowbit.recipe import TensorQuant
 
 SCALE_DTYPE = torch.float16
@@ -38,8 +42,9 @@ class TensorCodec:
     """Quantize/pack and unpack/dequantize middle rows of one tensor (K or V) of one layer.
 
     tq: the TensorQuant; head_dim: D; page: tokens per channel block (axis "channel").
-    levels: Lloyd-Max levels float32 [2**bits] fitted for this layer (default: the TensorQuant's own
-    `levels`, else Gaussian-optimal), ignored otherwise.
+    levels: the fitted codebook of this layer's tensor: Lloyd-Max levels float32 [2**bits] (default: the
+    TensorQuant's own `levels`, else Gaussian-optimal), or for a VQ tensor its codebooks [H_kv, E, SUB]
+    (required: fitted by `lowbit calibrate --vq-for`); ignored otherwise.
     """
 
     def __init__(self, tq: TensorQuant, head_dim: int, page: int, levels: torch.Tensor | None = None):
@@ -62,6 +67,9 @@ class TensorCodec:
             raise LowbitError(f"group {self.group} does not divide head_dim {head_dim}; pick a divisor")
         if tq.lloyd_max:
             self.set_levels(levels if levels is not None else tq.levels)
+        self.vq: tuple[int, int] | None = vqm.parse(tq.vq) if tq.quantized and tq.vq else None
+        if self.vq is not None:
+            self.set_codebook(levels)
 
     @property
     def quantized(self) -> bool:
@@ -77,6 +85,20 @@ class TensorCodec:
         if levels.numel() != 1 << self.bits:
             raise LowbitError(f"Lloyd-Max levels for {self.bits} bits need {1 << self.bits} values, got {levels.numel()}")
         self.levels = levels
+
+    def set_codebook(self, cb) -> None:
+        """The VQ codebooks of this layer's tensor, [H_kv, E, SUB] (held in fp16, what is counted)."""
+        sub, entries = self.vq
+        if cb is None:
+            raise LowbitError(f"a VQ {sub}x{entries} tensor needs fitted codebooks: fit them with `lowbit calibrate "
+                              "--vq-for RECIPE` and name them in the recipe's `levels`")
+        cb = torch.as_tensor(cb)
+        if cb.dim() != 3 or cb.shape[1:] != (entries, sub):
+            raise LowbitError(f"VQ codebooks must be [H_kv, {entries}, {sub}] for vq {sub}x{entries}, got "
+                              f"{list(cb.shape)}; fit codebooks for this spec")
+        if self.head_dim % sub:
+            raise LowbitError(f"VQ sub-vectors of {sub} dims do not divide head_dim {self.head_dim}")
+        self.levels = cb.to(torch.float16)
 
     # The fields `encode` returns and their per-row widths (for allocation by the layer).
     def fields(self) -> dict[str, int]:
@@ -117,6 +139,13 @@ class TensorCodec:
             return {"dense": x.to(dense_dtype)}
         B, H, T, D = x.shape
         tq = self.tq
+        if self.vq is not None:
+            cb = self.levels.to(x.device)
+            if cb.shape[0] != H:
+                raise LowbitError(f"VQ codebooks hold {cb.shape[0]} KV heads but the rows have {H}; fit them for this model")
+            idx, scale = vqm.encode(x, cb, self.scale_format)
+            packed = vqm.pack_idx(idx, self.vq[1], checks=checks)
+            return {"codes": packed, "scale": sf.encode(scale) if self.scale_format == "ue5m3" else scale.half()}
         if tq.axis == "channel":
             if T % self.page:
                 raise LowbitError(f"channel-grouped rows come in pages of {self.page}, got {T}")
@@ -162,6 +191,9 @@ class TensorCodec:
         if not self.quantized:
             return fields["dense"].to(dtype)
         codes = fields["codes"]
+        if self.vq is not None:
+            s = sf.decode(fields["scale"]) if self.scale_format == "ue5m3" else fields["scale"].float()
+            return vqm.decode(vqm.unpack_idx(codes, self.vq[1]), s, self.levels.to(codes.device)).to(dtype)
         c = codes if self.cbits == 8 else packing.unpack(codes, self.cbits, LAYOUT)  # [B,H,T,D]
         B, H, T, D = c.shape
         vals = self.levels.to(c.device)[c.long()] if self.tq.lloyd_max else c.float()

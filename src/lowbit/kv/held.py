@@ -14,7 +14,8 @@ their 512-token window), weigh 97%; a plain mean over layers would let cheap sli
 What one middle element costs (per layer, per tensor, from the layer's TensorCodec: the fields the
 cache allocates): codes (container bits: 3-bit codes sit in 4-bit containers) + fp16 scale and zero
 (the scale alone for scale-only groups, TensorQuant zero "none") per group (token axis: per `group` channels of a token; channel axis: per channel over a page) +
-Lloyd-Max codebooks (2**bits float32 per layer and tensor) amortised over that layer's elements.
+Lloyd-Max codebooks (2**bits float32 per layer and tensor) or VQ codebooks ([H_kv, E, SUB] fp16 per layer
+and tensor) amortised over that layer's elements.
 A middle stored unquantized (bits 16, e.g. a layer_bits "bf16" override) counts at `dense_bits`.
 
 Tier lengths at N come from `tier_tokens`, the integer twin of lowbit.kv.layer.QuantizedKVLayer's
@@ -185,8 +186,12 @@ def _layer(index, attention, window, heads, dk, dv, toks, k_codec, v_codec, dens
         bv = batch * heads * mid * codec_bits_per_token(v_codec, dense_bits)
     else:
         bk, bv = 8.0 * bytes_kv[0], 8.0 * bytes_kv[1]
-    def codebook(c, e: int) -> float:  # Lloyd-Max levels of this layer's tensor, counted where it holds rows
-        return float(CODEBOOK_VALUE_BITS * (1 << c.bits)) if e and c.quantized and c.tq.lloyd_max else 0.0
+    def codebook(c, e: int) -> float:  # fitted codebooks of this layer's tensor, counted where it holds rows
+        if not (e and c.quantized):
+            return 0.0
+        if c.vq is not None:  # VQ codebooks [H_kv, E, SUB], held in fp16
+            return float(16 * c.levels.numel())
+        return float(CODEBOOK_VALUE_BITS * (1 << c.bits)) if c.tq.lloyd_max else 0.0
 
     cbk, cbv = codebook(k_codec, ek), codebook(v_codec, ev)
     lh = LayerHeld(index, attention, window, dict(toks), ek, ev, bk + cbk, bv + cbv, cbk + cbv)

@@ -246,8 +246,9 @@ def _check_latent_rotation(rs, layers) -> None:
 
 # ------------------------------------------------------------------ levels
 def save_levels(out_dir, levels: dict, *, model: str, inputs: dict | None = None) -> Path:
-    """Write per-layer Lloyd-Max levels {layer: {"k": [2**bits], "v": [2**bits]}} as a new artifact
-    (kind "kv-levels"); a KVScheme names it with LevelsRef(path, sha256)."""
+    """Write per-layer fitted codebooks {layer: {"k": t, "v": t}} as a new artifact (kind "kv-levels"): Lloyd-Max
+    levels [2**bits], or VQ codebooks [H_kv, E, SUB] (lowbit.calib.vq); a KVScheme names it with
+    LevelsRef(path, sha256)."""
     from safetensors.torch import save_file
 
     from lowbit.artifacts import ArtifactWriter
@@ -258,7 +259,8 @@ def save_levels(out_dir, levels: dict, *, model: str, inputs: dict | None = None
             if which not in ("k", "v"):
                 raise LowbitError(f"levels of layer {i}: key {which!r} is not 'k' or 'v'")
             if t is not None:
-                tensors[f"layers.{int(i)}.{which}"] = torch.as_tensor(t, dtype=torch.float32).flatten().contiguous()
+                t = torch.as_tensor(t, dtype=torch.float32)
+                tensors[f"layers.{int(i)}.{which}"] = (t if t.dim() == 3 else t.flatten()).contiguous()
     if not tensors:
         raise LowbitError("no levels to save: every layer's K and V levels are None")
     with ArtifactWriter(out_dir, kind=LEVELS_KIND, artifact_class="generic", inputs={"model": model, **(inputs or {})},
@@ -305,7 +307,18 @@ def load_levels(ref: LevelsRef, geometry) -> tuple[dict, str]:
 
 # ------------------------------------------------------------------ resolve
 def _codec(tq, head_dim: int, page: int, fitted, where: str) -> TensorCodec:
+    if tq.quantized and tq.vq is not None:
+        if fitted is None:
+            raise LowbitError(f"{where} is vector-quantized (vq {tq.vq}) but the recipe's levels name no codebooks for "
+                              "it; fit them with `lowbit calibrate --vq-for RECIPE` and name them in `levels`")
+        try:
+            return TensorCodec(tq, head_dim, page, fitted)
+        except LowbitError as e:
+            raise LowbitError(f"{where}: {e}") from None
     if fitted is not None:
+        if fitted.dim() != 1:
+            raise LowbitError(f"{where}: the levels file holds VQ codebooks {list(fitted.shape)} but this tensor is "
+                              "not vector-quantized; drop them from the file or set its vq")
         if not tq.lloyd_max:
             raise LowbitError(f"{where}: the levels file has levels but this tensor is not Lloyd-Max; "
                               "drop them from the file or use --lloyd-max")

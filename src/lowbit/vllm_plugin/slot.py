@@ -63,6 +63,8 @@ def codecs_reason(k_codec, v_codec) -> str | None:
             return f"{which} is grouped per channel (KIVI); the vLLM plugin supports per-token groups only"
         if c.tq.lloyd_max:
             return f"{which} uses Lloyd-Max levels; the vLLM plugin supports uniform grids only"
+        if c.quantized and c.tq.vq is not None:
+            return f"{which} is vector-quantized (vq {c.tq.vq}); the vLLM plugin supports uniform grids only"
         if c.quantized and not c.stores_zero:
             return f"{which} has scale-only groups (zero 'none'); the vLLM plugin's cells hold a zero per group"
     return None
