@@ -149,6 +149,8 @@ class TensorQuant:
     vq: str | None = None
 
     def __post_init__(self):
+        if self.vq is not None and self.grid == "minmax":
+            object.__setattr__(self, "grid", "std")  # VQ rows use no grid; the scale-only storage family's default
         if not _is_int(self.bits) or self.bits not in KV_BITS:
             raise LowbitError(f"KV bits {self.bits!r} unsupported; use one of {KV_BITS} (16 = unquantized)")
         if self.axis not in AXES:
@@ -345,8 +347,9 @@ class KVScheme:
             lv = LevelsRef(lv)
         if lv is not None and not isinstance(lv, LevelsRef):
             raise LowbitError(f"levels must be a levels artifact path, got {self.levels!r}")
-        if lv is not None and not (self.k.lloyd_max or self.v.lloyd_max):
-            raise LowbitError("a levels file is given but neither K nor V uses Lloyd-Max levels; add --lloyd-max")
+        if lv is not None and not (self.k.lloyd_max or self.v.lloyd_max or self.k.vq or self.v.vq):
+            raise LowbitError("a levels file is given but neither K nor V uses Lloyd-Max levels or VQ codebooks; "
+                              "add --lloyd-max or a vq spec")
         object.__setattr__(self, "levels", lv)
         if self.fold_v_rotation and self.rotation == "none":
             raise LowbitError("fold_v_rotation needs a rotation to fold; set rotation or drop fold_v_rotation")

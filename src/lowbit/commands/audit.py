@@ -16,9 +16,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
                         help="cuda: full shapes; cpu: small shapes through the Triton interpreter (default: cuda if present)")
     parser.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    parser.add_argument("--kernel", choices=["all", "decode_attention", "decode_geometry", "vllm_cpu"], default="all",
+    parser.add_argument("--kernel", choices=["all", "decode_attention", "decode_geometry", "decode_vq", "vllm_cpu"],
+                        default="all",
                         help="which decode-attention sweep: the 64/128/256 kernel, the geometry kernel (MLA latent, "
-                             "Gemma-4 K = V, K192/V128, head_dim 512), the vLLM plugin's C++ CPU kernels (paged "
+                             "Gemma-4 K = V, K192/V128, head_dim 512), the VQ-row kernel, the vLLM plugin's C++ CPU kernels (paged "
                              "decode, cell encoder), or all (default; the plugin's only with --device cpu)")
     parser.add_argument("--weights", action="store_true",
                         help="audit the weight GEMMs (W4A16/W8A16/W8A8/W4A8, every dispatched (scheme, M) cell on "
@@ -57,7 +58,8 @@ def run(args) -> int:
     from lowbit.kernels.audit import audit, format_table
 
     which = getattr(args, "kernel", "all")
-    rows = audit(device, kernels=("decode_attention", "decode_geometry") + (("vllm_cpu",) if device == "cpu" else ())
+    rows = audit(device, kernels=("decode_attention", "decode_geometry", "decode_vq")
+                 + (("vllm_cpu",) if device == "cpu" else ())
                  if which == "all" else (which,))
     print(format_table(rows))
     if args.json:

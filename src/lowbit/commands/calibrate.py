@@ -53,6 +53,9 @@ def run(args) -> int:
         from lowbit.recipe import load_recipe
 
         scheme = load_recipe(args.vq_for)  # a bad recipe fails before any model work
+        if not (scheme.k.quantized and scheme.k.vq) and not (scheme.v.quantized and scheme.v.vq):
+            raise LowbitError(f"--vq-for {args.vq_for}: the recipe has no vector-quantized tensor; set vq = \"2x16\" "
+                              "(or 4x256) on its k or v table")
     loaded = resolve(args.model, dtype=torch_dtype(args.dtype))
     text = load_text(args.data)
     if scheme is not None:

@@ -250,17 +250,19 @@ def _make_geo_case(B, Hq, Hkv, D, Dv, T, kbits, vbits, *, group, sink=0, recent=
     return kw
 
 
-def audit(device: str | None = None, cases=None, config=None, kernels=("decode_attention", "decode_geometry")) -> list[AuditRow]:
+def audit(device: str | None = None, cases=None, config=None,
+          kernels=("decode_attention", "decode_geometry", "decode_vq")) -> list[AuditRow]:
     """Run the sweep on `device` ('cuda' or 'cpu'; default: cuda if available) with the kernel's
     default launch config (or `config`). kernels: which sweeps ("decode_attention": the 64/128/256
-    kernel; "decode_geometry": the geometry kernel's latent and K/V cases; "vllm_cpu": the vLLM plugin's
-    C++ CPU kernels, lowbit.vllm_plugin.kernel_audit)."""
+    kernel; "decode_geometry": the geometry kernel's latent and K/V cases; "decode_vq": the VQ-row kernel;
+    "vllm_cpu": the vLLM plugin's C++ CPU kernels, lowbit.vllm_plugin.kernel_audit)."""
     from lowbit.kernels.decode_attention import KernelConfig, decode_attention
     from lowbit.kernels.reference import decode_attention_ref
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    vq_rows = audit_vq(device) if "decode_vq" in kernels and cases is None else []
     if "decode_attention" not in kernels:
-        return (audit_geometry(device) if "decode_geometry" in kernels else []) + _plugin_rows(kernels)
+        return (audit_geometry(device) if "decode_geometry" in kernels else []) + vq_rows + _plugin_rows(kernels)
     if config is not None:
         cfg = config
     else:
@@ -283,7 +285,87 @@ def audit(device: str | None = None, cases=None, config=None, kernels=("decode_a
         del inp, out, ref
     if "decode_geometry" in kernels and cases is None:
         rows += audit_geometry(device)
-    return rows + _plugin_rows(kernels)
+    return rows + vq_rows + _plugin_rows(kernels)
+
+
+def make_vq_case(B, Hq, Hkv, D, T, k, v, *, sink=0, recent=0, ragged=False, dtype=torch.bfloat16, device="cpu", seed=0):
+    """Inputs for lowbit.kernels.decode_vq.decode_attention_vq. k / v: ("vq", SUB, E, scale_format) with a random
+    codebook per KV head, or ("scalar", bits, group, scale_format) scale-only groups; rows (keys with per-channel
+    offsets) written through lowbit.quant (the codec's own encoders and packing)."""
+    from lowbit.kernels.decode_vq import MidTensor
+    from lowbit.quant import vq
+
+    g = torch.Generator(device=device).manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, device=device)
+
+    def mid(x, spec):
+        if spec[0] == "vq":
+            _, sub, e, fmt = spec
+            cb = rnd(Hkv, e, sub).half()
+            idx, s = vq.encode(x, cb, fmt)
+            return MidTensor(vq.pack_idx(idx, e), sf.encode(s) if fmt == "ue5m3" else s.half(),
+                             int(vq.bits_per_element(sub, e)), cb)
+        _, bits, group, fmt = spec
+        one = fmt == "ue5m3"
+        q = quantize_centred(x, bits, group, grid="std" if bits <= 4 else "absmax", scale_format=fmt,
+                             scale_dtype=torch.float32 if one else torch.float16)
+        return MidTensor(pack(q.codes, bits, "strided") if bits < 8 else q.codes,
+                         sf.encode(q.scale) if one else q.scale, bits, None, centre(bits))
+
+    kw = {"q": rnd(B, Hq, D).to(dtype), "k_mid": mid(rnd(B, Hkv, T, D) + 2.0 * rnd(1, Hkv, 1, D), k),
+          "v_mid": mid(rnd(B, Hkv, T, D), v),
+          "mid_lens": (torch.randint(0, T + 1, (B,), generator=g, device=device) if ragged
+                       else torch.full((B,), T, device=device)).to(torch.int32)}
+    if sink:
+        kw.update(sink_k=rnd(B, Hkv, sink, D).to(dtype), sink_v=rnd(B, Hkv, sink, D).to(dtype))
+    if recent:
+        kw.update(recent_k=rnd(B, Hkv, recent, D).to(dtype), recent_v=rnd(B, Hkv, recent, D).to(dtype),
+                  recent_lens=torch.randint(0, recent + 1, (B,), generator=g, device=device).to(torch.int32))
+    return kw
+
+
+VQ_K, VQ_V = ("vq", 2, 16, "ue5m3"), ("vq", 4, 256, "ue5m3")
+
+
+def vq_sweep(device: str) -> list[tuple[str, dict]]:
+    """(name, make_vq_case kwargs): VQ 2x16 / 4x256 rows with one-byte and fp16 scales, a scalar int4 K beside
+    VQ V (the shipped recipes' int4-key layers), head_dim 64/128/256, GQA 1/3/4, ragged lengths, dense tiers."""
+    if device == "cuda":
+        base = [(16, 32, 8, 128, 32768, VQ_K, VQ_V, {}),
+                (17, 9, 3, 64, 4099, ("scalar", 4, 64, "ue5m3"), VQ_V, {"ragged": True}),
+                (3, 4, 1, 256, 5000, ("vq", 2, 16, "fp16"), ("vq", 4, 256, "fp16"), {"ragged": True}),
+                (1, 32, 8, 128, 131072, VQ_K, VQ_V, {})]
+        return [(f"B{B} Hq{Hq}/Hkv{Hkv} D{D} T{T} K{k[0]}{k[1]}x{k[2]} V{v[0]}{v[1]}x{v[2]} {k[3]}"
+                 + (" ragged" if x.get("ragged") else "") + " +tiers",
+                 dict(B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, k=k, v=v, sink=64, recent=256, **x))
+                for B, Hq, Hkv, D, T, k, v, x in base]
+    return [("B3 Hq9/Hkv3 D64 T99 vq2x16/vq4x256 ue5m3 ragged +tiers",
+             {"B": 3, "Hq": 9, "Hkv": 3, "D": 64, "T": 99, "k": VQ_K, "v": VQ_V, "ragged": True, "sink": 3, "recent": 5}),
+            ("B2 Hq4/Hkv2 D64 T40 int4-g32/vq4x256 ue5m3",
+             {"B": 2, "Hq": 4, "Hkv": 2, "D": 64, "T": 40, "k": ("scalar", 4, 32, "ue5m3"), "v": VQ_V}),
+            ("B1 Hq8/Hkv1 D128 T17 vq2x16/int2 fp16 +tiers",
+             {"B": 1, "Hq": 8, "Hkv": 1, "D": 128, "T": 17, "k": ("vq", 2, 16, "fp16"), "v": ("scalar", 2, 64, "fp16"),
+              "sink": 2, "recent": 3})]
+
+
+def audit_vq(device: str | None = None, cases=None) -> list[AuditRow]:
+    """The VQ-row kernel (lowbit.kernels.decode_vq) against its twin (reference.decode_attention_vq_ref)."""
+    from lowbit.kernels.decode_vq import decode_attention_vq
+    from lowbit.kernels.reference import decode_attention_vq_ref
+
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    rows = []
+    for name, kw in cases or vq_sweep(device):
+        t = time.time()
+        inp = make_vq_case(**kw, device=device, seed=len(rows))
+        q = inp["q"]
+        out = torch.full(q.shape, float("nan"), dtype=torch.float32, device=device)  # poisoned
+        decode_attention_vq(**inp, out=out, num_splits=None if device == "cuda" else 3)
+        rows.append(_row("decode_vq", name, out, decode_attention_vq_ref(**inp), t))
+        del inp, out
+    return rows
 
 
 def _plugin_rows(kernels) -> list[AuditRow]:

@@ -67,16 +67,31 @@ def geo_tiling_reason(bits: int, head_dim: int, group: int, *, value: bool = Fal
     return None
 
 
-def codec_reason(which: str, codec) -> str | None:
-    """Why the kernel cannot read tensor `which` ("K"/"V") stored by `codec` (a lowbit.kv.codec.TensorCodec)."""
+def _vq_reason(which: str, codec) -> str | None:
+    """Why lowbit.kernels.decode_vq cannot read tensor `which` of a layer with VQ rows (None: it can)."""
+    D = codec.head_dim
+    if D < 16 or D & (D - 1):
+        return f"{which} head_dim {D} (the VQ decode kernel takes power-of-two head dims >= 16)"
+    if codec.vq is not None:
+        n = D // codec.vq[0]
+        return None if n >= 2 and not n & (n - 1) else f"{which}: {n} VQ indices per row (the kernel takes a power of two)"
+    if codec.stores_zero or codec.cbits not in (2, 4, 8) or (D // codec.group) & (D // codec.group - 1):
+        return (f"{which} beside VQ rows must be scale-only 2/4/8-bit groups of a power-of-two count "
+                "(the VQ decode kernel's scalar path)")
+    return None
+
+
+def codec_reason(which: str, codec, vq_layer: bool = False) -> str | None:
+    """Why the kernel cannot read tensor `which` ("K"/"V") stored by `codec` (a lowbit.kv.codec.TensorCodec).
+    vq_layer: the other tensor of the layer is VQ, so lowbit.kernels.decode_vq reads this one too."""
     if not codec.quantized:
         return f"{which} is stored at 16 bits (the kernel reads packed codes)"
     if codec.tq.axis != "token":
         return f"{which} is grouped per channel (the kernel takes per-token groups)"
     if codec.tq.lloyd_max:
         return f"{which} uses Lloyd-Max levels (the kernel takes the affine grid)"
-    if codec.tq.vq is not None:
-        return f"{which} is vector-quantized (vq {codec.tq.vq}; the kernel takes the affine grid)"
+    if codec.tq.vq is not None or vq_layer:
+        return _vq_reason(which, codec)
     if not codec.stores_zero and codec.head_dim not in KERNEL_HEAD_DIMS:
         return (f"{which} has scale-only groups at head_dim {codec.head_dim} (only the head_dim "
                 f"{'/'.join(map(str, KERNEL_HEAD_DIMS))} kernel computes the zero from the scale)")
@@ -113,8 +128,9 @@ def supports(layer, step: str, device: str) -> str | None:
         if r:
             return r
     else:
+        vq_layer = is_vq_layer(layer)
         for which, c in (("K", layer.k), ("V", layer.v)):
-            r = codec_reason(which, c)
+            r = codec_reason(which, c, vq_layer)
             if r:
                 return r
     if layer.recent == 0:
@@ -124,8 +140,16 @@ def supports(layer, step: str, device: str) -> str | None:
     return None
 
 
+def is_vq_layer(layer) -> bool:
+    """Whether K or V of the layer (a LayerPlan or QuantizedKVLayer: .k/.v or .k_codec/.v_codec) holds VQ rows."""
+    cs = (getattr(layer, "k_codec", None) or layer.k, getattr(layer, "v_codec", None) or layer.v)
+    return any(c.quantized and c.vq is not None for c in cs)
+
+
 def kernel_name(layer) -> str:
     """Which fused kernel runs a layer the backend takes (for the plan table)."""
+    if is_vq_layer(layer):
+        return "decode_vq (VQ rows)"
     g = getattr(layer, "geometry", None)
     if getattr(g, "shares_kv", False):
         what = "MLA latent" if g.storage == "mla-latent" else "K = V"
@@ -156,6 +180,8 @@ def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
 
     if layer.shared:
         return run_shared(layer, qg, scaling)
+    if is_vq_layer(layer):
+        return run_vq(layer, qg, scaling)
     view = layer.view()
     B, Hkv, G, _, D = qg.shape
     q = qg.reshape(B, Hkv * G, D).to(layer.dtype).contiguous()
@@ -178,6 +204,29 @@ def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
     out = decode_attention(
         q, *mid, k_bits=layer.k_codec.cbits, v_bits=layer.v_codec.cbits, sm_scale=scaling, **dense, **centres
     )  # [B, Hq, Dv]
+    return out.float().reshape(B, Hkv, G, 1, -1)
+
+
+def run_vq(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Decode step of a layer with VQ rows through lowbit.kernels.decode_vq (its scalar tensor, if any, too).
+    qg [B, Hkv, G, 1, D] rotated queries -> [B, Hkv, G, 1, Dv] float32."""
+    from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
+
+    view = layer.view()
+    B, Hkv, G, _, D = qg.shape
+    q = qg.reshape(B, Hkv * G, D).to(layer.dtype).contiguous()
+    s0, m0, r0 = _window_slices(layer, view)
+    dense = {}
+    if view.sink_k.shape[-2] > s0:
+        dense.update(sink_k=view.sink_k[:, :, s0:], sink_v=view.sink_v[:, :, s0:])
+    if view.ring_k.shape[-2] > r0:
+        dense.update(recent_k=view.ring_k[:, :, r0:], recent_v=view.ring_v[:, :, r0:])
+    mids = (None, None)
+    if view.mid_len > m0:
+        mids = tuple(MidTensor(f["codes"][:, :, m0:], f["scale"][:, :, m0:], c.cbits,
+                               c.levels.to(q.device) if c.vq is not None else None, c.centre)
+                     for f, c in ((view.mid_k, layer.k_codec), (view.mid_v, layer.v_codec)))
+    out = decode_attention_vq(q, *mids, sm_scale=scaling, **dense)  # [B, Hq, Dv]
     return out.float().reshape(B, Hkv, G, 1, -1)
 
 

@@ -46,12 +46,38 @@ def decode_attention_ref(
     recent_k=None, recent_v=None, recent_lens=None, k_centre=None, v_centre=None,
 ) -> torch.Tensor:
     """Same signature and semantics as decode_attention; returns float32 [B, Hq, Dv]."""
+    mid = None
+    if k_codes is not None:
+        mid = (dequantize_tier(k_codes, k_scale, k_zero, k_bits, k_centre),
+               dequantize_tier(v_codes, v_scale, v_zero, v_bits, v_centre))
+    return _attend(q, mid, mid_lens, sm_scale, sink_k, sink_v, sink_lens, recent_k, recent_v, recent_lens)
+
+
+def dequantize_mid(m) -> torch.Tensor:
+    """A lowbit.kernels.decode_vq.MidTensor -> float32 [B, Hkv, T, D]: VQ rows through lowbit.quant.vq,
+    scalar scale-only groups through dequantize_tier."""
+    if m.codebook is None:
+        return dequantize_tier(m.codes, m.scale, None, m.bits, m.centre)
+    from lowbit.quant import vq
+
+    sub, e = m.vq
+    s = scale_format.decode(m.scale) if m.scale.dtype == torch.uint8 else m.scale.float()
+    return vq.decode(vq.unpack_idx(m.codes, e), s, m.codebook)
+
+
+def decode_attention_vq_ref(q, k_mid, v_mid, mid_lens=None, *, sm_scale=None, sink_k=None, sink_v=None,
+                            sink_lens=None, recent_k=None, recent_v=None, recent_lens=None) -> torch.Tensor:
+    """Twin of lowbit.kernels.decode_vq.decode_attention_vq (same arguments); float32 [B, Hq, Dv]."""
+    mid = None if k_mid is None else (dequantize_mid(k_mid), dequantize_mid(v_mid))
+    return _attend(q, mid, mid_lens, sm_scale, sink_k, sink_v, sink_lens, recent_k, recent_v, recent_lens)
+
+
+def _attend(q, mid, mid_lens, sm_scale, sink_k, sink_v, sink_lens, recent_k, recent_v, recent_lens):
+    """float32 softmax attention of q [B, Hq, D] over the valid rows of each tier (mid: dequantized (k, v))."""
     B, Hq, D = q.shape
     tiers = []  # (k [B, Hkv, N, D] f32, v [B, Hkv, N, Dv] f32, lens list)
-    if k_codes is not None:
-        T = k_codes.shape[2]
-        tiers.append((dequantize_tier(k_codes, k_scale, k_zero, k_bits, k_centre),
-                      dequantize_tier(v_codes, v_scale, v_zero, v_bits, v_centre), _lens(mid_lens, B, T, q.device)))
+    if mid is not None:
+        tiers.append((mid[0], mid[1], _lens(mid_lens, B, mid[0].shape[2], q.device)))
     for k, v, n in ((sink_k, sink_v, sink_lens), (recent_k, recent_v, recent_lens)):
         if k is not None:
             tiers.append((k.float(), v.float(), _lens(n, B, k.shape[2], q.device)))

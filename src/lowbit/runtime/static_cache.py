@@ -391,8 +391,10 @@ class StaticKVCache(Cache):
         self.slots, self.max_context, self.device, self.dtype = slots, max_context, device, dtype
         self.lens = torch.zeros(slots, dtype=torch.int32, device=device)
         quantized = [lp for lp in plan.layers if lp.k.quantized]
+        # VQ rows (lowbit.kernels.decode_vq) are not wired into the captured step yet: those caches decode
+        # through the torch path here (the eager cache's decode backend runs the VQ kernel)
         self.use_kernel = device.type == "cuda" and bool(quantized) and all(
-            lp.backends["decode"].name == "triton-decode" for lp in quantized)
+            lp.backends["decode"].name == "triton-decode" and lp.k.vq is None and lp.v.vq is None for lp in quantized)
         # decode-step writes as one compiled function per layer configuration on CUDA (eager on CPU)
         self.compile_writes = device.type == "cuda"
         self._mode: tuple | None = None

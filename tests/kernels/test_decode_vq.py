@@ -1,0 +1,103 @@
+"""The VQ-row decode kernel (lowbit.kernels.decode_vq) against its torch twin at odd sizes (Triton interpreter
+on CPU), a control that a kernel ignoring the codebook would fail, the bad inputs named, and the eager cache
+routing a VQ layer's decode to it with the torch path's logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lowbit.errors import LowbitError
+from lowbit.kernels.audit import TOL, VQ_K, VQ_V, audit_vq, make_vq_case
+from lowbit.kernels.decode_attention import interpreted
+from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
+from lowbit.kernels.reference import decode_attention_vq_ref
+
+pytestmark = pytest.mark.skipif(not interpreted(), reason="kernels imported for CUDA (TRITON_INTERPRET=0)")
+
+
+def _rel(a, b):
+    return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+@pytest.mark.parametrize("B,Hq,Hkv,D,T,k,v,extra", [
+    (1, 1, 1, 16, 1, ("vq", 2, 16, "fp16"), ("vq", 2, 16, "fp16"), {}),
+    (3, 9, 3, 64, 17, VQ_K, VQ_V, {"ragged": True, "sink": 3, "recent": 5}),
+    (2, 8, 2, 64, 999, ("scalar", 4, 64, "ue5m3"), VQ_V, {"recent": 7}),
+    (1, 4, 1, 256, 99, ("vq", 4, 256, "fp16"), ("scalar", 8, 128, "fp16"), {"sink": 1}),
+    (2, 6, 2, 32, 3, ("vq", 1, 16, "ue5m3"), ("vq", 8, 256, "ue5m3"), {"ragged": True}),
+])
+def test_kernel_matches_twin_at_odd_sizes(B, Hq, Hkv, D, T, k, v, extra):
+    kw = make_vq_case(B, Hq, Hkv, D, T, k, v, **extra, seed=T)
+    out = decode_attention_vq(**kw, num_splits=3)
+    assert torch.isfinite(out.float()).all()
+    assert _rel(out, decode_attention_vq_ref(**kw)) < 5e-3  # bf16 output rounding
+
+
+def test_audit_cases_pass_and_a_wrong_codebook_shows():
+    rows = audit_vq("cpu")
+    assert rows and all(r.ok and r.finite for r in rows), rows
+    kw = make_vq_case(3, 9, 3, 64, 99, VQ_K, VQ_V, ragged=True)
+    ref = decode_attention_vq_ref(**kw)
+    km = kw["k_mid"]
+    other = MidTensor(km.codes, km.scale, km.bits, km.codebook.flip(1))  # the same codes read in another book
+    out = decode_attention_vq(**{**kw, "k_mid": other}, num_splits=2).float()
+    assert _rel(out, ref) > 10 * TOL
+
+
+def test_dense_only_and_empty_middle():
+    kw = make_vq_case(2, 4, 1, 64, 5, VQ_K, VQ_V, sink=4, recent=6)
+    dense = {n: kw[n] for n in ("q", "sink_k", "sink_v", "recent_k", "recent_v", "recent_lens")}
+    out = decode_attention_vq(**dense, k_mid=None, v_mid=None)
+    assert _rel(out, decode_attention_vq_ref(**dense, k_mid=None, v_mid=None)) < 5e-3
+    kw["mid_lens"] = torch.zeros(2, dtype=torch.int32)  # nothing valid in the middle: the dense tiers alone
+    assert _rel(decode_attention_vq(**kw), decode_attention_vq_ref(**dense, k_mid=None, v_mid=None)) < 5e-3
+
+
+def test_bad_inputs_are_named():
+    kw = make_vq_case(1, 4, 2, 64, 8, VQ_K, VQ_V)
+    km = kw["k_mid"]
+    with pytest.raises(LowbitError, match="codebook must be"):
+        decode_attention_vq(**{**kw, "k_mid": MidTensor(km.codes, km.scale, 2, km.codebook[:1])})
+    with pytest.raises(LowbitError, match="stores 4 bits"):
+        decode_attention_vq(**{**kw, "k_mid": MidTensor(km.codes, km.scale, 2, torch.zeros(2, 256, 2).half())})
+    with pytest.raises(LowbitError, match="together"):
+        decode_attention_vq(kw["q"], km, None)
+    q = torch.randn(1, 4, 48)
+    with pytest.raises(LowbitError, match="power-of-two head dims"):
+        decode_attention_vq(q, None, None, sink_k=torch.randn(1, 2, 3, 48), sink_v=torch.randn(1, 2, 3, 48))
+
+
+def test_cache_routes_vq_layers_to_the_kernel_like_the_torch_path(tmp_path):
+    from lowbit.kv import QuantizedKVCache
+    from lowbit.kv.plan import resolve, save_levels
+    from lowbit.models import ModelGeometry
+    from lowbit.models.tiny import tiny_model
+    from lowbit.recipe import LevelsRef, parse_kv_scheme
+
+    model, cfg = tiny_model("smollm2-135m", num_layers=2, dtype=torch.float32)
+    geo = ModelGeometry.from_config(cfg)
+    H = geo.layers[0].num_kv_heads
+    g = torch.Generator().manual_seed(0)
+    cb = save_levels(tmp_path / "cb", {0: {"k": torch.randn(H, 16, 2, generator=g), "v": torch.randn(H, 256, 4, generator=g)},
+                                       1: {"v": torch.randn(H, 256, 4, generator=g)}}, model=geo.name)
+    s = parse_kv_scheme("int2", zero="none", sink=2, recent=4, page=2, vq="2x16,4x256", layer_bits="1=k4v2",
+                        scale_format="ue5m3", levels=LevelsRef(str(cb)))
+    plan = resolve(s, geo, decode_backend="triton")
+    assert {lp.backends["decode"].name for lp in plan.layers} == {"triton-decode"}
+    from lowbit.kernels.decode_backend import kernel_name
+
+    assert kernel_name(plan.layers[1]) == "decode_vq (VQ rows)"  # int4 scalar K beside VQ V
+    ids = torch.randint(0, cfg.vocab_size, (3, 45), generator=g)
+    steps = torch.randint(0, cfg.vocab_size, (3, 3), generator=g)
+    logits = {}
+    for backend in ("torch", "triton"):
+        cache = QuantizedKVCache(model, s, decode_backend=backend)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out = [model(input_ids=steps[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1]
+                   for i in range(3)]
+        logits[backend] = torch.stack(out)
+        if backend == "triton":
+            assert cache.backend_calls.get("triton", 0) == 6  # 2 layers x 3 steps
+    assert _rel(logits["triton"], logits["torch"]) < 1e-3
