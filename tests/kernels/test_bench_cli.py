@@ -138,6 +138,9 @@ def test_bits_specs_scale_only_rows_and_bytes():
     assert [kbench.bits_tag(s) for s in cmd._bit_specs("2,2so")] == ["k2v2", "k2v2so"]
     assert cmd._bit_specs("2s8,4s8") == ((2, 2, "s8"), (4, 4, "s8"))
     assert kbench.bits_tag((2, 2, "s8")) == "k2v2s8"
+    assert cmd._bit_specs("2vq") == ((2, 2, "vq"),) and kbench.bits_tag((2, 2, "vq")) == "k2v2vq"
+    with pytest.raises(LowbitError, match="2vq"):
+        cmd._bit_specs("4vq")
     # one-byte scales: a group of 64 at head_dim 128 costs 1 byte, not 2 (and no zero)
     assert kbench.packed_bytes(1, 1, 1, 128, 2, 64, True, one_byte=True) == 2 * (32 + 2)
     assert kbench.packed_bytes(1, 1, 1, 128, 2, 64, True) == 2 * (32 + 4)

@@ -23,11 +23,11 @@ def _bit_specs(s: str) -> tuple[tuple, ...]:
     """--bits "2,2so,2s8,4" -> ((2, 2), (2, 2, "so"), (2, 2, "s8"), (4, 4)), or a one-line error."""
     out = []
     for tok in (t.strip() for t in s.split(",") if t.strip()):
-        tag = tok[-2:] if tok[-2:] in ("so", "s8") else ""
+        tag = tok[-2:] if tok[-2:] in ("so", "s8", "vq") else ""
         b = tok[:-2] if tag else tok
-        if b not in (("2", "4") if tag else ("2", "4", "8")):
-            raise LowbitError(f"--bits takes 2, 4, 8, 2so, 4so (scale-only groups) and 2s8, 4s8 (scale-only with "
-                              f"one-byte ue5m3 scales), got {tok!r}")
+        if b not in (("2",) if tag == "vq" else ("2", "4") if tag else ("2", "4", "8")):
+            raise LowbitError(f"--bits takes 2, 4, 8, 2so, 4so (scale-only groups), 2s8, 4s8 (scale-only with "
+                              f"one-byte ue5m3 scales) and 2vq (VQ 2x16 keys, 4x256 values), got {tok!r}")
         out.append((int(b), int(b), tag) if tag else (int(b), int(b)))
     if not out:
         raise LowbitError("--bits is empty; e.g. --bits 2,4,8 or --bits 2,2so")
@@ -98,7 +98,8 @@ def add_arguments(parser) -> None:
                              "geometry (default llama3-8b)")
     parser.add_argument("--bits", default="2,4,8", help="decode-attention: K=V bit widths to time (default 2,4,8); "
                         "2so / 4so: scale-only groups (no zero stored: the shipped @2.5 recipes' format); "
-                        "2s8 / 4s8: those with one-byte ue5m3 scales (scale_format ue5m3)")
+                        "2s8 / 4s8: those with one-byte ue5m3 scales (scale_format ue5m3); 2vq: VQ 2x16 keys and "
+                        "4x256 values with one-byte row scales (the decode_vq kernel)")
     parser.add_argument("--mem-cap-gb", type=float, default=60.0, help="skip shapes whose bf16 KV exceeds this")
     parser.add_argument("--out", metavar="JSON",
                         help="write results to this new file "
@@ -198,7 +199,7 @@ def run(args) -> int:
     classic = tuple(g for g in geos if g in bench.GEOMETRIES)
     new = tuple(g for g in geos if g in geo_bench.GEOMETRIES)  # issue-19 geometries: the geometry kernel
     if new and any(len(b) > 2 for b in bits):
-        raise LowbitError(f"--bits 2so / 4so / 2s8 / 4s8 (scale-only groups) are timed on {sorted(bench.GEOMETRIES)}, not on the "
+        raise LowbitError(f"--bits 2so / 4so / 2s8 / 4s8 / 2vq (scale-only groups, VQ rows) are timed on {sorted(bench.GEOMETRIES)}, not on the "
                           f"geometry kernel's {list(new)}; drop them or time those geometries separately")
     res = {"env": None, "rows": []}
     if classic:

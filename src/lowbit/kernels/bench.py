@@ -28,14 +28,15 @@ GEOMETRIES = {
 
 def packed_bytes(B, Hkv, L, D, bits, group, scale_only: bool = False, one_byte: bool = False) -> int:
     """Bytes the kernel must read for K + V: codes plus fp16 scale and zero per group (scale-only groups: the
-    scale alone; one_byte: a one-byte ue5m3 scale)."""
+    scale alone; one_byte: a one-byte ue5m3 scale; group = D for VQ rows' one scale per row)."""
     per_tensor = D * bits // 8 + (1 if one_byte else 2 if scale_only else 4) * (D // group)
     return 2 * B * Hkv * L * per_tensor
 
 
 def bits_tag(spec: tuple) -> str:
     """(kbits, vbits) -> "k2v2"; (kbits, vbits, "so") -> "k2v2so" (scale-only groups, the shipped @2.5 recipes');
-    (kbits, vbits, "s8") -> "k2v2s8" (scale-only groups with one-byte ue5m3 scales)."""
+    (kbits, vbits, "s8") -> "k2v2s8" (scale-only groups with one-byte ue5m3 scales); (2, 2, "vq") -> "k2v2vq"
+    (VQ 2x16 keys and 4x256 values, one ue5m3 scale per row: lowbit.kernels.decode_vq)."""
     return f"k{spec[0]}v{spec[1]}" + (spec[2] if len(spec) > 2 else "")
 
 
@@ -153,6 +154,31 @@ def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0, scale_
     return [mk(t) for t in sets], sets
 
 
+def vq_case(B, Hq, Hkv, D, L, nbuf, seed=0):
+    """Callables running lowbit.kernels.decode_vq over nbuf VQ middle tiers (K 2x16, V 4x256, ue5m3 row scales;
+    random codes, scales and codebooks), as a VQ recipe stores them."""
+    from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+    sets = []
+    for _ in range(nbuf):
+        t = {}
+        for n, (sub, e) in (("k", (2, 16)), ("v", (4, 256))):
+            codes = torch.randint(0, 256, (B, Hkv, L, D // 4), device="cuda", dtype=torch.uint8, generator=g)
+            scale = torch.randint(100, 140, (B, Hkv, L, 1), device="cuda", dtype=torch.uint8, generator=g)
+            t[n] = MidTensor(codes, scale, 2, torch.randn(Hkv, e, sub, device="cuda", generator=g).half())
+        sets.append(t)
+
+    def mk(t):
+        def f():
+            return decode_attention_vq(q, t["k"], t["v"], sm_scale=None, out=out)
+        return f
+
+    return [mk(t) for t in sets], sets
+
+
 def env_info() -> dict:
     import triton
 
@@ -200,19 +226,26 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
                 del fns, keep
                 for spec in bits:
                     kb, vb, so, s8 = spec[0], spec[1], spec[2:] == ("so",), spec[2:] == ("s8",)
-                    pb = packed_bytes(B, Hkv, L, D, kb, group, so or s8, one_byte=s8)
+                    vqr = spec[2:] == ("vq",)
+                    pb = packed_bytes(B, Hkv, L, D, kb, D if vqr else group, so or s8 or vqr, one_byte=s8 or vqr)
                     nbk = n_buffers(pb, mem_cap_gb * 1e9)
                     cfg = configs.get((geo, B, L, kb)) or KernelConfig()
-                    fns, keep = kernel_case(B, Hq, Hkv, D, L, kb, vb, group, nbk, cfg, scale_only=so, one_byte=s8)
+                    if vqr:
+                        fns, keep = vq_case(B, Hq, Hkv, D, L, nbk)
+                    else:
+                        fns, keep = kernel_case(B, Hq, Hkv, D, L, kb, vb, group, nbk, cfg, scale_only=so, one_byte=s8)
                     t = graph_time_ms(fns)
                     tag = bits_tag(spec)
                     row[f"{tag}_ms"] = t
                     row[f"{tag}_ratio"] = t_ref / t
                     row[f"{tag}_tbs"] = pb / t / 1e9
                     row[f"{tag}_bytes"] = pb
-                    rc = cfg.resolve(B, Hkv, D, max(kb, vb))
-                    launch = keep[0].get("launch")  # what the timed calls launched
-                    row[f"{tag}_config"] = dict(rc.__dict__, num_splits=launch.num_splits if launch else None)
+                    if vqr:
+                        row[f"{tag}_config"] = {"kernel": "decode_vq", "block": 32}
+                    else:
+                        rc = cfg.resolve(B, Hkv, D, max(kb, vb))
+                        launch = keep[0].get("launch")  # what the timed calls launched
+                        row[f"{tag}_config"] = dict(rc.__dict__, num_splits=launch.num_splits if launch else None)
                     if event_timing:
                         row[f"{tag}_event_ms"] = event_time_ms(fns)
                     del fns, keep
