@@ -101,3 +101,45 @@ def test_cache_routes_vq_layers_to_the_kernel_like_the_torch_path(tmp_path):
         if backend == "triton":
             assert cache.backend_calls.get("triton", 0) == 6  # 2 layers x 3 steps
     assert _rel(logits["triton"], logits["torch"]) < 1e-3
+
+
+def test_static_runtime_reads_vq_rows_through_the_kernel_op(tmp_path, monkeypatch):
+    """The static cache holds VQ codes and one-byte row scales; its decode step through the VQ kernel's custom op
+    (use_kernel, what a CUDA plan sets) and through its torch path give the eager cache's logits."""
+    from lowbit.kv import QuantizedKVCache
+    from lowbit.kv.plan import resolve, save_levels
+    from lowbit.models import ModelGeometry
+    from lowbit.models.tiny import tiny_tokenizer_free_inputs
+    from lowbit.recipe import LevelsRef, parse_kv_scheme
+    from lowbit.runtime.static_cache import StaticKVCache
+    from lowbit.runtime.step import ModelStep, eager_decode, prefill
+    from tests.kv.helpers import fast_model, run_chunks
+
+    m = fast_model("smollm2-135m")
+    geo = ModelGeometry.from_config(m.config, name="smollm2-135m")
+    H, n = geo.layers[0].num_kv_heads, geo.num_layers
+    g = torch.Generator().manual_seed(3)
+    cbs = {i: {"k": torch.randn(H, 16, 2, generator=g) if i != 1 else None, "v": torch.randn(H, 256, 4, generator=g)}
+           for i in range(n)}
+    cb = save_levels(tmp_path / "cb", cbs, model="smollm2-135m")
+    s = parse_kv_scheme("int2", zero="none", sink=4, recent=8, page=1, vq="2x16,4x256", layer_bits="1=k4v2",
+                        scale_format="ue5m3", levels=LevelsRef(str(cb)))
+    plan = resolve(s, geo)
+    ids = tiny_tokenizer_free_inputs(m.config, 2, 24, seed=4)
+    ref = torch.stack([run_chunks(m, QuantizedKVCache.from_plan(m, plan), ids[b:b + 1, :23], None, [8, 8, 4, 1, 1, 1])
+                       [0, 19:] for b in range(2)])
+    import lowbit.kernels.decode_vq as dvq
+
+    calls, real = [], dvq.decode_attention_vq
+    monkeypatch.setattr(dvq, "decode_attention_vq", lambda *a, **k: calls.append(1) or real(*a, **k))
+    step = ModelStep(m)
+    for use_kernel in (False, True):
+        st = StaticKVCache(m, plan, slots=2, max_context=32)
+        st.use_kernel = use_kernel
+        assert all(layer.vq for layer in st.layers if layer.kind == "tiers")
+        first = [prefill(step, st, b, ids[b, :20], chunk=8) for b in range(2)]
+        on = torch.ones(2, dtype=torch.bool)
+        out = torch.stack([torch.stack(first)] + [eager_decode(step, st, ids[:, 20 + t:21 + t], on) for t in range(3)], 1)
+        assert _rel(out, ref) < 1e-3, use_kernel
+        assert bool(calls) == use_kernel  # 3 steps x every layer through the op, or none
+        calls.clear()

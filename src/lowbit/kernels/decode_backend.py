@@ -224,7 +224,7 @@ def run_vq(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
     mids = (None, None)
     if view.mid_len > m0:
         mids = tuple(MidTensor(f["codes"][:, :, m0:], f["scale"][:, :, m0:], c.cbits,
-                               c.levels.to(q.device) if c.vq is not None else None, c.centre)
+                               c.codebook_on(q.device) if c.vq is not None else None, c.centre)
                      for f, c in ((view.mid_k, layer.k_codec), (view.mid_v, layer.v_codec)))
     out = decode_attention_vq(q, *mids, sm_scale=scaling, **dense)  # [B, Hq, Dv]
     return out.float().reshape(B, Hkv, G, 1, -1)

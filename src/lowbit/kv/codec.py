@@ -99,6 +99,15 @@ class TensorCodec:
         if self.head_dim % sub:
             raise LowbitError(f"VQ sub-vectors of {sub} dims do not divide head_dim {self.head_dim}")
         self.levels = cb.to(torch.float16)
+        self._on_device: dict = {}
+
+    def codebook_on(self, device) -> torch.Tensor:
+        """The VQ codebooks [H_kv, E, SUB] fp16 on `device`, copied once per device (a captured step never
+        copies from the host)."""
+        key = str(torch.device(device))
+        if key not in self._on_device:
+            self._on_device[key] = self.levels.to(device)
+        return self._on_device[key]
 
     # The fields `encode` returns and their per-row widths (for allocation by the layer).
     def fields(self) -> dict[str, int]:
@@ -140,7 +149,7 @@ class TensorCodec:
         B, H, T, D = x.shape
         tq = self.tq
         if self.vq is not None:
-            cb = self.levels.to(x.device)
+            cb = self.codebook_on(x.device)
             if cb.shape[0] != H:
                 raise LowbitError(f"VQ codebooks hold {cb.shape[0]} KV heads but the rows have {H}; fit them for this model")
             idx, scale = vqm.encode(x, cb, self.scale_format)
@@ -193,7 +202,7 @@ class TensorCodec:
         codes = fields["codes"]
         if self.vq is not None:
             s = sf.decode(fields["scale"]) if self.scale_format == "ue5m3" else fields["scale"].float()
-            return vqm.decode(vqm.unpack_idx(codes, self.vq[1]), s, self.levels.to(codes.device)).to(dtype)
+            return vqm.decode(vqm.unpack_idx(codes, self.vq[1]), s, self.codebook_on(codes.device)).to(dtype)
         c = codes if self.cbits == 8 else packing.unpack(codes, self.cbits, LAYOUT)  # [B,H,T,D]
         B, H, T, D = c.shape
         vals = self.levels.to(c.device)[c.long()] if self.tq.lloyd_max else c.float()

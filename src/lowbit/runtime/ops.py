@@ -3,6 +3,8 @@
     decode_attention_tiers(q, <packed middle>, mid_lens, <sink>, <recent>, k_bits, v_bits, sm_scale,
                            k_centre, v_centre)
         the fused decode kernel (lowbit.kernels.decode_attention) over sink / packed middle / recent
+    decode_attention_vq_tiers(q, <VQ middle + codebooks>, mid_lens, <sink>, <recent>, ...)
+        the same for a layer with VQ rows (lowbit.kernels.decode_vq)
     packed_linear(x, key)
         a QuantLinear's CUDA weight kernels (lowbit.weights.qlinear), the module found by `key`
         (register_packed_linears gives every packed QuantLinear of a model its key)
@@ -52,6 +54,36 @@ def decode_attention_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
 
 @decode_attention_op.register_fake
 def _(q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens, sink_k, sink_v, sink_lens,
+      recent_k, recent_v, recent_lens, k_bits, v_bits, sm_scale, k_centre, v_centre):
+    return q.new_empty(q.shape[0], q.shape[1], recent_v.shape[-1])
+
+
+@torch.library.custom_op("lowbit::decode_attention_vq_tiers", mutates_args=())
+def decode_attention_vq_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.Tensor,
+                           k_codebook: Optional[torch.Tensor],  # noqa: UP045
+                           v_codes: torch.Tensor, v_scale: torch.Tensor,
+                           v_codebook: Optional[torch.Tensor],  # noqa: UP045
+                           mid_lens: torch.Tensor,
+                           sink_k: Optional[torch.Tensor], sink_v: Optional[torch.Tensor],  # noqa: UP045
+                           sink_lens: Optional[torch.Tensor],  # noqa: UP045
+                           recent_k: torch.Tensor, recent_v: torch.Tensor, recent_lens: torch.Tensor,
+                           k_bits: int, v_bits: int, sm_scale: float,
+                           k_centre: float, v_centre: float) -> torch.Tensor:
+    """q [B, Hq, D] over sink / VQ middle / recent -> [B, Hq, Dv] (lowbit.kernels.decode_vq): a tensor with a
+    codebook is VQ rows, one without is scale-only scalar groups with its centre code."""
+    from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
+
+    has_mid = k_codes.shape[2] > 0
+    mids = (MidTensor(k_codes, k_scale, k_bits, k_codebook, k_centre),
+            MidTensor(v_codes, v_scale, v_bits, v_codebook, v_centre)) if has_mid else (None, None)
+    dense = {"recent_k": recent_k, "recent_v": recent_v, "recent_lens": recent_lens}
+    if sink_k is not None:
+        dense.update(sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens)
+    return decode_attention_vq(q, *mids, mid_lens=mid_lens if has_mid else None, sm_scale=sm_scale, **dense)
+
+
+@decode_attention_vq_op.register_fake
+def _(q, k_codes, k_scale, k_codebook, v_codes, v_scale, v_codebook, mid_lens, sink_k, sink_v, sink_lens,
       recent_k, recent_v, recent_lens, k_bits, v_bits, sm_scale, k_centre, v_centre):
     return q.new_empty(q.shape[0], q.shape[1], recent_v.shape[-1])
 

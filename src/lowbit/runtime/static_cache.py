@@ -186,6 +186,10 @@ class StaticLayer(CacheLayerMixin):
         self.H, self.Dk, self.Dv = g.num_kv_heads, g.head_dim_k, g.head_dim_v
         self.k_codec, self.v_codec = plan.k, plan.v
         self.quantized = plan.k.quantized
+        # VQ rows (lowbit.kernels.decode_vq): their codebooks on the device once
+        self.k_codebook = plan.k.codebook_on(device) if plan.k.quantized and plan.k.vq else None
+        self.v_codebook = plan.v.codebook_on(device) if plan.v.quantized and plan.v.vq else None
+        self.vq = self.k_codebook is not None or self.v_codebook is not None
         self.device, self.dtype = device, dtype
         kw = {"device": device, "dtype": dtype}
         B, H = slots, self.H
@@ -391,10 +395,8 @@ class StaticKVCache(Cache):
         self.slots, self.max_context, self.device, self.dtype = slots, max_context, device, dtype
         self.lens = torch.zeros(slots, dtype=torch.int32, device=device)
         quantized = [lp for lp in plan.layers if lp.k.quantized]
-        # VQ rows (lowbit.kernels.decode_vq) are not wired into the captured step yet: those caches decode
-        # through the torch path here (the eager cache's decode backend runs the VQ kernel)
         self.use_kernel = device.type == "cuda" and bool(quantized) and all(
-            lp.backends["decode"].name == "triton-decode" and lp.k.vq is None and lp.v.vq is None for lp in quantized)
+            lp.backends["decode"].name == "triton-decode" for lp in quantized)
         # decode-step writes as one compiled function per layer configuration on CUDA (eager on CPU)
         self.compile_writes = device.type == "cuda"
         self._mode: tuple | None = None
@@ -498,7 +500,8 @@ class StaticKVCache(Cache):
     def _decode_attention(self, layer: StaticLayer, qg: torch.Tensor, scaling: float, softcap) -> torch.Tensor:
         B, H = qg.shape[:2]
         sl, ml, rl = self._step_tier_lens(layer, B)
-        if self.use_kernel and layer.kind == "tiers" and not softcap and (self.kernel_op or torch.compiler.is_compiling()):
+        if self.use_kernel and layer.kind == "tiers" and not softcap and (
+                self.kernel_op or torch.compiler.is_compiling() or layer.vq):  # VQ rows: always through their op
             return self._kernel_op_attention(layer, qg, scaling, sl, ml, rl)
         if self.use_kernel and layer.kind == "tiers" and not softcap:
             from lowbit.kernels.decode_attention import decode_attention
@@ -519,17 +522,21 @@ class StaticKVCache(Cache):
         return self._torch_decode(layer, qg, sl, ml, rl, scaling, softcap)
 
     def _kernel_op_attention(self, layer, qg: torch.Tensor, scaling: float, sl, ml, rl) -> torch.Tensor:
-        """The fused kernel through the custom op lowbit::decode_attention_tiers (lowbit.runtime.ops): one
-        opaque node when the step is traced by torch.compile (dynamo would break on the launcher's host
-        logic). qg [B, H, G, D] -> [B, H, G, Dv] float32."""
-        from lowbit.runtime.ops import decode_attention_op
+        """The fused kernel through the custom op lowbit::decode_attention_tiers (lowbit.runtime.ops; a layer with
+        VQ rows: lowbit::decode_attention_vq_tiers, its codebooks in place of the zeros): one opaque node when
+        the step is traced by torch.compile (dynamo would break on the launcher's host logic).
+        qg [B, H, G, D] -> [B, H, G, Dv] float32."""
+        from lowbit.runtime.ops import decode_attention_op, decode_attention_vq_op
 
         B, H = qg.shape[:2]
         C, S, R = layer.C, layer.S, layer.R
         kc, ks, kz, k_centre = _mid_tier(layer.k_codec, layer.mid["k"], B, C)
         vc, vs, vz, v_centre = _mid_tier(layer.v_codec, layer.mid["v"], B, C)
+        op = decode_attention_op
+        if layer.vq:
+            kz, vz, op = layer.k_codebook, layer.v_codebook, decode_attention_vq_op
         q = qg.to(self.dtype).reshape(B, -1, qg.shape[-1]).contiguous()
-        out = decode_attention_op(
+        out = op(
             q, kc, ks, kz, vc, vs, vz, ml,
             layer.sink_k[:B, :, :S] if S else None, layer.sink_v[:B, :, :S] if S else None, sl if S else None,
             layer.ring_k[:B, :, :R], layer.ring_v[:B, :, :R], rl,
