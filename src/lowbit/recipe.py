@@ -365,7 +365,9 @@ class KVScheme:
         if over is None:
             return replace(self, layer_bits=()) if self.layer_bits else self
         kb, vb = scheme_bits(over)
-        return replace(self, k=_with_bits(self.k, kb), v=_with_bits(self.v, vb), layer_bits=())
+        k, v = _with_bits(self.k, kb), _with_bits(self.v, vb)
+        fitted = any(t.lloyd_max or (t.quantized and t.vq) for t in (k, v))  # the levels file has nothing here
+        return replace(self, k=k, v=v, layer_bits=(), levels=self.levels if fitted else None)
 
     def bits_per_element(self, head_dim: int) -> tuple[float, float]:
         """(K, V) middle-tier bits per element at this head_dim for layers without an override,

@@ -158,6 +158,10 @@ def test_the_shipped_index_matches_its_files():
             f = d / ("key_affine.safetensors" if (d / "key_affine.safetensors").is_file() else "rotations.safetensors")
             assert f.is_file() and lowbit.recipes.RECIPES_DIR in f.parents, name
             assert hashlib.sha256(f.read_bytes()).hexdigest() == s.rotation.sha256, name
+        if s.levels is not None:  # fitted codebooks (VQ rows): inside the package, pinned
+            f = Path(s.levels.path) / "levels.safetensors"
+            assert f.is_file() and lowbit.recipes.RECIPES_DIR in f.parents, name
+            assert hashlib.sha256(f.read_bytes()).hexdigest() == s.levels.sha256, name
     assert "qwen2.5-coder-1.5b@2.5" in idx
     assert (lowbit.recipes.RECIPES_DIR / "rotations" / "smollm2-135m_per-head" / "rotations.safetensors").is_file()
 

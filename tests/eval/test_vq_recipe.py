@@ -47,6 +47,9 @@ def test_recipe_field_validates():
         with pytest.raises(LowbitError, match=match) as e:
             parse_kv_scheme("int2", **kw)
         assert "\n" not in str(e.value)
+    # a layer overridden to scalar widths on both tensors has no codebooks to read: its scheme drops the levels
+    w = parse_kv_scheme("int2", zero="none", vq="2x16,4x256", layer_bits="1=k4v4", levels=LevelsRef("cb"))
+    assert w.for_layer(1).levels is None and w.for_layer(0).levels == LevelsRef("cb")
     with pytest.raises(LowbitError, match="needs fitted codebooks"):
         TensorCodec(TensorQuant(bits=2, zero="none", vq="2x16"), 64, 16)
     with pytest.raises(LowbitError, match=r"\[H_kv, 16, 2\]"):

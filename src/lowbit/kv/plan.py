@@ -130,6 +130,8 @@ def _codec_label(c: TensorCodec) -> str:
     if not c.quantized:
         return "bf16"
     t = c.tq
+    if t.vq is not None:
+        return f"int{t.bits} vq {t.vq}" + ("" if c.scale_format == "fp16" else f" {c.scale_format}")
     grid = "lloyd-max" if t.lloyd_max else t.grid
     axis = f"ch/{c.page}" if t.axis == "channel" else f"g{c.group}"
     return (f"int{t.bits} {axis} {grid}" + ("" if c.stores_zero else " s-only")
