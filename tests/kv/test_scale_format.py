@@ -144,6 +144,8 @@ def test_cli_flag():
 
     plan = resolve(s, ModelGeometry.from_config(tiny_config("smollm2-135m", num_layers=2), name="tiny"))
     assert "s-only ue5m3" in plan.table()
+    v = scheme_from_args(p.parse_args(["--kv", "int2", "--zero", "none", "--vq", "none,4x256"]))
+    assert v.k.vq is None and v.v.vq == "4x256"
     with pytest.raises(LowbitError, match="scale_format 'fp8' unknown"):
         scheme_from_args(p.parse_args(["--kv", "int2", "--zero", "none", "--scale-format", "fp8"]))
 

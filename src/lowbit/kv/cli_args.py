@@ -11,7 +11,7 @@ from __future__ import annotations
 from lowbit.errors import LowbitError
 from lowbit.recipe import SCHEME_NAMES, KVScheme, load_recipe, parse_kv_scheme
 
-_FLAGS = ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid", "zero", "scale_format")
+_FLAGS = ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid", "zero", "scale_format", "vq")
 
 
 def add_kv_arguments(parser, *, kv_default: str | None = None) -> None:
@@ -35,6 +35,9 @@ def add_kv_arguments(parser, *, kv_default: str | None = None) -> None:
     g.add_argument("--scale-format", default=None, metavar="fp16|ue5m3",
                    help="how scale-only groups (--zero none) store their step, one value or K,V: fp16 (default) or ue5m3 "
                         "(one byte, 3 mantissa bits: int2 at group 64 costs 2.125 b/elt, not 2.25)")
+    g.add_argument("--vq", default=None, metavar="SPEC[,SPEC]",
+                   help="vector-quantized rows, one spec or K,V (none for one side): 2x16 or 4x256 (2 bits per element, "
+                        "with --zero none); their codebooks come from a recipe's levels (lowbit calibrate --vq-for)")
     g.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels (Gaussian) instead of a uniform grid")
     g.add_argument("--rotation", default=None, metavar="none|hadamard|PATH",
                    help="rotate K and V: none, hadamard, or a RotationSet directory "
