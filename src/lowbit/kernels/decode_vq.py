@@ -247,11 +247,12 @@ def _check_mid(m: MidTensor, B: int, Hkv: int, D: int, device, what: str) -> dic
                               f"row, got bits {m.bits} and {ng} scales")
         if (D // sub) & (D // sub - 1) or (e == 16 and D // sub < 2):
             raise LowbitError(f"{what}: {D // sub} indices per row; the kernel takes a power of two")
-        return dict(RB=rb, NG=1, VQ=True, SUB=sub, E=e, BITS=m.bits, SF=int(s.dtype == torch.uint8), ZC=0.0)
+        return {"RB": rb, "NG": 1, "VQ": True, "SUB": sub, "E": e, "BITS": m.bits, "SF": int(s.dtype == torch.uint8), "ZC": 0.0}
     if m.bits not in (2, 4, 8) or D % ng or (D // ng) & (D // ng - 1):
         raise LowbitError(f"{what}: scalar codes at {m.bits} bits in {ng} groups of D={D} are not supported "
                           "(2/4/8 bits, power-of-two groups)")
-    return dict(RB=rb, NG=ng, VQ=False, SUB=1, E=16, BITS=m.bits, SF=int(s.dtype == torch.uint8), ZC=float(m.centre))
+    return {"RB": rb, "NG": ng, "VQ": False, "SUB": 1, "E": 16, "BITS": m.bits, "SF": int(s.dtype == torch.uint8),
+            "ZC": float(m.centre)}
 
 
 def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTensor | None,
@@ -295,7 +296,7 @@ def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTens
         kt, vt = (k_mid.codes, k_mid.scale), (v_mid.codes, v_mid.scale)
     else:
         dummy = torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=dev)
-        kc = vc = dict(RB=1, NG=1, VQ=False, SUB=1, E=16, BITS=8, SF=1, ZC=0.0)
+        kc = vc = {"RB": 1, "NG": 1, "VQ": False, "SUB": 1, "E": 16, "BITS": 8, "SF": 1, "ZC": 0.0}
         T, kcb, vcb, kt, vt = 0, dummy, dummy, (dummy, dummy), (dummy, dummy)
         mid_lens = torch.zeros(B, dtype=torch.int32, device=dev)
     sk, sv, sl = _check_dense(sink_k, sink_v, sink_lens, B, Hkv, D, DV, dev, "sink")

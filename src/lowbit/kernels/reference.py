@@ -60,7 +60,7 @@ def dequantize_mid(m) -> torch.Tensor:
         return dequantize_tier(m.codes, m.scale, None, m.bits, m.centre)
     from lowbit.quant import vq
 
-    sub, e = m.vq
+    e = m.vq[1]
     s = scale_format.decode(m.scale) if m.scale.dtype == torch.uint8 else m.scale.float()
     return vq.decode(vq.unpack_idx(m.codes, e), s, m.codebook)
 
