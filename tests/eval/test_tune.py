@@ -263,3 +263,41 @@ def test_tune_offers_one_byte_scales_and_writes_them(tiny_dir, corpus, tmp_path,
         assert "scale_format" not in doc["kv"] and s.k.scale_format == "fp16"
     geo = ModelGeometry.from_config(json.loads((tiny_dir / "config.json").read_text()), name=tiny_dir.name)
     assert held_bits(s, 4000, geometry=geo).bits == pytest.approx(doc["tune"]["held_bits"], abs=1e-6)
+
+
+def test_tune_vq_grid_with_codebooks_writes_a_pinned_recipe_that_eval_runs(tiny_dir, corpus, tmp_path, capsys):
+    """--grids scale-only-mse-ue5m3,vq --codebooks DIR (fitted by `lowbit calibrate --vq-for` an all-VQ recipe):
+    the vq base holds the codebooks in its held bits; the written recipe names the codebooks by {path, sha256}
+    relative to itself, loads, holds what it says and runs in eval. Bad input: vq without --codebooks."""
+    import tomllib
+
+    allvq = tmp_path / "allvq.toml"
+    allvq.write_text('[kv]\nscheme = "int2"\nsink = 16\nrecent = 32\nzero = "none"\nscale_format = "ue5m3"\n'
+                     'vq = "2x16,4x256"\n')
+    cb = tmp_path / "cb"
+    assert main(["calibrate", "--model", str(tiny_dir), "--data", str(corpus), "--tokens", "2560", "--seq-len", "128",
+                 "--skip", "8", "--dtype", "fp32", "--no-progress", "--vq-for", str(allvq), "--out", str(cb)]) == 0
+    capsys.readouterr()
+    base = ["tune", "--model", str(tiny_dir), "--budget", "2.9", "--context", "4000", "--sink", "16", "--recent", "32",
+            "--seq-len", "99", "--windows", "1", "--data", str(corpus)]
+    assert main(base + ["--grids", "vq", "--out", str(tmp_path / "x.toml")]) == 2
+    assert "--codebooks" in capsys.readouterr().err
+    out = tmp_path / "recipes" / "tiny@2.9.toml"
+    rc = main(base + ["--grids", "scale-only-mse-ue5m3,vq", "--codebooks", str(cb), "--out", str(out)])
+    assert rc == 0, capsys.readouterr().err
+    doc = tomllib.loads(out.read_text())
+    cands = {c["grid_2bit"]: c for c in doc["tune"]["candidates"]}
+    geo = ModelGeometry.from_config(json.loads((tiny_dir / "config.json").read_text()), name=tiny_dir.name)
+    assert cands["vq"]["held_bits"] <= 2.9 + 1e-9
+    assert "hadamard|K2|vq" in doc["tune"]["layer_error_db"] and "hadamard|V2|vq" in doc["tune"]["layer_error_db"]
+    if doc["tune"]["grid_2bit"] == "vq":
+        s = load_recipe(out)
+        assert s.k.vq == "2x16" and s.v.vq == "4x256" and s.levels.sha256 is not None
+        assert doc["kv"]["levels"]["path"] == "../cb"  # relative to the recipe
+        assert held_bits(s, 4000, geometry=geo).bits == pytest.approx(doc["tune"]["held_bits"], abs=1e-6)
+        rc = main(["eval", "--model", str(tiny_dir), "--data", str(corpus), "--seq-len", "120", "--windows", "1",
+                   "--chunk", "40", "--dtype", "fp32", "--recipe", str(out), "--no-progress", "--no-full-window",
+                   "--json", str(tmp_path / "e.json")])
+        assert rc == 0, capsys.readouterr().err
+        rows = json.loads((tmp_path / "e.json").read_text())["results"]
+        assert rows[-1]["status"] == "ok" and rows[-1]["quantized_rows"] > 0

@@ -39,8 +39,11 @@ def add_arguments(p) -> None:
                    help="2-bit grid candidates: std, lloyd-max, scale-only (the std grid without a stored zero: "
                         "int2 at head_dim 64 costs 2.25 b/elt instead of 2.5; best after a key shift), scale-only-mse (the same "
                         "storage, each group's step searched for the least squared error when written), "
-                        "scale-only-mse-ue5m3 (that with one-byte scales: int2 at head_dim 64 costs 2.125 b/elt) "
-                        "(default std,lloyd-max)")
+                        "scale-only-mse-ue5m3 (that with one-byte scales: int2 at head_dim 64 costs 2.125 b/elt), vq "
+                        "(VQ 2x16 keys / 4x256 values with one-byte row scales; needs --codebooks) (default std,lloyd-max)")
+    p.add_argument("--codebooks", default=None, metavar="DIR",
+                   help="VQ codebooks for the vq grid: a levels artifact from `lowbit calibrate --vq-for` an all-VQ "
+                        "recipe (K vq 2x16, V vq 4x256 on every layer) with the one --rotations value tune is given")
     p.add_argument("--sink", type=int, default=None, help="sink tokens kept in the model dtype (default 64)")
     p.add_argument("--recent", type=int, default=None, help="recent tokens kept in the model dtype (default 256)")
     p.add_argument("--page", type=int, default=None, help="page (default 16)")
@@ -66,7 +69,7 @@ def check(args):
     from lowbit.eval.runner import model_context
     from lowbit.eval.tune import GRIDS, smallest_held
     from lowbit.kv.held import DEFAULT_CONTEXT
-    from lowbit.recipe import RotationRef, parse_kv_scheme
+    from lowbit.recipe import LevelsRef, RotationRef, parse_kv_scheme
 
     try:
         budgets = [float(b) for b in str(args.budget).split(",") if b.strip()]
@@ -103,7 +106,17 @@ def check(args):
                           f"{s.page}: no calibration query would see a quantized middle; use a longer --seq-len")
     if ctx is not None and args.seq_len > ctx:
         raise LowbitError(f"--seq-len {args.seq_len} is longer than the context of {args.model} ({ctx} tokens)")
-    floor = smallest_held(geometry, context, rotations, grids, **tiers)
+    codebooks = None
+    if "vq" in grids:
+        if not args.codebooks:
+            raise LowbitError("--grids vq needs --codebooks DIR: fit them with `lowbit calibrate --vq-for` an all-VQ "
+                              "recipe with the same rotation")
+        if len(rotations) != 1:
+            raise LowbitError("--grids vq takes one --rotations value: its codebooks were fitted under one rotation")
+        codebooks = LevelsRef(str(args.codebooks))
+    elif args.codebooks:
+        raise LowbitError("--codebooks is for --grids vq; add vq to --grids or drop --codebooks")
+    floor = smallest_held(geometry, context, rotations, grids, codebooks=codebooks, **tiers)
     for b in budgets:
         if b < floor - 1e-9:
             raise LowbitError(f"--budget {b:g} is below the smallest recipe's held bits ({floor:.3f} b/elt at "
@@ -116,7 +129,7 @@ def check(args):
             raise LowbitError(f"{out} already exists; give a new --out (recipes are never overwritten)")
         if out.suffix != ".toml":
             raise LowbitError(f"--out {out}: the recipe is TOML; give a path ending in .toml")
-    return geometry, context, rotations, grids, tiers, list(zip(budgets, outs))
+    return geometry, context, rotations, grids, tiers, list(zip(budgets, outs)), codebooks
 
 
 def run(args) -> int:
@@ -124,12 +137,12 @@ def run(args) -> int:
     from lowbit.eval.tune import choose, measure, recipe_toml
     from lowbit.models import resolve
 
-    _, context, rotations, grids, tiers, jobs = check(args)
+    _, context, rotations, grids, tiers, jobs, codebooks = check(args)
     text = load_text(args.data)
     lm = resolve(args.model, cache_dir=args.cache_dir)
     calib = token_windows(lm.tokenizer, text, args.seq_len, args.windows)
     info = {"data": str(args.data), "windows": args.windows, "seq_len": args.seq_len}
-    m = measure(lm, calib, rotations=rotations, grids=grids, **tiers)
+    m = measure(lm, calib, rotations=rotations, grids=grids, codebooks=codebooks, **tiers)
     cmd = "lowbit " + " ".join(sys.argv[1:]) if sys.argv and sys.argv[0].endswith("lowbit") else ""
     for budget, out in jobs:
         res = choose(lm, m, budget=budget, context=context, calib_info=info)

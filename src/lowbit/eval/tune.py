@@ -37,17 +37,27 @@ BITS = (2, 4, 8)
 # (TensorQuant grid "mse"; read exactly as scale-only, so the fused kernel serves it).
 # "scale-only-mse-ue5m3": scale-only-mse with one-byte scales (TensorQuant scale_format "ue5m3"): int2 at
 # group 64 holds 2.125 b/elt, and the fused kernel decodes the byte.
-GRIDS = ("std", "lloyd-max", "scale-only", "scale-only-mse", "scale-only-mse-ue5m3")
+# "vq": VQ rows (lowbit.quant.vq): keys 2x16, values 4x256, one ue5m3 scale per row, with codebooks fitted
+# beforehand by `lowbit calibrate --vq-for` on an all-VQ recipe (tune --codebooks DIR); a tensor tune puts at 4 or 8
+# bits is a scale-only mse grid with ue5m3 scales. The codebooks' held bits are in the budget.
+GRIDS = ("std", "lloyd-max", "scale-only", "scale-only-mse", "scale-only-mse-ue5m3", "vq")
 DEFAULT_GRIDS = ("std", "lloyd-max")
 DEFAULT_ROTATIONS = ("hadamard",)
 
 
-def base_scheme(rotation, grid: str, *, sink=None, recent=None, page=None):
-    """The all-2-bit scheme of a base (rotation, 2-bit grid)."""
+def base_scheme(rotation, grid: str, *, sink=None, recent=None, page=None, codebooks=None):
+    """The all-2-bit scheme of a base (rotation, 2-bit grid). codebooks: the LevelsRef of the VQ codebooks
+    (grid "vq" only)."""
     from lowbit.recipe import parse_kv_scheme
 
     if grid not in GRIDS:
         raise LowbitError(f"2-bit grid {grid!r} unknown; use {', '.join(GRIDS)}")
+    if grid == "vq":
+        if codebooks is None:
+            raise LowbitError("the vq grid needs fitted codebooks: `lowbit calibrate --vq-for` an all-VQ recipe, "
+                              "then pass --codebooks DIR")
+        return parse_kv_scheme("int2", sink=sink, recent=recent, page=page, rotation=rotation, zero="none",
+                               grid="mse", scale_format="ue5m3", vq="2x16,4x256", levels=codebooks)
     return parse_kv_scheme("int2", sink=sink, recent=recent, page=page, rotation=rotation,
                            lloyd_max=grid == "lloyd-max", zero="none" if grid.startswith("scale-only") else None,
                            grid="mse" if grid.startswith("scale-only-mse") else None,
@@ -57,8 +67,8 @@ def base_scheme(rotation, grid: str, *, sink=None, recent=None, page=None):
 def family(grid: str, bits: int) -> str:
     """The grid a tensor of a base with 2-bit grid `grid` uses at `bits` (the key of its measured errors):
     the 2-bit grid itself, "minmax" for the overrides of a base with stored zeros, "scale-only" at every
-    width for the scale-only base."""
-    if grid.startswith("scale-only"):
+    width for the scale-only base (and the VQ base, whose wider tensors are scale-only)."""
+    if grid.startswith("scale-only") or grid == "vq":
         return grid
     return grid if bits == 2 else "minmax"
 
@@ -101,14 +111,14 @@ class TuneResult:
     seconds: float = 0.0
 
 
-def smallest_held(geometry, context: int, rotations, grids, **tiers) -> float:
-    """Held bits of the cheapest recipe tune can write (every tensor at 2 bits) at `context`."""
+def smallest_held(geometry, context: int, rotations, grids, codebooks=None, **tiers) -> float:
+    """Held bits of the cheapest recipe tune can write (every tensor at 2 bits) at `context` (VQ codebooks in)."""
     from lowbit.kv.held import held_bits
 
     out = []
     for r in rotations:
         for g in grids:
-            b = held_bits(base_scheme("none", g, **tiers), context, geometry=geometry).bits
+            b = held_bits(base_scheme("none", g, codebooks=codebooks, **tiers), context, geometry=geometry).bits
             if b is not None:
                 out.append(b)
     if not out:
@@ -196,8 +206,9 @@ def _rotation_maps(rots, geometry) -> tuple[dict, dict]:
     return rot, ka
 
 
-def _variants(geometry, rotations, grids, tiers):
-    """Layer-error variants: per rotation, K-only and V-only at each bits (2-bit once per grid)."""
+def _variants(geometry, rotations, grids, tiers, codebooks=None):
+    """Layer-error variants: per rotation, K-only and V-only at each bits (2-bit once per grid). codebooks:
+    (LevelsRef, {layer: (cb_k, cb_v)}) for the vq grid."""
     from lowbit.eval.layer_error import Variant
     from lowbit.kv.plan import load_rotations
     from lowbit.recipe import _with_bits, parse_kv_scheme
@@ -208,16 +219,19 @@ def _variants(geometry, rotations, grids, tiers):
         for t, name in ((0, "k{b}v16"), (1, "k16v{b}")):
             for b in BITS:
                 for g in dict.fromkeys(family(g_, b) for g_ in grids):
-                    if g.startswith("scale-only"):  # the TensorQuant a scale-only base's tensor has at b bits
+                    if g.startswith("scale-only") or g == "vq":  # the TensorQuant the base's tensor has at b bits
                         s = parse_kv_scheme(name.format(b=b), rotation=r, **tiers)
-                        tq = _with_bits(base_scheme(r, g, **tiers).k, b)
+                        base = base_scheme(r, g, codebooks=codebooks[0] if codebooks else None, **tiers)
+                        tq = _with_bits(base.k if t == 0 else base.v, b)
                         s = replace(s, k=tq if t == 0 else s.k, v=tq if t == 1 else s.v)
                     else:
                         s = parse_kv_scheme(name.format(b=b), rotation=r, lloyd_max=g == "lloyd-max", **tiers)
                     if b == 2 and g == "std":
                         s = replace(s, k=replace(s.k, grid="std") if t == 0 else s.k,
                                     v=replace(s.v, grid="std") if t == 1 else s.v)
-                    out.append((Variant(f"{_rot_label(r)}|{'KV'[t]}{b}|{g}", s, rot, key_affine=ka), _rot_label(r), t, b, g))
+                    lv = codebooks[1] if codebooks and g == "vq" else {}
+                    out.append((Variant(f"{_rot_label(r)}|{'KV'[t]}{b}|{g}", s, rot, key_affine=ka, levels=lv),
+                                _rot_label(r), t, b, g))
     return out
 
 
@@ -234,18 +248,30 @@ class Measured:
     calib: object
     seconds: float
     ppl_cache: dict = field(default_factory=dict)  # repr(scheme) -> fake-quant PPL
+    codebooks: tuple | None = None  # (LevelsRef, {layer: (cb_k, cb_v)}) of the vq grid
 
 
 def measure(lm, calib, *, rotations=DEFAULT_ROTATIONS, grids=DEFAULT_GRIDS, sink=None, recent=None, page=None,
-            log=print) -> Measured:
-    """Per-layer K-only / V-only errors of every candidate (see the module docstring, step 1)."""
+            codebooks=None, log=print) -> Measured:
+    """Per-layer K-only / V-only errors of every candidate (see the module docstring, step 1). codebooks: the
+    LevelsRef of the VQ codebooks (grid "vq")."""
     from lowbit.eval.layer_error import measure_layers
     from lowbit.eval.perplexity import full_window_ppl
 
     t0 = time.perf_counter()
     geometry = lm.geometry
     tiers = {"sink": sink, "recent": recent, "page": page}
-    variants = _variants(geometry, rotations, grids, tiers)
+    cbs = None
+    if "vq" in grids:
+        from lowbit.kv.plan import load_levels
+
+        if codebooks is None:
+            raise LowbitError("the vq grid needs fitted codebooks: pass --codebooks DIR (lowbit calibrate --vq-for)")
+        loaded, sha = load_levels(codebooks, geometry)
+        from lowbit.recipe import LevelsRef
+
+        cbs = (LevelsRef(codebooks.path, sha), {i: (d.get("k"), d.get("v")) for i, d in loaded.items()})
+    variants = _variants(geometry, rotations, grids, tiers, cbs)
     log(f"measuring {len(variants)} layer-error variants on {calib.shape[0]} x {calib.shape[1]} calibration tokens")
     db = measure_layers(lm.model, calib, [v for v, *_ in variants])
     err = {}
@@ -255,7 +281,8 @@ def measure(lm, calib, *, rotations=DEFAULT_ROTATIONS, grids=DEFAULT_GRIDS, sink
             err[(r, g, g_.index, t, b)] = 0.0 if x == float("-inf") else 10 ** (x / 10)
     ref_ppl = full_window_ppl(lm.model, calib)
     log(f"  measured in {time.perf_counter() - t0:.0f} s (exact calibration PPL {ref_ppl:.3f})")
-    return Measured(err, db, ref_ppl, tuple(rotations), tuple(grids), tiers, calib, time.perf_counter() - t0)
+    return Measured(err, db, ref_ppl, tuple(rotations), tuple(grids), tiers, calib, time.perf_counter() - t0,
+                    codebooks=cbs)
 
 
 def _ppl(lm, m: Measured, scheme, rot, ka=None) -> float:
@@ -264,7 +291,8 @@ def _ppl(lm, m: Measured, scheme, rot, ka=None) -> float:
     key = repr(scheme)
     if key not in m.ppl_cache:
         layers = {g.index: scheme.for_layer(g.index) for g in lm.geometry.layers}
-        v = Variant("v", scheme, rot, layer_scheme=layers, key_affine=ka or {})
+        lv = m.codebooks[1] if m.codebooks and scheme.levels is not None else {}
+        v = Variant("v", scheme, rot, layer_scheme=layers, key_affine=ka or {}, levels=lv)
         m.ppl_cache[key] = fake_quant_ppl(lm.model, m.calib, v)[0]
     return m.ppl_cache[key]
 
@@ -276,7 +304,8 @@ def choose(lm, m: Measured, *, budget: float, context: int, calib_info: dict, lo
 
     t0 = time.perf_counter()
     geometry = lm.geometry
-    floor = smallest_held(geometry, context, m.rotations, m.grids, **m.tiers)
+    cb_ref = m.codebooks[0] if m.codebooks else None
+    floor = smallest_held(geometry, context, m.rotations, m.grids, codebooks=cb_ref, **m.tiers)
     if budget < floor - 1e-9:
         raise LowbitError(f"budget {budget:g} b/elt is below the smallest recipe's held bits ({floor:.3f} b/elt at "
                           f"{context} tokens: every K and V at 2 bits); give --budget {math.ceil(floor * 100) / 100:g} "
@@ -288,7 +317,7 @@ def choose(lm, m: Measured, *, budget: float, context: int, calib_info: dict, lo
         rots = load_rotations(r, geometry)
         rot, ka = _rotation_maps(rots, geometry)
         for g in m.grids:
-            base = base_scheme(r, g, **m.tiers)
+            base = base_scheme(r, g, codebooks=cb_ref if g == "vq" else None, **m.tiers)
             if held_bits(base, context, geometry=geometry).bits > budget + 1e-9:
                 log(f"  rotation {rl}, 2-bit grid {g}: its all-2-bit recipe is over the budget (codebooks); skipped")
                 continue
@@ -343,17 +372,23 @@ def _toml_value(v) -> str:
 def _rotation_field(c: Candidate, out) -> str:
     """The recipe's rotation: a name, or a fitted artifact (RotationSet / key affine) as {path, sha256},
     the path relative to the recipe's directory (load_recipe resolves it from there) when `out` is given."""
+    if c.rotation in ("none", "hadamard"):
+        return _toml_value(c.rotation)
+    return _artifact_field(c.rotation, c.rotation_sha256, out)
+
+
+def _artifact_field(path, sha256, out) -> str:
+    """An artifact a recipe names, as {path, sha256} (a bare path without a pin), the path relative to the
+    recipe's directory when `out` is given."""
     import os
     from pathlib import Path
 
-    if c.rotation in ("none", "hadamard"):
-        return _toml_value(c.rotation)
-    path = str(Path(c.rotation).resolve())
+    path = str(Path(path).resolve())
     if out is not None:
         path = os.path.relpath(path, Path(out).resolve().parent)
-    if c.rotation_sha256 is None:
+    if sha256 is None:
         return _toml_value(path)
-    return f"{{ path = {_toml_value(path)}, sha256 = {_toml_value(c.rotation_sha256)} }}"
+    return f"{{ path = {_toml_value(path)}, sha256 = {_toml_value(sha256)} }}"
 
 
 def recipe_toml(res: TuneResult, *, command: str = "", out=None) -> str:
@@ -371,12 +406,17 @@ def recipe_toml(res: TuneResult, *, command: str = "", out=None) -> str:
              f"page = {s.page}"]
     if b.grid == "lloyd-max":
         lines.append("lloyd_max = true")
-    if b.grid.startswith("scale-only"):
+    if b.grid.startswith("scale-only") or b.grid == "vq":
         lines.append('zero = "none"')
-    if b.grid.startswith("scale-only-mse"):
+    if b.grid.startswith("scale-only-mse") or b.grid == "vq":
         lines.append('grid = "mse"')
     if s.k.scale_format != "fp16":
         lines.append(f'scale_format = "{s.k.scale_format}"')
+    if b.grid == "vq":
+        lines.append(f"levels = {_artifact_field(s.levels.path, s.levels.sha256, out)}")
+        for which, tq in (("k", s.k), ("v", s.v)):
+            lines.append(f'{which} = {{ bits = 2, zero = "none", grid = "mse", scale_format = "{tq.scale_format}", '
+                         f'vq = "{tq.vq}" }}')
     lines += ["", "[kv.layer_bits]"] + [f'"{i}" = "{name}"' for i, name in s.layer_bits]
     d = h.dense()
     tune_doc = {

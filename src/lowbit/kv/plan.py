@@ -317,10 +317,9 @@ def _codec(tq, head_dim: int, page: int, fitted, where: str) -> TensorCodec:
             return TensorCodec(tq, head_dim, page, fitted)
         except LowbitError as e:
             raise LowbitError(f"{where}: {e}") from None
+    if fitted is not None and fitted.dim() == 3:
+        fitted = None  # VQ codebooks of a tensor this layer stores on a scalar grid (a layer_bits override)
     if fitted is not None:
-        if fitted.dim() != 1:
-            raise LowbitError(f"{where}: the levels file holds VQ codebooks {list(fitted.shape)} but this tensor is "
-                              "not vector-quantized; drop them from the file or set its vq")
         if not tq.lloyd_max:
             raise LowbitError(f"{where}: the levels file has levels but this tensor is not Lloyd-Max; "
                               "drop them from the file or use --lloyd-max")
