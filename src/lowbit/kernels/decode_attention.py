@@ -530,29 +530,42 @@ def _stage1(
             tl.store(OP + o_rows[None, :] * DV + (GV + dr)[:, None], out1, mask=hvalid[None, :])
     else:
         # ---------------- dense tiers (sink, recent) in the last split ----------------
-        m_d = tl.full([HP], float("-inf"), tl.float32)
-        l_d = tl.zeros([BTD, HP], tl.float32)
         dd = tl.arange(0, D)
         q_t = tl.load(q_base[None, :] + dd[:, None], mask=hvalid[None, :], other=0.0).to(tl.float32) * qk_scale
-        o_t = tl.zeros([DV, HP], tl.float32)
-        if HAS_SINK:
-            n = tl.load(SINK_LEN + b)
-            m_d, l_d, o_t = _dense_tier(
-                SKK + b.to(tl.int64) * sskb + kvh.to(tl.int64) * sskh,
-                SKV + b.to(tl.int64) * ssvb + kvh.to(tl.int64) * ssvh,
-                sskt, ssvt, n, SINK_ITERS, q_t, m_d, l_d, o_t, BTD, D, DV, INTERP)
-        if HAS_REC:
-            n = tl.load(REC_LEN + b)
-            m_d, l_d, o_t = _dense_tier(
-                RKK + b.to(tl.int64) * srkb + kvh.to(tl.int64) * srkh,
-                RKV + b.to(tl.int64) * srvb + kvh.to(tl.int64) * srvh,
-                srkt, srvt, n, REC_ITERS, q_t, m_d, l_d, o_t, BTD, D, DV, INTERP)
-        l_i = tl.sum(l_d, 0)
-        inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
-        lse = tl.where(l_i > 0, m_d + tl.log2(l_i), float("-inf"))
-        tl.store(LSE + o_rows, lse, mask=hvalid)
-        dv = tl.arange(0, DV)
-        tl.store(OP + o_rows[None, :] * DV + dv[:, None], o_t * inv_l[None, :], mask=hvalid[None, :])
+        _dense_split(q_t, b, kvh, SKK, SKV, sskb, sskh, sskt, ssvb, ssvh, ssvt, SINK_LEN,
+                     RKK, RKV, srkb, srkh, srkt, srvb, srvh, srvt, REC_LEN, OP, LSE, o_rows, hvalid,
+                     HP, BTD, D, DV, HAS_SINK, HAS_REC, INTERP, SINK_ITERS, REC_ITERS)
+
+
+@triton.jit
+def _dense_split(q_t, b, kvh, SKK, SKV, sskb, sskh, sskt, ssvb, ssvh, ssvt, SINK_LEN,
+                 RKK, RKV, srkb, srkh, srkt, srvb, srvh, srvt, REC_LEN, OP, LSE, o_rows, hvalid,
+                 HP: tl.constexpr, BTD: tl.constexpr, D: tl.constexpr, DV: tl.constexpr, HAS_SINK: tl.constexpr,
+                 HAS_REC: tl.constexpr, INTERP: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr):
+    """The split that reads the dense tiers (sink, recent) of one (sequence, KV head): q_t [D, HP] fp32 (times
+    sm_scale * log2 e) -> its normalised partial output and lse at rows o_rows [HP] of OP / LSE. Shared by the
+    fused decode kernels (this one and lowbit.kernels.decode_vq)."""
+    m_d = tl.full([HP], float("-inf"), tl.float32)
+    l_d = tl.zeros([BTD, HP], tl.float32)
+    o_t = tl.zeros([DV, HP], tl.float32)
+    if HAS_SINK:
+        n = tl.load(SINK_LEN + b)
+        m_d, l_d, o_t = _dense_tier(
+            SKK + b.to(tl.int64) * sskb + kvh.to(tl.int64) * sskh,
+            SKV + b.to(tl.int64) * ssvb + kvh.to(tl.int64) * ssvh,
+            sskt, ssvt, n, SINK_ITERS, q_t, m_d, l_d, o_t, BTD, D, DV, INTERP)
+    if HAS_REC:
+        n = tl.load(REC_LEN + b)
+        m_d, l_d, o_t = _dense_tier(
+            RKK + b.to(tl.int64) * srkb + kvh.to(tl.int64) * srkh,
+            RKV + b.to(tl.int64) * srvb + kvh.to(tl.int64) * srvh,
+            srkt, srvt, n, REC_ITERS, q_t, m_d, l_d, o_t, BTD, D, DV, INTERP)
+    l_i = tl.sum(l_d, 0)
+    inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
+    lse = tl.where(l_i > 0, m_d + tl.log2(l_i), float("-inf"))
+    tl.store(LSE + o_rows, lse, mask=hvalid)
+    dv = tl.arange(0, DV)
+    tl.store(OP + o_rows[None, :] * DV + dv[:, None], o_t * inv_l[None, :], mask=hvalid[None, :])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ from lowbit.errors import LowbitError
 from lowbit.kernels.decode_attention import (
     LOG2E,
     _check_dense,
-    _dense_tier,
+    _dense_split,
     _lens,
     _pow2,
     _stage2,
@@ -194,29 +194,10 @@ def _vq_stage1(
         tl.store(LSE + o_rows, lse, mask=hvalid)
         dv = tl.arange(0, DV)
         tl.store(OP + o_rows[:, None] * DV + dv[None, :], o * inv_l[:, None], mask=hvalid[:, None])
-    else:
-        # dense tiers (sink, recent) in the last split: decode_attention's own dense-tier code
-        m_d = tl.full([HP], float("-inf"), tl.float32)
-        l_d = tl.zeros([BTD_, HP], tl.float32)
-        o_t = tl.zeros([DV, HP], tl.float32)
-        if HAS_SINK:
-            n = tl.load(SINK_LEN + b)
-            m_d, l_d, o_t = _dense_tier(
-                SKK + b.to(tl.int64) * sskb + kvh.to(tl.int64) * sskh,
-                SKV + b.to(tl.int64) * ssvb + kvh.to(tl.int64) * ssvh,
-                sskt, ssvt, n, SINK_ITERS, q_t, m_d, l_d, o_t, BTD_, D, DV, INTERP)
-        if HAS_REC:
-            n = tl.load(REC_LEN + b)
-            m_d, l_d, o_t = _dense_tier(
-                RKK + b.to(tl.int64) * srkb + kvh.to(tl.int64) * srkh,
-                RKV + b.to(tl.int64) * srvb + kvh.to(tl.int64) * srvh,
-                srkt, srvt, n, REC_ITERS, q_t, m_d, l_d, o_t, BTD_, D, DV, INTERP)
-        l_s = tl.sum(l_d, 0)
-        inv_s = tl.where(l_s > 0, 1.0 / l_s, 0.0)
-        lse = tl.where(l_s > 0, m_d + tl.log2(l_s), float("-inf"))
-        tl.store(LSE + o_rows, lse, mask=hvalid)
-        dv = tl.arange(0, DV)
-        tl.store(OP + o_rows[None, :] * DV + dv[:, None], o_t * inv_s[None, :], mask=hvalid[None, :])
+    else:  # the dense tiers (sink, recent) in the last split: decode_attention's own split
+        _dense_split(q_t, b, kvh, SKK, SKV, sskb, sskh, sskt, ssvb, ssvh, ssvt, SINK_LEN,
+                     RKK, RKV, srkb, srkh, srkt, srvb, srvh, srvt, REC_LEN, OP, LSE, o_rows, hvalid,
+                     HP, BTD_, D, DV, HAS_SINK, HAS_REC, INTERP, SINK_ITERS, REC_ITERS)
 
 
 def _check_mid(m: MidTensor, B: int, Hkv: int, D: int, device, what: str) -> dict:
