@@ -12,8 +12,14 @@ t0=$(date +%s); el() { echo "[$(( $(date +%s) - t0 ))s]"; }
 timeout -s INT 150 python3 -m pytest -q --tb=short -p no:cacheprovider tests/kv/test_scale_format.py \
     tests/kernels/test_audit_cases.py > "$OUT/gpu_tests_scale_format.log" 2>&1; echo "tests rc $? $(el)"
 grep -E "^E |passed|failed|FAIL" "$OUT/gpu_tests_scale_format.log" | head -10
-timeout -s INT 200 python3 -m lowbit audit kernels --json "$OUT/audit_kernels_s26.json" > "$OUT/audit_kernels_s26.log" 2>&1
-echo "audit rc $? $(el)"; grep -E "ue5m3|decode_vq|FAIL|passed" "$OUT/audit_kernels_s26.log" | head -12
+timeout -s INT 150 python3 -m lowbit audit kernels --kernel decode_vq --json "$OUT/audit_decode_vq_s26.json" \
+    > "$OUT/audit_decode_vq_s26.log" 2>&1; echo "audit vq rc $? $(el)"; tail -7 "$OUT/audit_decode_vq_s26.log"
+timeout -s INT 150 python3 -c "
+import json, sys
+from lowbit.kernels.audit import audit, sweep, format_table
+rows = audit('cuda', cases=[c for c in sweep('cuda') if c[1].get('scale_format') == 'ue5m3'], kernels=('decode_attention',))
+print(format_table(rows)); json.dump([r.as_dict() for r in rows], open(sys.argv[1], 'w'), indent=1)
+" "$OUT/audit_ue5m3_s26.json" > "$OUT/audit_ue5m3_s26.log" 2>&1; echo "audit ue5m3 rc $? $(el)"; tail -5 "$OUT/audit_ue5m3_s26.log"
 timeout -s INT 200 python3 -m lowbit bench decode-attention --geometry llama3-8b,gemma3-1b \
     --batch 1,16 --length 8192,32768 --bits 2so,2s8,4so,4s8,2vq --out "$OUT/decode_attention_scale_format_s26.json" \
     > "$OUT/decode_attention_scale_format_s26.log" 2>&1; echo "bench rc $? $(el)"; tail -10 "$OUT/decode_attention_scale_format_s26.log"

@@ -140,7 +140,7 @@ def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0, scale_
             t[n + "s"] = (torch.rand(B, Hkv, L, ng, device="cuda", generator=g) * 0.1 + 0.01).half()
             if one_byte:
                 t[n + "s"] = scale_format.encode(t[n + "s"].float())
-            t[n + "z"] = None if scale_only else (-torch.rand(B, Hkv, L, ng, device="cuda", generator=g)).half()
+            t[n + "z"] = None if scale_only or one_byte else (-torch.rand(B, Hkv, L, ng, device="cuda", generator=g)).half()
         sets.append(t)
     centre = {"k_centre": ((1 << kbits) - 1) / 2, "v_centre": ((1 << vbits) - 1) / 2} if scale_only or one_byte else {}
 
