@@ -134,6 +134,11 @@ class TensorQuant:
           codebook fitted by `lowbit calibrate --vq-for RECIPE` (named by the scheme's `levels` artifact, the
           one home of fitted codebooks), plus one scale per row (scale_format). bits must equal
           log2(ENTRIES) / SUB; scale-only (zero "none"), per-token; the grid is not used.
+    residual: None, "sign" or "qjl": one more bit per element, the sign of the base's error in a seeded random
+          basis with one gain per row in scale_format (lowbit.quant.residual; TurboQuant's 1-bit stage): "sign"
+          the least-squares gain, "qjl" the gain that makes q . x_hat unbiased. Costs 1 + scale bits / head_dim
+          per element on top of the base; scale-only per-token bases (scalar or VQ), which lowbit.kernels.decode_vq
+          reads. A layer override names it after the width, "r" for sign and "q" for qjl ("k2rv2": K int2 + sign).
     """
 
     bits: int = 16
@@ -147,6 +152,7 @@ class TensorQuant:
     zero: str = "group"
     scale_format: str = "fp16"
     vq: str | None = None
+    residual: str | None = None
 
     def __post_init__(self):
         if self.vq is not None and self.grid == "minmax":
@@ -222,6 +228,13 @@ class TensorQuant:
             if self.zero != "none" or self.axis != "token" or self.lloyd_max or self.group is not None:
                 raise LowbitError("VQ rows keep one scale per row and no zero: set zero 'none', per-token axis, no "
                                   "Lloyd-Max and no group")
+        if self.residual is not None:
+            from lowbit.quant import residual as resm
+
+            object.__setattr__(self, "residual", resm.check_kind(self.residual))
+            if not self.quantized or self.zero != "none" or self.axis != "token":
+                raise LowbitError("a 1-bit residual refines scale-only per-token codes (zero 'none', token axis, or "
+                                  "VQ rows); set zero 'none' on a quantized per-token tensor, or drop the residual")
 
     @property
     def quantized(self) -> bool:
@@ -257,13 +270,15 @@ class TensorQuant:
         from lowbit.quant.scale_format import bits_of
 
         scale_bits = bits_of(self.scale_format)  # a stored zero only exists with fp16 scales
-        return self.container_bits + (2 if self.stores_zero else 1) * scale_bits / self.group_for(head_dim, page)
+        res = (1 + scale_bits / head_dim) if self.residual else 0.0  # sign bits + one gain per row
+        return self.container_bits + (2 if self.stores_zero else 1) * scale_bits / self.group_for(head_dim, page) + res
 
     def describe(self) -> str:
         if not self.quantized:
             return "16-bit"
+        res = f" + 1-bit {self.residual} residual" if self.residual else ""
         if self.vq is not None:
-            return f"int{self.bits} vq {self.vq} per-token, one {self.scale_format} scale per row"
+            return f"int{self.bits} vq {self.vq} per-token, one {self.scale_format} scale per row{res}"
         parts = [f"int{self.bits}"]
         if self.bits == 3:
             parts[0] += "(in 4-bit containers)"
@@ -278,8 +293,7 @@ class TensorQuant:
             parts.append("scale-only")
         if self.scale_format != "fp16":
             parts.append(f"{self.scale_format} scales")
-
-        return " ".join(parts)
+        return " ".join(parts) + res
 
 
 @dataclass(frozen=True)
@@ -365,7 +379,7 @@ class KVScheme:
         if over is None:
             return replace(self, layer_bits=()) if self.layer_bits else self
         kb, vb = scheme_bits(over)
-        k, v = _with_bits(self.k, kb), _with_bits(self.v, vb)
+        k, v = (_with_residual(_with_bits(t, b), r) for t, b, r in zip((self.k, self.v), (kb, vb), layer_residuals(over)))
         fitted = any(t.lloyd_max or (t.quantized and t.vq) for t in (k, v))  # the levels file has nothing here
         return replace(self, k=k, v=v, layer_bits=(), levels=self.levels if fitted else None)
 
@@ -452,9 +466,23 @@ _BITS_NAMES = {"bf16": 16, "int8": 8, "int4": 4, "int3": 3, "int2": 2}
 SCHEME_NAMES = ("bf16", "int8", "int4", "int3", "int2", "kXvY (e.g. k4v2)", "kivi2", "kivi4")
 
 
+_LAYER_RE = re.compile(r"^k(\d+)([rq]?)v(\d+)([rq]?)$")
+_RESIDUAL_MARK = {"": None, "r": "sign", "q": "qjl"}
+
+
+def layer_residuals(name: str) -> tuple[str | None, str | None]:
+    """The 1-bit residual a per-layer bits name puts on K / V: an "r" after a width is "sign", a "q" is "qjl"
+    ("k2rv2" -> ("sign", None)); plain names none."""
+    m = _LAYER_RE.match(str(name).strip().lower())
+    return (_RESIDUAL_MARK[m.group(2)], _RESIDUAL_MARK[m.group(4)]) if m else (None, None)
+
+
 def scheme_bits(name: str) -> tuple[int, int]:
-    """(K bits, V bits) of a plain bits name: bf16 | int8 | int4 | int3 | int2 | kXvY."""
+    """(K bits, V bits) of a plain bits name: bf16 | int8 | int4 | int3 | int2 | kXvY (a per-layer name may
+    carry "r" or "q" after a width, "k2rv2": that tensor with a 1-bit residual, `layer_residuals`)."""
     key = str(name).strip().lower()
+    if m := _LAYER_RE.match(key):
+        key = f"k{m.group(1)}v{m.group(3)}"
     if key in _BITS_NAMES:
         return _BITS_NAMES[key], _BITS_NAMES[key]
     if m := _KV_RE.match(key):
@@ -464,6 +492,16 @@ def scheme_bits(name: str) -> tuple[int, int]:
     raise LowbitError(
         f"per-layer bits {name!r} unknown; use bf16, int8, int4, int3, int2 or kXvY with X, Y in {KV_BITS}"
     )
+
+
+def _with_residual(t: TensorQuant, kind: str | None) -> TensorQuant:
+    """A per-layer override states its tensors' residual: the kind its name marks, or none."""
+    if kind == t.residual:
+        return t
+    try:
+        return replace(t, residual=kind)
+    except LowbitError as e:
+        raise LowbitError(f"per-layer residual: {e}") from None
 
 
 def _with_bits(t: TensorQuant, bits: int) -> TensorQuant:
@@ -580,6 +618,7 @@ def parse_kv_scheme(
     zero=None,
     scale_format=None,
     vq=None,
+    residual=None,
 ) -> KVScheme:
     """Scheme string + flags -> KVScheme.
 
@@ -593,6 +632,7 @@ def parse_kv_scheme(
     zero: "group" | "none" (scale-only groups, see TensorQuant.zero), one for both or "K,V".
     scale_format: "fp16" | "ue5m3" (one-byte scales of scale-only groups), one for both or "K,V".
     vq: None | "SUBxENTRIES" (vector-quantized rows, TensorQuant.vq; "none" for one side), one or "K,V".
+    residual: None | "sign" | "qjl" (a 1-bit residual, TensorQuant.residual; "none" for one side), one or "K,V".
 
     Defaults (what `--kv int2` means without flags) are the best data-free recipe measured on the
     built-in models: rotation "hadamard" whenever K or V is stored at 4 bits or fewer (plain int4
@@ -628,6 +668,8 @@ def parse_kv_scheme(
     ksf, vsf = (str(f).strip().lower() for f in _pair("fp16" if scale_format is None else scale_format, "scale_format"))
     kvq, vvq = (None if f is None or str(f).strip().lower() == "none" else str(f).strip().lower()
                 for f in _pair(vq, "vq"))
+    kres, vres = (None if f is None or str(f).strip().lower() == "none" else str(f).strip().lower()
+                  for f in _pair(residual, "residual"))
     if k_axis == "channel" and group is not None and page is None:
         # --group on a KIVI scheme sets the key block: the block is the page.
         defaults["page"] = group
@@ -642,11 +684,13 @@ def parse_kv_scheme(
         kq = TensorQuant(bits=kb, symmetric=symmetric, clip=kc, lloyd_max=bool(lloyd_max) and kb < 16,
                          axis=k_axis, group=k_group if kb < 16 else None, grid=gk,
                          zero=str(kz).strip().lower() if kb < 16 else "group",
-                         scale_format=ksf if kb < 16 else "fp16", vq=kvq if kb < 16 else None)
+                         scale_format=ksf if kb < 16 else "fp16", vq=kvq if kb < 16 else None,
+                         residual=kres if kb < 16 else None)
         vq = TensorQuant(bits=vb, symmetric=symmetric, clip=vc, lloyd_max=bool(lloyd_max) and vb < 16,
                          group=v_group if vb < 16 else None, grid=gv,
                          zero=str(vz).strip().lower() if vb < 16 else "group",
-                         scale_format=vsf if vb < 16 else "fp16", vq=vvq if vb < 16 else None)
+                         scale_format=vsf if vb < 16 else "fp16", vq=vvq if vb < 16 else None,
+                         residual=vres if vb < 16 else None)
     except LowbitError as e:
         raise LowbitError(f"KV scheme {name!r}: {e}") from None
     if lloyd_max and not (kq.lloyd_max or vq.lloyd_max):
@@ -668,10 +712,10 @@ def parse_kv_scheme(
 
 # ---------------------------------------------------------------- files
 _TENSOR_FIELDS = {"bits", "symmetric", "clip", "lloyd_max", "axis", "group", "grid", "levels", "zero", "scale_format",
-                  "vq"}
+                  "vq", "residual"}
 _FILE_FIELDS = {"scheme", "group", "sink", "recent", "page", "clip", "lloyd_max", "rotation", "symmetric",
                 "fold_v_rotation", "layer_bits", "grid", "k", "v", "version", "name", "levels", "zero",
-                "scale_format", "vq"}
+                "scale_format", "vq", "residual"}
 
 
 def _ref_from_field(value, cls, what: str, base_dir: Path | None):
@@ -740,6 +784,7 @@ def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
         zero=d.get("zero") if not isinstance(d.get("k"), dict) else None,
         scale_format=d.get("scale_format") if not isinstance(d.get("k"), dict) else None,
         vq=d.get("vq") if not isinstance(d.get("k"), dict) else None,
+        residual=d.get("residual") if not isinstance(d.get("k"), dict) else None,
     )
     if "group" in d and isinstance(d.get("k"), dict):
         s = replace(s, k=replace(s.k, group=d["group"]) if s.k.quantized else s.k,

@@ -141,6 +141,9 @@ def test_bits_specs_scale_only_rows_and_bytes():
     assert cmd._bit_specs("2vq") == ((2, 2, "vq"),) and kbench.bits_tag((2, 2, "vq")) == "k2v2vq"
     with pytest.raises(LowbitError, match="2vq"):
         cmd._bit_specs("4vq")
+    assert cmd._bit_specs("2rs") == ((2, 2, "rs"),) and kbench.bits_tag((2, 2, "rs")) == "k2v2rs"
+    with pytest.raises(LowbitError, match="2rs"):
+        cmd._bit_specs("4rs")
     # one-byte scales: a group of 64 at head_dim 128 costs 1 byte, not 2 (and no zero)
     assert kbench.packed_bytes(1, 1, 1, 128, 2, 64, True, one_byte=True) == 2 * (32 + 2)
     assert kbench.packed_bytes(1, 1, 1, 128, 2, 64, True) == 2 * (32 + 4)
@@ -158,3 +161,28 @@ def test_scale_only_rows_on_geometry_kernel_geometries_are_refused_before_any_ti
     assert main(["bench", "decode-attention", "--geometry", "llama3-8b,kimi-k192v128", "--bits", "2,2so"]) == 2
     assert "scale-only" in _one_line_error(capsys)
     assert fake_gpu == [] and not (tmp_path / "lowbit-results").exists()
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--schemes", "w4a16-g128,w5a16"], "unknown scheme"),
+    (["--m", "1,5"], "not in the sweep"),
+    (["--shapes", "llama3-8b gate/up;llama9 up"], "unknown shape"),
+])
+def test_bench_gemm_selection_errors_before_any_gpu_work(capsys, flags, match):
+    assert main(["bench", "gemm", *flags]) != 0
+    err = capsys.readouterr().err
+    assert match in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_bench_gemm_selection_passes_through(monkeypatch, tmp_path):
+    from lowbit.kernels import weight_bench
+
+    seen = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "G")
+    monkeypatch.setattr(weight_bench, "run", lambda **kw: seen.append(kw) or {"rows": []})
+    out = tmp_path / "g.json"
+    assert main(["bench", "gemm", "--schemes", "w8a16", "--m", "1,16", "--shapes", "llama3-8b down",
+                 "--read-floor", "--out", str(out)]) == 0
+    assert seen == [{"schemes": ("w8a16",), "ms": (1, 16), "shapes": ("llama3-8b down",), "read_floor": True}]
+    assert json.loads(out.read_text()) == {"rows": []}

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowbit.errors import LowbitError
-from lowbit.kernels.audit import TOL, VQ_K, VQ_V, audit_vq, make_vq_case
+from lowbit.kernels.audit import RES_K, RES_V, TOL, VQ_K, VQ_V, audit_vq, make_vq_case
 from lowbit.kernels.decode_attention import interpreted
 from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
 from lowbit.kernels.reference import decode_attention_vq_ref
@@ -87,7 +87,7 @@ def test_cache_routes_vq_layers_to_the_kernel_like_the_torch_path(tmp_path):
     assert {lp.backends["decode"].name for lp in plan.layers} == {"triton-decode"}
     from lowbit.kernels.decode_backend import kernel_name
 
-    assert kernel_name(plan.layers[1]) == "decode_vq (VQ rows)"  # int4 scalar K beside VQ V
+    assert kernel_name(plan.layers[1]) == "decode_vq (VQ rows / 1-bit residual)"  # int4 scalar K beside VQ V
     ids = torch.randint(0, cfg.vocab_size, (3, 45), generator=g)
     steps = torch.randint(0, cfg.vocab_size, (3, 3), generator=g)
     logits = {}
@@ -142,4 +142,99 @@ def test_static_runtime_reads_vq_rows_through_the_kernel_op(tmp_path, monkeypatc
         out = torch.stack([torch.stack(first)] + [eager_decode(step, st, ids[:, 20 + t:21 + t], on) for t in range(3)], 1)
         assert _rel(out, ref) < 1e-3, use_kernel
         assert bool(calls) == use_kernel  # 3 steps x every layer through the op, or none
+        calls.clear()
+
+
+# ------------------------------------------------------------------ the 1-bit residual (lowbit.quant.residual)
+@pytest.mark.parametrize("B,Hq,Hkv,D,T,k,v,extra", [
+    (1, 1, 1, 16, 1, ("scalar", 2, 16, "fp16", "sign"), ("scalar", 2, 16, "fp16", "qjl"), {}),
+    (2, 6, 2, 64, 3, RES_K, RES_V, {"sink": 2}),
+    (3, 9, 3, 64, 17, RES_K, ("scalar", 4, 32, "ue5m3"), {"ragged": True, "recent": 5}),
+    (1, 8, 2, 128, 99, ("vq", 2, 16, "ue5m3", "qjl"), RES_V, {}),
+    (2, 4, 1, 64, 999, ("scalar", 2, 64, "fp16"), ("vq", 4, 256, "fp16", "sign"), {"ragged": True}),
+])
+def test_residual_matches_twin_at_odd_sizes(B, Hq, Hkv, D, T, k, v, extra):
+    kw = make_vq_case(B, Hq, Hkv, D, T, k, v, **extra, seed=T)
+    out = decode_attention_vq(**kw, num_splits=3)
+    assert torch.isfinite(out.float()).all()
+    assert _rel(out, decode_attention_vq_ref(**kw)) < 5e-3
+
+
+def test_a_kernel_ignoring_the_residual_would_fail():
+    from dataclasses import replace
+
+    kw = make_vq_case(2, 6, 2, 64, 45, RES_K, RES_V, ragged=False, seed=1)
+    ref = decode_attention_vq_ref(**kw)
+    assert _rel(decode_attention_vq(**kw, num_splits=2).float(), ref) < TOL * 5
+    for which in ("k_mid", "v_mid"):
+        dropped = replace(kw[which], rbits=None, rgain=None)
+        out = decode_attention_vq(**{**kw, which: dropped}, num_splits=2).float()
+        assert _rel(out, ref) > 10 * TOL, which
+    with pytest.raises(LowbitError, match="both rbits and rgain"):
+        decode_attention_vq(**{**kw, "k_mid": replace(kw["k_mid"], rgain=None)})
+    with pytest.raises(LowbitError, match="rbits must be"):
+        decode_attention_vq(**{**kw, "k_mid": replace(kw["k_mid"], rbits=kw["k_mid"].rbits[..., :4])})
+
+
+def test_cache_routes_residual_layers_to_the_kernel_like_the_torch_path():
+    from lowbit.kernels.decode_backend import kernel_name
+    from lowbit.kv import QuantizedKVCache
+    from lowbit.kv.plan import resolve
+    from lowbit.models import ModelGeometry
+    from lowbit.models.tiny import tiny_model
+    from lowbit.recipe import parse_kv_scheme
+
+    model, cfg = tiny_model("smollm2-135m", num_layers=3, dtype=torch.float32)
+    geo = ModelGeometry.from_config(cfg)
+    s = parse_kv_scheme("int2", zero="none", grid="mse", sink=2, recent=4, page=2, scale_format="ue5m3",
+                        layer_bits="0=k2rv2;1=k4v2q")
+    plan = resolve(s, geo, decode_backend="triton")
+    assert [kernel_name(lp) for lp in plan.layers] == ["decode_vq (VQ rows / 1-bit residual)"] * 2 + ["decode_attention"]
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (3, 45), generator=g)
+    steps = torch.randint(0, cfg.vocab_size, (3, 3), generator=g)
+    logits = {}
+    for backend in ("torch", "triton"):
+        cache = QuantizedKVCache(model, s, decode_backend=backend)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            logits[backend] = torch.stack([model(input_ids=steps[:, i:i + 1], past_key_values=cache,
+                                                 use_cache=True).logits[:, -1] for i in range(3)])
+    assert _rel(logits["triton"], logits["torch"]) < 1e-3
+
+
+def test_static_runtime_reads_the_residual_through_the_kernel_op(monkeypatch):
+    """The static cache holds the residual's sign bits and gains; its decode step through the VQ kernel's op and
+    through its torch path give the eager cache's logits."""
+    from lowbit.kv import QuantizedKVCache
+    from lowbit.kv.plan import resolve
+    from lowbit.models import ModelGeometry
+    from lowbit.models.tiny import tiny_tokenizer_free_inputs
+    from lowbit.recipe import parse_kv_scheme
+    from lowbit.runtime.static_cache import StaticKVCache
+    from lowbit.runtime.step import ModelStep, eager_decode, prefill
+    from tests.kv.helpers import fast_model, run_chunks
+
+    m = fast_model("smollm2-135m")
+    geo = ModelGeometry.from_config(m.config, name="smollm2-135m")
+    s = parse_kv_scheme("int2", zero="none", grid="mse", sink=4, recent=8, page=1, scale_format="ue5m3",
+                        layer_bits="0=k2rv2q;1=k4v2")
+    plan = resolve(s, geo)
+    ids = tiny_tokenizer_free_inputs(m.config, 2, 24, seed=4)
+    ref = torch.stack([run_chunks(m, QuantizedKVCache.from_plan(m, plan), ids[b:b + 1, :23], None, [8, 8, 4, 1, 1, 1])
+                       [0, 19:] for b in range(2)])
+    import lowbit.kernels.decode_vq as dvq
+
+    calls, real = [], dvq.decode_attention_vq
+    monkeypatch.setattr(dvq, "decode_attention_vq", lambda *a, **k: calls.append(1) or real(*a, **k))
+    step = ModelStep(m)
+    for use_kernel in (False, True):
+        st = StaticKVCache(m, plan, slots=2, max_context=32)
+        st.use_kernel = use_kernel
+        assert [layer.vq for layer in st.layers][:2] == [True, False]
+        first = [prefill(step, st, b, ids[b, :20], chunk=8) for b in range(2)]
+        on = torch.ones(2, dtype=torch.bool)
+        out = torch.stack([torch.stack(first)] + [eager_decode(step, st, ids[:, 20 + t:21 + t], on) for t in range(3)], 1)
+        assert _rel(out, ref) < 1e-3, use_kernel
+        assert bool(calls) == use_kernel  # layer 0's 3 steps through the VQ kernel's op, or none
         calls.clear()

@@ -23,11 +23,12 @@ def _bit_specs(s: str) -> tuple[tuple, ...]:
     """--bits "2,2so,2s8,4" -> ((2, 2), (2, 2, "so"), (2, 2, "s8"), (4, 4)), or a one-line error."""
     out = []
     for tok in (t.strip() for t in s.split(",") if t.strip()):
-        tag = tok[-2:] if tok[-2:] in ("so", "s8", "vq") else ""
+        tag = tok[-2:] if tok[-2:] in ("so", "s8", "vq", "rs") else ""
         b = tok[:-2] if tag else tok
-        if b not in (("2",) if tag == "vq" else ("2", "4") if tag else ("2", "4", "8")):
+        if b not in (("2",) if tag in ("vq", "rs") else ("2", "4") if tag else ("2", "4", "8")):
             raise LowbitError(f"--bits takes 2, 4, 8, 2so, 4so (scale-only groups), 2s8, 4s8 (scale-only with "
-                              f"one-byte ue5m3 scales) and 2vq (VQ 2x16 keys, 4x256 values), got {tok!r}")
+                              f"one-byte ue5m3 scales), 2vq (VQ 2x16 keys, 4x256 values) and 2rs (2s8 plus a 1-bit "
+                              f"residual), got {tok!r}")
         out.append((int(b), int(b), tag) if tag else (int(b), int(b)))
     if not out:
         raise LowbitError("--bits is empty; e.g. --bits 2,4,8 or --bits 2,2so")
@@ -98,8 +99,18 @@ def add_arguments(parser) -> None:
                              "geometry (default llama3-8b)")
     parser.add_argument("--bits", default="2,4,8", help="decode-attention: K=V bit widths to time (default 2,4,8); "
                         "2so / 4so: scale-only groups (no zero stored: the shipped @2.5 recipes' format); "
-                        "2s8 / 4s8: those with one-byte ue5m3 scales (scale_format ue5m3); 2vq: VQ 2x16 keys and "
+                        "2s8 / 4s8: those with one-byte ue5m3 scales (scale_format ue5m3); 2rs: 2s8 plus a 1-bit sign residual on K "
+                        "and V (the decode_vq kernel); 2vq: VQ 2x16 keys and "
                         "4x256 values with one-byte row scales (the decode_vq kernel)")
+    g = parser.add_argument_group("gemm (lowbit bench gemm)")
+    g.add_argument("--schemes", default=None, metavar="S1,S2",
+                   help="gemm: weight schemes to time (default w4a16-g128,w8a16,w8a8,w4a16-g64-asym,w4a8)")
+    g.add_argument("--m", default=None, metavar="M1,M2", help="gemm: only these M of the audit's sweep (default all)")
+    g.add_argument("--shapes", default=None, metavar="NAME;NAME",
+                   help="gemm: only these shapes, by the audit's names, ';'-separated (e.g. 'llama3-8b gate/up')")
+    g.add_argument("--read-floor", action="store_true",
+                   help="gemm: also time the fastest single read of each packed weight (read_ms) and report "
+                        "ceiling = bf16_ms / read_ms, the best ratio any kernel reading the weight once could reach")
     parser.add_argument("--mem-cap-gb", type=float, default=60.0, help="skip shapes whose bf16 KV exceeds this")
     parser.add_argument("--out", metavar="JSON",
                         help="write results to this new file "
@@ -155,6 +166,13 @@ def run(args) -> int:
 
     if args.out:
         resolve_out(args.out, args.what, "")  # refuse an existing file before anything else
+    if args.what == "gemm":
+        from lowbit.kernels import weight_bench
+
+        gemm_sel = (tuple(x.strip() for x in args.schemes.split(",")) if args.schemes else weight_bench.BENCH_SCHEMES,
+                    _ints(args.m) if args.m else None,
+                    tuple(x.strip() for x in args.shapes.split(";")) if args.shapes else None)
+        weight_bench.check_selection(*gemm_sel)
     if args.what == "images":
         return _images(args)
     if not torch.cuda.is_available():
@@ -163,7 +181,7 @@ def run(args) -> int:
         from lowbit.kernels import weight_bench
 
         path = resolve_out(args.out, "gemm", torch.cuda.get_device_name(0))
-        res = weight_bench.run()
+        res = weight_bench.run(schemes=gemm_sel[0], ms=gemm_sel[1], shapes=gemm_sel[2], read_floor=args.read_floor)
         write_new(path, res)
         print(f"wrote {path}")
         return 0

@@ -290,29 +290,40 @@ def audit(device: str | None = None, cases=None, config=None,
 
 def make_vq_case(B, Hq, Hkv, D, T, k, v, *, sink=0, recent=0, ragged=False, dtype=torch.bfloat16, device="cpu", seed=0):
     """Inputs for lowbit.kernels.decode_vq.decode_attention_vq. k / v: ("vq", SUB, E, scale_format) with a random
-    codebook per KV head, or ("scalar", bits, group, scale_format) scale-only groups; rows (keys with per-channel
-    offsets) written through lowbit.quant (the codec's own encoders and packing)."""
+    codebook per KV head, or ("scalar", bits, group, scale_format) scale-only groups; a 5th item
+    "sign" / "qjl" adds a 1-bit residual; rows (keys with per-channel offsets) written through lowbit.quant
+    (the codec's own encoders and packing)."""
+    from dataclasses import replace
+
     from lowbit.kernels.decode_vq import MidTensor
-    from lowbit.quant import vq
+    from lowbit.kernels.reference import dequantize_mid
+    from lowbit.quant import residual, vq
 
     g = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape):
         return torch.randn(*shape, generator=g, device=device)
 
-    def mid(x, spec):
+    def base(x, spec):
         if spec[0] == "vq":
-            _, sub, e, fmt = spec
+            _, sub, e, fmt = spec[:4]
             cb = rnd(Hkv, e, sub).half()
             idx, s = vq.encode(x, cb, fmt)
             return MidTensor(vq.pack_idx(idx, e), sf.encode(s) if fmt == "ue5m3" else s.half(),
                              int(vq.bits_per_element(sub, e)), cb)
-        _, bits, group, fmt = spec
+        _, bits, group, fmt = spec[:4]
         one = fmt == "ue5m3"
         q = quantize_centred(x, bits, group, grid="std" if bits <= 4 else "absmax", scale_format=fmt,
                              scale_dtype=torch.float32 if one else torch.float16)
         return MidTensor(pack(q.codes, bits, "strided") if bits < 8 else q.codes,
                          sf.encode(q.scale) if one else q.scale, bits, None, centre(bits))
+
+    def mid(x, spec):
+        m = base(x, spec)
+        if len(spec) < 5 or spec[4] is None:
+            return m
+        rb, gain = residual.encode(x.float() - dequantize_mid(m), spec[4], spec[3])  # the codec's order
+        return replace(m, rbits=rb, rgain=sf.encode(gain) if spec[3] == "ue5m3" else gain.half())
 
     kw = {"q": rnd(B, Hq, D).to(dtype), "k_mid": mid(rnd(B, Hkv, T, D) + 2.0 * rnd(1, Hkv, 1, D), k),
           "v_mid": mid(rnd(B, Hkv, T, D), v),
@@ -327,6 +338,11 @@ def make_vq_case(B, Hq, Hkv, D, T, k, v, *, sink=0, recent=0, ragged=False, dtyp
 
 
 VQ_K, VQ_V = ("vq", 2, 16, "ue5m3"), ("vq", 4, 256, "ue5m3")
+RES_K, RES_V = ("scalar", 2, 64, "ue5m3", "sign"), ("scalar", 2, 64, "ue5m3", "qjl")  # int2 + a 1-bit residual
+
+
+def _spec_name(x) -> str:
+    return f"{x[0]}{x[1]}x{x[2]}" + (f"+{x[4]}" if len(x) > 4 and x[4] else "")
 
 
 def vq_sweep(device: str) -> list[tuple[str, dict]]:
@@ -336,8 +352,11 @@ def vq_sweep(device: str) -> list[tuple[str, dict]]:
         base = [(16, 32, 8, 128, 32768, VQ_K, VQ_V, {}),
                 (17, 9, 3, 64, 4099, ("scalar", 4, 64, "ue5m3"), VQ_V, {"ragged": True}),
                 (3, 4, 1, 256, 5000, ("vq", 2, 16, "fp16"), ("vq", 4, 256, "fp16"), {"ragged": True}),
-                (1, 32, 8, 128, 131072, VQ_K, VQ_V, {})]
-        return [(f"B{B} Hq{Hq}/Hkv{Hkv} D{D} T{T} K{k[0]}{k[1]}x{k[2]} V{v[0]}{v[1]}x{v[2]} {k[3]}"
+                (1, 32, 8, 128, 131072, VQ_K, VQ_V, {}),
+                (16, 32, 8, 128, 32768, RES_K, RES_V, {}),
+                (5, 15, 3, 64, 9999, RES_K, ("scalar", 2, 64, "fp16", "sign"), {"ragged": True}),
+                (2, 8, 2, 256, 4097, ("vq", 2, 16, "fp16", "qjl"), ("scalar", 4, 128, "ue5m3"), {})]
+        return [(f"B{B} Hq{Hq}/Hkv{Hkv} D{D} T{T} K{_spec_name(k)} V{_spec_name(v)} {k[3]}"
                  + (" ragged" if x.get("ragged") else "") + " +tiers",
                  dict(B=B, Hq=Hq, Hkv=Hkv, D=D, T=T, k=k, v=v, sink=64, recent=256, **x))
                 for B, Hq, Hkv, D, T, k, v, x in base]
@@ -347,7 +366,10 @@ def vq_sweep(device: str) -> list[tuple[str, dict]]:
              {"B": 2, "Hq": 4, "Hkv": 2, "D": 64, "T": 40, "k": ("scalar", 4, 32, "ue5m3"), "v": VQ_V}),
             ("B1 Hq8/Hkv1 D128 T17 vq2x16/int2 fp16 +tiers",
              {"B": 1, "Hq": 8, "Hkv": 1, "D": 128, "T": 17, "k": ("vq", 2, 16, "fp16"), "v": ("scalar", 2, 64, "fp16"),
-              "sink": 2, "recent": 3})]
+              "sink": 2, "recent": 3}),
+            ("B2 Hq6/Hkv2 D64 T45 int2+sign/int2+qjl ue5m3 ragged +tiers",
+             {"B": 2, "Hq": 6, "Hkv": 2, "D": 64, "T": 45, "k": RES_K, "v": RES_V, "ragged": True, "sink": 2,
+              "recent": 3})]
 
 
 def audit_vq(device: str | None = None, cases=None) -> list[AuditRow]:

@@ -36,7 +36,8 @@ def packed_bytes(B, Hkv, L, D, bits, group, scale_only: bool = False, one_byte: 
 def bits_tag(spec: tuple) -> str:
     """(kbits, vbits) -> "k2v2"; (kbits, vbits, "so") -> "k2v2so" (scale-only groups, the shipped @2.5 recipes');
     (kbits, vbits, "s8") -> "k2v2s8" (scale-only groups with one-byte ue5m3 scales); (2, 2, "vq") -> "k2v2vq"
-    (VQ 2x16 keys and 4x256 values, one ue5m3 scale per row: lowbit.kernels.decode_vq)."""
+    (VQ 2x16 keys and 4x256 values, one ue5m3 scale per row: lowbit.kernels.decode_vq); (2, 2, "rs") -> "k2v2rs"
+    (int2 scale-only ue5m3 plus a 1-bit residual on K and V: lowbit.kernels.decode_vq)."""
     return f"k{spec[0]}v{spec[1]}" + (spec[2] if len(spec) > 2 else "")
 
 
@@ -179,6 +180,30 @@ def vq_case(B, Hq, Hkv, D, L, nbuf, seed=0):
     return [mk(t) for t in sets], sets
 
 
+def residual_case(B, Hq, Hkv, D, L, group, nbuf, seed=0):
+    """Callables running lowbit.kernels.decode_vq over nbuf middle tiers of int2 scale-only groups with one-byte
+    ue5m3 scales plus a 1-bit residual on K and V (sign bits + one ue5m3 gain per row; random fields)."""
+    from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)
+
+    def u8(*shape, lo=0, hi=256):
+        return torch.randint(lo, hi, shape, device="cuda", dtype=torch.uint8, generator=g)
+
+    sets = [{n: MidTensor(u8(B, Hkv, L, D // 4), u8(B, Hkv, L, D // group, lo=100, hi=140), 2, None, 1.5,
+                          u8(B, Hkv, L, D // 8), u8(B, Hkv, L, 1, lo=90, hi=120)) for n in ("k", "v")}
+            for _ in range(nbuf)]
+
+    def mk(t):
+        def f():
+            return decode_attention_vq(q, t["k"], t["v"], sm_scale=None, out=out)
+        return f
+
+    return [mk(t) for t in sets], sets
+
+
 def env_info() -> dict:
     import triton
 
@@ -226,12 +251,17 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
                 del fns, keep
                 for spec in bits:
                     kb, vb, so, s8 = spec[0], spec[1], spec[2:] == ("so",), spec[2:] == ("s8",)
-                    vqr = spec[2:] == ("vq",)
-                    pb = packed_bytes(B, Hkv, L, D, kb, D if vqr else group, so or s8 or vqr, one_byte=s8 or vqr)
+                    vqr, res = spec[2:] == ("vq",), spec[2:] == ("rs",)
+                    pb = packed_bytes(B, Hkv, L, D, kb, D if vqr else group, so or s8 or vqr or res,
+                                      one_byte=s8 or vqr or res)
+                    if res:  # + D sign bits and a one-byte gain per row, K and V
+                        pb += 2 * B * Hkv * L * (D // 8 + 1)
                     nbk = n_buffers(pb, mem_cap_gb * 1e9)
                     cfg = configs.get((geo, B, L, kb)) or KernelConfig()
                     if vqr:
                         fns, keep = vq_case(B, Hq, Hkv, D, L, nbk)
+                    elif res:
+                        fns, keep = residual_case(B, Hq, Hkv, D, L, group, nbk)
                     else:
                         fns, keep = kernel_case(B, Hq, Hkv, D, L, kb, vb, group, nbk, cfg, scale_only=so, one_byte=s8)
                     t = graph_time_ms(fns)
@@ -240,7 +270,7 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
                     row[f"{tag}_ratio"] = t_ref / t
                     row[f"{tag}_tbs"] = pb / t / 1e9
                     row[f"{tag}_bytes"] = pb
-                    if vqr:
+                    if vqr or res:
                         row[f"{tag}_config"] = {"kernel": "decode_vq", "block": 32}
                     else:
                         rc = cfg.resolve(B, Hkv, D, max(kb, vb))

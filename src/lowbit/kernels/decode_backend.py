@@ -76,21 +76,21 @@ def _vq_reason(which: str, codec) -> str | None:
         n = D // codec.vq[0]
         return None if n >= 2 and not n & (n - 1) else f"{which}: {n} VQ indices per row (the kernel takes a power of two)"
     if codec.stores_zero or codec.cbits not in (2, 4, 8) or (D // codec.group) & (D // codec.group - 1):
-        return (f"{which} beside VQ rows must be scale-only 2/4/8-bit groups of a power-of-two count "
+        return (f"{which} beside VQ rows or a residual must be scale-only 2/4/8-bit groups of a power-of-two count "
                 "(the VQ decode kernel's scalar path)")
     return None
 
 
 def codec_reason(which: str, codec, vq_layer: bool = False) -> str | None:
     """Why the kernel cannot read tensor `which` ("K"/"V") stored by `codec` (a lowbit.kv.codec.TensorCodec).
-    vq_layer: the other tensor of the layer is VQ, so lowbit.kernels.decode_vq reads this one too."""
+    vq_layer: the other tensor of the layer is VQ or has a residual, so lowbit.kernels.decode_vq reads this one too."""
     if not codec.quantized:
         return f"{which} is stored at 16 bits (the kernel reads packed codes)"
     if codec.tq.axis != "token":
         return f"{which} is grouped per channel (the kernel takes per-token groups)"
     if codec.tq.lloyd_max:
         return f"{which} uses Lloyd-Max levels (the kernel takes the affine grid)"
-    if codec.tq.vq is not None or vq_layer:
+    if codec.tq.vq is not None or codec.tq.residual is not None or vq_layer:
         return _vq_reason(which, codec)
     if not codec.stores_zero and codec.head_dim not in KERNEL_HEAD_DIMS:
         return (f"{which} has scale-only groups at head_dim {codec.head_dim} (only the head_dim "
@@ -128,7 +128,7 @@ def supports(layer, step: str, device: str) -> str | None:
         if r:
             return r
     else:
-        vq_layer = is_vq_layer(layer)
+        vq_layer = reads_with_decode_vq(layer)
         for which, c in (("K", layer.k), ("V", layer.v)):
             r = codec_reason(which, c, vq_layer)
             if r:
@@ -140,16 +140,17 @@ def supports(layer, step: str, device: str) -> str | None:
     return None
 
 
-def is_vq_layer(layer) -> bool:
-    """Whether K or V of the layer (a LayerPlan or QuantizedKVLayer: .k/.v or .k_codec/.v_codec) holds VQ rows."""
+def reads_with_decode_vq(layer) -> bool:
+    """Whether K or V of the layer (a LayerPlan or QuantizedKVLayer: .k/.v or .k_codec/.v_codec) holds VQ rows
+    or a 1-bit residual: lowbit.kernels.decode_vq reads those, decode_attention does not."""
     cs = (getattr(layer, "k_codec", None) or layer.k, getattr(layer, "v_codec", None) or layer.v)
-    return any(c.quantized and c.vq is not None for c in cs)
+    return any(c.quantized and (c.vq is not None or c.residual is not None) for c in cs)
 
 
 def kernel_name(layer) -> str:
     """Which fused kernel runs a layer the backend takes (for the plan table)."""
-    if is_vq_layer(layer):
-        return "decode_vq (VQ rows)"
+    if reads_with_decode_vq(layer):
+        return "decode_vq (VQ rows / 1-bit residual)"
     g = getattr(layer, "geometry", None)
     if getattr(g, "shares_kv", False):
         what = "MLA latent" if g.storage == "mla-latent" else "K = V"
@@ -180,7 +181,7 @@ def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
 
     if layer.shared:
         return run_shared(layer, qg, scaling)
-    if is_vq_layer(layer):
+    if reads_with_decode_vq(layer):
         return run_vq(layer, qg, scaling)
     view = layer.view()
     B, Hkv, G, _, D = qg.shape
@@ -208,7 +209,7 @@ def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
 
 
 def run_vq(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Decode step of a layer with VQ rows through lowbit.kernels.decode_vq (its scalar tensor, if any, too).
+    """Decode step of a layer with VQ rows or a 1-bit residual through lowbit.kernels.decode_vq (a scalar tensor too).
     qg [B, Hkv, G, 1, D] rotated queries -> [B, Hkv, G, 1, Dv] float32."""
     from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
 
@@ -224,7 +225,8 @@ def run_vq(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
     mids = (None, None)
     if view.mid_len > m0:
         mids = tuple(MidTensor(f["codes"][:, :, m0:], f["scale"][:, :, m0:], c.cbits,
-                               c.codebook_on(q.device) if c.vq is not None else None, c.centre)
+                               c.codebook_on(q.device) if c.vq is not None else None, c.centre,
+                               f["rbits"][:, :, m0:] if c.residual else None, f["rgain"][:, :, m0:] if c.residual else None)
                      for f, c in ((view.mid_k, layer.k_codec), (view.mid_v, layer.v_codec)))
     out = decode_attention_vq(q, *mids, sm_scale=scaling, **dense)  # [B, Hq, Dv]
     return out.float().reshape(B, Hkv, G, 1, -1)

@@ -62,6 +62,8 @@ class MidTensor:
     bits: int
     codebook: torch.Tensor | None = None
     centre: float = 0.0
+    rbits: torch.Tensor | None = None  # 1-bit residual (lowbit.quant.residual): sign bits uint8 [B, Hkv, T, D // 8]
+    rgain: torch.Tensor | None = None  # its gain per row, fp16 or uint8 ue5m3 [B, Hkv, T, 1]
 
     @property
     def vq(self) -> tuple[int, int] | None:
@@ -112,18 +114,38 @@ def _mid_tile(C, S, CB, base_c, base_s, t, valid, RB: tl.constexpr, NG: tl.const
 
 
 @triton.jit
-def _vq_block(t0, end, q_t, m_i, l_i, o,
+def _sign_tile(R, RG, base_r, base_g, t, valid, D: tl.constexpr, RSF: tl.constexpr):
+    """The 1-bit residual of rows t [BT] -> float32 [BT, D] in its basis S: gain * (2 bit - 1), bit of dim d in
+    byte d % (D / 8) at bit d // (D / 8) (strided 1-bit packing); 0 where not valid."""
+    d = tl.arange(0, D)
+    SB: tl.constexpr = D // 8
+    raw = tl.load(R + base_r + t[:, None] * SB + (d % SB)[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    sgn = ((raw >> (d // SB)[None, :]) & 1).to(tl.float32) * 2.0 - 1.0
+    if RSF == 1:
+        g = _ue5m3(tl.load(RG + base_g + t, mask=valid, other=0))
+    else:
+        g = tl.load(RG + base_g + t, mask=valid, other=0.0).to(tl.float32)
+    return sgn * g[:, None]
+
+
+@triton.jit
+def _vq_block(t0, end, q_t, q2_t, m_i, l_i, o, o2,
               KC, KS, KCB, kc_base, ks_base, VC, VS, VCB, vc_base, vs_base,
+              KR, KRG, kr_base, krg_base, VR, VRG, vr_base, vrg_base,
               D: tl.constexpr, DV: tl.constexpr, BLOCK: tl.constexpr,
               K_RB: tl.constexpr, K_NG: tl.constexpr, K_VQ: tl.constexpr, K_SUB: tl.constexpr, K_E: tl.constexpr,
-              K_BITS: tl.constexpr, K_SF: tl.constexpr, K_ZC: tl.constexpr,
+              K_BITS: tl.constexpr, K_SF: tl.constexpr, K_ZC: tl.constexpr, K_RES: tl.constexpr, K_RSF: tl.constexpr,
               V_RB: tl.constexpr, V_NG: tl.constexpr, V_VQ: tl.constexpr, V_SUB: tl.constexpr, V_E: tl.constexpr,
-              V_BITS: tl.constexpr, V_SF: tl.constexpr, V_ZC: tl.constexpr):
-    """One block of middle rows [t0, t0 + BLOCK) folded into (m_i [HP], l_i [HP], o [HP, DV])."""
+              V_BITS: tl.constexpr, V_SF: tl.constexpr, V_ZC: tl.constexpr, V_RES: tl.constexpr, V_RSF: tl.constexpr):
+    """One block of middle rows [t0, t0 + BLOCK) folded into (m_i [HP], l_i [HP], o [HP, DV], o2 [HP, DV]: the
+    values' residual part, in its basis S)."""
     t = t0 + tl.arange(0, BLOCK)
     valid = t < end
     k = _mid_tile(KC, KS, KCB, kc_base, ks_base, t, valid, K_RB, K_NG, D, K_VQ, K_SUB, K_E, K_BITS, K_SF, K_ZC)
     s = tl.dot(k, q_t, input_precision="tf32x3")  # [BLOCK, HP], already times sm_scale * log2(e)
+    if K_RES:  # q . (g s @ S) = (q @ S.T) . (g s)
+        kr = _sign_tile(KR, KRG, kr_base, krg_base, t, valid, D, K_RSF)
+        s = tl.dot(kr, q2_t, s, input_precision="tf32x3")
     s = tl.where(valid[:, None], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 0))
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
@@ -131,24 +153,28 @@ def _vq_block(t0, end, q_t, m_i, l_i, o,
     p = tl.exp2(s - m_use[None, :])  # [BLOCK, HP]
     v = _mid_tile(VC, VS, VCB, vc_base, vs_base, t, valid, V_RB, V_NG, DV, V_VQ, V_SUB, V_E, V_BITS, V_SF, V_ZC)
     o = tl.dot(tl.trans(p), v, o * alpha[:, None], input_precision="tf32x3")  # [HP, DV]
-    return m_new, l_i * alpha + tl.sum(p, 0), o
+    if V_RES:  # sum_t p_t g_t s_t, rotated back by S once after the merge
+        vr = _sign_tile(VR, VRG, vr_base, vrg_base, t, valid, DV, V_RSF)
+        o2 = tl.dot(tl.trans(p), vr, o2 * alpha[:, None], input_precision="tf32x3")
+    return m_new, l_i * alpha + tl.sum(p, 0), o, o2
 
 
 @triton.jit(do_not_specialize=["split_tokens", "NSM", "NSPLIT"])
 def _vq_stage1(
-    Q, sqb, sqh,
+    Q, sqb, sqh, Q2,
     KC, skb, skh, KS, sksb, sksh, KCB,
     VC, svb, svh, VS, svsb, svsh, VCB,
+    KR, skrb, skrh, KRG, skgb, skgh, VR, svrb, svrh, VRG, svgb, svgh,
     MID_LEN,
     SKK, SKV, sskb, sskh, sskt, ssvb, ssvh, ssvt, SINK_LEN,
     RKK, RKV, srkb, srkh, srkt, srvb, srvh, srvt, REC_LEN,
-    OP, LSE,
+    OP, OP2, LSE,
     qk_scale, split_tokens, NSM, NSPLIT,
     G: tl.constexpr, HP: tl.constexpr, D: tl.constexpr, DV: tl.constexpr,
     K_RB: tl.constexpr, K_NG: tl.constexpr, K_VQ: tl.constexpr, K_SUB: tl.constexpr, K_E: tl.constexpr,
-    K_BITS: tl.constexpr, K_SF: tl.constexpr, K_ZC: tl.constexpr,
+    K_BITS: tl.constexpr, K_SF: tl.constexpr, K_ZC: tl.constexpr, K_RES: tl.constexpr, K_RSF: tl.constexpr,
     V_RB: tl.constexpr, V_NG: tl.constexpr, V_VQ: tl.constexpr, V_SUB: tl.constexpr, V_E: tl.constexpr,
-    V_BITS: tl.constexpr, V_SF: tl.constexpr, V_ZC: tl.constexpr,
+    V_BITS: tl.constexpr, V_SF: tl.constexpr, V_ZC: tl.constexpr, V_RES: tl.constexpr, V_RSF: tl.constexpr,
     BLOCK: tl.constexpr, BTD_: tl.constexpr, HAS_SINK: tl.constexpr, HAS_REC: tl.constexpr, INTERP: tl.constexpr,
     MID_ITERS: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr,
 ):
@@ -162,6 +188,11 @@ def _vq_stage1(
     o_rows = (b.to(tl.int64) * (G * tl.num_programs(1)) + head) * NSPLIT + split
     dd = tl.arange(0, D)
     q_t = tl.load(q_base[None, :] + dd[:, None], mask=hvalid[None, :], other=0.0).to(tl.float32) * qk_scale
+    if K_RES:  # the query in the residual's basis, q @ S.T: float32 [B, Hq, D] contiguous
+        q2_base = Q2 + (b.to(tl.int64) * (G * tl.num_programs(1)) + head) * D
+        q2_t = tl.load(q2_base[None, :] + dd[:, None], mask=hvalid[None, :], other=0.0) * qk_scale
+    else:
+        q2_t = q_t
     if split < NSM:
         L = tl.load(MID_LEN + b)
         start = split * split_tokens
@@ -172,28 +203,37 @@ def _vq_stage1(
         vs_base = b.to(tl.int64) * svsb + kvh.to(tl.int64) * svsh
         kcb = KCB + kvh * (K_E * K_SUB)
         vcb = VCB + kvh * (V_E * V_SUB)
+        kr_base = b.to(tl.int64) * skrb + kvh.to(tl.int64) * skrh
+        krg_base = b.to(tl.int64) * skgb + kvh.to(tl.int64) * skgh
+        vr_base = b.to(tl.int64) * svrb + kvh.to(tl.int64) * svrh
+        vrg_base = b.to(tl.int64) * svgb + kvh.to(tl.int64) * svgh
         m_i = tl.full([HP], float("-inf"), tl.float32)
         l_i = tl.zeros([HP], tl.float32)
         o = tl.zeros([HP, DV], tl.float32)
+        o2 = tl.zeros([HP, DV], tl.float32)
         if INTERP:  # a compile-time trip count with a guard (see decode_attention._dense_tier)
             for it in range(MID_ITERS):
                 t0 = start + it * BLOCK
                 if t0 < end:
-                    m_i, l_i, o = _vq_block(t0, end, q_t, m_i, l_i, o, KC, KS, kcb, kc_base, ks_base,
-                                            VC, VS, vcb, vc_base, vs_base, D, DV, BLOCK,
-                                            K_RB, K_NG, K_VQ, K_SUB, K_E, K_BITS, K_SF, K_ZC,
-                                            V_RB, V_NG, V_VQ, V_SUB, V_E, V_BITS, V_SF, V_ZC)
+                    m_i, l_i, o, o2 = _vq_block(t0, end, q_t, q2_t, m_i, l_i, o, o2, KC, KS, kcb, kc_base, ks_base,
+                                                VC, VS, vcb, vc_base, vs_base,
+                                                KR, KRG, kr_base, krg_base, VR, VRG, vr_base, vrg_base, D, DV, BLOCK,
+                                                K_RB, K_NG, K_VQ, K_SUB, K_E, K_BITS, K_SF, K_ZC, K_RES, K_RSF,
+                                                V_RB, V_NG, V_VQ, V_SUB, V_E, V_BITS, V_SF, V_ZC, V_RES, V_RSF)
         else:
             for t0 in range(start, end, BLOCK):
-                m_i, l_i, o = _vq_block(t0, end, q_t, m_i, l_i, o, KC, KS, kcb, kc_base, ks_base,
-                                        VC, VS, vcb, vc_base, vs_base, D, DV, BLOCK,
-                                        K_RB, K_NG, K_VQ, K_SUB, K_E, K_BITS, K_SF, K_ZC,
-                                        V_RB, V_NG, V_VQ, V_SUB, V_E, V_BITS, V_SF, V_ZC)
+                m_i, l_i, o, o2 = _vq_block(t0, end, q_t, q2_t, m_i, l_i, o, o2, KC, KS, kcb, kc_base, ks_base,
+                                            VC, VS, vcb, vc_base, vs_base,
+                                            KR, KRG, kr_base, krg_base, VR, VRG, vr_base, vrg_base, D, DV, BLOCK,
+                                            K_RB, K_NG, K_VQ, K_SUB, K_E, K_BITS, K_SF, K_ZC, K_RES, K_RSF,
+                                            V_RB, V_NG, V_VQ, V_SUB, V_E, V_BITS, V_SF, V_ZC, V_RES, V_RSF)
         inv_l = tl.where(l_i > 0, 1.0 / l_i, 0.0)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_i), float("-inf"))
         tl.store(LSE + o_rows, lse, mask=hvalid)
         dv = tl.arange(0, DV)
         tl.store(OP + o_rows[:, None] * DV + dv[None, :], o * inv_l[:, None], mask=hvalid[:, None])
+        if V_RES:  # the dense split's rows of OP2 stay zero (allocated so)
+            tl.store(OP2 + o_rows[:, None] * DV + dv[None, :], o2 * inv_l[:, None], mask=hvalid[:, None])
     else:  # the dense tiers (sink, recent) in the last split: decode_attention's own split
         _dense_split(q_t, b, kvh, SKK, SKV, sskb, sskh, sskt, ssvb, ssvh, ssvt, SINK_LEN,
                      RKK, RKV, srkb, srkh, srkt, srvb, srvh, srvt, REC_LEN, OP, LSE, o_rows, hvalid,
@@ -215,9 +255,10 @@ def _check_mid(m: MidTensor, B: int, Hkv: int, D: int, device, what: str) -> dic
     ng = s.shape[3]
     if s.stride(3) != 1 or (s.shape[2] > 1 and s.stride(2) != ng):
         raise LowbitError(f"{what} scale: contiguous [T, groups] rows per (sequence, head)")
-    for t in (c, s) + ((m.codebook,) if m.codebook is not None else ()):
+    for t in (c, s) + tuple(x for x in (m.codebook, m.rbits, m.rgain) if x is not None):
         if t.device != device:
             raise LowbitError(f"{what} is on {t.device}, q on {device}: put the cache on one device")
+    res = _check_residual(m, c, D, what)
     if m.codebook is not None:
         cb = m.codebook
         if cb.dim() != 3 or cb.shape[0] != Hkv or cb.shape[1] not in (16, 256) or D % cb.shape[2]:
@@ -228,12 +269,30 @@ def _check_mid(m: MidTensor, B: int, Hkv: int, D: int, device, what: str) -> dic
                               f"row, got bits {m.bits} and {ng} scales")
         if (D // sub) & (D // sub - 1) or (e == 16 and D // sub < 2):
             raise LowbitError(f"{what}: {D // sub} indices per row; the kernel takes a power of two")
-        return {"RB": rb, "NG": 1, "VQ": True, "SUB": sub, "E": e, "BITS": m.bits, "SF": int(s.dtype == torch.uint8), "ZC": 0.0}
+        return {"RB": rb, "NG": 1, "VQ": True, "SUB": sub, "E": e, "BITS": m.bits, "SF": int(s.dtype == torch.uint8),
+                "ZC": 0.0} | res
     if m.bits not in (2, 4, 8) or D % ng or (D // ng) & (D // ng - 1):
         raise LowbitError(f"{what}: scalar codes at {m.bits} bits in {ng} groups of D={D} are not supported "
                           "(2/4/8 bits, power-of-two groups)")
     return {"RB": rb, "NG": ng, "VQ": False, "SUB": 1, "E": 16, "BITS": m.bits, "SF": int(s.dtype == torch.uint8),
-            "ZC": float(m.centre)}
+            "ZC": float(m.centre)} | res
+
+
+def _check_residual(m: MidTensor, c: torch.Tensor, D: int, what: str) -> dict:
+    """Validate a tensor's 1-bit residual (both fields or neither); -> {"RES", "RSF"}."""
+    if (m.rbits is None) != (m.rgain is None):
+        raise LowbitError(f"{what}: a residual needs both rbits and rgain (or neither)")
+    if m.rbits is None:
+        return {"RES": False, "RSF": 0}
+    rb, rg = m.rbits, m.rgain
+    if rb.dtype != torch.uint8 or rb.shape != (*c.shape[:3], D // 8) or rb.stride(3) != 1 or \
+            (rb.shape[2] > 1 and rb.stride(2) != D // 8):
+        raise LowbitError(f"{what} rbits must be uint8 [B, Hkv, T, {D // 8}] rows back to back, got {rb.dtype} "
+                          f"{tuple(rb.shape)}")
+    if rg.dtype not in (torch.float16, torch.uint8) or rg.shape != (*c.shape[:3], 1) or \
+            (rg.shape[2] > 1 and rg.stride(2) != 1):
+        raise LowbitError(f"{what} rgain must be fp16 or uint8 (ue5m3) [B, Hkv, T, 1], got {rg.dtype} {tuple(rg.shape)}")
+    return {"RES": True, "RSF": int(rg.dtype == torch.uint8)}
 
 
 def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTensor | None,
@@ -277,7 +336,8 @@ def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTens
         kt, vt = (k_mid.codes, k_mid.scale), (v_mid.codes, v_mid.scale)
     else:
         dummy = torch.zeros(1, 1, 1, 1, dtype=torch.uint8, device=dev)
-        kc = vc = {"RB": 1, "NG": 1, "VQ": False, "SUB": 1, "E": 16, "BITS": 8, "SF": 1, "ZC": 0.0}
+        kc = vc = {"RB": 1, "NG": 1, "VQ": False, "SUB": 1, "E": 16, "BITS": 8, "SF": 1, "ZC": 0.0, "RES": False,
+                   "RSF": 0}
         T, kcb, vcb, kt, vt = 0, dummy, dummy, (dummy, dummy), (dummy, dummy)
         mid_lens = torch.zeros(B, dtype=torch.int32, device=dev)
     sk, sv, sl = _check_dense(sink_k, sink_v, sink_lens, B, Hkv, D, DV, dev, "sink")
@@ -301,14 +361,23 @@ def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTens
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     consts = {f"K_{k}": v for k, v in kc.items()} | {f"V_{k}": v for k, v in vc.items()}
+    from lowbit.quant.residual import basis
+
+    # residuals: K's scores read q @ S.T; V's part is summed in S's basis (OP2) and rotated back after the merge
+    q2 = (q.float() @ basis(D, dev).T).contiguous() if kc["RES"] else q
+    part2 = torch.zeros(B * Hq * nsplit, DV, dtype=torch.float32, device=dev) if vc["RES"] else part
+    kr = (k_mid.rbits, k_mid.rgain) if kc["RES"] else (kt[0], kt[1])
+    vr = (v_mid.rbits, v_mid.rgain) if vc["RES"] else (vt[0], vt[1])
     _vq_stage1[(nsplit, Hkv, B)](
-        q, q.stride(0), q.stride(1),
+        q, q.stride(0), q.stride(1), q2,
         kt[0], kt[0].stride(0), kt[0].stride(1), kt[1], kt[1].stride(0), kt[1].stride(1), kcb,
         vt[0], vt[0].stride(0), vt[0].stride(1), vt[1], vt[1].stride(0), vt[1].stride(1), vcb,
+        kr[0], kr[0].stride(0), kr[0].stride(1), kr[1], kr[1].stride(0), kr[1].stride(1),
+        vr[0], vr[0].stride(0), vr[0].stride(1), vr[1], vr[1].stride(0), vr[1].stride(1),
         mid_lens,
         sk, sv, sk.stride(0), sk.stride(1), sk.stride(2), sv.stride(0), sv.stride(1), sv.stride(2), sl,
         rk, rv, rk.stride(0), rk.stride(1), rk.stride(2), rv.stride(0), rv.stride(1), rv.stride(2), rl,
-        part, lse, float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit,
+        part, part2, lse, float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit,
         G=G, HP=HP, D=D, DV=DV, **consts, BLOCK=BT, BTD_=BTD, HAS_SINK=has_sink, HAS_REC=has_rec, INTERP=interp,
         MID_ITERS=(split_tokens // BT) if interp else 0,
         SINK_ITERS=triton.cdiv(sk.shape[2], BTD) if interp else 0,
@@ -316,6 +385,13 @@ def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTens
         num_warps=4,
     )
     ch = min(32, max(16, _pow2(nsplit)))
-    _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
-                     DV=DV, num_warps=4)
+    if not vc["RES"]:
+        _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
+                         DV=DV, num_warps=4)
+        return out
+    merged = torch.empty(2, B, Hq, DV, dtype=torch.float32, device=dev)
+    for i, pp in enumerate((part, part2)):  # the same log-sum-exp weights merge both
+        _stage2[(B, Hq)](pp, lse, merged[i], merged.stride(1), merged.stride(2), nsplit, NCH=triton.cdiv(nsplit, ch),
+                         CH=ch, DV=DV, num_warps=4)
+    out.copy_(torch.addmm(merged[0].reshape(B * Hq, DV), merged[1].reshape(B * Hq, DV), basis(DV, dev)).view(B, Hq, DV))
     return out

@@ -55,14 +55,20 @@ def decode_attention_ref(
 
 def dequantize_mid(m) -> torch.Tensor:
     """A lowbit.kernels.decode_vq.MidTensor -> float32 [B, Hkv, T, D]: VQ rows through lowbit.quant.vq,
-    scalar scale-only groups through dequantize_tier."""
+    scalar scale-only groups through dequantize_tier, plus a 1-bit residual through lowbit.quant.residual."""
     if m.codebook is None:
-        return dequantize_tier(m.codes, m.scale, None, m.bits, m.centre)
-    from lowbit.quant import vq
+        x = dequantize_tier(m.codes, m.scale, None, m.bits, m.centre)
+    else:
+        from lowbit.quant import vq
 
-    e = m.vq[1]
-    s = scale_format.decode(m.scale) if m.scale.dtype == torch.uint8 else m.scale.float()
-    return vq.decode(vq.unpack_idx(m.codes, e), s, m.codebook)
+        s = scale_format.decode(m.scale) if m.scale.dtype == torch.uint8 else m.scale.float()
+        x = vq.decode(vq.unpack_idx(m.codes, m.vq[1]), s, m.codebook)
+    if m.rbits is not None:
+        from lowbit.quant import residual
+
+        g = scale_format.decode(m.rgain) if m.rgain.dtype == torch.uint8 else m.rgain.float()
+        x = x + residual.decode(m.rbits, g)
+    return x
 
 
 def decode_attention_vq_ref(q, k_mid, v_mid, mid_lens=None, *, sm_scale=None, sink_k=None, sink_v=None,

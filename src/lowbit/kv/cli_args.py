@@ -11,7 +11,8 @@ from __future__ import annotations
 from lowbit.errors import LowbitError
 from lowbit.recipe import SCHEME_NAMES, KVScheme, load_recipe, parse_kv_scheme
 
-_FLAGS = ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid", "zero", "scale_format", "vq")
+_FLAGS = ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid", "zero", "scale_format", "vq",
+          "residual")
 
 
 def add_kv_arguments(parser, *, kv_default: str | None = None) -> None:
@@ -38,6 +39,10 @@ def add_kv_arguments(parser, *, kv_default: str | None = None) -> None:
     g.add_argument("--vq", default=None, metavar="SPEC[,SPEC]",
                    help="vector-quantized rows, one spec or K,V (none for one side): 2x16 or 4x256 (2 bits per element, "
                         "with --zero none); their codebooks come from a recipe's levels (lowbit calibrate --vq-for)")
+    g.add_argument("--residual", default=None, metavar="KIND[,KIND]",
+                   help="a 1-bit residual on scale-only codes, one kind or K,V (none for one side): sign (least-squares "
+                        "gain) or qjl (unbiased scores); 1 + scale bits / head_dim more per element (TurboQuant's 1-bit "
+                        "stage); per layer: r (sign) or q (qjl) after a width in --layer-bits, e.g. '3,7=k2rv2'")
     g.add_argument("--lloyd-max", action="store_true", help="Lloyd-Max levels (Gaussian) instead of a uniform grid")
     g.add_argument("--rotation", default=None, metavar="none|hadamard|PATH",
                    help="rotate K and V: none, hadamard, or a RotationSet directory "

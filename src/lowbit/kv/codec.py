@@ -17,6 +17,9 @@ Stored fields (what `encode` returns, per middle row block; T rows, D = head_dim
     vq "SUBxE" (2 bits):       codes uint8 [B, H, T, D * 2 // 8]: D/SUB codeword indices (E 16: 4-bit, strided
                                packing; E 256: one byte each), scale [B, H, T, 1] (fp16, or uint8 ue5m3)
                                x_hat = scale * codebook[h][idx] (lowbit.quant.vq; codebook [H, E, SUB] per layer)
+    residual "sign" | "qjl":   + rbits uint8 [B, H, T, D // 8] (sign bits, 1-bit strided packing) and rgain [B, H, T, 1]
+                               (fp16, or uint8 ue5m3): x_hat = base + (rgain * (2 rbits - 1)) @ S (lowbit.quant.residual),
+                               the signs of the base's own error, coded from the base's stored fields
     bits == 16:                dense [B, H, T, D] in the model dtype (no quantization)
 cbits is the container width: 3-bit codes are packed as 4-bit. Dequantization is always
     x_hat = codes * scale + zero                    (uniform grid, lowbit.quant.affine; min/max or std placed;
@@ -30,6 +33,7 @@ import torch
 
 from lowbit.errors import LowbitError
 from lowbit.quant import affine, packing
+from lowbit.quant import residual as resm
 from lowbit.quant import scale_format as sf
 from lowbit.quant import vq as vqm
 from lowbit.recipe import TensorQuant
@@ -68,6 +72,9 @@ class TensorCodec:
         if tq.lloyd_max:
             self.set_levels(levels if levels is not None else tq.levels)
         self.vq: tuple[int, int] | None = vqm.parse(tq.vq) if tq.quantized and tq.vq else None
+        self.residual: str | None = tq.residual if tq.quantized else None
+        if self.residual is not None:
+            resm.basis(head_dim)  # a head_dim the sign bits cannot pack is refused here, before any row
         if self.vq is not None:
             self.set_codebook(levels)
 
@@ -117,13 +124,14 @@ class TensorCodec:
             return {"dense": D}
         if self.tq.axis == "channel":
             return {"codes": D * self.cbits // 8, "scale": D, "zero": D}
+        res = {"rbits": D // 8, "rgain": 1} if self.residual else {}
         if not self.stores_zero:
-            return {"codes": D * self.cbits // 8, "scale": D // self.group}
-        return {"codes": D * self.cbits // 8, "scale": D // self.group, "zero": D // self.group}
+            return {"codes": D * self.cbits // 8, "scale": D // self.group} | res
+        return {"codes": D * self.cbits // 8, "scale": D // self.group, "zero": D // self.group} | res
 
     def field_dtype(self, name: str, dense_dtype: torch.dtype) -> torch.dtype:
         """The dtype every holder of field `name` allocates (the layer, the static cache, the vLLM slot)."""
-        if name == "codes" or (name == "scale" and self.scale_format == "ue5m3"):
+        if name in ("codes", "rbits") or (name in ("scale", "rgain") and self.scale_format == "ue5m3"):
             return torch.uint8
         return dense_dtype if name == "dense" else SCALE_DTYPE
 
@@ -144,6 +152,15 @@ class TensorCodec:
         For axis 'channel', T must be a multiple of the page (the layer flushes whole pages).
         checks=False: no host-synchronising input checks (a captured GPU step; same arithmetic).
         """
+        out = self._encode_base(x, dense_dtype, checks)
+        if self.residual is not None:  # the sign of what the stored base misses, from its stored fields
+            r = x.float() - self._decode_base(out)
+            rb, g = resm.encode(r, self.residual, self.scale_format)
+            out["rbits"] = rb
+            out["rgain"] = sf.encode(g) if self.scale_format == "ue5m3" else g.to(SCALE_DTYPE)
+        return out
+
+    def _encode_base(self, x: torch.Tensor, dense_dtype: torch.dtype, checks: bool) -> dict[str, torch.Tensor]:
         if not self.quantized:
             return {"dense": x.to(dense_dtype)}
         B, H, T, D = x.shape
@@ -197,6 +214,15 @@ class TensorCodec:
     # ------------------------------------------------------------- decode
     def decode(self, fields: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Stored fields of T rows -> x_hat [B, H, T, D] in `dtype` (math in float32)."""
+        x = self._decode_base(fields)
+        if self.residual is not None:
+            g = sf.decode(fields["rgain"]) if self.scale_format == "ue5m3" else fields["rgain"].float()
+            x = x + resm.decode(fields["rbits"], g)
+        return x.to(dtype)
+
+    def _decode_base(self, fields: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The base quantizer's reconstruction, float32 [B, H, T, D] (dense rows as they are stored)."""
+        dtype = torch.float32
         if not self.quantized:
             return fields["dense"].to(dtype)
         codes = fields["codes"]

@@ -21,7 +21,7 @@ import torch
 
 from lowbit.errors import LowbitError
 
-BITS = (2, 4, 8)
+BITS = (1, 2, 4, 8)  # 1: the sign bits of a 1-bit residual (lowbit.quant.residual)
 LAYOUTS = ("interleaved", "strided")
 
 

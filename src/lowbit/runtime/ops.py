@@ -3,8 +3,8 @@
     decode_attention_tiers(q, <packed middle>, mid_lens, <sink>, <recent>, k_bits, v_bits, sm_scale,
                            k_centre, v_centre)
         the fused decode kernel (lowbit.kernels.decode_attention) over sink / packed middle / recent
-    decode_attention_vq_tiers(q, <VQ middle + codebooks>, mid_lens, <sink>, <recent>, ...)
-        the same for a layer with VQ rows (lowbit.kernels.decode_vq)
+    decode_attention_vq_tiers(q, <VQ middle + codebooks>, mid_lens, <sink>, <recent>, ..., <residuals>)
+        the same for a layer with VQ rows or a 1-bit residual (lowbit.kernels.decode_vq)
     packed_linear(x, key)
         a QuantLinear's CUDA weight kernels (lowbit.weights.qlinear), the module found by `key`
         (register_packed_linears gives every packed QuantLinear of a model its key)
@@ -68,14 +68,18 @@ def decode_attention_vq_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torc
                            sink_lens: Optional[torch.Tensor],  # noqa: UP045
                            recent_k: torch.Tensor, recent_v: torch.Tensor, recent_lens: torch.Tensor,
                            k_bits: int, v_bits: int, sm_scale: float,
-                           k_centre: float, v_centre: float) -> torch.Tensor:
+                           k_centre: float, v_centre: float,
+                           k_rbits: Optional[torch.Tensor] = None, k_rgain: Optional[torch.Tensor] = None,  # noqa: UP045
+                           v_rbits: Optional[torch.Tensor] = None, v_rgain: Optional[torch.Tensor] = None,  # noqa: UP045
+                           ) -> torch.Tensor:
     """q [B, Hq, D] over sink / VQ middle / recent -> [B, Hq, Dv] (lowbit.kernels.decode_vq): a tensor with a
-    codebook is VQ rows, one without is scale-only scalar groups with its centre code."""
+    codebook is VQ rows, one without is scale-only scalar groups with its centre code; rbits / rgain: its 1-bit
+    residual (lowbit.quant.residual), if any."""
     from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
 
     has_mid = k_codes.shape[2] > 0
-    mids = (MidTensor(k_codes, k_scale, k_bits, k_codebook, k_centre),
-            MidTensor(v_codes, v_scale, v_bits, v_codebook, v_centre)) if has_mid else (None, None)
+    mids = (MidTensor(k_codes, k_scale, k_bits, k_codebook, k_centre, k_rbits, k_rgain),
+            MidTensor(v_codes, v_scale, v_bits, v_codebook, v_centre, v_rbits, v_rgain)) if has_mid else (None, None)
     dense = {"recent_k": recent_k, "recent_v": recent_v, "recent_lens": recent_lens}
     if sink_k is not None:
         dense.update(sink_k=sink_k, sink_v=sink_v, sink_lens=sink_lens)
@@ -84,7 +88,8 @@ def decode_attention_vq_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torc
 
 @decode_attention_vq_op.register_fake
 def _(q, k_codes, k_scale, k_codebook, v_codes, v_scale, v_codebook, mid_lens, sink_k, sink_v, sink_lens,
-      recent_k, recent_v, recent_lens, k_bits, v_bits, sm_scale, k_centre, v_centre):
+      recent_k, recent_v, recent_lens, k_bits, v_bits, sm_scale, k_centre, v_centre, k_rbits=None, k_rgain=None,
+      v_rbits=None, v_rgain=None):
     return q.new_empty(q.shape[0], q.shape[1], recent_v.shape[-1])
 
 

@@ -189,7 +189,9 @@ class StaticLayer(CacheLayerMixin):
         # VQ rows (lowbit.kernels.decode_vq): their codebooks on the device once
         self.k_codebook = plan.k.codebook_on(device) if plan.k.quantized and plan.k.vq else None
         self.v_codebook = plan.v.codebook_on(device) if plan.v.quantized and plan.v.vq else None
-        self.vq = self.k_codebook is not None or self.v_codebook is not None
+        # VQ rows or a 1-bit residual: read by lowbit.kernels.decode_vq (through its op), not decode_attention
+        self.vq = (self.k_codebook is not None or self.v_codebook is not None
+                   or any(c.quantized and c.residual is not None for c in (plan.k, plan.v)))
         self.device, self.dtype = device, dtype
         kw = {"device": device, "dtype": dtype}
         B, H = slots, self.H
@@ -532,16 +534,18 @@ class StaticKVCache(Cache):
         C, S, R = layer.C, layer.S, layer.R
         kc, ks, kz, k_centre = _mid_tier(layer.k_codec, layer.mid["k"], B, C)
         vc, vs, vz, v_centre = _mid_tier(layer.v_codec, layer.mid["v"], B, C)
-        op = decode_attention_op
+        op, res = decode_attention_op, ()
         if layer.vq:
             kz, vz, op = layer.k_codebook, layer.v_codebook, decode_attention_vq_op
+            res = tuple(layer.mid[t][n][:B, :, :C] if n in layer.mid[t] else None
+                        for t in ("k", "v") for n in ("rbits", "rgain"))
         q = qg.to(self.dtype).reshape(B, -1, qg.shape[-1]).contiguous()
         out = op(
             q, kc, ks, kz, vc, vs, vz, ml,
             layer.sink_k[:B, :, :S] if S else None, layer.sink_v[:B, :, :S] if S else None, sl if S else None,
             layer.ring_k[:B, :, :R], layer.ring_v[:B, :, :R], rl,
             layer.k_codec.cbits, layer.v_codec.cbits, float(scaling), float(k_centre or 0.0),
-            float(v_centre or 0.0))
+            float(v_centre or 0.0), *res)
         return out.float().reshape(B, H, -1, out.shape[-1])
 
     def _torch_decode(self, layer, qg, sl, ml, rl, scaling, softcap):

@@ -65,6 +65,8 @@ def codecs_reason(k_codec, v_codec) -> str | None:
             return f"{which} uses Lloyd-Max levels; the vLLM plugin supports uniform grids only"
         if c.quantized and c.tq.vq is not None:
             return f"{which} is vector-quantized (vq {c.tq.vq}); the vLLM plugin supports uniform grids only"
+        if c.quantized and c.tq.residual is not None:
+            return f"{which} has a 1-bit {c.tq.residual} residual; the vLLM plugin supports uniform grids only"
         if c.quantized and not c.stores_zero:
             return f"{which} has scale-only groups (zero 'none'); the vLLM plugin's cells hold a zero per group"
     return None
