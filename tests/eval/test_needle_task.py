@@ -37,7 +37,6 @@ def no_model_work(monkeypatch):
     (["--lengths", "1x"], "--lengths '1x': give a comma list of whole numbers"),
     (["--depths", "0,120"], "--depths 0,120: depths are percentages of the haystack, each in 0..100"),
     (["--lengths", "100", "--kv", "int2"], "--seq-len 100 is shorter than int2's sink 64 + recent 256"),
-    (["--peers", "hf-quanto-int2"], "the HF QuantizedCache peer(s) hf-quanto-int2 run only in --task ppl"),
     (["--trials", "0"], "--trials must be >= 1"),
     (["--haystack", "/no/such.txt"], "--haystack /no/such.txt: no such file"),
 ])
@@ -116,3 +115,25 @@ def test_needle_task_end_to_end(tiny_dir, hay, tmp_path, capsys, monkeypatch):
         assert (out / "png" / f"needle_{r['scheme']}.png").stat().st_size > 1000
     md = (out / "n.md").read_text()
     assert "| int4 |" in md and "## int2" in md
+
+
+def test_needle_runs_the_hf_quantized_cache_peer(tiny_dir, hay, tmp_path, capsys, monkeypatch):
+    """transformers' QuantizedCache (quanto) is a needle row like the lowbit caches: it quantizes the prompt's rows
+    past its residual length, and a peer that cannot run on the model is named before any prompt."""
+    pytest.importorskip("optimum.quanto")
+    out = tmp_path / "n.json"
+    argv = ["eval", "--task", "needle", "--model", str(tiny_dir), "--dtype", "fp32", "--peers", "hf-quanto-int2",
+            "--lengths", "300", "--depths", "50", "--chunk", "64", "--haystack", str(hay), "--no-progress"]
+    assert main([*argv, "--json", str(out)]) == 0, capsys.readouterr().err
+    res = {r["scheme"]: r for r in json.loads(out.read_text())["results"]}
+    assert list(res) == ["bf16", "hf-quanto-int2"]
+    assert res["hf-quanto-int2"]["kind"] == "hf-quantized" and res["hf-quanto-int2"]["quantized_rows"] > 0
+    assert res["hf-quanto-int2"]["bits_held"] is None  # no lowbit scheme: its PPL row carries its measured bits
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "optimum.quanto" else real(name, *a))
+    assert main([*argv, "--json", str(tmp_path / "m.json")]) == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]  # after the model load's progress bar
+    assert last.startswith("error: hf-quanto-int2 cannot run on") and "optimum-quanto" in last
+    assert not (tmp_path / "m.json").exists()

@@ -129,10 +129,6 @@ def check_needle(o: NeedleOptions):
         raise LowbitError(f"--chunk must be >= 1, got {o.chunk}")
     schemes = plan_schemes(o.kv, o.kv_flags, recipe=o.recipe, model=o.model)
     peers = plan_peers(o.peers)
-    hf = [p for p in peers if p.startswith("hf-")]
-    if hf:
-        raise LowbitError(f"--task needle runs lowbit caches and bf16; the HF QuantizedCache peer(s) {', '.join(hf)} "
-                          "run only in --task ppl: drop them here")
     ctx = model_context(o.model)
     lengths = parse_lengths(o.lengths, ctx, o.model)
     depths = parse_depths(o.depths)
@@ -229,6 +225,9 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
     from lowbit.recipe import DEFAULT_RECENT
 
     entries = build_entries(schemes, peers, geometry, DEFAULT_RECENT)
+    for e in entries:  # a peer that cannot run on this model (a missing package, sliding layers) is named, not skipped
+        if getattr(e, "cannot_run", None):
+            raise LowbitError(f"{e.name} cannot run on {model_info['name']}: {e.cannot_run}; drop it from --peers")
     own = model.config._attn_implementation
     seconds: dict[str, float] = {}
     rows: dict[str, int] = {}
@@ -273,6 +272,8 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
             plan = resolve(s.scheme, geometry)
             held[s.label] = {str(L): held_bits(plan, L, chunk=o.chunk).bits for L in lengths}
     for p in peers:
+        if p.startswith("hf-"):  # transformers' QuantizedCache: no lowbit scheme to count (its PPL row has its bits)
+            continue
         from lowbit.recipe import parse_kv_scheme
 
         held[p] = {str(L): held_bits(parse_kv_scheme(p), L, geometry=geometry, chunk=o.chunk).bits for L in lengths}
