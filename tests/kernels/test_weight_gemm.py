@@ -279,6 +279,8 @@ GEMV_CASES = [  # (scheme, M, N, K, config)
     ("w4a16-g64-asym", 3, 40, 256, wg.GemvConfig(BM=4, BN=16, GPT=2, SPLIT_K=2)),
     ("w4a16-g32", 2, 17, 128, wg.GemvConfig(BM=2, BN=16, GPT=2)),
     ("w8a16", 4, 33, 192, wg.GemvConfig(BM=4, BN=16, SPLIT_K=3)),  # per-channel, K not a power of two
+    ("w8a16", 1, 5, 1024, wg.GemvConfig(BM=1, BN=2, GPT=4)),  # per-channel, the whole K in one tile
+    ("w8a16", 2, 9, 768, wg.GemvConfig(BM=2, BN=4, GPT=4)),  # per-channel, GPT shrunk to divide K / 256
 ]
 
 

@@ -75,8 +75,8 @@ def read_floor_ms(nbytes: int, device="cuda", configs=READ_CONFIGS) -> tuple[flo
     best = (float("inf"), {})
     for block, iters, warps in configs:
         outs = [torch.empty(programs(n, block, iters), dtype=torch.int32, device=device) for _ in bufs]
-        ms = graph_time_ms([(lambda w=w, o=o: read_words(w, block, iters, warps, out=o)) for w, o in zip(bufs, outs)],
-                           reps=3, target_ms=10)
+        ms = graph_time_ms([(lambda w=w, o=o, b=block, i=iters, nw=warps: read_words(w, b, i, nw, out=o))
+                            for w, o in zip(bufs, outs)], reps=3, target_ms=10)
         if ms < best[0]:
             best = (ms, {"block": block, "iters": iters, "num_warps": warps})
     del bufs

@@ -790,7 +790,7 @@ def gemv(x: torch.Tensor, pw: PackedWeight, config: GemvConfig | None = None,
     group = pw.group
     gpt = cfg.GPT
     if pw.per_channel:  # per-channel 8-bit: tile K in power-of-two "groups" sharing the one scale row
-        group, gpt = 256, 1
+        group = 256
         while K % group:
             group //= 2
     G = K // group
