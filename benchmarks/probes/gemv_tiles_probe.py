@@ -39,7 +39,7 @@ def main(out: str) -> None:
         xs = [torch.randn(1, K, device="cuda", dtype=torch.bfloat16) for _ in range(nx)]
         bf16 = graph_time_ms([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(nx)], reps=3, target_ms=10)
         cell = disp.choose(pw0.kind, 1, pw0)
-        tab = graph_time_ms([(lambda p=pws[i % len(pws)], x=xs[i]: run_cell(cell, x, p)) for i in range(nx)],
+        tab = graph_time_ms([(lambda p=pws[i % len(pws)], x=xs[i], c=cell: run_cell(c, x, p)) for i in range(nx)],
                             reps=3, target_ms=10)
         floor = read_floor_ms(pw0.nbytes())[0]
         g = GRID[scheme]
@@ -47,7 +47,7 @@ def main(out: str) -> None:
         for bn, gpt, w, s in itertools.product(g["BN"], g["GPT"], g["w"], g["s"]):
             cfg = wg.GemvConfig(BM=1, BN=bn, GPT=gpt, num_warps=w, num_stages=s)
             try:
-                ms = graph_time_ms([(lambda p=pws[i % len(pws)], x=xs[i]: wg.gemv(x, p, cfg)) for i in range(nx)],
+                ms = graph_time_ms([(lambda p=pws[i % len(pws)], x=xs[i], c=cfg: wg.gemv(x, p, c)) for i in range(nx)],
                                    reps=3, target_ms=5)
             except Exception as e:  # a config Triton cannot compile (registers, shared memory): recorded, not fatal
                 rows.append({"scheme": scheme, "shape": name, "config": cfg.name, "error": str(e)[:200]})
