@@ -9,12 +9,15 @@ k_mid / v_mid  MidTensor (one per tensor): the middle tier as the cache stores i
          or scale-only scalar groups (codes [B, Hkv, T, D * bits / 8] strided packing at 2/4/8 bits; scale
                           [B, Hkv, T, D / group]; x = (code - centre) * scale), as the shipped recipes' int4 keys.
          A scale is fp16, or uint8 ue5m3 codes (lowbit.quant.scale_format). Each (sequence, head) holds its T rows
-         back to back; slots [0, mid_lens[b]) are valid.
+         back to back; slots [0, mid_lens[b]) are valid. Either kind may carry a 1-bit residual
+         (lowbit.quant.residual): rbits uint8 [B, Hkv, T, D / 8] and rgain [B, Hkv, T, 1] (fp16 or ue5m3).
 sink_k/sink_v/recent_k/recent_v  dense tiers [B, Hkv, N, D] in the model dtype with lens, as decode_attention's.
 
 The math, per (sequence, KV head, split of the middle): a block of BT rows is decoded in registers
 (K_t = s_t * codebook[idx_t], or (c - centre) * s), scored against the group's queries with one MMA,
-and folded into an online softmax; V likewise into the output. The dense tiers run in one more split
+and folded into an online softmax; V likewise into the output. A residual on K adds its sign bits times the gain
+scored against q @ S.T (one more MMA); on V, p times the signed gains is summed in S's basis (a second output,
+merged by the same log-sum-exp weights) and rotated back by S once after the merge. The dense tiers run in one more split
 through decode_attention's own dense-tier code, and decode_attention's stage 2 merges the splits by
 log-sum-exp. Twin: lowbit.kernels.reference.decode_attention_vq_ref (dequantize with lowbit.quant, then a
 float32 softmax attention). Shapes at odd sizes are tested against it (tests/kernels/test_decode_vq.py) and
