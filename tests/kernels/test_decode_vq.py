@@ -20,6 +20,54 @@ def _rel(a, b):
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30))
 
 
+def _eager_logits(model, cfg, scheme, seed: int = 0) -> dict:
+    """{backend: logits of 3 decode steps after a 45-token prefill} through the eager cache, torch and triton
+    (the fused kernels), same tokens; the triton caches count their kernel calls."""
+    from lowbit.kv import QuantizedKVCache
+
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, cfg.vocab_size, (3, 45), generator=g)
+    steps = torch.randint(0, cfg.vocab_size, (3, 3), generator=g)
+    out = {}
+    for backend in ("torch", "triton"):
+        cache = QuantizedKVCache(model, scheme, decode_backend=backend)
+        with torch.no_grad():
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+            out[backend] = torch.stack([model(input_ids=steps[:, i:i + 1], past_key_values=cache,
+                                              use_cache=True).logits[:, -1] for i in range(3)])
+        out[backend + "_calls"] = cache.backend_calls.get(backend, 0)
+    return out
+
+
+def _static_matches_eager(m, plan, monkeypatch, vq_layers) -> None:
+    """The static cache's decode steps through the VQ kernel's op (use_kernel) and through its torch path give the
+    eager cache's logits; the op runs exactly when use_kernel is set; vq_layers: which layers' StaticLayer.vq."""
+    from lowbit.kv import QuantizedKVCache
+    from lowbit.models.tiny import tiny_tokenizer_free_inputs
+    from lowbit.runtime.static_cache import StaticKVCache
+    from lowbit.runtime.step import ModelStep, eager_decode, prefill
+    from tests.kv.helpers import run_chunks
+
+    ids = tiny_tokenizer_free_inputs(m.config, 2, 24, seed=4)
+    ref = torch.stack([run_chunks(m, QuantizedKVCache.from_plan(m, plan), ids[b:b + 1, :23], None, [8, 8, 4, 1, 1, 1])
+                       [0, 19:] for b in range(2)])
+    import lowbit.kernels.decode_vq as dvq
+
+    calls, real = [], dvq.decode_attention_vq
+    monkeypatch.setattr(dvq, "decode_attention_vq", lambda *a, **k: calls.append(1) or real(*a, **k))
+    step = ModelStep(m)
+    for use_kernel in (False, True):
+        st = StaticKVCache(m, plan, slots=2, max_context=32)
+        st.use_kernel = use_kernel
+        assert [layer.vq for layer in st.layers][:len(vq_layers)] == list(vq_layers)
+        first = [prefill(step, st, b, ids[b, :20], chunk=8) for b in range(2)]
+        on = torch.ones(2, dtype=torch.bool)
+        out = torch.stack([torch.stack(first)] + [eager_decode(step, st, ids[:, 20 + t:21 + t], on) for t in range(3)], 1)
+        assert _rel(out, ref) < 1e-3, use_kernel
+        assert bool(calls) == use_kernel  # the VQ layers' steps through the op, or none
+        calls.clear()
+
+
 @pytest.mark.parametrize("B,Hq,Hkv,D,T,k,v,extra", [
     (1, 1, 1, 16, 1, ("vq", 2, 16, "fp16"), ("vq", 2, 16, "fp16"), {}),
     (3, 9, 3, 64, 17, VQ_K, VQ_V, {"ragged": True, "sink": 3, "recent": 5}),
@@ -69,7 +117,6 @@ def test_bad_inputs_are_named():
 
 
 def test_cache_routes_vq_layers_to_the_kernel_like_the_torch_path(tmp_path):
-    from lowbit.kv import QuantizedKVCache
     from lowbit.kv.plan import resolve, save_levels
     from lowbit.models import ModelGeometry
     from lowbit.models.tiny import tiny_model
@@ -88,32 +135,18 @@ def test_cache_routes_vq_layers_to_the_kernel_like_the_torch_path(tmp_path):
     from lowbit.kernels.decode_backend import kernel_name
 
     assert kernel_name(plan.layers[1]) == "decode_vq (VQ rows / 1-bit residual)"  # int4 scalar K beside VQ V
-    ids = torch.randint(0, cfg.vocab_size, (3, 45), generator=g)
-    steps = torch.randint(0, cfg.vocab_size, (3, 3), generator=g)
-    logits = {}
-    for backend in ("torch", "triton"):
-        cache = QuantizedKVCache(model, s, decode_backend=backend)
-        with torch.no_grad():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-            out = [model(input_ids=steps[:, i:i + 1], past_key_values=cache, use_cache=True).logits[:, -1]
-                   for i in range(3)]
-        logits[backend] = torch.stack(out)
-        if backend == "triton":
-            assert cache.backend_calls.get("triton", 0) == 6  # 2 layers x 3 steps
+    logits = _eager_logits(model, cfg, s)
+    assert logits["triton_calls"] == 6  # 2 layers x 3 steps
     assert _rel(logits["triton"], logits["torch"]) < 1e-3
 
 
 def test_static_runtime_reads_vq_rows_through_the_kernel_op(tmp_path, monkeypatch):
     """The static cache holds VQ codes and one-byte row scales; its decode step through the VQ kernel's custom op
     (use_kernel, what a CUDA plan sets) and through its torch path give the eager cache's logits."""
-    from lowbit.kv import QuantizedKVCache
     from lowbit.kv.plan import resolve, save_levels
     from lowbit.models import ModelGeometry
-    from lowbit.models.tiny import tiny_tokenizer_free_inputs
     from lowbit.recipe import LevelsRef, parse_kv_scheme
-    from lowbit.runtime.static_cache import StaticKVCache
-    from lowbit.runtime.step import ModelStep, eager_decode, prefill
-    from tests.kv.helpers import fast_model, run_chunks
+    from tests.kv.helpers import fast_model
 
     m = fast_model("smollm2-135m")
     geo = ModelGeometry.from_config(m.config, name="smollm2-135m")
@@ -124,25 +157,7 @@ def test_static_runtime_reads_vq_rows_through_the_kernel_op(tmp_path, monkeypatc
     cb = save_levels(tmp_path / "cb", cbs, model="smollm2-135m")
     s = parse_kv_scheme("int2", zero="none", sink=4, recent=8, page=1, vq="2x16,4x256", layer_bits="1=k4v2",
                         scale_format="ue5m3", levels=LevelsRef(str(cb)))
-    plan = resolve(s, geo)
-    ids = tiny_tokenizer_free_inputs(m.config, 2, 24, seed=4)
-    ref = torch.stack([run_chunks(m, QuantizedKVCache.from_plan(m, plan), ids[b:b + 1, :23], None, [8, 8, 4, 1, 1, 1])
-                       [0, 19:] for b in range(2)])
-    import lowbit.kernels.decode_vq as dvq
-
-    calls, real = [], dvq.decode_attention_vq
-    monkeypatch.setattr(dvq, "decode_attention_vq", lambda *a, **k: calls.append(1) or real(*a, **k))
-    step = ModelStep(m)
-    for use_kernel in (False, True):
-        st = StaticKVCache(m, plan, slots=2, max_context=32)
-        st.use_kernel = use_kernel
-        assert all(layer.vq for layer in st.layers if layer.kind == "tiers")
-        first = [prefill(step, st, b, ids[b, :20], chunk=8) for b in range(2)]
-        on = torch.ones(2, dtype=torch.bool)
-        out = torch.stack([torch.stack(first)] + [eager_decode(step, st, ids[:, 20 + t:21 + t], on) for t in range(3)], 1)
-        assert _rel(out, ref) < 1e-3, use_kernel
-        assert bool(calls) == use_kernel  # 3 steps x every layer through the op, or none
-        calls.clear()
+    _static_matches_eager(m, resolve(s, geo), monkeypatch, [True] * n)
 
 
 # ------------------------------------------------------------------ the 1-bit residual (lowbit.quant.residual)
@@ -178,7 +193,6 @@ def test_a_kernel_ignoring_the_residual_would_fail():
 
 def test_cache_routes_residual_layers_to_the_kernel_like_the_torch_path():
     from lowbit.kernels.decode_backend import kernel_name
-    from lowbit.kv import QuantizedKVCache
     from lowbit.kv.plan import resolve
     from lowbit.models import ModelGeometry
     from lowbit.models.tiny import tiny_model
@@ -190,51 +204,21 @@ def test_cache_routes_residual_layers_to_the_kernel_like_the_torch_path():
                         layer_bits="0=k2rv2;1=k4v2q")
     plan = resolve(s, geo, decode_backend="triton")
     assert [kernel_name(lp) for lp in plan.layers] == ["decode_vq (VQ rows / 1-bit residual)"] * 2 + ["decode_attention"]
-    g = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, cfg.vocab_size, (3, 45), generator=g)
-    steps = torch.randint(0, cfg.vocab_size, (3, 3), generator=g)
-    logits = {}
-    for backend in ("torch", "triton"):
-        cache = QuantizedKVCache(model, s, decode_backend=backend)
-        with torch.no_grad():
-            model(input_ids=ids, past_key_values=cache, use_cache=True)
-            logits[backend] = torch.stack([model(input_ids=steps[:, i:i + 1], past_key_values=cache,
-                                                 use_cache=True).logits[:, -1] for i in range(3)])
+    logits = _eager_logits(model, cfg, s)
+    assert logits["triton_calls"] == 9  # 3 layers x 3 steps
     assert _rel(logits["triton"], logits["torch"]) < 1e-3
 
 
 def test_static_runtime_reads_the_residual_through_the_kernel_op(monkeypatch):
     """The static cache holds the residual's sign bits and gains; its decode step through the VQ kernel's op and
     through its torch path give the eager cache's logits."""
-    from lowbit.kv import QuantizedKVCache
     from lowbit.kv.plan import resolve
     from lowbit.models import ModelGeometry
-    from lowbit.models.tiny import tiny_tokenizer_free_inputs
     from lowbit.recipe import parse_kv_scheme
-    from lowbit.runtime.static_cache import StaticKVCache
-    from lowbit.runtime.step import ModelStep, eager_decode, prefill
-    from tests.kv.helpers import fast_model, run_chunks
+    from tests.kv.helpers import fast_model
 
     m = fast_model("smollm2-135m")
     geo = ModelGeometry.from_config(m.config, name="smollm2-135m")
     s = parse_kv_scheme("int2", zero="none", grid="mse", sink=4, recent=8, page=1, scale_format="ue5m3",
                         layer_bits="0=k2rv2q;1=k4v2")
-    plan = resolve(s, geo)
-    ids = tiny_tokenizer_free_inputs(m.config, 2, 24, seed=4)
-    ref = torch.stack([run_chunks(m, QuantizedKVCache.from_plan(m, plan), ids[b:b + 1, :23], None, [8, 8, 4, 1, 1, 1])
-                       [0, 19:] for b in range(2)])
-    import lowbit.kernels.decode_vq as dvq
-
-    calls, real = [], dvq.decode_attention_vq
-    monkeypatch.setattr(dvq, "decode_attention_vq", lambda *a, **k: calls.append(1) or real(*a, **k))
-    step = ModelStep(m)
-    for use_kernel in (False, True):
-        st = StaticKVCache(m, plan, slots=2, max_context=32)
-        st.use_kernel = use_kernel
-        assert [layer.vq for layer in st.layers][:2] == [True, False]
-        first = [prefill(step, st, b, ids[b, :20], chunk=8) for b in range(2)]
-        on = torch.ones(2, dtype=torch.bool)
-        out = torch.stack([torch.stack(first)] + [eager_decode(step, st, ids[:, 20 + t:21 + t], on) for t in range(3)], 1)
-        assert _rel(out, ref) < 1e-3, use_kernel
-        assert bool(calls) == use_kernel  # layer 0's 3 steps through the VQ kernel's op, or none
-        calls.clear()
+    _static_matches_eager(m, resolve(s, geo), monkeypatch, [True, False])
