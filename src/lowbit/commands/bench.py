@@ -178,8 +178,6 @@ def run(args) -> int:
     if not torch.cuda.is_available():
         raise LowbitError(f"bench {args.what} needs a CUDA GPU (it times GPU kernels against their bf16 baselines)")
     if args.what == "gemm":
-        from lowbit.kernels import weight_bench
-
         path = resolve_out(args.out, "gemm", torch.cuda.get_device_name(0))
         res = weight_bench.run(schemes=gemm_sel[0], ms=gemm_sel[1], shapes=gemm_sel[2], read_floor=args.read_floor)
         write_new(path, res)

@@ -271,8 +271,9 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
 
             plan = resolve(s.scheme, geometry)
             held[s.label] = {str(L): held_bits(plan, L, chunk=o.chunk).bits for L in lengths}
+    kinds = {e.name: e.kind for e in entries}
     for p in peers:
-        if p.startswith("hf-"):  # transformers' QuantizedCache: no lowbit scheme to count (its PPL row has its bits)
+        if kinds[p] == "hf-quantized":  # transformers' QuantizedCache: no lowbit scheme to count (its PPL row has its bits)
             continue
         from lowbit.recipe import parse_kv_scheme
 
