@@ -1,4 +1,4 @@
-"""Build lowbit/kernels/weight_tables/sm<cap>.json (the dispatch table) from committed explorations.
+"""Build lowbit/kernels/gemm/tables/sm<cap>.json (the dispatch table) from committed explorations.
 
     python3 benchmarks/build_weight_table.py OUT.json EXPLORE.json [EXPLORE.json ...] [AUDIT.json BENCH.json ...]
 
@@ -9,7 +9,7 @@ and M bucket the table takes the candidate with the best geometric-mean speed-up
 the shapes timed at the bucket's representative M (or the next timed M above it), among candidates whose rel L2 against the twin
 passed (< 1e-3; 1e-2 through dequantize + cuBLAS) and that were timed on every shape. Without a W4A8
 exploration W4A8 takes W8A8's cells. An "a16-xq:PATH:CONFIG" candidate (A8 weights' activation codes through an
-A16 path, lowbit.kernels.weight_dispatch.linear_via_a16) is tabled as path a16-xq, config PATH:CONFIG.
+A16 path, lowbit.kernels.gemm.dispatch.linear_via_a16) is tabled as path a16-xq, config PATH:CONFIG.
 Where the CUDA small-M kernel (path "cuda", M <= 64) wins a bucket, the best other candidate follows it
 as a second cell for the same M: the dispatch falls through to it for a weight or input the CUDA kernel
 does not take (or a machine without nvcc); behind a warp-split winner (cuda-ws-*, 4-bit, M <= 16) the best
@@ -33,7 +33,7 @@ import json
 import math
 import sys
 
-from lowbit.kernels.weight_audit import tolerance
+from lowbit.kernels.gemm.check import tolerance
 
 # 17-32 / 33-64: the CUDA kernel's cost steps with its activation tiles (4 for M 17-32, 8 above), bf16's hardly
 BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 8, 8), (9, 16, 16), (17, 32, 32), (33, 64, 64), (65, 256, 256), (257, 1024, 1024),
@@ -41,8 +41,8 @@ BUCKETS = [(1, 1, 1), (2, 4, 4), (5, 8, 8), (9, 16, 16), (17, 32, 32), (33, 64, 
 # 4-bit A16 splits 65-256 at 128: the tiled CUDA kernel's explorations time M 128, where the mma.sync tiles still compete
 BUCKETS_W4A16 = BUCKETS[:6] + [(65, 128, 128), (129, 256, 256)] + BUCKETS[7:]
 SHAPES = ("gate/up", "down", "qkv/o")  # the shapes every exploration timed
-CUDA_M_MAX = 64  # lowbit.kernels.weight_cuda.M_MAX
-WS_M_MAX = 16  # lowbit.kernels.weight_cuda.WARP_SPLIT_M_MAX
+CUDA_M_MAX = 64  # lowbit.kernels.gemm.cuda_gemm.M_MAX
+WS_M_MAX = 16  # lowbit.kernels.gemm.cuda_gemm.WARP_SPLIT_M_MAX
 SHAPE_GAIN = 1.03
 KIND = {"w4a16-g128": "w4a16", "w8a16": "w8a16", "w8a8": "w8a8", "w4a8-g128": "w4a8"}
 

@@ -1,4 +1,4 @@
-"""Compile the geometry decode kernel (lowbit.kernels.decode_geometry._geo_stage1) for sm_90 on a machine
+"""Compile the geometry decode kernel (lowbit.kernels.attention.geometry._geo_stage1) for sm_90 on a machine
 without a GPU and report registers / spills / shared memory per launch config. Costs no device time.
 
     .venv/bin/python benchmarks/compile_geo_sm90.py            # every bench geometry x its candidates
@@ -18,8 +18,8 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import lowbit.kernels.decode_geometry as dg
-from lowbit.kernels import geo_bench
+import lowbit.kernels.attention.geometry as dg
+from lowbit.tools.bench import geometry as geo_bench
 
 sys.path.insert(0, os.path.dirname(__file__))
 from compile_sm90 import _DT, _Capture  # noqa: E402
@@ -74,7 +74,7 @@ def compile_launch(launch, out_dir, tag):
 def calls(name, geo, cfg, bits, dense_mid=False, tiers=False):
     L, B = 256, 1
     if tiers:  # the audit's inputs, with sink 64 / recent 256 dense tiers (the dense split's code too)
-        from lowbit.kernels.audit import _make_geo_case, make_latent_case
+        from lowbit.tools.audit.attention import _make_geo_case, make_latent_case
 
         if geo["kind"] == "latent":
             kw = make_latent_case(B, geo["Hq"], geo["Dv"], geo["DR"], L, bits, sink=64, recent=256, dense_mid=dense_mid)

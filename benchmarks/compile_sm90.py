@@ -19,7 +19,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-import lowbit.kernels.decode_attention as da
+import lowbit.kernels.attention.tiers as da
 
 _DT = {torch.int32: "*i32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.float32: "*fp32",
        torch.uint8: "*u8"}

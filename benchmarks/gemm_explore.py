@@ -5,7 +5,7 @@ side, all timed with kernels.bench.graph_time_ms against cuBLAS bf16 in the same
     python3 benchmarks/gemm_explore.py OUT.json [--no-gemlite | --no-explore | --gemv | --final | --cuda | --cuda-ws | --cuda-ws16 | --cuda-pdl | --cuda-quick | --cuda-lb | --cuda-tiled | --a8 | --a8-split | --a8-retime | --a8-tma
                                           | --swap]
 
---cuda: the CUDA C++ small-M kernel (lowbit.kernels.weight_cuda, M 1..16) in several launch geometries beside
+--cuda: the CUDA C++ small-M kernel (lowbit.kernels.gemm.cuda_gemm, M 1..16) in several launch geometries beside
 the Triton cell the committed table runs there, for w4a16-g128, w8a16 and w4a16-g64-asym on the 8B shapes.
 
 --cuda-ws: the warp-split CUDA kernel (4-bit, M <= 16; CudaConfig.NB > 0) in its instances beside the x-staging
@@ -13,7 +13,7 @@ kernel, W4A16 g128 and g64-asym at M 1/2/4/8/16, with cuBLAS bf16 on N/4 rows (t
 --cuda-ws16: the same at M = 16 alone (the two-activation-tile instances), every launch with PDL. --cuda-lb: the
 warp-split instances under launch bound 256 (up to 255 registers) beside the default 512 (128 registers), M 1 / 4 / 16.
 
---cuda-tiled: the tiled 4-bit kernel (lowbit.kernels.weight_tiled) at M 17-4096 beside the tabled cell and dequantize +
+--cuda-tiled: the tiled 4-bit kernel (lowbit.kernels.gemm.tiled) at M 17-4096 beside the tabled cell and dequantize +
 cuBLAS, W4A16 g128 and g64-asym on the 8B and fused shapes. --cuda-wgmma: the same sweep over its wgmma instances. (A --cuda-tiled-l2 run timed the first version's L2 prefetch
 sizes and splits, results/weights/gemm_explore_tiled_l2_s23_*, at commit of scripts/gpu_s23_call2.sh; removed after.)
 
@@ -29,7 +29,7 @@ W4A16 swapped with the split unpack, measured 0.06-0.62x: results/weights/gemm_e
 deleted.)
 
 benchmarks/build_weight_table.py turns the committed JSONs (benchmarks/results/weights/gemm_explore_*) into
-the dispatch table lowbit/kernels/weight_tables/sm90.json.
+the dispatch table lowbit/kernels/gemm/tables/sm90.json.
 """
 
 from __future__ import annotations
@@ -41,13 +41,13 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels import weight_gemm as wg
-from lowbit.kernels.bench import graph_time_ms, n_buffers
-from lowbit.kernels.weight_audit import random_weight, tolerance
-from lowbit.kernels.weight_cuda import CudaConfig
-from lowbit.kernels.weight_dispatch import ViaA16, linear_via_a16
-from lowbit.kernels.weight_gemm import GemmConfig
-from lowbit.kernels.weight_tiled import TiledConfig
+from lowbit.kernels.gemm import triton_gemm as wg
+from lowbit.tools.bench.attention import graph_time_ms, n_buffers
+from lowbit.kernels.gemm.check import random_weight, tolerance
+from lowbit.kernels.gemm.cuda_gemm import CudaConfig
+from lowbit.kernels.gemm.dispatch import ViaA16, linear_via_a16
+from lowbit.kernels.gemm.triton_gemm import GemmConfig
+from lowbit.kernels.gemm.tiled import TiledConfig
 
 SHAPES = [("gate/up", 4096, 14336), ("down", 14336, 4096), ("qkv/o", 4096, 4096)]
 
@@ -144,11 +144,11 @@ def explore_cell(scheme, shape, K, N, M, cfgs, tag, log, t0, *, dequant=False) -
     for cfg in cfgs:
         fn = wg.gemv if isinstance(cfg, wg.GemvConfig) else wg.linear
         if isinstance(cfg, CudaConfig):
-            from lowbit.kernels import weight_cuda
+            from lowbit.kernels.gemm import cuda_gemm as weight_cuda
 
             fn = weight_cuda.linear
         if isinstance(cfg, TiledConfig):
-            from lowbit.kernels import weight_tiled
+            from lowbit.kernels.gemm import tiled as weight_tiled
 
             fn = weight_tiled.linear
         if isinstance(cfg, ViaA16):
@@ -188,7 +188,7 @@ def cuda_configs():
 
 def explore_cuda(rows, log):
     """The CUDA kernel vs the tabled Triton cell and cuBLAS bf16 per (scheme, shape, M <= 16)."""
-    from lowbit.kernels.weight_dispatch import Dispatch
+    from lowbit.kernels.gemm.dispatch import Dispatch
 
     table = Dispatch.for_device("cuda")
     t0 = time.time()
@@ -208,7 +208,7 @@ def explore_cuda_quick(rows, log):
     """--cuda at the table's representative M (1, 4, 16, 64; and 32) for w4a16-g128 and w8a16: the launch
     geometries re-timed after a kernel change, beside the tabled Triton cell (and dequantize + cuBLAS above
     M = 16, where the kernel's 4 / 8 activation tiles compete with it)."""
-    from lowbit.kernels.weight_dispatch import Dispatch
+    from lowbit.kernels.gemm.dispatch import Dispatch
 
     table = Dispatch.for_device("cuda")
     t0 = time.time()
@@ -240,7 +240,7 @@ FUSED_SHAPES = [("qkv fused", 4096, 6144), ("gate|up fused", 4096, 28672)]
 def explore_cuda_ws(rows, log):
     """--cuda-ws: the warp-split kernel (4-bit, M <= 8) beside the x-staging kernel's tabled config, with cuBLAS bf16
     on a weight of the packed one's bytes (N / 4 rows) as the bandwidth reference, per (scheme, shape, M)."""
-    from lowbit.kernels import weight_cuda
+    from lowbit.kernels.gemm import cuda_gemm as weight_cuda
 
     t0 = time.time()
     for scheme in ("w4a16-g128", "w4a16-g64-asym"):
@@ -268,7 +268,7 @@ def explore_cuda_ws16(rows, log):
     CUDA cells run, W4A16 g128 and g64-asym on the 8B and fused shapes."""
     from dataclasses import replace
 
-    from lowbit.kernels import weight_cuda
+    from lowbit.kernels.gemm import cuda_gemm as weight_cuda
 
     t0 = time.time()
     xs = [CudaConfig(1, 8, 0), CudaConfig(2, 8, 0), CudaConfig(1, 4, 0)]
@@ -290,7 +290,7 @@ def explore_cuda_lb(rows, log):
     the 8B and fused shapes, with PDL as the table's cells run; blocks per SM recorded for each."""
     from dataclasses import replace
 
-    from lowbit.kernels import weight_cuda
+    from lowbit.kernels.gemm import cuda_gemm as weight_cuda
 
     t0 = time.time()
     for M in (1, 4, 16):
@@ -329,7 +329,7 @@ def explore_cuda_pdl(rows, log):
 def explore_a8(rows, log):
     """A8 weights at the table's representative M: the tabled int8 cell beside a16-xq through each A16 cell the
     table has for the same weight bits at that M (the CUDA kernel first where it takes the weight)."""
-    from lowbit.kernels.weight_dispatch import Dispatch, as_a16, takes
+    from lowbit.kernels.gemm.dispatch import Dispatch, as_a16, takes
 
     table = Dispatch.for_device("cuda")
     t0 = time.time()
@@ -419,7 +419,7 @@ def explore_swap(rows, log, save):
     """Swapped-operand A16 configs at M 4-1024 for w4a16-g128 and w8a16 on the 8B shapes, beside the cell the
     committed table runs there and dequantize + cuBLAS above M = 16; `save` after every row (a call cut short
     keeps what it timed)."""
-    from lowbit.kernels.weight_dispatch import Dispatch
+    from lowbit.kernels.gemm.dispatch import Dispatch
 
     table = Dispatch.for_device("cuda")
     t0 = time.time()
@@ -450,16 +450,16 @@ def tiled_configs(M: int):
 def wgmma_configs(M: int):
     """The tiled kernel's wgmma instances (sm_90a, folded; weight_tiled.TILES_WG): 64 activation rows a block from
     M 17, 128 from M 65."""
-    from lowbit.kernels.weight_tiled import TILES_WG
+    from lowbit.kernels.gemm.tiled import TILES_WG
 
     return [TiledConfig(*t[:5], fold=True, wg=t[5]) for t in sorted(TILES_WG) if M > 64 or t[3] * 8 <= 64]
 
 
 def explore_cuda_tiled(rows, log, wgmma: bool = False):
-    """--cuda-tiled: the tiled W4A16 kernel (weight rows x activation rows, lowbit.kernels.weight_tiled) at M 17-1024
+    """--cuda-tiled: the tiled W4A16 kernel (weight rows x activation rows, lowbit.kernels.gemm.tiled) at M 17-1024
     beside the cell the committed table runs there and dequantize + cuBLAS, on the 8B shapes and the runtime's fused
     projections, g128 and g64-asym."""
-    from lowbit.kernels.weight_dispatch import Dispatch
+    from lowbit.kernels.gemm.dispatch import Dispatch
 
     table = Dispatch.for_device("cuda")
     t0 = time.time()

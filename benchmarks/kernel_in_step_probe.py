@@ -20,10 +20,10 @@ import statistics
 
 import torch
 
-from lowbit.kernels.decode_attention import KernelConfig, decode_attention
+from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
-from lowbit.runtime.bench import GEOMETRIES, _fill_static
+from lowbit.tools.bench.runtime import GEOMETRIES, _fill_static
 from lowbit.runtime.static_cache import StaticKVCache
 
 

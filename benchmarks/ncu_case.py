@@ -13,8 +13,8 @@ import json
 
 import torch
 
-from lowbit.kernels import bench
-from lowbit.kernels.decode_attention import KernelConfig
+from lowbit.tools.bench import attention as bench
+from lowbit.kernels.attention.tiers import KernelConfig
 
 B, L, bits = (int(x) for x in sys.argv[1:4])
 fields = json.loads(sys.argv[4]) if len(sys.argv) > 4 else {}

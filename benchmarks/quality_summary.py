@@ -24,7 +24,7 @@ def _held(model: str, row: dict, context: int, chunk: int):
     from lowbit.kv.held import held_bits
     from lowbit.models import ModelGeometry
     from lowbit.models.registry import BUILTINS
-    from lowbit.recipe import kv_scheme_from_dict
+    from lowbit.kv.scheme import kv_scheme_from_dict
 
     if row["kind"] in ("reference", "hf-quantized"):  # bf16; HF peers: only their measured bits exist
         return None if row["kind"] == "reference" else row.get("bits_per_elt")

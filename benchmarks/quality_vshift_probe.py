@@ -14,7 +14,7 @@ import torch
 import lowbit.models
 from lowbit.calib.capture import capture_attention
 from lowbit.calib.corpora import load_text, token_windows
-from lowbit.kv import cache as C
+from lowbit.runtime import cache as C
 from lowbit.kv import layer as L
 
 model = sys.argv[1]; argv = sys.argv[2:]

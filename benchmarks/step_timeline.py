@@ -8,7 +8,7 @@ consecutive kernels, and the kernels the longest idle gaps come before).
 --inductor-pdl: the compiled step with or without Inductor's programmatic-dependent-launch codegen (compile_decode's
 inductor_pdl; auto, the default, is the runtime's: on where torch has it; see benchmarks/NOTES.md, rounds 9-10).
 
-It wraps lowbit.runtime.bench's profiler call (the same replays `gpu_ms_per_step` comes from) and adds a
+It wraps lowbit.tools.bench.runtime's profiler call (the same replays `gpu_ms_per_step` comes from) and adds a
 "timeline" field to each row; the rest of the JSON is bench decode's.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ import json
 
 import torch
 
-from lowbit.runtime import bench as rb
+from lowbit.tools.bench import runtime as rb
 
 
 def timeline(fn, n: int = 3, top: int = 0):

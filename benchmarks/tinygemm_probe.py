@@ -17,9 +17,9 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels.bench import graph_time_ms, n_buffers
-from lowbit.kernels.weight_audit import random_weight
-from lowbit.kernels.weight_dispatch import Dispatch
+from lowbit.tools.bench.attention import graph_time_ms, n_buffers
+from lowbit.kernels.gemm.check import random_weight
+from lowbit.kernels.gemm.dispatch import Dispatch
 
 SHAPES = [("q/k/v fused", 4096, 6144), ("o", 4096, 4096), ("gate/up fused", 4096, 28672), ("down", 14336, 4096),
           ("k/v", 4096, 1024), ("gate/up", 4096, 14336)]

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call (~5-6 min on the H200): the CUDA C++ small-M weight kernel (src/lowbit/kernels/cuda/,
-# lowbit.kernels.weight_cuda): its GPU tests against the torch twin, then its exploration beside the Triton
+# lowbit.kernels.gemm.cuda_gemm): its GPU tests against the torch twin, then its exploration beside the Triton
 # cell the committed table runs and cuBLAS bf16 (M 1, 2, 4, 8, 16; the 8B shapes; w4a16-g128, w8a16,
 # w4a16-g64-asym), JSON + logs under $OUT, and a table of speed-ups over bf16 (best CUDA config / Triton cell).
 # Usage (device tool, repo root): bash scripts/gpu_weights_cuda_run.sh "$OUT"

@@ -9,7 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from lowbit.kernels import weight_cuda, weight_tiled
+from lowbit.kernels.gemm import cuda_gemm as weight_cuda
+from lowbit.kernels.gemm import tiled as weight_tiled
 
 dev = subprocess.run([weight_cuda.find_nvcc(), "--version"], capture_output=True, text=True, check=False).stdout
 loc = Path(".gpu/cuda/nvcc_version.txt").read_text()

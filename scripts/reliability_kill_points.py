@@ -11,7 +11,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from lowbit.artifacts.killpoints import file_kill_points, kill_points, write_results
+from lowbit.tools.killpoints import file_kill_points, kill_points, write_results
 
 out = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/reliability")
 with tempfile.TemporaryDirectory() as d:

@@ -5,7 +5,7 @@
     CPU smoke (tests/serve/test_soak_gpu_script.py): --geometry tiny-llama --device cpu -n 12 -c 4
 
 What it does, in one process (no HTTP, no fastapi: the engine `lowbit serve --engine batch` runs):
-  1. a random-weight model of the geometry (lowbit.runtime.bench.build_model), a word tokenizer, a
+  1. a random-weight model of the geometry (lowbit.tools.bench.runtime.build_model), a word tokenizer, a
      BatchEngine with C slots (CUDA graphs on CUDA, eager on CPU), wrapped so that every token it makes is
      recorded with its time and the step's top-2 logits (the margin top1 - top2, float32 logits);
   2. the soak: N requests (fixed seed) with log-uniform prompt lengths in [--min-prompt, --max-prompt] and
@@ -274,9 +274,9 @@ def run(args, rep: dict) -> dict:
     import torch
 
     from lowbit.models.geometry import ModelGeometry
-    from lowbit.recipe import parse_kv_scheme
-    from lowbit.runtime.bench import GEOMETRIES, _word_tokenizer, build_model
-    from lowbit.serve.runtime import Runtime
+    from lowbit.kv.scheme import parse_kv_scheme
+    from lowbit.tools.bench.runtime import GEOMETRIES, _word_tokenizer, build_model
+    from lowbit.serve.loader import Runtime
 
     t0 = time.perf_counter()
     budget_end = t0 + args.budget_s
@@ -413,7 +413,7 @@ def run(args, rep: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="JSON report path")
-    ap.add_argument("--geometry", default="llama3-8b", help="lowbit.runtime.bench.GEOMETRIES (tiny-llama for CPU)")
+    ap.add_argument("--geometry", default="llama3-8b", help="lowbit.tools.bench.runtime.GEOMETRIES (tiny-llama for CPU)")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kv", default="int2", help="KV scheme name (bf16, int4, int2, ...)")
     ap.add_argument("-n", type=int, default=1000, help="requests")

@@ -130,8 +130,8 @@ def test_device_cuda_without_cuda_is_one_line(argv, tmp_path, monkeypatch, capsy
 
 @pytest.mark.parametrize("name,msg", [("meta", "only cpu and cuda"), ("nonsense", "is not a device")])
 def test_resolve_device_refuses(name, msg):
-    from lowbit.device import resolve_device
-    from lowbit.errors import LowbitError
+    from lowbit.core.device import resolve_device
+    from lowbit.core.errors import LowbitError
 
     with pytest.raises(LowbitError, match=msg):
         resolve_device(name)

@@ -4,7 +4,7 @@ import argparse
 
 import pytest
 
-from lowbit.flags import deprecated, dtype_name, torch_dtype
+from lowbit.core.flags import deprecated, dtype_name, torch_dtype
 
 
 def test_dtype_vocabulary(capsys):
@@ -29,7 +29,7 @@ def test_deprecated_option_stores_into_the_new_dest(capsys):
 
 def test_serve_takes_model_as_a_flag_and_the_old_positional(capsys):
     from lowbit.commands.serve import model_from_args
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
 
     ns = argparse.Namespace(model=None, model_positional="smollm2-135m")
     assert model_from_args(ns) == "smollm2-135m" and "is deprecated" in capsys.readouterr().err

@@ -6,7 +6,7 @@ import types
 
 import pytest
 
-from lowbit.progress import NoBar, bar
+from lowbit.core.progress import NoBar, bar
 
 
 def test_bar_off_is_a_no_op_and_on_is_tqdm(capsys):

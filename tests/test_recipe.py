@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_config
-from lowbit.recipe import (
+from lowbit.kv.scheme import (
     DEFAULT_PAGE,
     KVScheme,
     TensorQuant,

@@ -1,5 +1,5 @@
-"""The Triton A16 GEMV (lowbit.kernels.weight_gemm.gemv) over tile shapes at M = 1, beside cuBLAS bf16, the dispatched
-cell and the read floor (lowbit.kernels.read_floor), on the Llama-3-8B shapes; the best config per (scheme, shape) is
+"""The Triton A16 GEMV (lowbit.kernels.gemm.triton_gemm.gemv) over tile shapes at M = 1, beside cuBLAS bf16, the dispatched
+cell and the read floor (lowbit.tools.bench.read_floor), on the Llama-3-8B shapes; the best config per (scheme, shape) is
 checked against the twin. One device call (s27):
 
     python3 benchmarks/probes/gemv_tiles_probe.py OUT.json
@@ -17,11 +17,11 @@ import time
 import torch
 import torch.nn.functional as F
 
-from lowbit.kernels import weight_gemm as wg
-from lowbit.kernels.bench import graph_time_ms, n_buffers
-from lowbit.kernels.read_floor import read_floor_ms
-from lowbit.kernels.weight_audit import random_weight
-from lowbit.kernels.weight_dispatch import Dispatch, run_cell
+from lowbit.kernels.gemm import triton_gemm as wg
+from lowbit.tools.bench.attention import graph_time_ms, n_buffers
+from lowbit.tools.bench.read_floor import read_floor_ms
+from lowbit.kernels.gemm.check import random_weight
+from lowbit.kernels.gemm.dispatch import Dispatch, run_cell
 
 SHAPES = [("llama3-8b gate/up", 4096, 14336), ("llama3-8b down", 14336, 4096), ("llama3-8b qkv/o", 4096, 4096)]
 GRID = {"w8a16": dict(BN=(1, 2, 4, 8, 16), GPT=(1, 4, 16), w=(4, 8), s=(1, 3)),

@@ -6,7 +6,7 @@ and is listed in lowbit.commands.COMMANDS (name -> module, help). Building the p
 command module: a command's module (and with it torch / transformers) is imported only when that
 command is parsed, so `lowbit --help` stays fast.
 
-Around every command: the thread policy (lowbit.threads, `--threads`), LowbitError -> `error: ...`
+Around every command: the thread policy (lowbit.core.threads, `--threads`), LowbitError -> `error: ...`
 and exit 2, Ctrl-C -> exit 130 and SIGTERM -> exit 143 with one line that says what was kept.
 """
 
@@ -19,10 +19,11 @@ import sys
 from pathlib import Path
 
 import lowbit
-from lowbit import __version__, threads
+from lowbit import __version__
+from lowbit.core import threads
 from lowbit.commands import COMMANDS, TORCH_FREE
 from lowbit.commands import load as load_command
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 EXIT_ERROR = 2
 EXIT_SIGINT = 130  # 128 + SIGINT, what shells report for Ctrl-C

@@ -18,7 +18,7 @@ from lowbit.artifacts import (
     sha256_file,
     verify,
 )
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 def make_files(root):

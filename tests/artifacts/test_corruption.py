@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from lowbit.artifacts import all_ok, verify
 from lowbit.artifacts.writer import list_files
 from lowbit.cli import main
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 DAMAGES = ("flip", "truncate", "missing", "added")
 KINDS = ("kv-export", "weights", "rotations", "calibration", "levels", "dit")
@@ -86,9 +86,9 @@ def _loader(kind: str, d: Path, geo):
     from lowbit.calib.stats import load_calibration
     from lowbit.diffusion.load import load_pipeline
     from lowbit.kv.plan import load_levels
-    from lowbit.recipe import LevelsRef
+    from lowbit.kv.scheme import LevelsRef
     from lowbit.rotation.rotation_set import RotationSet
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
     from lowbit.weights.load import load_quantized
 
     return {"kv-export": lambda: load_runtime(str(d)), "weights": lambda: load_quantized(d),

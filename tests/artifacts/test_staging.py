@@ -12,10 +12,10 @@ import sys
 import pytest
 
 from lowbit.artifacts import ArtifactWriter, load_manifest, sweep_stale, verify
-from lowbit.artifacts.killpoints import _CHILD, POINTS, kill_point, listing
+from lowbit.tools.killpoints import _CHILD, POINTS, kill_point, listing
 from lowbit.artifacts.writer import is_staging_dir, staging_name
 from lowbit.cli import main
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 def _staging(parent):
@@ -89,7 +89,7 @@ def test_a_dead_writer_is_not_taken_for_alive_by_a_reused_pid(tmp_path, capsys):
 
 
 def _dead_writer_dir(parent, point="partial-file"):
-    from lowbit.artifacts.killpoints import run_writer_until
+    from lowbit.tools.killpoints import run_writer_until
 
     pid = run_writer_until(parent, point)
     assert _staging(parent) == [staging_name("out", pid)]
@@ -140,7 +140,7 @@ def test_the_committed_kill_points_json_is_what_the_harness_gives(tmp_path):
     import json
     from pathlib import Path
 
-    from lowbit.artifacts.killpoints import kill_points
+    from lowbit.tools.killpoints import kill_points
 
     committed = Path(__file__).parents[2] / "benchmarks/results/reliability/kill_points.json"
     assert json.loads(committed.read_text()) == {"kill_points": kill_points(tmp_path)}

@@ -190,7 +190,7 @@ def test_existing_json_is_refused_before_any_stage(arts, tmp_path, capsys):
 
 def test_kernel_cases_follow_the_plan():
     """Only shapes the kernel takes are audited, each once; per-channel K (KIVI) is named as torch-only."""
-    from lowbit.artifacts.validate import kernel_cases
+    from lowbit.tools.validate import kernel_cases
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.models.tiny import tiny_config
@@ -208,7 +208,7 @@ def test_kernel_cases_follow_the_plan():
 
 def test_cpu_audit_runs_in_an_interpreter_child_when_this_process_has_none(monkeypatch):
     """The CLI on CPU has no TRITON_INTERPRET: the audit then runs in a child process that has it."""
-    from lowbit.artifacts.validate import _audit_rows
+    from lowbit.tools.validate import _audit_rows
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     rows = _audit_rows([("t", {"B": 2, "Hq": 3, "Hkv": 1, "D": 64, "T": 9, "kbits": 2, "vbits": 4, "group": 32,

@@ -8,7 +8,7 @@ import torch
 from lowbit.calib.capture import capture_attention
 from lowbit.calib.run import check_tokens_arg, collect, min_tokens, write_calibration
 from lowbit.calib.stats import STATS_FILE, StatsCollector, load_calibration
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
 

@@ -3,7 +3,7 @@ import torch
 
 from lowbit.calib import corpora
 from lowbit.calib.corpora import load_text, token_windows
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 class CharTokenizer:

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.scheme import parse_weight_scheme
 
 

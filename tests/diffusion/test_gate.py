@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lowbit.diffusion.gate import DEFAULTS, Thresholds, calibrate, failures, image_metrics, psnr, seed_band
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 def digit_like(seed: int, size: int = 24) -> torch.Tensor:

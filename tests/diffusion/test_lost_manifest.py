@@ -13,7 +13,7 @@ import pytest
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.export import MARKER_KEY
 from lowbit.weights.scheme import parse_weight_scheme
 from tests.diffusion.conftest import write_tiny
@@ -89,7 +89,7 @@ def test_with_its_manifest_it_loads(ckpt):
 
 
 def test_validate_runs_stage_1_on_a_dit(ckpt):
-    from lowbit.artifacts.validate import DIT_STAGES_WHY, Options, validate
+    from lowbit.tools.validate import DIT_STAGES_WHY, Options, validate
 
     rep = validate(Options(artifact=str(ckpt), device="cpu"))
     assert rep["ok"] and rep["kind"] == "dit" and [r["stage"] for r in rep["stages"]] == [1], rep["error"]

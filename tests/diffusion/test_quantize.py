@@ -3,7 +3,7 @@ import json
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.scheme import parse_weight_scheme
 from tests.diffusion.conftest import write_tiny

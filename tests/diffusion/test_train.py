@@ -1,6 +1,6 @@
 import pytest
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 pytest.importorskip("sklearn")
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.eval import report as rep
 from lowbit.eval.perplexity import Scores
 from lowbit.eval.runner import EvalOptions, check_options

@@ -16,7 +16,7 @@ from lowbit.eval.layer_error import (
     tiered_attention,
 )
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
-from lowbit.recipe import parse_kv_scheme
+from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.rotation.hadamard import hadamard
 
 

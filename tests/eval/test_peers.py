@@ -5,11 +5,11 @@ import importlib.util
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.eval.harness import evaluate
 from lowbit.eval.peers import Accounting, hf_quantized_entry, lowbit_entry, reference_entry, tensor_bits
 from lowbit.models.geometry import ModelGeometry
-from lowbit.recipe import parse_kv_scheme
+from lowbit.kv.scheme import parse_kv_scheme
 
 
 def test_quanto_peer_runs_and_its_bits_come_from_its_tensors(tiny_smollm, random_windows):

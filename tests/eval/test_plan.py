@@ -2,7 +2,7 @@
 
 import pytest
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.eval.plan import plan_peers, plan_schemes
 
 

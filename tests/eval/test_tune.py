@@ -11,12 +11,12 @@ import pytest
 import lowbit.models
 import lowbit.recipes
 from lowbit.cli import main
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.eval.plan import plan_schemes
 from lowbit.eval.tune import allocate
 from lowbit.kv.held import held_bits
 from lowbit.models import ModelGeometry
-from lowbit.recipe import load_recipe
+from lowbit.kv.scheme import load_recipe
 
 
 def test_allocate_spends_bits_where_loss_drops_most_per_held_bit():
@@ -145,7 +145,7 @@ def test_shipped_recipes_by_name_are_pinned(tmp_path, monkeypatch):
 
 
 def test_the_shipped_index_matches_its_files():
-    from lowbit.recipe import RotationRef
+    from lowbit.kv.scheme import RotationRef
 
     idx = lowbit.recipes.index()
     for name, e in idx.items():

@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from lowbit.cli import main
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.held import held_bits
 from lowbit.kv.plan import resolve, save_levels
 from lowbit.models import ModelGeometry
-from lowbit.recipe import LevelsRef, TensorQuant, load_recipe, parse_kv_scheme
+from lowbit.kv.scheme import LevelsRef, TensorQuant, load_recipe, parse_kv_scheme
 
 RECIPE = """[kv]
 scheme = "int2"

@@ -1,6 +1,6 @@
 """`lowbit bench`: where results go (./lowbit-results/ of the working directory, never the source tree),
 never overwriting a file, and one-line errors without a GPU. The timing itself needs CUDA; here
-`lowbit.kernels.bench.run` is replaced by a recorder so the command's path logic runs on CPU."""
+`lowbit.tools.bench.attention.run` is replaced by a recorder so the command's path logic runs on CPU."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 import lowbit
 from lowbit.cli import build_parser, main
 from lowbit.commands import bench as cmd
-from lowbit.errors import LowbitError
-from lowbit.kernels import bench as kbench
+from lowbit.core.errors import LowbitError
+from lowbit.tools.bench import attention as kbench
 
 SRC = Path(lowbit.__file__).resolve().parent.parent  # .../src
 
@@ -175,7 +175,7 @@ def test_bench_gemm_selection_errors_before_any_gpu_work(capsys, flags, match):
 
 
 def test_bench_gemm_selection_passes_through(monkeypatch, tmp_path):
-    from lowbit.kernels import weight_bench
+    from lowbit.tools.bench import gemm as weight_bench
 
     seen = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

@@ -15,9 +15,9 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _make import make_inputs, rel_l2
 
-from lowbit.errors import LowbitError
-from lowbit.kernels.decode_attention import KernelConfig, decode_attention, interpreted
-from lowbit.kernels.reference import decode_attention_ref
+from lowbit.core.errors import LowbitError
+from lowbit.kernels.attention.tiers import KernelConfig, decode_attention, interpreted
+from lowbit.kernels.attention.reference import decode_attention_ref
 
 TOL = 1e-3
 # tests/conftest.py sets TRITON_INTERPRET=1 unless the environment says otherwise; GPU runs use
@@ -189,7 +189,7 @@ def test_matches_twin_gpu(case):
 
 
 def test_split_count_fills_whole_waves():
-    from lowbit.kernels.decode_attention import pick_num_splits
+    from lowbit.kernels.attention.tiers import pick_num_splits
 
     # B16 x 8 KV heads, 3 programs per SM resident on 132 SMs: 3 splits (384 of 396 slots, one wave),
     # not 4 (1.3 waves); 6 would also be 97% full but takes twice the programs

@@ -1,4 +1,4 @@
-"""The geometry decode kernel (lowbit.kernels.decode_geometry) vs its torch twins, and its use by the cache.
+"""The geometry decode kernel (lowbit.kernels.attention.geometry) vs its torch twins, and its use by the cache.
 
 CPU: the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1), small odd shapes (B 1/3,
 lengths 1, 17, 99, odd tier lengths). GPU (marked): the full-size geometries (DeepSeek-V3 latent with
@@ -16,10 +16,10 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _make import make_inputs, packed_tier, rel_l2
 
-from lowbit.errors import LowbitError
-from lowbit.kernels.decode_attention import decode_attention, interpreted
-from lowbit.kernels.decode_geometry import GeoConfig, decode_attention_geo, decode_attention_latent
-from lowbit.kernels.reference import decode_attention_latent_ref, decode_attention_ref
+from lowbit.core.errors import LowbitError
+from lowbit.kernels.attention.tiers import decode_attention, interpreted
+from lowbit.kernels.attention.geometry import GeoConfig, decode_attention_geo, decode_attention_latent
+from lowbit.kernels.attention.reference import decode_attention_latent_ref, decode_attention_ref
 
 TOL = 1e-3
 cpu_only = pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
@@ -198,7 +198,7 @@ def test_plan_puts_the_new_geometries_on_the_kernel(family, mla):
 
 
 def test_plan_names_why_not():
-    from lowbit.kernels.decode_backend import geo_tiling_reason, shared_reason
+    from lowbit.backends.triton_decode import geo_tiling_reason, shared_reason
     from lowbit.kv.plan import resolve
     from lowbit.models.families import family_geometry
 
@@ -212,7 +212,7 @@ def test_plan_names_why_not():
 
 
 def _tiny_run(name, mla, scheme_name, backend, steps=3, **model_kw):
-    from lowbit.kv import QuantizedKVCache
+    from lowbit.runtime.cache import QuantizedKVCache
     from lowbit.models.geometry import ModelGeometry
     from lowbit.models.tiny import tiny_tokenizer_free_inputs
 
@@ -297,7 +297,7 @@ def test_geo_matches_twin_gpu(case):
 @cpu_only
 def test_geo_bench_rows_run_end_to_end_on_cpu():
     """The bench's row logic (baselines, candidates, bytes, ratios) on CPU tensors with a stand-in timer."""
-    from lowbit.kernels import geo_bench
+    from lowbit.tools.bench import geometry as geo_bench
 
     calls = []
 
@@ -319,8 +319,8 @@ def test_geo_bench_rows_run_end_to_end_on_cpu():
 
 
 def test_geo_bench_parse_config_reads_fields_and_names_bad_ones():
-    from lowbit.kernels import geo_bench
-    from lowbit.kernels.decode_geometry import GeoConfig
+    from lowbit.tools.bench import geometry as geo_bench
+    from lowbit.kernels.attention.geometry import GeoConfig
 
     assert geo_bench.parse_config("block_t=64,heads=8,q_loop=0") == GeoConfig(block_t=64, heads=8, q_loop=False)
     for bad in ("block=64", "heads=eight", "heads"):
@@ -331,7 +331,7 @@ def test_geo_bench_parse_config_reads_fields_and_names_bad_ones():
 def test_latent_launch_follows_the_batch():
     """The MLA latent's launch fields at few (sequence, KV head) pairs (few_pairs, from the H200 sweep by batch);
     fields the caller set win; other geometries and larger batches keep the shape defaults."""
-    from lowbit.kernels.decode_geometry import GeoConfig
+    from lowbit.kernels.attention.geometry import GeoConfig
 
     base = GeoConfig()
     tp8, full = (16, 512, 576, True), (128, 512, 576, True)

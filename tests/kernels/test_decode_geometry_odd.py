@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _make import make_inputs, rel_l2
 from test_decode_geometry import latent_inputs
 
-from lowbit.kernels import geo_bench
-from lowbit.kernels.decode_attention import interpreted
-from lowbit.kernels.decode_geometry import GeoConfig, decode_attention_geo, decode_attention_latent
-from lowbit.kernels.reference import decode_attention_latent_ref, decode_attention_ref
+from lowbit.tools.bench import geometry as geo_bench
+from lowbit.kernels.attention.tiers import interpreted
+from lowbit.kernels.attention.geometry import GeoConfig, decode_attention_geo, decode_attention_latent
+from lowbit.kernels.attention.reference import decode_attention_latent_ref, decode_attention_ref
 
 TOL = 1e-3
 cpu_only = pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
@@ -114,7 +114,7 @@ def test_dense_middle_baseline_at_odd_sizes():
 
 @cpu_only
 def test_split_pick_fills_the_gpu_and_caps_partials():
-    from lowbit.kernels.decode_geometry import pick_splits
+    from lowbit.kernels.attention.geometry import pick_splits
 
     # Kimi B16: 1024 programs already fill 132 SMs x 4: one split; B1: 64 programs -> 9 splits
     assert pick_splits(16, 1024, 32768, 64, 132, 4, 64 * 128 * 8, 10**9) == 1

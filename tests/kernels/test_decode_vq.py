@@ -1,4 +1,4 @@
-"""The VQ-row decode kernel (lowbit.kernels.decode_vq) against its torch twin at odd sizes (Triton interpreter
+"""The VQ-row decode kernel (lowbit.kernels.attention.vq) against its torch twin at odd sizes (Triton interpreter
 on CPU), a control that a kernel ignoring the codebook would fail, the bad inputs named, and the eager cache
 routing a VQ layer's decode to it with the torch path's logits."""
 
@@ -7,11 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kernels.audit import RES_K, RES_V, TOL, VQ_K, VQ_V, audit_vq, make_vq_case
-from lowbit.kernels.decode_attention import interpreted
-from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
-from lowbit.kernels.reference import decode_attention_vq_ref
+from lowbit.core.errors import LowbitError
+from lowbit.tools.audit.attention import RES_K, RES_V, TOL, VQ_K, VQ_V, audit_vq, make_vq_case
+from lowbit.kernels.attention.tiers import interpreted
+from lowbit.kernels.attention.vq import MidTensor, decode_attention_vq
+from lowbit.kernels.attention.reference import decode_attention_vq_ref
 
 pytestmark = pytest.mark.skipif(not interpreted(), reason="kernels imported for CUDA (TRITON_INTERPRET=0)")
 
@@ -23,7 +23,7 @@ def _rel(a, b):
 def _eager_logits(model, cfg, scheme, seed: int = 0) -> dict:
     """{backend: logits of 3 decode steps after a 45-token prefill} through the eager cache, torch and triton
     (the fused kernels), same tokens; the triton caches count their kernel calls."""
-    from lowbit.kv import QuantizedKVCache
+    from lowbit.runtime.cache import QuantizedKVCache
 
     g = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (3, 45), generator=g)
@@ -42,7 +42,7 @@ def _eager_logits(model, cfg, scheme, seed: int = 0) -> dict:
 def _static_matches_eager(m, plan, monkeypatch, vq_layers) -> None:
     """The static cache's decode steps through the VQ kernel's op (use_kernel) and through its torch path give the
     eager cache's logits; the op runs exactly when use_kernel is set; vq_layers: which layers' StaticLayer.vq."""
-    from lowbit.kv import QuantizedKVCache
+    from lowbit.runtime.cache import QuantizedKVCache
     from lowbit.models.tiny import tiny_tokenizer_free_inputs
     from lowbit.runtime.static_cache import StaticKVCache
     from lowbit.runtime.step import ModelStep, eager_decode, prefill
@@ -51,7 +51,7 @@ def _static_matches_eager(m, plan, monkeypatch, vq_layers) -> None:
     ids = tiny_tokenizer_free_inputs(m.config, 2, 24, seed=4)
     ref = torch.stack([run_chunks(m, QuantizedKVCache.from_plan(m, plan), ids[b:b + 1, :23], None, [8, 8, 4, 1, 1, 1])
                        [0, 19:] for b in range(2)])
-    import lowbit.kernels.decode_vq as dvq
+    import lowbit.kernels.attention.vq as dvq
 
     calls, real = [], dvq.decode_attention_vq
     monkeypatch.setattr(dvq, "decode_attention_vq", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -120,7 +120,7 @@ def test_cache_routes_vq_layers_to_the_kernel_like_the_torch_path(tmp_path):
     from lowbit.kv.plan import resolve, save_levels
     from lowbit.models import ModelGeometry
     from lowbit.models.tiny import tiny_model
-    from lowbit.recipe import LevelsRef, parse_kv_scheme
+    from lowbit.kv.scheme import LevelsRef, parse_kv_scheme
 
     model, cfg = tiny_model("smollm2-135m", num_layers=2, dtype=torch.float32)
     geo = ModelGeometry.from_config(cfg)
@@ -132,7 +132,7 @@ def test_cache_routes_vq_layers_to_the_kernel_like_the_torch_path(tmp_path):
                         scale_format="ue5m3", levels=LevelsRef(str(cb)))
     plan = resolve(s, geo, decode_backend="triton")
     assert {lp.backends["decode"].name for lp in plan.layers} == {"triton-decode"}
-    from lowbit.kernels.decode_backend import kernel_name
+    from lowbit.backends.triton_decode import kernel_name
 
     assert kernel_name(plan.layers[1]) == "decode_vq (VQ rows / 1-bit residual)"  # int4 scalar K beside VQ V
     logits = _eager_logits(model, cfg, s)
@@ -145,7 +145,7 @@ def test_static_runtime_reads_vq_rows_through_the_kernel_op(tmp_path, monkeypatc
     (use_kernel, what a CUDA plan sets) and through its torch path give the eager cache's logits."""
     from lowbit.kv.plan import resolve, save_levels
     from lowbit.models import ModelGeometry
-    from lowbit.recipe import LevelsRef, parse_kv_scheme
+    from lowbit.kv.scheme import LevelsRef, parse_kv_scheme
     from tests.kv.helpers import fast_model
 
     m = fast_model("smollm2-135m")
@@ -192,11 +192,11 @@ def test_a_kernel_ignoring_the_residual_would_fail():
 
 
 def test_cache_routes_residual_layers_to_the_kernel_like_the_torch_path():
-    from lowbit.kernels.decode_backend import kernel_name
+    from lowbit.backends.triton_decode import kernel_name
     from lowbit.kv.plan import resolve
     from lowbit.models import ModelGeometry
     from lowbit.models.tiny import tiny_model
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
 
     model, cfg = tiny_model("smollm2-135m", num_layers=3, dtype=torch.float32)
     geo = ModelGeometry.from_config(cfg)
@@ -214,7 +214,7 @@ def test_static_runtime_reads_the_residual_through_the_kernel_op(monkeypatch):
     through its torch path give the eager cache's logits."""
     from lowbit.kv.plan import resolve
     from lowbit.models import ModelGeometry
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
     from tests.kv.helpers import fast_model
 
     m = fast_model("smollm2-135m")

@@ -1,4 +1,4 @@
-"""The CUDA int2 MLA latent middle (lowbit.kernels.latent_cuda) against its twin and the Triton path.
+"""The CUDA int2 MLA latent middle (lowbit.kernels.attention.latent_cuda) against its twin and the Triton path.
 
 CPU: the refusals (a one-line reason, no silent fallback) and, where nvcc is installed, the .cu through nvcc with
 its host entry point. GPU (marked): odd token counts (1, 3, 17, 63, 64, 65, 99, 999), tile and split edges,
@@ -19,11 +19,12 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _make import rel_l2
 from test_decode_geometry import latent_inputs
 
-from lowbit.errors import LowbitError
-from lowbit.kernels import latent_cuda, nvcc
-from lowbit.kernels.decode_attention import interpreted
-from lowbit.kernels.decode_geometry import GeoConfig, decode_attention_latent
-from lowbit.kernels.reference import decode_attention_latent_ref
+from lowbit.core.errors import LowbitError
+from lowbit.kernels import nvcc
+from lowbit.kernels.attention import latent_cuda
+from lowbit.kernels.attention.tiers import interpreted
+from lowbit.kernels.attention.geometry import GeoConfig, decode_attention_latent
+from lowbit.kernels.attention.reference import decode_attention_latent_ref
 
 TOL = 1e-3
 on_gpu = pytest.mark.skipif(not torch.cuda.is_available() or interpreted(), reason="needs CUDA, TRITON_INTERPRET=0")
@@ -155,7 +156,7 @@ def test_graph_replay_reads_new_inputs():
 
 
 def test_default_impl_picks_triton_off_the_cuda_kernel_shapes():
-    from lowbit.kernels.decode_geometry import default_impl
+    from lowbit.kernels.attention.geometry import default_impl
 
     kw = _kw(1, 16, 17, [17])
     mid = (kw["codes"], kw["scale"], kw["zero"])
@@ -179,7 +180,7 @@ def test_cuda_config_resolves_its_own_warps_and_waves():
 
 
 def test_whole_waves_split_pick_never_spills_one_block_into_a_second_round():
-    from lowbit.kernels.decode_geometry import pick_splits
+    from lowbit.kernels.attention.geometry import pick_splits
 
     # tp8 B16 at 3 blocks a SM: ceil would give 25 splits (400 blocks on 396 slots); whole waves give 24
     assert pick_splits(16, 16, 32768, 64, 132, 3, 16 * 512 * 8, 10**9) == 25

@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 from _make import make_inputs
 
-import lowbit.kernels.decode_attention as da
-from lowbit.kernels.decode_attention import KernelConfig, Launch, decode_attention, interpreted
+import lowbit.kernels.attention.tiers as da
+from lowbit.kernels.attention.tiers import KernelConfig, Launch, decode_attention, interpreted
 
 pytestmark = pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
 

@@ -1,4 +1,4 @@
-"""The read-floor kernel (lowbit.kernels.read_floor) against its torch twin at odd sizes (Triton interpreter on
+"""The read-floor kernel (lowbit.tools.bench.read_floor) against its torch twin at odd sizes (Triton interpreter on
 CPU): every word is read once, by exactly one program, and a dropped tail would change a sum."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels.decode_attention import interpreted
-from lowbit.kernels.read_floor import READ_CONFIGS, programs, read_words, read_words_ref
+from lowbit.kernels.attention.tiers import interpreted
+from lowbit.tools.bench.read_floor import READ_CONFIGS, programs, read_words, read_words_ref
 
 pytestmark = pytest.mark.skipif(not interpreted(), reason="kernels imported for CUDA (TRITON_INTERPRET=0)")
 

@@ -1,4 +1,4 @@
-"""The CUDA C++ small-M weight kernel (lowbit.kernels.weight_cuda) against the torch twin.
+"""The CUDA C++ small-M weight kernel (lowbit.kernels.gemm.cuda_gemm) against the torch twin.
 
 CPU: the .cu compiles with nvcc (a few template instances, when nvcc is here), a missing nvcc is a
 one-line error, the launch plan and the conditions under which the dispatch passes the kernel over.
@@ -13,14 +13,14 @@ import ctypes
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kernels import nvcc
-from lowbit.kernels import weight_cuda as wc
-from lowbit.kernels import weight_gemm as wg
-from lowbit.kernels.weight_audit import random_weight
-from lowbit.kernels.weight_cuda import CudaConfig
-from lowbit.kernels.weight_dispatch import Cell, Dispatch, config_from_name
-from lowbit.kernels.weight_gemm import GemmConfig
+from lowbit.kernels.gemm import cuda_gemm as wc
+from lowbit.kernels.gemm import triton_gemm as wg
+from lowbit.kernels.gemm.check import random_weight
+from lowbit.kernels.gemm.cuda_gemm import CudaConfig
+from lowbit.kernels.gemm.dispatch import Cell, Dispatch, config_from_name
+from lowbit.kernels.gemm.triton_gemm import GemmConfig
 
 
 def rel(a, b):
@@ -207,8 +207,8 @@ def test_gpu_cuda_graph_replay():
 @gpu
 @needs_cuda
 def test_gpu_audit_covers_cuda_cells():
-    from lowbit.kernels.weight_audit import audit_weights
-    from lowbit.kernels.weight_dispatch import last_resort
+    from lowbit.kernels.gemm.check import audit_weights
+    from lowbit.kernels.gemm.dispatch import last_resort
 
     cells = [Cell(k, 1, 64, "cuda", CudaConfig(RT=1)) for k in ("w4a16", "w8a16")] + last_resort()
     rows, _ = audit_weights("cuda", schemes=("w4a16-g128", "w4a16-g64-asym", "w8a16"),

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kernels import weight_gemm as wg
-from lowbit.kernels.weight_audit import audit_weights, random_weight
-from lowbit.kernels.weight_dispatch import Cell, Dispatch, ViaA16, generic_cells
-from lowbit.kernels.weight_gemm import GemmConfig, GemvConfig
+from lowbit.core.errors import LowbitError
+from lowbit.kernels.gemm import triton_gemm as wg
+from lowbit.kernels.gemm.check import audit_weights, random_weight
+from lowbit.kernels.gemm.dispatch import Cell, Dispatch, ViaA16, generic_cells
+from lowbit.kernels.gemm.triton_gemm import GemmConfig, GemvConfig
 
 interp = pytest.mark.skipif(not wg.triton or __import__("os").environ.get("TRITON_INTERPRET") != "1",
                             reason="CPU kernel tests need TRITON_INTERPRET=1 (tests/conftest.py)")
@@ -134,7 +134,7 @@ A16XQ_CASES = [  # (scheme, M, N, K, via): A8 weights through an A16 path with t
 def test_a8_weight_through_an_a16_path_matches_twin(scheme, M, N, K, via):
     """s_x * (x_q @ W^T) + bias == the twin's (x_q * s_x) @ W^T + bias: the same codes, only the order differs;
     with the bias, the scale must not reach it."""
-    from lowbit.kernels.weight_dispatch import linear_via_a16, run_cell
+    from lowbit.kernels.gemm.dispatch import linear_via_a16, run_cell
 
     pw = random_weight(scheme, N, K, "cpu", seed=M)
     pw.bias = torch.randn(N) * 3
@@ -156,8 +156,8 @@ def test_a8_weight_through_an_a16_path_matches_twin(scheme, M, N, K, via):
 
 
 def test_a16xq_names_round_trip_through_the_table():
-    from lowbit.kernels.weight_cuda import CudaConfig
-    from lowbit.kernels.weight_dispatch import config_from_name
+    from lowbit.kernels.gemm.cuda_gemm import CudaConfig
+    from lowbit.kernels.gemm.dispatch import config_from_name
 
     for via in (ViaA16("cuda", CudaConfig(2, 8, 0)), ViaA16("triton", GemmConfig(BM=16, BN=32, BK=128)),
                 ViaA16("dequant-cublas")):
@@ -357,7 +357,7 @@ def test_a8_activation_codes_and_scales_are_the_one_quantizers(M, dtype):
 def test_gpu_a8_activation_codes_and_scales_are_the_one_quantizers(M, dtype):
     """The same on the GPU, compiled: div_rn and the bf16/fp16 rounding against torch's CUDA arithmetic
     (what compressed-tensors runs there), through the generic A8 cells' tilings."""
-    from lowbit.kernels.weight_dispatch import generic_cells
+    from lowbit.kernels.gemm.dispatch import generic_cells
 
     cfgs = {c.config for c in generic_cells() if c.kind in ("w8a8", "w4a8") and c.path == "triton"}
     cfgs |= {GemmConfig(BM=16, BN=32, BK=32, fused_aq=False)}  # Triton's int8 dot on CUDA takes K tiles >= 32
@@ -400,8 +400,8 @@ def test_round_act_is_torchs_fp32_to_bf16_and_fp16_rounding():
 @pytest.mark.parametrize("scheme", ["w8a8", "w4a8"])
 def test_gpu_a16xq_is_capturable_and_matches_twin(scheme):
     """The a16-xq path through the CUDA small-M kernel (where it takes the weight) inside a CUDA graph."""
-    from lowbit.kernels.weight_cuda import CudaConfig
-    from lowbit.kernels.weight_dispatch import linear_via_a16
+    from lowbit.kernels.gemm.cuda_gemm import CudaConfig
+    from lowbit.kernels.gemm.dispatch import linear_via_a16
 
     pw = random_weight(scheme, 4096, 1024, "cuda", seed=3)
     pw.bias = torch.randn(4096, device="cuda")
@@ -419,7 +419,7 @@ def test_gpu_a16xq_is_capturable_and_matches_twin(scheme):
 
 
 def test_committed_h200_table_parses_and_covers_every_kind_and_m():
-    from lowbit.kernels.weight_dispatch import KINDS, M_INF, measured_cells
+    from lowbit.kernels.gemm.dispatch import KINDS, M_INF, measured_cells
 
     cells, source = measured_cells((9, 0))
     assert "sm90.json" in source

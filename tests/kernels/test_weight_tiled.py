@@ -1,4 +1,4 @@
-"""The tiled CUDA C++ 4-bit weight kernel (lowbit.kernels.weight_tiled) against the torch twin.
+"""The tiled CUDA C++ 4-bit weight kernel (lowbit.kernels.gemm.tiled) against the torch twin.
 
 CPU: the .cu compiles with nvcc (one instance a code path) and its host entry points answer; names, the conditions
 under which the dispatch passes the kernel over, the split plan; the kernel's index math (x staged with its swizzle,
@@ -13,12 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels import weight_cuda as wc
-from lowbit.kernels import weight_gemm as wg
-from lowbit.kernels import weight_tiled as wt
-from lowbit.kernels.weight_audit import random_weight
-from lowbit.kernels.weight_dispatch import Cell, Dispatch, config_from_name, last_resort
-from lowbit.kernels.weight_tiled import TiledConfig
+from lowbit.kernels.gemm import cuda_gemm as wc
+from lowbit.kernels.gemm import triton_gemm as wg
+from lowbit.kernels.gemm import tiled as wt
+from lowbit.kernels.gemm.check import random_weight
+from lowbit.kernels.gemm.dispatch import Cell, Dispatch, config_from_name, last_resort
+from lowbit.kernels.gemm.tiled import TiledConfig
 
 
 def rel(a, b):
@@ -346,7 +346,7 @@ def test_gpu_tiled_graph_replay(cfg):
 @gpu
 @needs_cuda
 def test_gpu_audit_covers_tiled_cells():
-    from lowbit.kernels.weight_audit import audit_weights
+    from lowbit.kernels.gemm.check import audit_weights
 
     cells = [Cell("w4a16", 17, 300, "cuda", TiledConfig())] + last_resort()
     rows, _ = audit_weights("cuda", schemes=("w4a16-g128", "w4a16-g64-asym", "w4a16-g32"),

@@ -5,7 +5,7 @@ import torch
 
 from lowbit.kv.codec import TensorCodec
 from lowbit.quant import affine, packing
-from lowbit.recipe import TensorQuant
+from lowbit.kv.scheme import TensorQuant
 
 
 def _x(*shape, seed=0):

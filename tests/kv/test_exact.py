@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lowbit.kv import QuantizedKVCache
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
 
 from .helpers import FAST, fast_model, reference, rel_err, run_chunks, scheme

@@ -9,8 +9,8 @@ The reference is transformers' Gemma4 with DynamicCache.
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.models.families import family_geometry
 from lowbit.models.tiny import tiny_tokenizer_free_inputs

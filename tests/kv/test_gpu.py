@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lowbit.kv import QuantizedKVCache
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
 
 from .helpers import FAST, fast_model, reference, rel_err, run_chunks, scheme
@@ -15,7 +15,7 @@ def _skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "needs CUDA"
     try:
-        from lowbit.kernels.decode_attention import interpreted
+        from lowbit.kernels.attention.tiers import interpreted
     except ImportError as e:
         return f"needs triton for the fused decode kernel ({e})"
     if interpreted():

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lowbit.kv import QuantizedKVCache
-from lowbit.kv.attention import online_attention
+from lowbit.runtime.cache import QuantizedKVCache
+from lowbit.backends.torch_stream import online_attention
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
 
 from .helpers import make_model, reference, rel_err, run_chunks, scheme

@@ -4,12 +4,12 @@ tokens (tier lengths and bytes), sliding layers weigh what they hold, codebooks 
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.held import held_bits, held_bits_of_cache, tier_tokens
 from lowbit.models import ModelGeometry
 from lowbit.models.tiny import tiny_config
-from lowbit.recipe import parse_kv_scheme
+from lowbit.kv.scheme import parse_kv_scheme
 
 
 def _geometry(name="gemma3-270m", layers=6):

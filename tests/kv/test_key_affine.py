@@ -5,13 +5,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv import key_affine as kam
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
-from lowbit.recipe import RotationRef
+from lowbit.kv.scheme import RotationRef
 
 from .helpers import reference, rel_err, run_chunks, scheme
 
@@ -129,7 +129,7 @@ def test_every_path_maps_and_soft_capping_refuses(qwen, tmp_path):
     d, g, _ = _affine_dir(tmp_path, qwen)
     plan = resolve(scheme("int2", rotation=RotationRef(str(d))), g)
     assert static_reason(plan.layer(0)) is None  # the static runtime maps keys and queries (next test)
-    from lowbit.kv import backends
+    from lowbit import backends
 
     # the vLLM plugin maps them too (tests/serve/test_vllm_paged.py::test_plugin_serves_a_key_affine_recipe...)
     assert backends.get("vllm-slot").why_not(plan.layer(0), "paged", "cpu") is None

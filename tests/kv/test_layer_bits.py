@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
 from lowbit.quant import affine
@@ -86,7 +86,7 @@ def test_std_grid_goes_to_the_fused_kernel():
     gemma = fast_model("gemma3-270m")
     cache = QuantizedKVCache(gemma, scheme("int2", sink=2, recent=4, page=2), decode_backend="torch")
     run_chunks(gemma, cache, _ids(gemma, 1, 20), None, [18, 1, 1])
-    from lowbit.kv import backends
+    from lowbit import backends
 
     kernel = backends.get("triton-decode")
     assert all(kernel.why_not(lay.plan, "decode", "cuda") is None for lay in cache.layers)

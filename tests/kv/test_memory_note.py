@@ -2,7 +2,7 @@
 
 import pytest
 
-from lowbit.kv import QuantizedKVCache
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
 
 from .helpers import make_model, run_chunks, scheme

@@ -10,8 +10,8 @@ experts on tiny perturbations, which would measure the router, not the cache.
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.models.families import family_geometry
 from lowbit.models.geometry import ModelGeometry

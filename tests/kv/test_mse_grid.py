@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.models import ModelGeometry
 from lowbit.models.tiny import tiny_config
 from lowbit.quant import affine
-from lowbit.recipe import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
+from lowbit.kv.scheme import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
 
 
 def _heavy(*shape, seed=0):
@@ -86,7 +86,7 @@ def test_recipe_field_validates_round_trips_and_survives_overrides():
 def test_cli_grid_flag():
     import argparse
 
-    from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
+    from lowbit.commands._kv_flags import add_kv_arguments, scheme_from_args
 
     p = argparse.ArgumentParser()
     add_kv_arguments(p)
@@ -148,7 +148,7 @@ def test_cache_middle_rows_are_searched_and_never_worse():
 
 def test_fused_kernel_rule_takes_the_mse_grid():
     """The fused decode kernel takes the mse grid as it takes std scale-only groups (head_dim 64, int2)."""
-    from lowbit.kernels.decode_backend import supports
+    from lowbit.backends.triton_decode import supports
     from lowbit.kv.plan import resolve
 
     cfg = tiny_config("smollm2-135m", num_layers=2)

@@ -9,12 +9,13 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache, backends
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
+from lowbit import backends
 from lowbit.kv.plan import load_levels, resolve, save_levels
 from lowbit.models.geometry import ModelGeometry, geometry_of
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
-from lowbit.recipe import LevelsRef, RotationRef, kv_scheme_from_dict, parse_kv_scheme
+from lowbit.kv.scheme import LevelsRef, RotationRef, kv_scheme_from_dict, parse_kv_scheme
 from lowbit.rotation.rotation_set import RotationSet
 
 from .helpers import fast_model, rel_err, run_chunks, scheme
@@ -26,8 +27,8 @@ def _geo(model, name):
 
 
 def test_recipe_imports_no_rotation_or_kv_module():
-    code = ("import sys, lowbit.recipe; bad = sorted(m for m in sys.modules if m.startswith(('lowbit.kv', "
-            "'lowbit.rotation', 'torch'))); print(bad)")
+    code = ("import sys, lowbit.kv.scheme; bad = sorted(m for m in sys.modules if m.startswith(('lowbit.kv', "
+            "'lowbit.rotation', 'torch')) and m not in ('lowbit.kv', 'lowbit.kv.scheme')); print(bad)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
 

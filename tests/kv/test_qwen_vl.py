@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lowbit.kv import QuantizedKVCache
-from lowbit.kv.cache import cache_kwargs
+from lowbit.runtime.cache import QuantizedKVCache
+from lowbit.runtime.cache import cache_kwargs
 from lowbit.models.families import tiny_overrides
 from lowbit.models.tiny import tiny_model
 

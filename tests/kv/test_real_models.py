@@ -10,10 +10,10 @@ import torch
 from transformers import DynamicCache
 
 from lowbit.calib.corpora import WIKITEXT2_PATH
-from lowbit.generate import generate
-from lowbit.kv import QuantizedKVCache
+from lowbit.runtime.greedy import generate
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.models import BUILTINS, load
-from lowbit.recipe import parse_kv_scheme
+from lowbit.kv.scheme import parse_kv_scheme
 
 from .helpers import rel_err, run_chunks
 

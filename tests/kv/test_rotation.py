@@ -5,8 +5,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.plan import resolve
 from lowbit.kv.rotations import fold_v_into_weights
 from lowbit.models.geometry import ModelGeometry

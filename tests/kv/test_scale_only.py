@@ -12,14 +12,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.held import held_bits, held_bits_of_cache
 from lowbit.models import ModelGeometry
 from lowbit.models.tiny import tiny_config
 from lowbit.quant import affine, packing
-from lowbit.recipe import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
+from lowbit.kv.scheme import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
 
 
 def _x(*shape, seed=0):
@@ -187,7 +187,7 @@ def test_torch_attention_reads_scale_only_storage():
 def test_cli_flag_and_plan_label():
     import argparse
 
-    from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
+    from lowbit.commands._kv_flags import add_kv_arguments, scheme_from_args
     from lowbit.kv.plan import resolve
 
     p = argparse.ArgumentParser()

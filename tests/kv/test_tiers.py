@@ -5,8 +5,8 @@ import itertools
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
 
 from .helpers import fast_model, make_model, reference, rel_err, run_chunks, scheme

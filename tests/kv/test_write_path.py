@@ -8,7 +8,7 @@ middle pages and ring rows.
 import pytest
 import torch
 
-from lowbit.kv import QuantizedKVCache
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.layer import QuantizedKVLayer
 from lowbit.models.tiny import tiny_tokenizer_free_inputs

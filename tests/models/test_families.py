@@ -2,7 +2,7 @@
 
 import pytest
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.families import FAMILIES, family_config_dict, family_geometry
 from lowbit.models.geometry import ModelGeometry
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models import BUILTINS, ModelGeometry
 
 

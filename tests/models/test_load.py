@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models import BUILTINS, BuiltinModel, load
 from lowbit.models.tiny import tiny_model, tiny_tokenizer
 

@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from lowbit.generate import PROMPT, greedy_continuation
+from lowbit.runtime.greedy import PROMPT, greedy_continuation
 from lowbit.models import BUILTINS, load
 
 pytestmark = pytest.mark.slow

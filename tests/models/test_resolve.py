@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models import (
     BUILTINS,
     TOKENIZER_FILES,

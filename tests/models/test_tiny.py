@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models import BUILTINS, ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
 

@@ -4,7 +4,7 @@ import itertools
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.quant import affine
 from lowbit.quant.affine import dequantize, mse_clip_search, quantize
 

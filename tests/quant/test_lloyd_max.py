@@ -3,7 +3,7 @@ import dataclasses
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.quant import lloyd_max as lm
 from lowbit.quant.affine import dequantize, quantize
 

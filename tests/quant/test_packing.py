@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.quant.packing import LAYOUTS, pack, unpack
 
 LEADS = st.lists(st.sampled_from([1, 2, 3, 5, 7, 99]), min_size=0, max_size=3).filter(

@@ -9,7 +9,7 @@ import itertools
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.quant import scale_format as sf
 from lowbit.quant import vq
 

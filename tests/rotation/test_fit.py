@@ -5,7 +5,7 @@ import torch
 
 from lowbit.calib.run import collect, write_calibration
 from lowbit.calib.stats import LayerStats, load_calibration
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
 from lowbit.rotation.fit import (

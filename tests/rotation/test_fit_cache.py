@@ -5,17 +5,17 @@ import torch
 
 from lowbit.calib.run import collect, write_calibration
 from lowbit.calib.stats import load_calibration
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
-from lowbit.recipe import parse_kv_scheme
+from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.rotation.fit_run import fit_and_save
 
 
 def test_fitted_rotation_in_cache_exact_at_16_bits(tmp_path):
     from lowbit.eval.perplexity import forward_chunk
-    from lowbit.kv.cache import QuantizedKVCache
+    from lowbit.runtime.cache import QuantizedKVCache
 
     model, cfg = tiny_model("smollm2-135m", num_layers=2, vocab_size=99)
     geo = ModelGeometry.from_config(cfg, name="smollm2-135m")

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.rotation.hadamard import SUPPORTED_M, factor_order, fwht, hadamard, is_supported_order
 
 # Every base order times a few powers of two, plus the head dims met in practice.

@@ -7,7 +7,7 @@ packed-linear op trace as single nodes."""
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
 from lowbit.runtime.static_cache import StaticKVCache
@@ -99,7 +99,7 @@ def test_one_graph_per_bucket_and_a_smaller_bucket_leaves_other_slots_alone():
 
 
 def test_decode_graphs_refuses_cpu_and_bench_paths_are_the_schema_names():
-    from lowbit.runtime import bench
+    from lowbit.tools.bench import runtime as bench
     from lowbit.runtime.step import DecodeGraphs
 
     m = _model("llama")
@@ -136,7 +136,7 @@ def test_inductor_pdl_is_an_inductor_option_with_a_clear_error():
 def test_packed_linear_traces_as_one_op():
     """A packed QuantLinear (the torch twin dispatch: CPU) inside a full-graph trace goes through the
     lowbit::packed_linear op, with the same output as its eager forward; unregistered it is refused."""
-    from lowbit.runtime.ops import register_packed_linears
+    from lowbit.kernels.ops import register_packed_linears
     from lowbit.weights.grid import grid_for_clip, quantize_on
     from lowbit.weights.qlinear import QuantLinear
     from lowbit.weights.scheme import parse_weight_scheme
@@ -171,7 +171,7 @@ def test_compiled_body_runs_the_fused_kernel_as_one_op():
     step's logits (the eager step calls the kernel's Python wrapper directly)."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    from lowbit.kernels.decode_attention import interpreted
+    from lowbit.kernels.attention.tiers import interpreted
 
     if not interpreted():
         pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
 from lowbit.runtime.fold import fold_value_rotation

@@ -7,8 +7,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
-from lowbit.errors import LowbitError
-from lowbit.kv.cache import cache_kwargs
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import cache_kwargs
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.registry import get_builtin
@@ -221,7 +221,7 @@ def test_bench_row_harness_on_cpu():
     """The `hf-generate-compile-lowbit-*` row of `lowbit bench decode` (a GPU benchmark) run on CPU with the
     aot_eager backend: the continuation of a filled cache through generate works, and the row records that
     every timed decode step ran compiled from one graph."""
-    from lowbit.runtime.bench import _row_hf_generate, build_model
+    from lowbit.tools.bench.runtime import _row_hf_generate, build_model
 
     model, cfg = build_model("tiny-llama", "cpu", dtype=torch.float32)
     torch._dynamo.reset()
@@ -236,8 +236,8 @@ def test_kernel_op_equals_the_torch_twin():
     """The fused kernel as the custom op GenerateCache puts in a compiled step (the Triton interpreter on
     CPU): the same attention as the torch twin over ragged tiers, called directly and inside a full-graph
     trace (the op is one opaque node: dynamo does not trace the kernel's launcher)."""
-    from lowbit.kernels.decode_attention import interpreted
-    from lowbit.runtime.bench import _fill_static, build_model
+    from lowbit.kernels.attention.tiers import interpreted
+    from lowbit.tools.bench.runtime import _fill_static, build_model
 
     if not interpreted():
         pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")
@@ -269,7 +269,7 @@ def test_compiled_generate_on_cuda_follows_the_eager_generate(kv):
     Logits: within 2% of their range at bf16; at int2 within 6%, since one code that flips at a rounding tie
     moves its value by a whole INT2 step (a third of the row's range) -- on the H200 the run of 2026-12-01 saw
     2.7% at int2."""
-    from lowbit.runtime.bench import build_model
+    from lowbit.tools.bench.runtime import build_model
 
     model, cfg = build_model("tiny-llama", "cuda")
     with torch.no_grad():

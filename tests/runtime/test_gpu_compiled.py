@@ -70,7 +70,7 @@ def test_compiled_captured_step_follows_the_eager_step(kv):
         pytest.skip("the fused kernel was imported under the Triton interpreter")
     model, cfg = _model()
     if kv.startswith("int2-scale-only"):  # no zero stored; the kernel and its op take the centre code
-        from lowbit.recipe import parse_kv_scheme
+        from lowbit.kv.scheme import parse_kv_scheme
 
         # grid mse: each group's step searched at write time, inside the captured step (what is stored is the same)
         kv = parse_kv_scheme("int2", zero="none", grid="mse" if kv.endswith("-mse") else None)
@@ -104,7 +104,7 @@ def test_compiled_captured_step_with_w4a16_linears(inductor_pdl):
     codegen, whose kernels then sit between lowbit's PDL-aware CUDA kernels and its Triton attention kernels."""
     if not _kernels_compiled():
         pytest.skip("the fused kernel was imported under the Triton interpreter")
-    from lowbit.runtime.bench import quantize_linears
+    from lowbit.tools.bench.runtime import quantize_linears
     from lowbit.runtime.step import inductor_pdl_missing
 
     if inductor_pdl and inductor_pdl_missing():
@@ -143,7 +143,7 @@ def test_per_layer_regions_follow_the_eager_step():
 def test_a_recompile_is_an_error_not_an_eager_step():
     """A dynamo state that cannot compile another graph (the recompile limit, one graph per bucket, already used
     by another cache's graph): DecodeGraphs(compile=True) raises instead of capturing an eager body."""
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.static_cache import StaticKVCache

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.gpu, cuda]
 
 
 def _model():
-    from lowbit.runtime.bench import build_model
+    from lowbit.tools.bench.runtime import build_model
 
     model, cfg = build_model("tiny-llama", "cuda")
     with torch.no_grad():  # sharper logits than the 0.02 init, so greedy tokens differ across prompts
@@ -21,7 +21,7 @@ def _model():
 
 def _kernels_compiled() -> bool:
     try:
-        from lowbit.kernels.decode_attention import interpreted
+        from lowbit.kernels.attention.tiers import interpreted
     except ImportError:
         return False
     return not interpreted()
@@ -72,7 +72,7 @@ def test_captured_step_equals_eager_step(kv):
 def test_bf16_runtime_greedy_equals_dynamic_cache():
     from transformers import DynamicCache
 
-    from lowbit.kv.cache import cache_kwargs
+    from lowbit.runtime.cache import cache_kwargs
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.static_cache import StaticKVCache

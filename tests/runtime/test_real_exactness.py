@@ -8,7 +8,7 @@ import torch
 from transformers import DynamicCache
 
 from lowbit.calib.corpora import stdlib_text
-from lowbit.kv.cache import cache_kwargs
+from lowbit.runtime.cache import cache_kwargs
 from lowbit.kv.plan import resolve
 from lowbit.models import BUILTINS, load
 from lowbit.runtime.static_cache import StaticKVCache

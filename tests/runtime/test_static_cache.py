@@ -6,8 +6,8 @@ quantizer, and the bad inputs named."""
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import QuantizedKVCache
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
@@ -85,7 +85,7 @@ def test_fused_kernel_reads_scale_only_static_tiers_like_the_torch_path():
     """use_kernel (what a CUDA plan sets; here the Triton interpreter): with scale-only groups the decode step
     through the kernel's wrapper and through the custom op (kernel_op) gives the torch path's logits (k4v2:
     both code widths read; the kernel computes zero = -centre * scale; stored zeros: test_compiled_step)."""
-    from lowbit.kernels.decode_attention import interpreted
+    from lowbit.kernels.attention.tiers import interpreted
 
     if not interpreted():
         pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.serve.engine import GenParams, Request
 from tests.serve.conftest import reference_greedy, tiny_runtime
 

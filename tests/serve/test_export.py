@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from lowbit.cli import main
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +44,7 @@ def test_export_writes_a_pinned_vllm_dir(tiny_dir, tmp_path):
     assert m.recipe["kv"]["k"]["bits"] == 4 and m.counts["layers"] == 2
     assert all_ok(verify(out))
     # the same directory serves under lowbit's runtime with the sidecar's scheme
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
 
     rt = load_runtime(str(out))
     assert rt.scheme == s and rt.name == "exp"
@@ -82,7 +82,7 @@ def test_quantized_weights_are_served_and_exported(tiny_dir, tmp_path):
     lowbit.weights and reports it; export --for vllm ships it with the KV sidecar."""
     from fastapi.testclient import TestClient
 
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
     from lowbit.serve.server import build
     from lowbit.weights.apply import quantize_model
     from lowbit.weights.export import save_compressed
@@ -120,7 +120,7 @@ def test_export_ships_a_rotation_set(tiny_dir, tmp_path):
     import torch
 
     from lowbit.rotation.rotation_set import RotationSet
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
     from lowbit.vllm_plugin import sidecar
 
     g = torch.Generator().manual_seed(0)

@@ -10,7 +10,7 @@ import pytest
 @pytest.mark.parametrize("absent", [("fastapi",), ("uvicorn",), ("fastapi", "uvicorn")])
 def test_serve_without_the_extra_is_one_line(monkeypatch, capsys, absent):
     from lowbit.cli import main
-    from lowbit.serve import runtime
+    from lowbit.serve import loader as runtime
 
     for name in absent:
         monkeypatch.setitem(sys.modules, name, None)  # `import name` now raises ModuleNotFoundError

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,7 +27,7 @@ def _client():
 
 
 def test_random_runtime_has_word_tokens_and_no_eos():
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
 
     rt = load_runtime("random:tiny-llama", max_context=99)
     assert rt.eos_token_ids == [] and rt.max_context == 99 and rt.name == "random:tiny-llama"
@@ -38,7 +38,7 @@ def test_random_runtime_has_word_tokens_and_no_eos():
 
 
 def test_random_runtime_refuses_bad_input():
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
 
     with pytest.raises(LowbitError, match="unknown geometry 'llama9'.*random:llama3-8b"):
         load_runtime("random:llama9")
@@ -57,8 +57,8 @@ def test_serve_device_flag_is_checked(capsys):
 
 
 def test_target_ratio_against_the_bench_row(tmp_path):
-    from lowbit.recipe import parse_kv_scheme
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.kv.scheme import parse_kv_scheme
+    from lowbit.serve.loader import load_runtime
     from lowbit.serve.server import BackgroundServer, build
 
     sl = _client()

@@ -97,7 +97,7 @@ def test_openai_client_errors_then_still_serving(int4_server):
 
 def test_port_in_use_is_a_clear_error():
     from lowbit.cli import main
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
     from lowbit.serve.server import bind
 
     holder = socket.socket()

@@ -73,7 +73,7 @@ def test_a_mismatch_is_reported_with_position_and_both_margins(soak_script):
 
 
 def test_a_failure_still_writes_the_report(soak_script, tmp_path):
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
 
     out = tmp_path / "soak.json"
     with pytest.raises(LowbitError, match="unknown geometry"):

@@ -39,7 +39,7 @@ def _serve(model_dir: Path, out: Path, prompt: str, port: int, max_len: int = 25
 
 def test_vllm_plugin_matches_lowbit_and_packs_the_cache(tmp_path):
     from lowbit.cli import main
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
 
     rt = tiny_runtime("bf16")
     plain = tmp_path / "tiny"
@@ -74,7 +74,7 @@ def test_vllm_plugin_on_sliding_window_layers_matches_lowbit(tmp_path):
 
     from lowbit.cli import main
     from lowbit.models.tiny import tiny_config
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
     from tests.serve.conftest import VOCAB, byte_tokenizer
 
     cfg = tiny_config("gemma3-270m", vocab_size=VOCAB)
@@ -116,7 +116,7 @@ def test_vllm_plugin_serves_a_key_affine_recipe_as_lowbit(tmp_path):
     from lowbit.cli import main
     from lowbit.kv import key_affine as kam
     from lowbit.models.tiny import tiny_tokenizer_free_inputs
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
 
     rt = tiny_runtime("bf16")
     plain = tmp_path / "tiny"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.recipe import parse_kv_scheme
+from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.vllm_plugin import paged
 from lowbit.vllm_plugin.slot import SlotFormat
 
@@ -114,7 +114,7 @@ def test_paged_attention_equals_dense_attention_over_the_codes(rotation, window)
 
 
 def test_plugin_pins_the_vllm_series():
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
     from lowbit.vllm_plugin import VLLM_SERIES, check_vllm_version
 
     check_vllm_version(VLLM_SERIES + ".0")
@@ -269,7 +269,7 @@ def test_recent_window_slides_and_old_blocks_are_evicted():
 
 
 def test_a_kv_budget_below_one_requests_tiers_is_one_line():
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.models.tiny import tiny_config
@@ -293,7 +293,7 @@ def test_plugin_serves_a_key_affine_recipe_as_lowbit_does(tmp_path, sink, recent
     fused C++ decode takes the scaled queries); the same cells read without the query map do not."""
     from lowbit.kv import key_affine as kam
     from lowbit.models.tiny import tiny_tokenizer_free_inputs
-    from lowbit.recipe import RotationRef
+    from lowbit.kv.scheme import RotationRef
     from lowbit.serve.kvcache import CacheFactory
     from tests.serve.conftest import tiny_runtime
 

@@ -13,7 +13,7 @@ from typing import Generic, TypeVar
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 def _module(monkeypatch, name: str, **attrs) -> types.ModuleType:

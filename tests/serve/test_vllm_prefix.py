@@ -208,7 +208,7 @@ def test_a_prefix_hit_on_sliding_window_layers_gives_the_tokens_of_a_miss():
 
     from lowbit.models.geometry import ModelGeometry
     from lowbit.models.tiny import tiny_config
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
 
     cfg = tiny_config("gemma3-270m", vocab_size=101)
     cfg.sliding_window = 13
@@ -275,7 +275,7 @@ def test_scheduler_holds_back_the_recent_window(tmp_path):
         s = scheduler()
         assert prefix.install(s, config(d, on)) == 0
         assert s.kv_cache_manager.coordinator.find_longest_cache_hit([], 899) == ("blocks", 899, 0)
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
 
     with pytest.raises(LowbitError, match="no kv_cache_manager.coordinator.find_longest_cache_hit"):
         prefix.install(NS(kv_cache_manager=NS()), config(exp))

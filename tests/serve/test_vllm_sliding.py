@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.recipe import parse_kv_scheme
+from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.vllm_plugin import paged
 from lowbit.vllm_plugin.slot import SlotFormat
 

@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.apply import quantize_model, target_linears
 from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.scheme import parse_weight_scheme

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lowbit.artifacts import load_manifest
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.tiny import tiny_tokenizer
 from lowbit.weights.apply import quantize_model
 from lowbit.weights.export import checkpoint_state, save_compressed

@@ -3,7 +3,7 @@ import logging
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.gptq import gptq_quantize, inverse_hessian_chol, rtn_quantize
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.hooks import HessianCollector
 
 

@@ -8,7 +8,7 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.tiny import tiny_tokenizer
 from lowbit.weights.apply import quantize_model
 from lowbit.weights.export import WEIGHTS_FILE, save_compressed

@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.tiny import tiny_tokenizer
 from lowbit.weights.apply import quantize_model
 from lowbit.weights.export import ARTIFACT_KIND, MARKER_KEY, WEIGHTS_FILE, save_compressed

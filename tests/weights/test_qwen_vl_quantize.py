@@ -26,8 +26,8 @@ import torch
 from safetensors import safe_open
 
 from lowbit.cli import main
-from lowbit.kv import QuantizedKVCache
-from lowbit.kv.cache import cache_kwargs
+from lowbit.runtime.cache import QuantizedKVCache
+from lowbit.runtime.cache import cache_kwargs
 from lowbit.models.tiny import tiny_model, tiny_tokenizer
 from lowbit.weights.qlinear import QuantLinear
 
@@ -104,7 +104,7 @@ def _inputs(seed=0):
 def _kv8():
     from dataclasses import replace
 
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
 
     s = parse_kv_scheme("int8", rotation="hadamard")
     return replace(s, sink=2, recent=4, page=2)  # small tiers: the image tokens are quantized in the middle

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
 from lowbit.weights.rotate import fuse_norms, rotate_model
 

@@ -2,7 +2,7 @@ import dataclasses
 
 import pytest
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.scheme import KNOWN, WeightScheme, parse_weight_scheme
 
 

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from lowbit.cli import main
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.apply import quantize_model, target_linears
 from lowbit.weights.export import save_compressed
 from lowbit.weights.gptq import rtn_quantize

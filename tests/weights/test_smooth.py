@@ -3,7 +3,7 @@ import copy
 import pytest
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.tiny import tiny_model
 from lowbit.weights.apply import quantize_model
 from lowbit.weights.scheme import parse_weight_scheme

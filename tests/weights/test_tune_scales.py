@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from lowbit.cli import main
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.apply import quantize_model
 from lowbit.weights.export import save_compressed
 from lowbit.weights.load import load_quantized

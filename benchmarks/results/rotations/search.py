@@ -23,7 +23,7 @@ from lowbit.commands.layer_error import _variant_rotations as rotations_for
 from lowbit.eval.layer_error import Variant, fake_quant_ppl
 from lowbit.eval.perplexity import full_window_ppl
 from lowbit.models import load
-from lowbit.recipe import parse_kv_scheme, parse_layer_bits
+from lowbit.kv.scheme import parse_kv_scheme, parse_layer_bits
 
 
 def parse_variant(spec: str, rots: dict, geo, calib):

@@ -38,7 +38,7 @@ from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 MANIFEST_NAME = "manifest.json"
 FORMAT = "lowbit-artifact"

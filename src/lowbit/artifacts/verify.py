@@ -9,7 +9,7 @@ from typing import NamedTuple
 
 from lowbit.artifacts.manifest import load_manifest, sha256_file
 from lowbit.artifacts.writer import list_files
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 OK = "OK"
 FAILED = "FAILED"  # listed, present, but bytes differ (size or sha256), or no longer a regular file

@@ -43,7 +43,7 @@ from lowbit.artifacts.manifest import (
     library_versions,
     sha256_file,
 )
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 STAGING_RE = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)")
 

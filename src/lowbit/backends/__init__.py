@@ -2,8 +2,8 @@
 
 A backend registers once, in its own module, with the capability rules it has and nothing else:
 
-    torch-stream    lowbit.kv.attention        online softmax over streamed tiers (prefill + decode): the reference
-    triton-decode   lowbit.kernels.decode_backend   fused split-K decode kernel over the packed middle
+    torch-stream    lowbit.backends.torch_stream        online softmax over streamed tiers (prefill + decode): the reference
+    triton-decode   lowbit.backends.triton_decode   fused split-K decode kernel over the packed middle
     vllm-slot       lowbit.vllm_plugin.slot    one packed cell per (token, KV head) in vLLM's paged cache
     fake-quant      lowbit.eval.layer_error    teacher-forced evaluation on dequantized K/V (no cache)
 
@@ -19,11 +19,11 @@ import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 STEPS = ("prefill", "decode", "paged", "fake-quant")
 # Modules that register a backend when imported (kept here so the registry can list every backend).
-_MODULES = ("lowbit.kv.attention", "lowbit.kernels.decode_backend", "lowbit.vllm_plugin.slot", "lowbit.eval.layer_error")
+_MODULES = ("lowbit.backends.torch_stream", "lowbit.backends.triton_decode", "lowbit.vllm_plugin.slot", "lowbit.eval.layer_error")
 
 
 @dataclass(frozen=True)

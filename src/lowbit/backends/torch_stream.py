@@ -28,7 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 ATTENTION_NAME = "lowbit"
 _slot = threading.local()
@@ -269,7 +269,7 @@ def _stream_supports(layer, step: str, device: str) -> str | None:
 
 
 def _register_backend():
-    from lowbit.kv.backends import Backend, register
+    from lowbit.backends import Backend, register
 
     return register(Backend("torch-stream", ("prefill", "decode"), _stream_supports, stream_layer, module=__name__))
 

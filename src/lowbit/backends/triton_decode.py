@@ -4,7 +4,7 @@ Every capability rule of the kernel lives here once (the kernel's own argument c
 export and the cache ask these functions). This module does not import Triton: a plan can be resolved
 and printed on a machine without it; `run` imports the kernel.
 
-Two kernels (lowbit.kernels.decode_attention, lowbit.kernels.decode_geometry):
+Two kernels (lowbit.kernels.attention.tiers, lowbit.kernels.attention.geometry):
     head_dim in KERNEL_HEAD_DIMS (64/128/256): the word-trick kernel, group = D or D/2 (tiling_reason);
     other head dims (K192/V128, 512, ...): the chunked geometry kernel (geo_tiling_reason: chunks of
         gcd(packed row bytes, group) >= 16 dims, V a power of two);
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.kv.backends import Backend, register
+from lowbit.backends import Backend, register
 
 NAME = "triton-decode"
 KERNEL_BITS = (2, 4, 8)
@@ -47,7 +47,7 @@ def tiling_reason(bits: int, head_dim: int, group: int) -> str | None:
 
 
 def geo_tiling_reason(bits: int, head_dim: int, group: int, *, value: bool = False) -> str | None:
-    """Why the geometry kernel (lowbit.kernels.decode_geometry) has no tiling for `bits`-bit codes of
+    """Why the geometry kernel (lowbit.kernels.attention.geometry) has no tiling for `bits`-bit codes of
     `head_dim` in groups of `group` (None: it has). A packed row of S = head_dim*bits/8 bytes is cut into
     chunks of W = gcd(S, group) dims (one byte range, one group); W must be >= 16 (the MMA's K), the group
     a power of two dividing head_dim; `value` rows are also accumulated whole: a power of two <= 1024."""
@@ -68,7 +68,7 @@ def geo_tiling_reason(bits: int, head_dim: int, group: int, *, value: bool = Fal
 
 
 def _vq_reason(which: str, codec) -> str | None:
-    """Why lowbit.kernels.decode_vq cannot read tensor `which` of a layer with VQ rows (None: it can)."""
+    """Why lowbit.kernels.attention.vq cannot read tensor `which` of a layer with VQ rows (None: it can)."""
     D = codec.head_dim
     if D < 16 or D & (D - 1):
         return f"{which} head_dim {D} (the VQ decode kernel takes power-of-two head dims >= 16)"
@@ -83,7 +83,7 @@ def _vq_reason(which: str, codec) -> str | None:
 
 def codec_reason(which: str, codec, vq_layer: bool = False) -> str | None:
     """Why the kernel cannot read tensor `which` ("K"/"V") stored by `codec` (a lowbit.kv.codec.TensorCodec).
-    vq_layer: the other tensor of the layer is VQ or has a residual, so lowbit.kernels.decode_vq reads this one too."""
+    vq_layer: the other tensor of the layer is VQ or has a residual, so lowbit.kernels.attention.vq reads this one too."""
     if not codec.quantized:
         return f"{which} is stored at 16 bits (the kernel reads packed codes)"
     if codec.tq.axis != "token":
@@ -142,7 +142,7 @@ def supports(layer, step: str, device: str) -> str | None:
 
 def reads_with_decode_vq(layer) -> bool:
     """Whether K or V of the layer (a LayerPlan or QuantizedKVLayer: .k/.v or .k_codec/.v_codec) holds VQ rows
-    or a 1-bit residual: lowbit.kernels.decode_vq reads those, decode_attention does not."""
+    or a 1-bit residual: lowbit.kernels.attention.vq reads those, decode_attention does not."""
     cs = (getattr(layer, "k_codec", None) or layer.k, getattr(layer, "v_codec", None) or layer.v)
     return any(c.quantized and (c.vq is not None or c.residual is not None) for c in cs)
 
@@ -177,7 +177,7 @@ def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
 
     qg [B, Hkv, G, 1, D] rotated queries. Returns [B, Hkv, G, 1, Dv] float32.
     """
-    from lowbit.kernels.decode_attention import decode_attention
+    from lowbit.kernels.attention.tiers import decode_attention
 
     if layer.shared:
         return run_shared(layer, qg, scaling)
@@ -209,9 +209,9 @@ def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
 
 
 def run_vq(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Decode step of a layer with VQ rows or a 1-bit residual through lowbit.kernels.decode_vq (a scalar tensor too).
+    """Decode step of a layer with VQ rows or a 1-bit residual through lowbit.kernels.attention.vq (a scalar tensor too).
     qg [B, Hkv, G, 1, D] rotated queries -> [B, Hkv, G, 1, Dv] float32."""
-    from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
+    from lowbit.kernels.attention.vq import MidTensor, decode_attention_vq
 
     view = layer.view()
     B, Hkv, G, _, D = qg.shape
@@ -249,7 +249,7 @@ def run_shared(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
     unrotate(V_t)[rest] * k_scale], so q . K_t = q[own] . k_own_t + rotate(q[rest] * k_scale, R_v) . V_t:
     the kernel gets q_lat = that rotated query (V's width) and q_pe = q[own]; its output is in V's
     rotated basis, which the cache takes back as for every layer. Returns [B, Hkv, G, 1, Dv] float32."""
-    from lowbit.kernels.decode_geometry import decode_attention_latent
+    from lowbit.kernels.attention.geometry import decode_attention_latent
     from lowbit.kv.rotations import rotate
 
     view = layer.view()

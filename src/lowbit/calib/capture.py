@@ -21,7 +21,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 try:  # transformers >= 5: masks are built per attention implementation
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask

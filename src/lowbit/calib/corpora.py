@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 # The README's default: relative to the current directory (the checkout's root, beside ../shared),
 # resolved when the text is loaded -- never from this file's location, which in a wheel is site-packages.

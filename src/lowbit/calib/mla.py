@@ -8,7 +8,7 @@ a forward pre-hook on each MLA module recomputes, from the same hidden states an
     query  float32 [B, H, T, rank + rope]   (q_nope W_uk | q_pe), the absorbed query
     key    [B, 1, T, rank + rope]           ([c_kv | k_pe]), one shared head
     value  [B, 1, T, rank]                  c_kv after kv_a_layernorm (what the latent cache quantizes)
-(lowbit.kv.families' own projections, so calibration and serving share one definition of the latent) and
+(lowbit.runtime.families' own projections, so calibration and serving share one definition of the latent) and
 calls the observer with them; the expanded call that follows from the same module is dropped. The model's
 outputs are transformers' own, unchanged. Scores q·k equal the expanded ones (absorption is exact), so the
 attention-weighted statistics (pv) are those of the real attention.
@@ -31,11 +31,11 @@ def latent_layers(geometry) -> set[int]:
 def latent_capture(model, observer, layers: set[int]) -> Iterator:
     """Within the block, the MLA modules of `layers` report their latent q/k/v to `observer` (see module
     docstring). Yields the observer to hand capture_attention: it drops those modules' expanded calls."""
-    from lowbit.kv.families import _is_mla, mla_latent_qkv, mla_project
+    from lowbit.runtime.families import _is_mla, mla_latent_qkv, mla_project
 
     mods = [m for m in model.modules() if _is_mla(m) and int(m.layer_idx) in layers]
     if len(mods) != len(layers):
-        from lowbit.errors import LowbitError
+        from lowbit.core.errors import LowbitError
 
         raise LowbitError(f"the geometry stores {len(layers)} MLA latent layers but the model has {len(mods)} MLA "
                           "attention modules there: calibrate with the model the geometry came from")

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 DEFAULT_TOKENS = 32768
 DEFAULT_SEQ_LEN = 1024
@@ -92,7 +92,7 @@ def _collect_text(loaded, data_spec: str, text: str, *, tokens: int, seq_len: in
         raise LowbitError(f"calibration data {data_spec}: {e}") from None
     t0 = time.time()
 
-    from lowbit.progress import bar
+    from lowbit.core.progress import bar
 
     pb = bar(len(windows), "calibrate", "seq", progress)
 

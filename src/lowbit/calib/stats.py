@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lowbit.calib.capture import allowed_mask
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 STATS_FILE = "stats.safetensors"
 META_FILE = "calibration.json"

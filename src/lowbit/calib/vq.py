@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kv.key_affine import map_keys
 from lowbit.kv.rotations import rotate
 from lowbit.quant import vq as vqm

@@ -27,10 +27,10 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from lowbit.device import resolve_device
+    from lowbit.core.device import resolve_device
 
     device = resolve_device(args.device).type  # no CUDA -> LowbitError; cpu runs the Triton interpreter
-    if device == "cpu" and not ({"lowbit.kernels.decode_attention", "lowbit.kernels.weight_gemm"} & set(sys.modules)) and os.environ.get(
+    if device == "cpu" and not ({"lowbit.kernels.attention.tiers", "lowbit.kernels.gemm.triton_gemm"} & set(sys.modules)) and os.environ.get(
             "TRITON_INTERPRET") != "1":
         # Triton reads TRITON_INTERPRET when the kernels are defined (import time): run the CPU audit
         # in a child process that has it, rather than letting the kernels fail on CPU tensors.
@@ -45,7 +45,7 @@ def run(args) -> int:
         return subprocess.call(cmd, env=env)
 
     if args.weights:
-        from lowbit.kernels.weight_audit import audit_weights, format_table as weight_table
+        from lowbit.kernels.gemm.check import audit_weights, format_table as weight_table
 
         rows, dispatch = audit_weights(device, log=print)
         print(weight_table(rows, dispatch))
@@ -55,7 +55,7 @@ def run(args) -> int:
                            "dispatch_after_audit": dispatch.table()}, f, indent=1)
         return 0 if all(r.ok for r in rows) else 1
 
-    from lowbit.kernels.audit import audit, format_table
+    from lowbit.tools.audit.attention import audit, format_table
 
     which = getattr(args, "kernel", "all")
     rows = audit(device, kernels=("decode_attention", "decode_geometry", "decode_vq")

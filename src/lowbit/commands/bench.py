@@ -12,7 +12,7 @@ import os
 import re
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 NAME = "bench"
 HELP = ("GPU benchmarks: `bench decode-attention` (the kernel vs bf16 SDPA flash), `bench decode` (end-to-end "
@@ -167,7 +167,7 @@ def run(args) -> int:
     if args.out:
         resolve_out(args.out, args.what, "")  # refuse an existing file before anything else
     if args.what == "gemm":
-        from lowbit.kernels import weight_bench
+        from lowbit.tools.bench import gemm as weight_bench
 
         gemm_sel = (tuple(x.strip() for x in args.schemes.split(",")) if args.schemes else weight_bench.BENCH_SCHEMES,
                     _ints(args.m) if args.m else None,
@@ -184,7 +184,7 @@ def run(args) -> int:
         print(f"wrote {path}")
         return 0
     if args.what == "serve-engine":
-        from lowbit.runtime import bench as e2e
+        from lowbit.tools.bench import runtime as e2e
 
         path = resolve_out(args.out, "serve_engine", torch.cuda.get_device_name(0))
         res = e2e.engine_load(args.geometry or "llama3-8b", _ints(args.concurrency), prompt_len=args.prompt_len,
@@ -194,7 +194,7 @@ def run(args) -> int:
         print(f"wrote {path}")
         return 0
     if args.what == "decode":
-        from lowbit.runtime import bench as e2e
+        from lowbit.tools.bench import runtime as e2e
 
         path = resolve_out(args.out, "decode_e2e", torch.cuda.get_device_name(0))
         res = e2e.run(args.geometry or "llama3-8b", _ints(args.batch), _ints(args.length),
@@ -204,7 +204,8 @@ def run(args) -> int:
         write_new(path, res)
         print(f"wrote {path}")
         return 0
-    from lowbit.kernels import bench, geo_bench
+    from lowbit.tools.bench import attention as bench
+    from lowbit.tools.bench import geometry as geo_bench
 
     geos = tuple(g.strip() for g in (args.geometry or "llama3-8b,gemma3-1b").split(","))
     bad = [g for g in geos if g not in bench.GEOMETRIES and g not in geo_bench.GEOMETRIES]
@@ -230,14 +231,14 @@ def run(args) -> int:
 
 
 def _images(args) -> int:
-    """`bench images`: lowbit.diffusion.bench.capacity_matrix (--steps = DDIM steps here)."""
+    """`bench images`: lowbit.tools.bench.diffusion.capacity_matrix (--steps = DDIM steps here)."""
     import json as _json
     import platform
 
     import torch
 
-    from lowbit.device import resolve_device
-    from lowbit.diffusion.bench import capacity_matrix
+    from lowbit.core.device import resolve_device
+    from lowbit.tools.bench.diffusion import capacity_matrix
 
     if not args.model:
         raise LowbitError("bench images needs --model (the unquantized diffusers pipeline directory)")

@@ -7,7 +7,7 @@ from pathlib import Path
 import torch
 
 from lowbit.calib.run import DEFAULT_SEQ_LEN, DEFAULT_SKIP, DEFAULT_TOKENS, calibrate
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 NAME = "calibrate"
 # the library: lowbit.calib.run (collect, calibrate, write_calibration, min_tokens, check_tokens_arg)
@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
     p.add_argument("--skip", type=int, default=DEFAULT_SKIP, help="leading positions per sequence left out of the "
                    f"statistics: the cache's sink, never quantized (default {DEFAULT_SKIP})")
-    from lowbit.flags import add_dtype
+    from lowbit.core.flags import add_dtype
 
     add_dtype(p, default="bf16", help="model dtype while capturing (the serving dtype; statistics are summed in float64)")
     p.add_argument("--no-score-weighted", action="store_true", help="skip the attention-weighted V covariance (faster)")
@@ -32,7 +32,7 @@ def add_arguments(p) -> None:
     p.add_argument("--out", required=True, help="new artifact directory")
     p.add_argument("--no-progress", action="store_true",
                    help="no progress bar (a line per eighth of the sequences instead; also when stderr is not a terminal)")
-    # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
+    # --threads: the global thread policy (lowbit.core.threads), added to every command by lowbit.cli
 
 
 def run(args) -> int:
@@ -46,11 +46,11 @@ def run(args) -> int:
     out = Path(args.out)
     if out.exists():
         raise LowbitError(f"{out} already exists; artifacts are never overwritten: choose a new --out")
-    from lowbit.flags import torch_dtype
+    from lowbit.core.flags import torch_dtype
 
     scheme = None
     if args.vq_for:
-        from lowbit.recipe import load_recipe
+        from lowbit.kv.scheme import load_recipe
 
         scheme = load_recipe(args.vq_for)  # a bad recipe fails before any model work
         if not (scheme.k.quantized and scheme.k.vq) and not (scheme.v.quantized and scheme.v.vq):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.generate import PROMPT, greedy_continuation
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.greedy import PROMPT, greedy_continuation
 from lowbit.models.load import is_cached, resolve
 from lowbit.models.registry import BUILTINS
 
@@ -34,7 +34,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--windows", type=int, default=2, help="windows to score (default 2)")
     parser.add_argument("--seq-len", type=int, default=None, help="tokens per window (default 2048, capped by context)")
     parser.add_argument("--data", default="stdlib", help="stdlib (default) | wikitext2 | PATH")
-    # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
+    # --threads: the global thread policy (lowbit.core.threads), added to every command by lowbit.cli
     parser.add_argument("--max-new-tokens", type=int, default=20, help="tokens of the greedy continuation (default 20)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 

@@ -9,10 +9,10 @@ chunks attend to quantized history as in serving. See lowbit.eval for the protoc
 
 from __future__ import annotations
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.eval.peers import PEERS
 from lowbit.eval.runner import DEFAULT_CHUNK, DEFAULT_SEQ_LEN, DEFAULT_WINDOWS, EvalOptions, run_eval
-from lowbit.kv.cli_args import add_kv_arguments
+from lowbit.commands._kv_flags import add_kv_arguments
 
 NAME = "eval"
 HELP = ("perplexity, KL and top-1 of KV-cache schemes and peers on the same windows (table, JSON, markdown, PNG); "
@@ -20,7 +20,7 @@ HELP = ("perplexity, KL and top-1 of KV-cache schemes and peers on the same wind
 
 
 def kv_flags(args) -> dict:
-    """The shared KV flags (lowbit.kv.cli_args) as parse_kv_scheme keywords; they apply to every --kv name."""
+    """The shared KV flags (lowbit.commands._kv_flags) as parse_kv_scheme keywords; they apply to every --kv name."""
     return {"group": args.group, "sink": args.sink, "recent": args.recent, "page": args.page, "clip": args.clip,
             "lloyd_max": bool(args.lloyd_max) or None, "rotation": args.rotation,
             "layer_bits": getattr(args, "layer_bits", None), "grid": getattr(args, "grid", None),
@@ -55,7 +55,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--windows", type=int, default=DEFAULT_WINDOWS,
                         help=f"consecutive windows to score (default {DEFAULT_WINDOWS})")
     parser.add_argument("--weights", default=None, help="compressed-tensors checkpoint directory to evaluate instead")
-    from lowbit.flags import add_dtype
+    from lowbit.core.flags import add_dtype
 
     add_dtype(parser, default="bf16", help="model dtype")
     parser.add_argument("--cache-dir", default=None, help="cache root for built-in models (default ~/.cache/lowbit)")
@@ -67,7 +67,7 @@ def add_arguments(parser) -> None:
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     parser.add_argument("--overwrite", action="store_true",
                         help="replace existing --json / --markdown / --plot files (default: refuse them before any work)")
-    # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
+    # --threads: the global thread policy (lowbit.core.threads), added to every command by lowbit.cli
     # --kv and the scheme flags shared with `lowbit generate`; here --kv takes a comma list
     add_kv_arguments(parser, kv_default="bf16")
     from lowbit.diffusion.cli_args import add_image_arguments

@@ -26,7 +26,7 @@ import shutil
 from dataclasses import replace
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.load import TOKENIZER_FILES, model_dir, model_name
 
 NAME = "export"
@@ -67,7 +67,7 @@ def run(args) -> int:
     from lowbit.artifacts import ArtifactWriter, sha256_file
     from lowbit.commands.serve import kv_scheme_from_args
     from lowbit.models.geometry import ModelGeometry
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.vllm_plugin import sidecar
 
     if args.kv is None and getattr(args, "recipe", None) is None:
@@ -95,7 +95,7 @@ def run(args) -> int:
     name = model_name(args.model)
     geometry = ModelGeometry.from_config(config, name=name)
     # group, rotation file + shapes, attention kinds, the plugin's rules: refuse before writing anything
-    from lowbit.kv import backends
+    from lowbit import backends
     from lowbit.kv.plan import resolve
 
     plan = resolve(scheme, geometry, device="cpu")

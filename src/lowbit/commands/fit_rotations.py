@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.rotation.fit_run import check_model, fit_and_save
 
 NAME = "fit-rotations"
@@ -30,7 +30,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=None, help="check the calibration was made on this model (name and weights sha256)")
     p.add_argument("--out", required=True, help="new rotation-set directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (none either when stderr is not a terminal)")
-    # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
+    # --threads: the global thread policy (lowbit.core.threads), added to every command by lowbit.cli
 
 
 def run(args) -> int:

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import sys
 
-from lowbit.device import resolve_device
-from lowbit.errors import LowbitError
-from lowbit.flags import torch_dtype
-from lowbit.generate import generate, read_prompt
-from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
+from lowbit.core.device import resolve_device
+from lowbit.core.errors import LowbitError
+from lowbit.core.flags import torch_dtype
+from lowbit.runtime.greedy import generate, read_prompt
+from lowbit.commands._kv_flags import add_kv_arguments, scheme_from_args
 
 NAME = "generate"
 HELP = "greedy generation with a quantized KV cache; prints the continuation and a memory summary"
@@ -28,7 +28,7 @@ def add_arguments(parser) -> None:
     src.add_argument("--prompt-file", help="UTF-8 file holding the prompt")
     parser.add_argument("--max-new-tokens", type=int, default=32, help="tokens to generate (default 32)")
     add_kv_arguments(parser)
-    from lowbit.flags import add_dtype
+    from lowbit.core.flags import add_dtype
 
     add_dtype(parser, default="fp32", help="model dtype")
     parser.add_argument("--device", default=None, help="cpu | cuda (default: cuda when available)")

@@ -6,7 +6,7 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 NAME = "layer-error"
 HELP = "per-layer attention-output error (dB) of each rotation (none, hadamard, fitted dirs) on held-out text"
@@ -41,7 +41,7 @@ def add_arguments(p) -> None:
 
 
 def build_scheme(args):
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
 
     s = parse_kv_scheme(args.kv, group=args.group, sink=args.sink, recent=args.recent, clip=args.clip,
                         lloyd_max=args.lloyd_max, page=args.page)
@@ -55,7 +55,7 @@ def build_scheme(args):
 def _variant_rotations(spec: str, geometry) -> tuple[str, dict]:
     """(name, layer -> (R_k, R_v)) for 'none' | 'hadamard' | a RotationSet dir, resolved by the plan's loader."""
     from lowbit.kv.plan import load_rotations
-    from lowbit.recipe import RotationRef
+    from lowbit.kv.scheme import RotationRef
 
     rot = spec if spec in ("none", "hadamard") else RotationRef(spec)
     r = load_rotations(rot, geometry)

@@ -13,7 +13,7 @@ HELP = "resolve a KV recipe for a model and print per layer: window, K/V bits an
 
 
 def add_arguments(p) -> None:
-    from lowbit.kv.cli_args import add_kv_arguments
+    from lowbit.commands._kv_flags import add_kv_arguments
 
     p.add_argument("--model", required=True, help="built-in name or Hugging Face model directory (only its config is read)")
     add_kv_arguments(p)
@@ -25,7 +25,7 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from lowbit.kv.cli_args import scheme_from_args
+    from lowbit.commands._kv_flags import scheme_from_args
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import geometry_of
 

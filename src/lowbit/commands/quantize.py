@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.flags import add_dtype, deprecated, torch_dtype
+from lowbit.core.errors import LowbitError
+from lowbit.core.flags import add_dtype, deprecated, torch_dtype
 
 NAME = "quantize"
 HELP = ("quantize a model's linear weights (GPTQ, RTN or SignRound, optionally end-to-end scale tuning) and write a "
@@ -86,7 +86,7 @@ def add_arguments(p) -> None:
 
 
 def _device(name: str) -> torch.device:
-    from lowbit.device import resolve_device
+    from lowbit.core.device import resolve_device
 
     return resolve_device(name)
 

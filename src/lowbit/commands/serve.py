@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from lowbit.errors import LowbitError
-from lowbit.flags import add_dtype, torch_dtype, warn_deprecated
+from lowbit.core.errors import LowbitError
+from lowbit.core.flags import add_dtype, torch_dtype, warn_deprecated
 
 NAME = "serve"
 HELP = ("OpenAI-compatible server (/v1/completions, /v1/chat/completions, SSE streaming, /health, /metrics) "
@@ -13,15 +13,15 @@ HELP = ("OpenAI-compatible server (/v1/completions, /v1/chat/completions, SSE st
 
 
 def add_kv_flags(p) -> None:
-    """The KV scheme flags every command shares (lowbit.kv.cli_args); --kv defaults to the artifact's scheme."""
-    from lowbit.kv.cli_args import add_kv_arguments
+    """The KV scheme flags every command shares (lowbit.commands._kv_flags); --kv defaults to the artifact's scheme."""
+    from lowbit.commands._kv_flags import add_kv_arguments
 
     add_kv_arguments(p, kv_default=None)  # None: the artifact's sidecar scheme, else bf16
 
 
 def kv_scheme_from_args(args):
-    """KVScheme from the shared flags (lowbit.kv.cli_args), or None when neither --kv nor --recipe was given."""
-    from lowbit.kv.cli_args import scheme_from_args
+    """KVScheme from the shared flags (lowbit.commands._kv_flags), or None when neither --kv nor --recipe was given."""
+    from lowbit.commands._kv_flags import scheme_from_args
 
     if args.kv is None and args.recipe is None:
         given = [f for f in ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid")
@@ -75,7 +75,7 @@ def add_arguments(p) -> None:
                         "layer, 22-84 s a bucket, a slower step (Llama-3-8B int2 on an H200: B1 5.8 vs 5.3 ms, "
                         "B16 9.8 vs 9.2 ms)")
     add_dtype(p, default="fp32", help="model dtype (fp32 is fastest on most CPUs)")
-    # --threads: the global thread policy (lowbit.threads), added to every command by lowbit.cli
+    # --threads: the global thread policy (lowbit.core.threads), added to every command by lowbit.cli
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="level of lowbit's and uvicorn's logs (default warning; debug adds uvicorn's access log)")
     p.add_argument("--no-request-log", action="store_true",
@@ -120,7 +120,7 @@ def run(args) -> int:
     require_serve_extra()  # before the model loads: a missing package fails in a second
     import torch
 
-    from lowbit.serve.runtime import load_runtime
+    from lowbit.serve.loader import load_runtime
     from lowbit.serve.server import bind, build, serve_forever, url_of
 
     logging.basicConfig(level=getattr(logging, args.log_level.upper()), format="%(levelname)s %(name)s: %(message)s")
@@ -136,7 +136,7 @@ def run(args) -> int:
             raise LowbitError(f"--threads {args.threads}: need at least 1")
         torch.set_num_threads(args.threads)
     try:
-        from lowbit.device import resolve_device
+        from lowbit.core.device import resolve_device
 
         device = resolve_device(args.device)
         scheme = kv_scheme_from_args(args)

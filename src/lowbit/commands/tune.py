@@ -14,7 +14,7 @@ import json
 import sys
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 NAME = "tune"
 HELP = "choose per-layer K/V bits within a held-bits budget by measured loss; writes a recipe TOML"
@@ -69,7 +69,7 @@ def check(args):
     from lowbit.eval.runner import model_context
     from lowbit.eval.tune import GRIDS, smallest_held
     from lowbit.kv.held import DEFAULT_CONTEXT
-    from lowbit.recipe import LevelsRef, RotationRef, parse_kv_scheme
+    from lowbit.kv.scheme import LevelsRef, RotationRef, parse_kv_scheme
 
     try:
         budgets = [float(b) for b in str(args.budget).split(",") if b.strip()]

@@ -1,6 +1,6 @@
 """`lowbit validate ARTIFACT`: stages 1-4 (CPU checks, kernel audit, smoke, accuracy), stopping at the first failure.
 
-The stages, what each checks per artifact kind and the report live in lowbit.artifacts.validate;
+The stages, what each checks per artifact kind and the report live in lowbit.tools.validate;
 this module only parses the flags. Prints a table; `--json OUT` also writes the report (with its
 provenance) to a new file. Exit 0: every asked stage passed; 1: a stage failed (the table and the
 report say which); 2: bad input (no manifest, an existing --json path, ...), nothing written.
@@ -14,7 +14,7 @@ HELP = ("validate an artifact in stages (1 CPU checks, 2 kernel audit, 3 load+de
 
 
 def add_arguments(p) -> None:
-    from lowbit.artifacts.validate import DEFAULT_MAX_KL, DEFAULT_MAX_PPL_INCREASE, DEFAULT_ROTATION_KV
+    from lowbit.tools.validate import DEFAULT_MAX_KL, DEFAULT_MAX_PPL_INCREASE, DEFAULT_ROTATION_KV
 
     p.add_argument("artifact", metavar="ARTIFACT",
                    help="artifact directory: `lowbit export --for vllm` output, a `lowbit quantize` checkpoint, "
@@ -40,8 +40,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from lowbit.artifacts.validate import Options, format_report, parse_stages, validate, write_report
-    from lowbit.device import resolve_device
+    from lowbit.tools.validate import Options, format_report, parse_stages, validate, write_report
+    from lowbit.core.device import resolve_device
 
     device = resolve_device(args.device).type  # None -> cuda if present; cuda without CUDA -> one line
     opts = Options(artifact=args.artifact, model=args.model, base=args.base, device=device,

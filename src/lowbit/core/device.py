@@ -6,7 +6,7 @@ Without it `--device cuda` on a machine with no GPU (or a CPU-only torch) surfac
 
 from __future__ import annotations
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 NO_CUDA = "CUDA is not available on this machine; use --device cpu"
 

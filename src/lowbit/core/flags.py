@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 DTYPE_NAMES = ("bf16", "fp16", "fp32")
 # spellings accepted for one release, each with a deprecation line

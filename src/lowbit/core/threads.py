@@ -10,7 +10,7 @@ own default of one thread per core) is faster for GPTQ, calibration and serving.
     lowbit --threads 4 eval ...      # global flag, before the command
     lowbit eval --threads 4 ...      # the same flag after the command (it wins if both are given)
 
-cli.main applies the policy once, before any command runs (lowbit.threads.apply); commands read
+cli.main applies the policy once, before any command runs (lowbit.core.threads.apply); commands read
 the effective count from args.threads. GPU work is not affected (it sets CPU threads only).
 """
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 THRESHOLD_FLAGS = {"opaque_min": "--opaque-min", "opaque_max": "--opaque-max", "std_min": "--std-min",
                    "flat_max": "--flat-max", "tile_energy_max": "--tile-energy-max", "psnr_min": "--psnr-min"}

@@ -16,7 +16,7 @@ import hashlib
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 NUM_CLASSES = 10
 CHANNELS = 4  # R, G, B, A

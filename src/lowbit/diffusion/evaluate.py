@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from lowbit.diffusion.gate import DEFAULTS, Thresholds, calibrate, failures, image_metrics, seed_band
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -76,7 +76,7 @@ def check_options(o: ImageEvalOptions) -> None:
         raise LowbitError(f"image dtype {o.dtype!r}: use one of {', '.join(DTYPES)}")
     if o.batch is not None and o.batch < 1:
         raise LowbitError(f"--batch {o.batch} must be >= 1")
-    from lowbit.device import resolve_device
+    from lowbit.core.device import resolve_device
 
     resolve_device(o.device)
     ref = Path(o.model)

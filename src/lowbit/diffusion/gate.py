@@ -39,7 +39,7 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 FLAT_EPS = 0.02  # std (in [0, 1] units) under which a tile counts as constant
 PSNR_CAP = 100.0

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 KINDS = ("nan", "zero")
 

@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.scheme import WeightScheme
 
 DEFAULT_IGNORE = ("proj_out_2",)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 ARTIFACT_KIND = "diffusers-pipeline"
 SAMPLE_SEEDS = tuple(range(8))
@@ -135,7 +135,7 @@ def _lr_at(cfg: TrainConfig, k: int) -> float:
 def train_model(cfg: TrainConfig, *, progress: bool | None = None, log_every: int = 250):
     """Train; returns (EMA transformer in eval mode, sampling scheduler, stats dict)."""
     from lowbit.diffusion.data import digits_rgba
-    from lowbit.progress import bar
+    from lowbit.core.progress import bar
 
     cfg.check()
     images, labels = digits_rgba(cfg.size)

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lowbit.calib.capture import allowed_mask, capture_attention
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.rotations import rotate, unrotate
 
@@ -43,7 +43,7 @@ from lowbit.kv.rotations import rotate, unrotate
 class Variant:
     """One way to hold the KV cache.
 
-    scheme: lowbit.recipe.KVScheme (bits, axis, group, clip, lloyd_max, sink, recent, page)
+    scheme: lowbit.kv.scheme.KVScheme (bits, axis, group, clip, lloyd_max, sink, recent, page)
     rot:    layer -> (R_k, R_v), each None, [D, D] or [H_kv, D, D]
     levels: layer -> (levels_k, levels_v) fitted Lloyd-Max codebooks (None: Gaussian-optimal)
     clip:   layer -> (clip_k, clip_v) per-layer clip ratios overriding the scheme's
@@ -284,7 +284,7 @@ def _fake_quant_supports(layer, step: str, device: str) -> str | None:
 
 
 def _register_backend():
-    from lowbit.kv.backends import Backend, register
+    from lowbit.backends import Backend, register
 
     return register(Backend("fake-quant", ("fake-quant",), _fake_quant_supports, dequantized_kv, module=__name__))
 

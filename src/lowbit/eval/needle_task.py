@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 DEFAULT_LENGTHS = (1024, 2048)
 DEFAULT_NEW_TOKENS = 12
@@ -222,7 +222,7 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
     if tokenizer is None:
         raise LowbitError(f"{o.model} has no tokenizer; the needle task needs one")
     fixed = check_fits(tokenizer, lengths, ctx)
-    from lowbit.recipe import DEFAULT_RECENT
+    from lowbit.kv.scheme import DEFAULT_RECENT
 
     entries = build_entries(schemes, peers, geometry, DEFAULT_RECENT)
     for e in entries:  # a peer that cannot run on this model (a missing package, sliding layers) is named, not skipped
@@ -275,7 +275,7 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
     for p in peers:
         if kinds[p] == "hf-quantized":  # transformers' QuantizedCache: no lowbit scheme to count (its PPL row has its bits)
             continue
-        from lowbit.recipe import parse_kv_scheme
+        from lowbit.kv.scheme import parse_kv_scheme
 
         held[p] = {str(L): held_bits(parse_kv_scheme(p), L, geometry=geometry, chunk=o.chunk).bits for L in lengths}
     report = build_needle_report(o, res, entries, model_info, held, seconds, rows, fixed, len(haystack))

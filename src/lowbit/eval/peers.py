@@ -7,7 +7,7 @@ token quantized in K and V on every layer counts 2 * layers * kv_heads rows.
 
   bf16             transformers DynamicCache (built with the model config, so sliding layers keep
                    their window); the reference every KL / top-1 / ΔPPL is measured against
-  lowbit schemes   QuantizedKVCache with a KVScheme (lowbit.kv, lowbit.recipe)
+  lowbit schemes   QuantizedKVCache with a KVScheme (lowbit.kv, lowbit.kv.scheme)
   kivi2, kivi4     lowbit recipes: K per channel, V per token, group 32, recent 128, no sink
   hf-quanto-int2/4 transformers QuantizedCache, backend quanto (optimum-quanto)
   hf-hqq-int2/4    transformers QuantizedCache, backend hqq
@@ -243,7 +243,7 @@ def lowbit_entry(label: str, scheme, geometry, *, kind: str = "lowbit") -> Entry
     plans = {"cpu": resolve(scheme, geometry, device="cpu")}
 
     def make(model):
-        from lowbit.kv.cache import QuantizedKVCache, model_device
+        from lowbit.runtime.cache import QuantizedKVCache, model_device
 
         dev = model_device(model)
         if dev not in plans:
@@ -252,4 +252,4 @@ def lowbit_entry(label: str, scheme, geometry, *, kind: str = "lowbit") -> Entry
 
     return Entry(name=label, kind=kind, make_cache=make, account=lowbit_cache_accounting,
                  quantizes=bool(scheme.quantized), attention="lowbit",
-                 config={"cache": "lowbit.kv.QuantizedKVCache", "describe": scheme.describe(), **scheme.to_dict()})
+                 config={"cache": "lowbit.runtime.cache.QuantizedKVCache", "describe": scheme.describe(), **scheme.to_dict()})

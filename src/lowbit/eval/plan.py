@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.eval.peers import PEERS, REFERENCE
 
 
@@ -42,13 +42,13 @@ def plan_schemes(kv_text: str | None, flags: dict | None = None, recipe: str | N
                  model: str | None = None) -> list[PlannedScheme]:
     """Parse --kv into schemes; the bf16 reference comes first (added when not listed).
 
-    flags: keyword arguments for lowbit.recipe.parse_kv_scheme (group, sink, recent, clip, lloyd_max,
+    flags: keyword arguments for lowbit.kv.scheme.parse_kv_scheme (group, sink, recent, clip, lloyd_max,
     rotation, page, symmetric, layer_bits, grid), applied to every scheme name. recipe: a --recipe file, one more row
     (named by the file's stem), or a recipe shipped in the package by name (MODEL@BUDGET, row named so; also
     accepted as a --kv item). model: the --model, against which a recipe's [tune] model is checked.
     Unknown names raise LowbitError.
     """
-    from lowbit.recipe import load_recipe, parse_kv_scheme
+    from lowbit.kv.scheme import load_recipe, parse_kv_scheme
     from lowbit.recipes import looks_like_name, recipe_model, shipped_path
 
     def recipe_row(label: str, p: Path) -> PlannedScheme:

@@ -18,7 +18,7 @@ import os
 import platform
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 SCHEMA_VERSION = 1
 RESULT_KEYS = ("scheme", "kind", "status", "config", "ppl", "delta_ppl_pct", "delta_ppl_se_pct", "kl", "top1", "bits_per_elt",

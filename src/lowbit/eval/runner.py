@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.eval.plan import plan_peers, plan_schemes
 
 DEFAULT_SEQ_LEN = 2048
@@ -110,7 +110,7 @@ def check_options(o: EvalOptions):
 def check_quantizes(schemes, peers, seq_len: int, ctx: int | None, model: str) -> None:
     """Refuse, before loading anything, a window too short for a quantizing row to quantize any token:
     its sink + recent tiers (model dtype) would hold the whole window and the row would measure bf16."""
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
 
     rows = [(s.label, s.scheme, False) for s in schemes if s.scheme is not None]
     rows += [(p, parse_kv_scheme(p), True) for p in peers if not p.startswith("hf-")]
@@ -215,7 +215,7 @@ def build_entries(schemes, peers, geometry, recent: int):
     """Entries in table order: reference, --kv schemes, then peers. Each lowbit scheme is validated
     against the geometry here (before any forward)."""
     from lowbit.eval.peers import hf_quantized_entry, lowbit_entry, reference_entry
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
 
     entries = []
     for s in schemes:
@@ -264,7 +264,7 @@ def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
         windows = token_windows(tokenizer, text, seq_len, o.windows)
     recent = next((s.scheme.recent for s in schemes if s.scheme is not None), None)
     if recent is None:
-        from lowbit.recipe import DEFAULT_RECENT
+        from lowbit.kv.scheme import DEFAULT_RECENT
 
         recent = o.kv_flags.get("recent") or DEFAULT_RECENT
     entries = build_entries(schemes, peers, geometry, recent)

@@ -28,10 +28,10 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 BITS = (2, 4, 8)
-# 2-bit grid candidates. "scale-only": the std grid with no zero stored (lowbit.recipe.TensorQuant zero
+# 2-bit grid candidates. "scale-only": the std grid with no zero stored (lowbit.kv.scheme.TensorQuant zero
 # "none"): int2 at group 64 costs 2.25 b/elt instead of 2.5, so the budget left buys more 4-bit tensors.
 # "scale-only-mse": the same storage, each group's step searched for the least squared error at write time
 # (TensorQuant grid "mse"; read exactly as scale-only, so the fused kernel serves it).
@@ -48,7 +48,7 @@ DEFAULT_ROTATIONS = ("hadamard",)
 def base_scheme(rotation, grid: str, *, sink=None, recent=None, page=None, codebooks=None):
     """The all-2-bit scheme of a base (rotation, 2-bit grid). codebooks: the LevelsRef of the VQ codebooks
     (grid "vq" only)."""
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
 
     if grid not in GRIDS:
         raise LowbitError(f"2-bit grid {grid!r} unknown; use {', '.join(GRIDS)}")
@@ -211,7 +211,7 @@ def _variants(geometry, rotations, grids, tiers, codebooks=None):
     (LevelsRef, {layer: (cb_k, cb_v)}) for the vq grid."""
     from lowbit.eval.layer_error import Variant
     from lowbit.kv.plan import load_rotations
-    from lowbit.recipe import _with_bits, parse_kv_scheme
+    from lowbit.kv.scheme import _with_bits, parse_kv_scheme
 
     out = []
     for r in rotations:
@@ -268,7 +268,7 @@ def measure(lm, calib, *, rotations=DEFAULT_ROTATIONS, grids=DEFAULT_GRIDS, sink
         if codebooks is None:
             raise LowbitError("the vq grid needs fitted codebooks: pass --codebooks DIR (lowbit calibrate --vq-for)")
         loaded, sha = load_levels(codebooks, geometry)
-        from lowbit.recipe import LevelsRef
+        from lowbit.kv.scheme import LevelsRef
 
         cbs = (LevelsRef(codebooks.path, sha), {i: (d.get("k"), d.get("v")) for i, d in loaded.items()})
     variants = _variants(geometry, rotations, grids, tiers, cbs)

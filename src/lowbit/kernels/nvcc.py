@@ -1,4 +1,4 @@
-"""Build and cache lowbit's CUDA C++ libraries (kernels/cuda/*.cu) with nvcc; one home for every CUDA source.
+"""Build and cache lowbit's CUDA C++ libraries (kernels/*/cuda/*.cu) with nvcc; one home for every CUDA source.
 
     path = build(source, "sm_90a")       compiled now unless the cache has it
     cache_path(source, "sm_90a")         where that library lives (placeable from another machine)
@@ -20,7 +20,7 @@ import tempfile
 import threading
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 NVCC: str | None = None  # None: `nvcc` on PATH, else /usr/local/cuda/bin/nvcc (tests point it elsewhere)
 FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC")

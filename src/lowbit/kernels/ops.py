@@ -2,9 +2,9 @@
 
     decode_attention_tiers(q, <packed middle>, mid_lens, <sink>, <recent>, k_bits, v_bits, sm_scale,
                            k_centre, v_centre)
-        the fused decode kernel (lowbit.kernels.decode_attention) over sink / packed middle / recent
+        the fused decode kernel (lowbit.kernels.attention.tiers) over sink / packed middle / recent
     decode_attention_vq_tiers(q, <VQ middle + codebooks>, mid_lens, <sink>, <recent>, ..., <residuals>)
-        the same for a layer with VQ rows or a 1-bit residual (lowbit.kernels.decode_vq)
+        the same for a layer with VQ rows or a 1-bit residual (lowbit.kernels.attention.vq)
     packed_linear(x, key)
         a QuantLinear's CUDA weight kernels (lowbit.weights.qlinear), the module found by `key`
         (register_packed_linears gives every packed QuantLinear of a model its key)
@@ -21,7 +21,7 @@ from typing import Optional
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 # ------------------------------------------------------------------ the fused decode kernel
@@ -36,10 +36,10 @@ def decode_attention_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torch.T
                         recent_k: torch.Tensor, recent_v: torch.Tensor, recent_lens: torch.Tensor,
                         k_bits: int, v_bits: int, sm_scale: float,
                         k_centre: float, v_centre: float) -> torch.Tensor:
-    """q [B, Hq, D] over sink / packed middle / recent -> [B, Hq, Dv] (lowbit.kernels.decode_attention).
+    """q [B, Hq, D] over sink / packed middle / recent -> [B, Hq, Dv] (lowbit.kernels.attention.tiers).
     An empty middle (k_codes with 0 rows) is no middle tier. Scale-only groups (zero 'none'): k_zero None
     and k_centre the centre code (likewise V); with a stored zero the centre is 0.0."""
-    from lowbit.kernels.decode_attention import decode_attention
+    from lowbit.kernels.attention.tiers import decode_attention
 
     has_mid = k_codes.shape[2] > 0
     mid = (k_codes, k_scale, k_zero, v_codes, v_scale, v_zero) if has_mid else (None,) * 6
@@ -72,10 +72,10 @@ def decode_attention_vq_op(q: torch.Tensor, k_codes: torch.Tensor, k_scale: torc
                            k_rbits: Optional[torch.Tensor] = None, k_rgain: Optional[torch.Tensor] = None,  # noqa: UP045
                            v_rbits: Optional[torch.Tensor] = None, v_rgain: Optional[torch.Tensor] = None,  # noqa: UP045
                            ) -> torch.Tensor:
-    """q [B, Hq, D] over sink / VQ middle / recent -> [B, Hq, Dv] (lowbit.kernels.decode_vq): a tensor with a
+    """q [B, Hq, D] over sink / VQ middle / recent -> [B, Hq, Dv] (lowbit.kernels.attention.vq): a tensor with a
     codebook is VQ rows, one without is scale-only scalar groups with its centre code; rbits / rgain: its 1-bit
     residual (lowbit.quant.residual), if any."""
-    from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
+    from lowbit.kernels.attention.vq import MidTensor, decode_attention_vq
 
     has_mid = k_codes.shape[2] > 0
     mids = (MidTensor(k_codes, k_scale, k_bits, k_codebook, k_centre, k_rbits, k_rgain),
@@ -117,7 +117,7 @@ def register_packed_linears(model) -> int:
 @torch.library.custom_op("lowbit::packed_linear", mutates_args=())
 def packed_linear_op(x: torch.Tensor, key: int) -> torch.Tensor:
     """x [M, K] -> [M, N] through the registered QuantLinear's packed weight (its dispatch or the twin)."""
-    from lowbit.kernels import weight_gemm
+    from lowbit.kernels.gemm import triton_gemm as weight_gemm
 
     m = _PACKED[key]
     return weight_gemm.linear_twin(x, m.packed) if m.dispatch == "twin" else m.dispatch.linear(x, m.packed)
@@ -133,5 +133,5 @@ def traced_packed_linear(module, x2: torch.Tensor) -> torch.Tensor:
     key = getattr(module, "_lowbit_op_key", None)
     if key is None:
         raise LowbitError("a packed QuantLinear was traced by torch.compile without a kernel op key; call "
-                          "lowbit.runtime.ops.register_packed_linears(model) before compiling")
+                          "lowbit.kernels.ops.register_packed_linears(model) before compiling")
     return packed_linear_op(x2.contiguous(), key)  # the kernels take rows contiguous

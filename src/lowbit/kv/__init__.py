@@ -1,16 +1,14 @@
-"""The quantized KV cache: a transformers Cache with sink / packed middle / recent tiers.
+"""The quantized KV cache's format: what a scheme says, how one tensor is stored, and the per-layer plan.
 
-    cache.py      QuantizedKVCache (the Cache), hand-off to the attention, decode-kernel hook
-    layer.py      QuantizedKVLayer (tiers of one layer), TierView (what an attention backend reads)
+    scheme.py     KVScheme / TensorQuant: what a KV recipe is (parse, describe, validate)
     codec.py      TensorCodec: the one quantizer (quantize -> pack) and its decoder
-    attention.py  the "lowbit" attention function (online-softmax over streamed tiers), masks
-    rotations.py  per-layer / per-head rotations: resolve, rotate, fold V's into weights
+    layer.py      QuantizedKVLayer (tiers of one layer), TierView (what an attention backend reads)
+    key_affine.py per-channel key affine maps (apply; fitting is calib's)
+    rotations.py  per-layer / per-head rotations: resolve, rotate, un-rotate
+    plan.py       resolve a scheme against a model's geometry once: per layer codecs, rotations, backends
+    held.py       held bits: what the cache holds at a stated context
     memory.py     memory accounting from the live tensors
-    cli_args.py   the KV flags shared by generate / eval / serve
+
+The cache itself (the transformers Cache) is lowbit.runtime.cache; the attention over its tiers is the
+torch-stream backend (lowbit.backends.torch_stream). Nothing is imported here.
 """
-
-from lowbit.kv.attention import install_attention, lowbit_attention
-from lowbit.kv.cache import QuantizedKVCache
-from lowbit.kv.layer import QuantizedKVLayer, TierView
-
-__all__ = ["QuantizedKVCache", "QuantizedKVLayer", "TierView", "install_attention", "lowbit_attention"]

@@ -203,7 +203,7 @@ def held_bits(plan_or_scheme, context: int | None = None, *, geometry=None, chun
               dense_bits: int = 16) -> HeldBits:
     """Held bits of a resolved Plan (or a KVScheme + geometry, resolved here) at `context` tokens
     (default DEFAULT_CONTEXT) fed `chunk` at a time (1: a decode-built context; 128: lowbit eval's)."""
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
 
     plan = plan_or_scheme
     if not hasattr(plan, "layers") or not hasattr(plan, "geometry"):

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 KIND = "kv-key-affine"
 FILE_NAME = "key_affine.safetensors"
@@ -181,7 +181,7 @@ def select(model, windows: torch.Tensor, maps: dict[int, KeyAffine], geometry, *
     plain rotation. Returns (kept maps, {layer: (dB plain, dB mapped)})."""
     from lowbit.eval.layer_error import Variant, measure_layers
     from lowbit.kv.plan import load_rotations
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
 
     sch = parse_kv_scheme(scheme) if isinstance(scheme, str) else scheme
     rots = load_rotations(base, geometry).per_layer
@@ -395,7 +395,7 @@ def main(argv=None) -> int:
     maps = fit(lm.model, windows, alpha=a.alpha, skip=a.skip, center=not a.no_center, shift_only=a.shift_only)
     evidence = {}
     if not a.no_select:  # measured on Hadamard when the base is fitted (its rotations depend on the kept maps)
-        from lowbit.recipe import parse_kv_scheme
+        from lowbit.kv.scheme import parse_kv_scheme
 
         maps, evidence = select(lm.model, windows, maps, lm.geometry, scheme=parse_kv_scheme("int2", zero=a.zero),
                                 base="hadamard" if a.base == "fitted" else a.base)

@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.key_affine import map_keys
 from lowbit.kv.rotations import rotate
@@ -103,7 +103,7 @@ class QuantizedKVLayer(CacheLayerMixin):
             own = geometry.k_own_dims()
             self.k_own = torch.tensor(own, dtype=torch.long)
             self.k_rest = torch.tensor([d for d in range(geometry.head_dim_k) if d not in set(own)], dtype=torch.long)
-        # K = V layers: K[rest] = V[rest] * k_scale_v (the model's k_norm weight, set by lowbit.kv.families)
+        # K = V layers: K[rest] = V[rest] * k_scale_v (the model's k_norm weight, set by lowbit.runtime.families)
         self.k_scale_v: torch.Tensor | None = None
         # stream the middle in blocks of whole pages
         self.chunk_tokens = max(self.page, int(chunk_tokens) // self.page * self.page)

@@ -8,7 +8,7 @@
 Plan (frozen) holds, per layer (LayerPlan): the attention kind and window, the layer's scheme (its
 layer_bits override applied), the K and V codecs (bits, group, grid, axis, Lloyd-Max levels: the
 ONE quantizer, lowbit.kv.codec.TensorCodec), the rotations (float32 tensors, loaded and verified
-once; None = identity) and, per step kind, the backend chosen and why (lowbit.kv.backends). The
+once; None = identity) and, per step kind, the backend chosen and why (lowbit.backends). The
 plan's `scheme` is the input scheme with its RotationRef / LevelsRef pinned to the sha256 of what
 was opened, so a manifest that records `plan.scheme.to_dict()` names exactly what was served.
 """
@@ -20,10 +20,10 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kv import backends
+from lowbit.core.errors import LowbitError
+from lowbit import backends
 from lowbit.kv.codec import TensorCodec
-from lowbit.recipe import KVScheme, LevelsRef, RotationRef, TensorQuant, parse_kv_scheme
+from lowbit.kv.scheme import KVScheme, LevelsRef, RotationRef, TensorQuant, parse_kv_scheme
 
 DECODE_CHOICES = ("auto", "torch", "triton")
 _REQUESTED = {"torch": "torch-stream", "triton": "triton-decode"}
@@ -347,7 +347,7 @@ def _choose(lp: LayerPlan, requested: str, device: str) -> dict:
     elif why:
         out["decode"] = BackendChoice("torch-stream", why)
     else:
-        from lowbit.kernels.decode_backend import kernel_name
+        from lowbit.backends.triton_decode import kernel_name
 
         out["decode"] = BackendChoice("triton-decode", f"the fused kernel takes this layer ({kernel_name(lp)})")
     return out

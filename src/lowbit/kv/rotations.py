@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 def rotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 KV part
 -------
-`KVScheme` says how a `lowbit.kv.QuantizedKVCache` holds K and V:
+`KVScheme` says how a `lowbit.runtime.cache.QuantizedKVCache` holds K and V:
 
     sink    first S tokens of every layer, model dtype (attention sinks stay exact)
     middle  everything between sink and recent, packed codes + fp16 scale/zero per group
@@ -39,7 +39,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 KV_SCHEME_VERSION = 1
 KV_BITS = (2, 3, 4, 8, 16)
@@ -137,7 +137,7 @@ class TensorQuant:
     residual: None, "sign" or "qjl": one more bit per element, the sign of the base's error in a seeded random
           basis with one gain per row in scale_format (lowbit.quant.residual; TurboQuant's 1-bit stage): "sign"
           the least-squares gain, "qjl" the gain that makes q . x_hat unbiased. Costs 1 + scale bits / head_dim
-          per element on top of the base; scale-only per-token bases (scalar or VQ), which lowbit.kernels.decode_vq
+          per element on top of the base; scale-only per-token bases (scalar or VQ), which lowbit.kernels.attention.vq
           reads. A layer override names it after the width, "r" for sign and "q" for qjl ("k2rv2": K int2 + sign).
     """
 

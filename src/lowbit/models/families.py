@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 FAMILY_DIR = Path(__file__).parent / "configs" / "families"
 FAMILIES = ("deepseek-v3", "kimi-k2", "gemma4-text", "qwen2.5-vl-7b")

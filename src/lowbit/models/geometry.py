@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 # HF layer_types value -> our attention kind
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -340,7 +340,7 @@ def geometry_of(name_or_dir) -> ModelGeometry:
     import os
     from pathlib import Path
 
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
     from lowbit.models.registry import BUILTINS, get_builtin
 
     key = os.fspath(name_or_dir)

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.registry import BUILTINS, BuiltinModel, get_builtin
 

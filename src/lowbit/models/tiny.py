@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.models.registry import get_builtin
 
 # Default depth per built-in: the smallest that shows every attention kind of the real model.

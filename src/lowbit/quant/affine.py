@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 BITS = (2, 3, 4, 8)
 DEFAULT_CLIP_RATIOS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.82, 0.78, 0.74, 0.70)
@@ -204,7 +204,7 @@ def centre(bits: int) -> float:
     return ((1 << int(bits)) - 1) * 0.5
 
 
-# Step multiples the "mse" grid (lowbit.recipe.TensorQuant grid "mse") tries per group around the std grid's step:
+# Step multiples the "mse" grid (lowbit.kv.scheme.TensorQuant grid "mse") tries per group around the std grid's step:
 # denser near 1, where most groups of rotated K/V land; wider above 1 for heavy-tailed groups.
 MSE_STEPS = (0.75, 0.85, 0.92, 1.0, 1.08, 1.16, 1.3, 1.45)
 

@@ -21,7 +21,7 @@ from statistics import NormalDist
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.quant.affine import grouped
 
 GAUSSIAN_BITS = (1, 2, 3, 4)

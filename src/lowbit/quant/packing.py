@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 BITS = (1, 2, 4, 8)  # 1: the sign bits of a 1-bit residual (lowbit.quant.residual)
 LAYOUTS = ("interleaved", "strided")

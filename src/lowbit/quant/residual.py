@@ -22,7 +22,7 @@ Why a random basis and not the stored one: the error of a scalar grid is spread 
 but its signs there are what the grid's own rounding left; a second, independent rotation makes the D signs a
 sketch of the error's direction (each bit sees every dim). Attention reads it without rebuilding rows:
 q . (g s @ S) = (q @ S.T) . (g s), so a fused kernel scores the sign bits against one extra rotated query, and
-for values sums p (g s) in S's basis and rotates that sum back once (lowbit.kernels.decode_vq).
+for values sums p (g s) in S's basis and rotates that sum back once (lowbit.kernels.attention.vq).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from functools import lru_cache
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.quant import packing
 from lowbit.quant import scale_format as sf
 

@@ -6,7 +6,7 @@ per-tensor multiplier that a streaming KV write cannot fix in advance. Spending 
 gives the same 3 mantissa bits (relative step <= 1/16 after rounding to nearest) over 2**-17 .. 122880,
 wide enough for every K/V step measured on the built-ins with no multiplier. torch has no unsigned fp8
 dtype, so the byte is a uint8 code and this module is its one definition (the fused kernel decodes it
-with the same bit layout, lowbit.kernels.decode_attention._load_sz).
+with the same bit layout, lowbit.kernels.attention.tiers._load_sz).
 
     code = E << 3 | M      E in [0, 31], M in [0, 7]
     E > 0: value = (1 + M / 8) * 2**(E - 15)    (= (8 + M) * 2**(E - 18))
@@ -24,7 +24,7 @@ import functools
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 FORMATS = ("fp16", "ue5m3")
 BITS = {"fp16": 16, "ue5m3": 8}

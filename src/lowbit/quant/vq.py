@@ -27,7 +27,7 @@ import re
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.quant import packing
 from lowbit.quant import scale_format as sf
 

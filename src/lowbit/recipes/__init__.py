@@ -18,7 +18,7 @@ import json
 import re
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 RECIPES_DIR = Path(__file__).parent
 INDEX_FILE = "index.json"
@@ -62,7 +62,7 @@ def shipped_path(name: str) -> Path:
 
 def recipe_model(path) -> str | None:
     """The model a recipe file was tuned for ([tune].model), or None when it does not say."""
-    from lowbit.recipe import read_recipe_file
+    from lowbit.kv.scheme import read_recipe_file
 
     d = read_recipe_file(path)
     t = d.get("tune") if isinstance(d, dict) else None

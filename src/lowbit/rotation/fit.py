@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.rotation.hadamard import hadamard
 
 KINDS = ("hadamard", "per-layer", "per-head")
@@ -150,8 +150,8 @@ def _fit_layer(st, kind: str, objective: str, *, mix: str, bit_reversal: bool, c
 def fit_rotations(calib, kind: str, objective: str = "kk", *, mix: str = "hadamard", bit_reversal: bool = False,
                   center: bool = False, progress: bool | None = False) -> list[FittedLayer]:
     """Fit every layer of a loaded Calibration, in global layer order.
-    progress: a bar over layers with ETA (lowbit.progress; None: when stderr is a terminal)."""
-    from lowbit.progress import bar
+    progress: a bar over layers with ETA (lowbit.core.progress; None: when stderr is a terminal)."""
+    from lowbit.core.progress import bar
 
     latent = {d["index"] for d in calib.meta.get("geometry") or [] if d.get("storage") == "mla-latent"}
     out = []

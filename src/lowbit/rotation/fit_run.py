@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 def check_model(calib, model: str) -> None:

@@ -23,7 +23,7 @@ from functools import lru_cache
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 # Base orders with a construction in this file; every supported order is m * 2**k for one of them.
 SUPPORTED_M = (1, 12, 20, 28, 36, 44, 60)

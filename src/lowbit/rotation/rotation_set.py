@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 FORMAT = "lowbit-rotations"
 FORMAT_VERSIONS = (1, 2)

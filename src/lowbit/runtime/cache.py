@@ -1,6 +1,6 @@
 """QuantizedKVCache: a transformers Cache holding K/V as sink + packed middle + recent ring.
 
-    from lowbit.kv import QuantizedKVCache
+    from lowbit.runtime.cache import QuantizedKVCache
     cache = QuantizedKVCache(model, "int4")              # or a KVScheme; validates, installs "lowbit" attention
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=20)   # 5.24 also: cache=cache
     print(cache.summary())
@@ -10,7 +10,7 @@ It works in a plain forward loop too (feed chunks with `past_key_values=cache` /
 and the 2-D attention_mask of everything so far, or None without padding).
 
 Decode backend: the plan (lowbit.kv.plan) chose per layer, once: on CUDA a one-token query goes
-to the fused split-K kernel (lowbit.kernels.decode_backend) where it takes the layer, else the
+to the fused split-K kernel (lowbit.backends.triton_decode) where it takes the layer, else the
 torch path; the reasons are in `plan.table()` and `backend_notes`. `backend_calls` counts what
 ran, so results can name their backend.
 """
@@ -23,12 +23,12 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache
 
-from lowbit.errors import LowbitError
-from lowbit.kv import attention as attn
+from lowbit.core.errors import LowbitError
+from lowbit.backends import torch_stream as attn
 from lowbit.kv.key_affine import map_queries
 from lowbit.kv.layer import QuantizedKVLayer
 from lowbit.kv.rotations import rotate, rotation_key, unrotate
-from lowbit.recipe import KVScheme
+from lowbit.kv.scheme import KVScheme
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class QuantizedKVCache(Cache):
         self._pending: int | None = None
         if model is not None:
             attn.install_attention(model)
-            from lowbit.kv import families
+            from lowbit.runtime import families
 
             families.install(model, self)  # MLA forwards (DeepseekV3), K = V scales (Gemma-4)
 
@@ -178,7 +178,7 @@ class QuantizedKVCache(Cache):
             log.info("lowbit KV decode: %s", msg)
 
     def _fused_decode(self, layer, qg, keep, scaling, softcap):
-        """The decode step on the backend the plan chose for this layer (lowbit.kernels.decode_backend).
+        """The decode step on the backend the plan chose for this layer (lowbit.backends.triton_decode).
 
         qg [B, Hkv, G, 1, D] rotated. Returns [B, Hkv, G, 1, Dv] float32, or None for the torch path.
         The plan decided once per layer; only per-call rules (padding, soft-capping, where the new
@@ -189,7 +189,7 @@ class QuantizedKVCache(Cache):
             if choice.reason:
                 self._note(f"layer {layer.layer_idx}: torch path ({choice.reason})")
             return None
-        from lowbit.kernels import decode_backend
+        from lowbit.backends import triton_decode as decode_backend
 
         if qg.device.type != self.plan.device:
             raise LowbitError(f"the cache was planned for {self.plan.device} but the model runs on {qg.device.type}; "

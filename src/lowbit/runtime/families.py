@@ -27,7 +27,7 @@ import types
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
 
@@ -101,8 +101,8 @@ def mla_latent_qkv(self, q_nope, q_pe, c, k_pe):
 
 def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
     """DeepseekV3Attention.forward with the lowbit cache (see the module docstring); [B, T, hidden], None."""
-    from lowbit.kv.attention import lowbit_attention
-    from lowbit.kv.cache import QuantizedKVCache
+    from lowbit.backends.torch_stream import lowbit_attention
+    from lowbit.runtime.cache import QuantizedKVCache
 
     cache = None
     for n in _CACHE_NAMES:

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 @dataclass

@@ -27,11 +27,11 @@ the device and raised by `check()` and by the next prefill -- a step cannot rais
 
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.runtime.ops import decode_attention_op
+from lowbit.core.errors import LowbitError
+from lowbit.kernels.ops import decode_attention_op
 from lowbit.runtime.static_cache import StaticKVCache, _rot, _writer
 
-# the fused kernel as one opaque node of the compiled step (lowbit.runtime.ops; DecodeGraphs(compile=True)
+# the fused kernel as one opaque node of the compiled step (lowbit.kernels.ops; DecodeGraphs(compile=True)
 # uses the same op): kept under its old name for callers of this module
 _decode_attention_op = decode_attention_op
 
@@ -44,7 +44,7 @@ class GenerateCache(StaticKVCache):
     """
 
     def __init__(self, model, scheme="bf16", *, batch: int, max_context: int, device=None, dtype=None):
-        from lowbit.kv.cache import model_device
+        from lowbit.runtime.cache import model_device
         from lowbit.kv.plan import Plan, resolve
         from lowbit.models.geometry import ModelGeometry
 
@@ -144,7 +144,7 @@ class GenerateCache(StaticKVCache):
         if layer_idx == 0:
             self._begin_prefill(L)
         layer = self.layers[layer_idx]
-        from lowbit.kv import attention as attn
+        from lowbit.backends import torch_stream as attn
 
         k = _rot(key_states, layer.rot_k).to(self.dtype)  # [B, H, L, D]
         v = _rot(value_states, layer.rot_v).to(self.dtype)
@@ -181,7 +181,7 @@ class GenerateCache(StaticKVCache):
             return out
         if isinstance(attention_mask, torch.Tensor) and attention_mask.dim() == 2 and not bool(attention_mask.all()):
             raise LowbitError("GenerateCache takes prompts of equal length without padding; pad-free batches only "
-                              "(or use lowbit.kv.QuantizedKVCache, which takes left padding)")
+                              "(or use lowbit.runtime.cache.QuantizedKVCache, which takes left padding)")
         L = query.shape[2]
         outs = []
         for b, chunk in enumerate(self._chunks):

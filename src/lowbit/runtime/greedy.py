@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 PROMPT = "The capital of France is"  # the demo's prompt: one short, checkable continuation
 
@@ -45,8 +45,8 @@ def generate(lm, scheme, prompt: str, max_new_tokens: int, *, decode_backend: st
 
     lm: a lowbit.models.LoadedModel (model, tokenizer, geometry); scheme: a KVScheme valid for it.
     """
-    from lowbit.kv import QuantizedKVCache
-    from lowbit.kv.cache import cache_kwargs
+    from lowbit.runtime.cache import QuantizedKVCache
+    from lowbit.runtime.cache import cache_kwargs
 
     if lm.tokenizer is None:
         raise LowbitError(f"model {lm.name} has no tokenizer; generate needs one")

@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from lowbit.errors import LowbitError
-from lowbit.kv import attention as attn
+from lowbit.core.errors import LowbitError
+from lowbit.backends import torch_stream as attn
 from lowbit.kv.key_affine import KeyAffine, map_keys, map_queries
 
 _ROW_ALIGN = 64  # rows per (slot, head) rounded up so every head starts 64 rows (>= 128 B) aligned
@@ -186,10 +186,10 @@ class StaticLayer(CacheLayerMixin):
         self.H, self.Dk, self.Dv = g.num_kv_heads, g.head_dim_k, g.head_dim_v
         self.k_codec, self.v_codec = plan.k, plan.v
         self.quantized = plan.k.quantized
-        # VQ rows (lowbit.kernels.decode_vq): their codebooks on the device once
+        # VQ rows (lowbit.kernels.attention.vq): their codebooks on the device once
         self.k_codebook = plan.k.codebook_on(device) if plan.k.quantized and plan.k.vq else None
         self.v_codebook = plan.v.codebook_on(device) if plan.v.quantized and plan.v.vq else None
-        # VQ rows or a 1-bit residual: read by lowbit.kernels.decode_vq (through its op), not decode_attention
+        # VQ rows or a 1-bit residual: read by lowbit.kernels.attention.vq (through its op), not decode_attention
         self.vq = (self.k_codebook is not None or self.v_codebook is not None
                    or any(c.quantized and c.residual is not None for c in (plan.k, plan.v)))
         self.device, self.dtype = device, dtype
@@ -372,7 +372,7 @@ class StaticKVCache(Cache):
     """
 
     def __init__(self, model_or_config, plan, *, slots: int, max_context: int, device=None, dtype=None):
-        from lowbit.kv.cache import _check_key_affine, _split_model, model_device
+        from lowbit.runtime.cache import _check_key_affine, _split_model, model_device
 
         model, _ = _split_model(model_or_config)
         if slots < 1 or max_context < 1:
@@ -506,7 +506,7 @@ class StaticKVCache(Cache):
                 self.kernel_op or torch.compiler.is_compiling() or layer.vq):  # VQ rows: always through their op
             return self._kernel_op_attention(layer, qg, scaling, sl, ml, rl)
         if self.use_kernel and layer.kind == "tiers" and not softcap:
-            from lowbit.kernels.decode_attention import decode_attention
+            from lowbit.kernels.attention.tiers import decode_attention
 
             C = layer.C
             kc, ks, kz, k_centre = _mid_tier(layer.k_codec, layer.mid["k"], B, C)
@@ -524,11 +524,11 @@ class StaticKVCache(Cache):
         return self._torch_decode(layer, qg, sl, ml, rl, scaling, softcap)
 
     def _kernel_op_attention(self, layer, qg: torch.Tensor, scaling: float, sl, ml, rl) -> torch.Tensor:
-        """The fused kernel through the custom op lowbit::decode_attention_tiers (lowbit.runtime.ops; a layer with
+        """The fused kernel through the custom op lowbit::decode_attention_tiers (lowbit.kernels.ops; a layer with
         VQ rows: lowbit::decode_attention_vq_tiers, its codebooks in place of the zeros): one opaque node when
         the step is traced by torch.compile (dynamo would break on the launcher's host logic).
         qg [B, H, G, D] -> [B, H, G, Dv] float32."""
-        from lowbit.runtime.ops import decode_attention_op, decode_attention_vq_op
+        from lowbit.kernels.ops import decode_attention_op, decode_attention_vq_op
 
         B, H = qg.shape[:2]
         C, S, R = layer.C, layer.S, layer.R

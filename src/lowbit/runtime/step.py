@@ -21,7 +21,7 @@ import inspect
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 # model_type -> how its position embeddings are built ("shared": one rotary for every layer;
 # "per-type": rotary_emb(x, pos, layer_type) or a separate local rotary for sliding layers)
@@ -180,7 +180,7 @@ class CompiledDecode:
 
     Inductor fuses what the eager step runs as ~30 small kernels per layer (RMSNorm, RoPE, SiLU*mul,
     residual adds, casts, the cache writes); the fused decode kernel and packed-weight linears are
-    custom ops (lowbit.runtime.ops), one node each. fullgraph: a graph break is an error, never a partly
+    custom ops (lowbit.kernels.ops), one node each. fullgraph: a graph break is an error, never a partly
     eager step. dynamic=False: graphs per bucket b (a python int, guarded). No Inductor CUDA graphs
     (DecodeGraphs captures the step itself). emulate_precision_casts: the codec's float32 -> fp16 ->
     float32 rounding of scales is kept (as the compiled writes keep it), so codes match the eager step.
@@ -198,7 +198,7 @@ class CompiledDecode:
 
     def __init__(self, step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool | None = None,
                  regions: str = "whole", max_buckets: int = len(DEFAULT_BUCKETS)):
-        from lowbit.runtime.ops import register_packed_linears
+        from lowbit.kernels.ops import register_packed_linears
         from lowbit.runtime.static_cache import _writer
 
         if regions not in REGIONS:

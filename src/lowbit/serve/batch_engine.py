@@ -56,7 +56,7 @@ import time
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.runtime.step import eager_decode
 from lowbit.serve.engine import DEFAULT_MAX_ACTIVE, DEFAULT_PREFILL_CHUNK, REPORT_EVERY_S, Request, Worker
 from lowbit.serve.metrics import Metrics
@@ -117,7 +117,7 @@ class _Launched:
 class BatchEngine(Worker):
     """Continuous batching over one StaticKVCache (module docstring). Start with start(); stop with stop().
 
-    runtime: lowbit.serve.runtime.Runtime. slots: concurrent requests (the cache's batch).
+    runtime: lowbit.serve.loader.Runtime. slots: concurrent requests (the cache's batch).
     mode: "auto" (graphs on CUDA, eager on CPU) | "graphs" | "eager". when_full: "wait" | "reject".
     decode_ahead: queue the next step before reading this one's tokens while the batch is steady (module
     docstring; on CPU it only changes the order of work).
@@ -126,7 +126,7 @@ class BatchEngine(Worker):
     def __init__(self, runtime, metrics: Metrics | None = None, *, slots: int = DEFAULT_MAX_ACTIVE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait",
                  batch_invariant: bool = False, compile: bool | str = False, decode_ahead: bool = True):
-        from lowbit.kv.cache import model_device
+        from lowbit.runtime.cache import model_device
         from lowbit.kv.plan import resolve
         from lowbit.runtime.fold import fold_value_rotation_once
         from lowbit.runtime.static_cache import StaticKVCache

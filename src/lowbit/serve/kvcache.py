@@ -4,10 +4,10 @@
     cache = factory.new()                              # a fresh cache for one request
     cache_stats(cache) -> CacheStats(bytes_held, tokens, quantized_tokens)
 
-bf16 (K and V unquantized) is served by lowbit.kv.QuantizedKVCache when it exists (the same code
+bf16 (K and V unquantized) is served by lowbit.runtime.cache.QuantizedKVCache when it exists (the same code
 path as every other scheme) and otherwise by transformers' DynamicCache: both hold the history
 unquantized, so reporting "bf16" is true either way. A quantized scheme needs
-lowbit.kv.QuantizedKVCache; without it the server refuses to start rather than serve bf16 while
+lowbit.runtime.cache.QuantizedKVCache; without it the server refuses to start rather than serve bf16 while
 claiming int2. `served_scheme()` describes what the caches really are, and `/v1/models` and
 `/metrics` report it.
 
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 @dataclass(frozen=True)
@@ -58,10 +58,10 @@ def tensor_bytes(obj, _seen_obj=None, _seen_storage=None, _depth=0) -> int:
 
 def _quantized_cache_class():
     try:
-        from lowbit.kv import QuantizedKVCache
+        from lowbit.runtime.cache import QuantizedKVCache
     except ImportError:
         try:  # the package may not re-export it yet
-            from lowbit.kv.cache import QuantizedKVCache
+            from lowbit.runtime.cache import QuantizedKVCache
         except ImportError:
             return None
     return QuantizedKVCache
@@ -84,7 +84,7 @@ def cache_stats(cache) -> CacheStats:
 
 
 class CacheFactory:
-    """Builds one fresh cache per request for `model` under `scheme` (a lowbit.recipe.KVScheme)."""
+    """Builds one fresh cache per request for `model` under `scheme` (a lowbit.kv.scheme.KVScheme)."""
 
     def __init__(self, model, scheme, geometry):
         self.model = model
@@ -93,7 +93,7 @@ class CacheFactory:
         cls = _quantized_cache_class()
         if cls is None and scheme.quantized:
             raise LowbitError(
-                f"KV scheme {scheme.name!r} needs lowbit.kv.QuantizedKVCache, which this lowbit build lacks; "
+                f"KV scheme {scheme.name!r} needs lowbit.runtime.cache.QuantizedKVCache, which this lowbit build lacks; "
                 "serve with --kv bf16 or install a lowbit that has the quantized cache"
             )
         self.cls = cls
@@ -101,7 +101,7 @@ class CacheFactory:
         if cls is not None:
             # resolved once (rotation / levels files opened here, never per request); bad group /
             # rotation / attention type: refused before serving
-            from lowbit.kv.cache import model_device
+            from lowbit.runtime.cache import model_device
             from lowbit.kv.plan import resolve
 
             self.plan = resolve(scheme, geometry, device=model_device(model))

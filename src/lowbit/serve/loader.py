@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 log = logging.getLogger("lowbit.serve")
 
@@ -50,9 +50,9 @@ RANDOM_PREFIX = "random:"
 
 def _random_model(spec: str, dtype, device):
     """(model, geometry, tokenizer) for `random:GEOMETRY`: the random-weight model `lowbit bench decode`
-    builds (lowbit.runtime.bench.GEOMETRIES, seed 0), built on `device`, with a word tokenizer ("t123" per id)."""
+    builds (lowbit.tools.bench.runtime.GEOMETRIES, seed 0), built on `device`, with a word tokenizer ("t123" per id)."""
     from lowbit.models.geometry import ModelGeometry
-    from lowbit.runtime.bench import GEOMETRIES, _word_tokenizer, build_model
+    from lowbit.tools.bench.runtime import GEOMETRIES, _word_tokenizer, build_model
 
     geo = spec[len(RANDOM_PREFIX):]
     if geo not in GEOMETRIES:
@@ -71,7 +71,7 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
     `random:GEOMETRY` (e.g. random:llama3-8b) serves a random-weight model of that geometry with a word
     tokenizer and no EOS (every request runs to max_tokens): for load tests, not for text."""
     from lowbit.models import load_tokenizer, resolve
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.vllm_plugin import sidecar
 
     if str(model_or_artifact).startswith(RANDOM_PREFIX):

@@ -14,7 +14,7 @@ import socket
 import threading
 import time
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.serve.app import ServedModel, build_app
 from lowbit.serve.engine import DEFAULT_MAX_ACTIVE, DEFAULT_PREFILL_CHUNK, Engine
 from lowbit.serve.kvcache import CacheFactory, served_scheme
@@ -29,7 +29,7 @@ ENGINES = ("auto", "batch", "single")
 def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int = DEFAULT_PREFILL_CHUNK,
           engine: str = "auto", decode_path: str = "auto", when_full: str = "wait", batch_invariant: bool = False,
           compile: bool | str = False, decode_ahead: bool | None = None):
-    """(engine, app) for a lowbit.serve.runtime.Runtime; the engine is not started yet.
+    """(engine, app) for a lowbit.serve.loader.Runtime; the engine is not started yet.
 
     engine: "batch" (lowbit.serve.batch_engine: continuous batching over one static cache of
     `max_active` slots; decode_path "graphs" | "eager" | "auto", when_full "wait" | "reject",
@@ -46,7 +46,7 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
     if engine not in ENGINES:
         raise LowbitError(f"--engine {engine!r} unknown; use one of {', '.join(ENGINES)}")
     if engine == "auto":
-        from lowbit.kv.cache import model_device
+        from lowbit.runtime.cache import model_device
 
         engine = "batch" if str(model_device(runtime.model)).startswith("cuda") else "single"
     if engine == "batch":

@@ -151,7 +151,7 @@ if which == "pin":
     from lowbit.artifacts.writer import pin
     pin(target, on_point=stop)
 else:
-    from lowbit.artifacts.validate import write_report
+    from lowbit.tools.validate import write_report
     write_report({"format": "test", "ok": True, "pad": "x" * 4000}, target, on_point=stop)
 print("done", flush=True)
 """

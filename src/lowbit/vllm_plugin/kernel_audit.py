@@ -21,7 +21,7 @@ import torch
 
 def _decode_case(name, D, group, Hkv, G, bs, lens, sink, recent, window, rotation, softcap, dtype, seed):
     """(paged.attend kwargs, format, cache, q): histories written through paged.write in two chunks each."""
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.rotation.hadamard import hadamard
     from lowbit.vllm_plugin import paged
     from lowbit.vllm_plugin.slot import SlotFormat
@@ -78,8 +78,8 @@ ENCODE_CASES = [
 
 def audit_plugin() -> list:
     """AuditRows for paged_decode and encode_cells (one row saying why, failed, if an extension did not build)."""
-    from lowbit.kernels.audit import TOL, AuditRow
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.tools.audit.attention import TOL, AuditRow
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.vllm_plugin import cpu_kernel, paged
     from lowbit.vllm_plugin.slot import SlotFormat
 

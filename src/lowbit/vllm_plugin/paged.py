@@ -14,7 +14,7 @@ sink and recent tiers (page 1), outside vLLM's block budget ((sink + recent) x K
 before them, read back from the packed cache (and the dense tiers), plus their own chunk as it
 arrived (rotated, model dtype) -- lowbit's runtime semantics (QuantizedKVLayer.blocks): a prompt
 attends to itself exactly during its prefill, later steps read it as stored. The history streams
-`chunk_tokens` tokens at a time through lowbit.kv.attention.online_attention, so a long history
+`chunk_tokens` tokens at a time through lowbit.backends.torch_stream.online_attention, so a long history
 is never dequantized at once.
 
 Sliding-window layers (window W: a query at position p sees keys in (p - W, p], HF's and vLLM's

@@ -60,7 +60,7 @@ def recent_of(model_dir: str) -> int:
 def install(scheduler, vllm_config) -> int:
     """Hold back a hit's recent window in this scheduler (see the module docstring); returns the tokens
     held back (0: prefix caching off, no sidecar, or no recent tier -- nothing to do)."""
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
 
     cache = getattr(vllm_config, "cache_config", None)
     if not getattr(cache, "enable_prefix_caching", False):

@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 SIDECAR_NAME = "lowbit_kv.json"
 FORMAT = "lowbit-kv-sidecar"
@@ -33,7 +33,7 @@ def build(scheme, geometry, *, model_name: str, weights_sha256: str | None, rota
     directory relative to the model directory, when the scheme's rotation is a RotationSet."""
     from dataclasses import replace
 
-    from lowbit.recipe import RotationRef
+    from lowbit.kv.scheme import RotationRef
 
     rot = scheme.rotation
     if rot not in ("none", "hadamard"):
@@ -95,7 +95,7 @@ def read(directory) -> dict:
 
 def scheme_of(d: dict, directory):
     """The KVScheme a sidecar describes; a relative rotation directory is resolved against `directory`."""
-    from lowbit.recipe import kv_scheme_from_dict
+    from lowbit.kv.scheme import kv_scheme_from_dict
 
     ks = dict(d["kv_scheme"])
     # to_dict() form -> the recipe-file form kv_scheme_from_dict reads

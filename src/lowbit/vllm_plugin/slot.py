@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 SLOT_ALIGN = 4
 # A write of at most this many rows (a decode step: one per request) is encoded by csrc/cell_encode.cpp,
@@ -79,7 +79,7 @@ def _supports(layer, step: str, device: str) -> str | None:
 
 
 def _register_backend():
-    from lowbit.kv.backends import Backend, register
+    from lowbit.backends import Backend, register
 
     return register(Backend("vllm-slot", ("paged",), _supports, None, module=__name__))
 
@@ -122,7 +122,7 @@ def check_budget(kv_bytes: int | None, scheme, geometry, formats: list) -> None:
 class SlotFormat:
     """Byte layout of one (token, KV head) cell for one layer, and its encode/decode.
 
-    scheme: lowbit.recipe.KVScheme (per-token groups, uniform grid); head_dim_k / head_dim_v: the
+    scheme: lowbit.kv.scheme.KVScheme (per-token groups, uniform grid); head_dim_k / head_dim_v: the
     layer's dims; dense_dtype: how a 16-bit (unquantized) tensor is stored.
     """
 

@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lowbit.errors import LowbitError
-from lowbit.progress import bar as progress_bar
+from lowbit.core.errors import LowbitError
+from lowbit.core.progress import bar as progress_bar
 from lowbit.weights.arch import decoder_layers, set_module
 from lowbit.weights.gptq import QuantizedWeight, gptq_quantize, rtn_quantize
 from lowbit.weights.hooks import HessianCollector, capture_layer_inputs, run_layer
@@ -141,7 +141,7 @@ def quantize_model(
     signround: SignRound's settings when method == "signround" (None: SignRoundConfig()).
     tune: after the method, tune every quantized group's scale end to end against the unquantized
     model's logits (tune_scales.py; a copy of the unquantized model is kept meanwhile). Needs calib.
-    progress: a bar over decoder layers with ETA (lowbit.progress; None: when stderr is a terminal).
+    progress: a bar over decoder layers with ETA (lowbit.core.progress; None: when stderr is a terminal).
     """
     t0 = time.perf_counter()
     if method not in METHODS:

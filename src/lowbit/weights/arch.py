@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 def set_module(root: nn.Module, name: str, new: nn.Module) -> None:

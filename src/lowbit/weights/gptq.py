@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.grid import Grid, decode, dequantize_on, encode, fit_grid, quantize_on
 
 log = logging.getLogger("lowbit.weights.gptq")

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 class _Stop(Exception):

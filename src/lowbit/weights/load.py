@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.scheme import WeightScheme
 

@@ -23,7 +23,7 @@ Forward:
                The GPU kernels (prepare_cuda) run the same codes through int8 x int8 -> int32.
 
 On CUDA, `prepare_cuda(model)` repacks every QuantLinear once into the weight kernels' layout
-(lowbit.kernels.weight_gemm.PackedWeight: int4 stays packed, 8 codes per int32), drops the unpacked
+(lowbit.kernels.gemm.triton_gemm.PackedWeight: int4 stays packed, 8 codes per int32), drops the unpacked
 codes, and routes forward through one Dispatch resolved for the model (the table for the device,
 trimmed by a self-check of each distinct shape against the torch twin). `kernel="twin"` runs the
 twin on the GPU instead: only when asked for by name.
@@ -104,11 +104,11 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in] -> [..., out]
         if self.packed is not None:
-            from lowbit.kernels import weight_gemm
+            from lowbit.kernels.gemm import triton_gemm as weight_gemm
 
             x2 = x.reshape(-1, self.in_features)
-            if torch.compiler.is_compiling():  # one opaque node (lowbit.runtime.ops): dynamo cannot trace ctypes
-                from lowbit.runtime.ops import traced_packed_linear
+            if torch.compiler.is_compiling():  # one opaque node (lowbit.kernels.ops): dynamo cannot trace ctypes
+                from lowbit.kernels.ops import traced_packed_linear
 
                 return traced_packed_linear(self, x2).reshape(*x.shape[:-1], self.out_features)
             y = (weight_gemm.linear_twin(x2, self.packed) if self.dispatch == "twin"
@@ -122,7 +122,7 @@ class QuantLinear(nn.Module):
 
     def to_packed(self):
         """The weight as a PackedWeight (on this module's device)."""
-        from lowbit.kernels.weight_gemm import pack_weight
+        from lowbit.kernels.gemm.triton_gemm import pack_weight
 
         return pack_weight(self.codes, self.scale, None if self.scheme.symmetric else self.zero_point,
                            bits=self.bits, group=self.group, a_bits=self.scheme.a_bits, bias=self.bias)
@@ -137,7 +137,7 @@ def prepare_cuda(model: nn.Module, *, kernel: str = "auto", check_ms=(1, 16, 17,
     kernel: "auto" (the dispatch table, minus cells whose self-check fails) or "twin" (torch, by name).
     Returns {"dispatch", "removed", "modules", "packed_bytes", "bf16_bytes"}: the bytes held by the
     packed weights against the same weights in bf16."""
-    from lowbit.errors import LowbitError
+    from lowbit.core.errors import LowbitError
 
     mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
     if not mods:
@@ -154,8 +154,8 @@ def prepare_cuda(model: nn.Module, *, kernel: str = "auto", check_ms=(1, 16, 17,
     if kernel == "twin":
         disp = "twin"
     else:
-        from lowbit.kernels.weight_audit import cell_passes, check_cell
-        from lowbit.kernels.weight_dispatch import Dispatch
+        from lowbit.kernels.gemm.check import cell_passes, check_cell
+        from lowbit.kernels.gemm.dispatch import Dispatch
 
         disp = Dispatch.for_device(dev)
         seen, failed = set(), []

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.rotation.hadamard import hadamard, is_supported_order
 from lowbit.weights.arch import ArchSpec, decoder_layers, get_module, rotation_spec
 

@@ -27,7 +27,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 SCHEME_VERSION = 1
 KNOWN = ("w4a16-g128", "w4a16-g64", "w4a16-g64-asym", "w8a16", "w8a8", "w4a8")

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.arch import set_module
 from lowbit.weights.gptq import QuantizedWeight
 from lowbit.weights.grid import grid_for_range, group_range, quantize_on

@@ -38,7 +38,7 @@ import contextlib
 import torch
 from torch import nn
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.arch import arch_of, decoder_layers, get_module
 from lowbit.weights.gptq import rtn_quantize
 from lowbit.weights.qlinear import quantize_activations_per_token

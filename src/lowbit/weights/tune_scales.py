@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.weights.arch import set_module
 from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.signround import fake_quantize_activations

@@ -1,6 +1,6 @@
 """Fused split-K decode attention for the geometries the 64/128/256 kernel does not take (Triton).
 
-Two cache layouts, one kernel (`_geo_stage1`), the merge of lowbit.kernels.decode_attention (`_stage2`):
+Two cache layouts, one kernel (`_geo_stage1`), the merge of lowbit.kernels.attention.tiers (`_stage2`):
 
 * **Separate K and V** of any head dims (`decode_attention_geo`): K192/V128 (Kimi-K2 / DeepSeek-V3 as
   expanded MHA), head_dim 512 (Gemma-4 full layers as plain GQA), ... Same tiers and arguments as
@@ -10,7 +10,7 @@ Two cache layouts, one kernel (`_geo_stage1`), the merge of lowbit.kernels.decod
   key = [c_kv | k_pe 64]; Gemma-4 K = V full layers: value = V [512], key = K's RoPE dims (own, dense)
   and unrotate(V)[rest] * k_norm weight. Both reduce to
       score_t = q_lat . x_t + q_pe . pe_t ,   out = sum_t p_t x_t        (x_t = the stored tensor)
-  where the caller folds everything elementwise or orthogonal into q_lat (lowbit.kernels.decode_backend:
+  where the caller folds everything elementwise or orthogonal into q_lat (lowbit.backends.triton_decode:
   q_lat = rotate(q[rest] * k_scale, R_v), q_pe = q[own]), and unrotates the output as for any layer.
 
 Tiers (B sequences, Hkv KV heads, q head h reads KV head h // G):
@@ -55,8 +55,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.errors import LowbitError
-from lowbit.kernels.decode_attention import (
+from lowbit.core.errors import LowbitError
+from lowbit.kernels.attention.tiers import (
     LOG2E,
     _halves,
     _lens,
@@ -506,7 +506,7 @@ class GeoConfig:
     holding them in registers (wide keys x many heads: 576 x 16 fp16 is 144 registers a thread);
     waves: programs per SM the split pick aims at; dense_block: tokens per step on the dense tiers;
     num_warps / num_stages: Triton's. impl: "triton" or "cuda" (None: `default_impl` picks): the packed int2
-    MLA latent's middle through lowbit.kernels.latent_cuda (16-head blocks of num_warps = 4 or 8 warps, 16
+    MLA latent's middle through lowbit.kernels.attention.latent_cuda (16-head blocks of num_warps = 4 or 8 warps, 16
     tokens a warp; block_t / heads / q_loop / zero_mma then apply to the dense tiers' Triton split only); a
     call the CUDA kernel cannot take is refused with the reason."""
 
@@ -524,7 +524,7 @@ class GeoConfig:
     def resolve(self, G: int, DV: int, DK: int | None = None, shared: bool = False, pairs: int | None = None,
                 dense_mid: bool = False) -> GeoConfig:
         """Fill the None fields from the shape (G query heads per KV head, value width DV, key width DK
-        incl. a dense key part). From the H200 sweep (python -m lowbit.kernels.geo_bench --sweep, L32k):
+        incl. a dense key part). From the H200 sweep (python -m lowbit.tools.bench.geometry --sweep, L32k):
         narrow values (K192/V128, G = 1): 128-token tiles, one warp (B16 1.66 ms vs 1.89 for 64 x 1
         and 2.85 for 64 x 4); the MLA latent with > 16 heads: 32 heads a program, 32-token tiles
         (B16 int2 1.18 ms vs 1.61 for 16 heads x 64); otherwise (16 heads x 512, Gemma-4 K = V) 16
@@ -607,8 +607,8 @@ def chunk_width(S: int, group: int) -> int:
 
 def tiling_reason(bits: int, head_dim: int, group: int) -> str | None:
     """Why this kernel has no tiling for `bits`-bit codes of `head_dim` in groups of `group` (None: it
-    has). The rule lives once, in lowbit.kernels.decode_backend.geo_tiling_reason (which the plan asks)."""
-    from lowbit.kernels.decode_backend import geo_tiling_reason
+    has). The rule lives once, in lowbit.backends.triton_decode.geo_tiling_reason (which the plan asks)."""
+    from lowbit.backends.triton_decode import geo_tiling_reason
 
     return geo_tiling_reason(bits, head_dim, group)
 
@@ -660,13 +660,13 @@ def pick_splits(B: int, programs: int, T: int, BT: int, sms: int, waves: int, pa
 
 def default_impl(q, qp, vmid, mid_pe, bits, shared, dense_mid) -> str:
     """The middle's kernel when the caller names none: "cuda" for a packed MLA latent the CUDA kernel takes
-    (lowbit.kernels.latent_cuda.why_not is None: int2 512 + 64, bf16, 16-head blocks, nvcc and sm_80+), else
+    (lowbit.kernels.attention.latent_cuda.why_not is None: int2 512 + 64, bf16, 16-head blocks, nvcc and sm_80+), else
     "triton". On the H200 it was faster in every measured cell (tp8 B16 L32k 0.115 vs 0.204 ms, 128 heads B16
     0.712 vs 1.183, B1 0.069 vs 0.132; tp8 B1 0.030 vs 0.031: `results/geometry/decode_attention_latent_cuda_s22_*`).
     The choice is the launch's (GeoLaunch.config.impl)."""
     if not shared or dense_mid or vmid is None or q.device.type != "cuda":
         return "triton"
-    from lowbit.kernels import latent_cuda
+    from lowbit.kernels.attention import latent_cuda
 
     return "cuda" if latent_cuda.why_not(q, qp, *vmid, mid_pe, bits) is None else "triton"
 
@@ -760,7 +760,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
 
     cuda_mid = cfg.impl == "cuda"
     if cuda_mid:
-        from lowbit.kernels import latent_cuda
+        from lowbit.kernels.attention import latent_cuda
 
         if picked:  # the tensors passed default_impl's check: only the resolved instance is left to check
             why = latent_cuda.instance_reason(int(cfg.num_warps), cfg.num_stages)

@@ -1,4 +1,4 @@
-"""CUDA stage 1 of the MLA latent decode kernel over an int2 middle (kernels/cuda/latent_int2.cu), via ctypes.
+"""CUDA stage 1 of the MLA latent decode kernel over an int2 middle (kernels/attention/cuda/latent_int2.cu), via ctypes.
 
     why_not(q_lat, q_pe, codes, scale, zero, pe, bits)   None if this kernel takes the call, else the reason
     stage1(q_lat, q_pe, codes, scale, zero, pe, mid_lens, part, lse, qk_scale, split_tokens, nsm)
@@ -6,7 +6,7 @@
 It writes the middle's splits [0, nsm) of decode_geometry's partial buffers (part fp32 [B, Hq, nsplit, 512], lse
 fp32 [B, Hq, nsplit]); the dense tiers' split and the merge stay with the Triton kernels, so a call through
 decode_attention_latent(config=GeoConfig(impl="cuda")) returns what the Triton path returns (same twin:
-lowbit.kernels.reference.decode_attention_latent_ref). One block: 16 query heads of one KV head x one split, 4 warps,
+lowbit.kernels.attention.reference.decode_attention_latent_ref). One block: 16 query heads of one KV head x one split, 4 warps,
 16 * warps tokens a tile (`tile_tokens`); instances (warps, ring stages): (4, 3) ~79 KB of shared memory, 2 blocks a
 SM; (8, 2) ~106 KB, 2 blocks a SM, registers capped at 128 a thread; (4, 2) ~63 KB, 3 blocks a SM, 168 registers, the
 values accumulated straight into O (the others fold a fresh product per tile).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kernels import nvcc
 
 SOURCE = Path(__file__).with_name("cuda") / "latent_int2.cu"

@@ -1,6 +1,6 @@
 """Torch twins of the Triton kernels: the same op, computed plainly in float32.
 
-`decode_attention_ref` takes exactly the arguments of lowbit.kernels.decode_attention.decode_attention
+`decode_attention_ref` takes exactly the arguments of lowbit.kernels.attention.tiers.decode_attention
 (minus launch config), unpacks the middle tier with lowbit.quant.packing.unpack (the one home of the
 layout), dequantizes x = codes * scale + zero, concatenates the valid slots of every tier and runs a
 float32 softmax attention per sequence. Kept deliberately simple: it is what the kernel is judged by.
@@ -54,7 +54,7 @@ def decode_attention_ref(
 
 
 def dequantize_mid(m) -> torch.Tensor:
-    """A lowbit.kernels.decode_vq.MidTensor -> float32 [B, Hkv, T, D]: VQ rows through lowbit.quant.vq,
+    """A lowbit.kernels.attention.vq.MidTensor -> float32 [B, Hkv, T, D]: VQ rows through lowbit.quant.vq,
     scalar scale-only groups through dequantize_tier, plus a 1-bit residual through lowbit.quant.residual."""
     if m.codebook is None:
         x = dequantize_tier(m.codes, m.scale, None, m.bits, m.centre)
@@ -73,7 +73,7 @@ def dequantize_mid(m) -> torch.Tensor:
 
 def decode_attention_vq_ref(q, k_mid, v_mid, mid_lens=None, *, sm_scale=None, sink_k=None, sink_v=None,
                             sink_lens=None, recent_k=None, recent_v=None, recent_lens=None) -> torch.Tensor:
-    """Twin of lowbit.kernels.decode_vq.decode_attention_vq (same arguments); float32 [B, Hq, Dv]."""
+    """Twin of lowbit.kernels.attention.vq.decode_attention_vq (same arguments); float32 [B, Hq, Dv]."""
     mid = None if k_mid is None else (dequantize_mid(k_mid), dequantize_mid(v_mid))
     return _attend(q, mid, mid_lens, sm_scale, sink_k, sink_v, sink_lens, recent_k, recent_v, recent_lens)
 
@@ -110,7 +110,7 @@ def decode_attention_latent_ref(
     q_lat, q_pe, codes, scale, zero, pe, mid_lens=None, *, bits=2, sm_scale=None,
     sink_v=None, sink_pe=None, sink_lens=None, recent_v=None, recent_pe=None, recent_lens=None, dense_mid=False,
 ) -> torch.Tensor:
-    """Twin of lowbit.kernels.decode_geometry.decode_attention_latent; float32 [B, Hq, D].
+    """Twin of lowbit.kernels.attention.geometry.decode_attention_latent; float32 [B, Hq, D].
 
     Written as the attention it stands for: K_t = [x_t | pe_t], V_t = x_t, q = [q_lat | q_pe], the middle's
     x dequantized (or dense with dense_mid), every tier's valid slots concatenated, float32 softmax."""

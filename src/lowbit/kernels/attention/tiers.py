@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 LOG2E = 1.4426950408889634
 
@@ -544,7 +544,7 @@ def _dense_split(q_t, b, kvh, SKK, SKV, sskb, sskh, sskt, ssvb, ssvh, ssvt, SINK
                  HAS_REC: tl.constexpr, INTERP: tl.constexpr, SINK_ITERS: tl.constexpr, REC_ITERS: tl.constexpr):
     """The split that reads the dense tiers (sink, recent) of one (sequence, KV head): q_t [D, HP] fp32 (times
     sm_scale * log2 e) -> its normalised partial output and lse at rows o_rows [HP] of OP / LSE. Shared by the
-    fused decode kernels (this one and lowbit.kernels.decode_vq)."""
+    fused decode kernels (this one and lowbit.kernels.attention.vq)."""
     m_d = tl.full([HP], float("-inf"), tl.float32)
     l_d = tl.zeros([BTD, HP], tl.float32)
     o_t = tl.zeros([DV, HP], tl.float32)
@@ -957,7 +957,7 @@ def decode_attention(
                           f"kernel only, not at D={D}/Dv={DV}; store a zero per group or use the torch path")
     if D not in (64, 128, 256) or DV not in (64, 128, 256):
         # other head dims (K192/V128, 512, ...): the chunked geometry kernel, same tiers and arguments
-        from lowbit.kernels.decode_geometry import GeoConfig, decode_attention_geo
+        from lowbit.kernels.attention.geometry import GeoConfig, decode_attention_geo
 
         return decode_attention_geo(
             q, k_codes, k_scale, k_zero, v_codes, v_scale, v_zero, mid_lens, k_bits=k_bits, v_bits=v_bits,

@@ -19,9 +19,9 @@ and folded into an online softmax; V likewise into the output. A residual on K a
 scored against q @ S.T (one more MMA); on V, p times the signed gains is summed in S's basis (a second output,
 merged by the same log-sum-exp weights) and rotated back by S once after the merge. The dense tiers run in one more split
 through decode_attention's own dense-tier code, and decode_attention's stage 2 merges the splits by
-log-sum-exp. Twin: lowbit.kernels.reference.decode_attention_vq_ref (dequantize with lowbit.quant, then a
+log-sum-exp. Twin: lowbit.kernels.attention.reference.decode_attention_vq_ref (dequantize with lowbit.quant, then a
 float32 softmax attention). Shapes at odd sizes are tested against it (tests/kernels/test_decode_vq.py) and
-it has an audit entry (lowbit.kernels.audit, kernel "decode_vq").
+it has an audit entry (lowbit.tools.audit.attention, kernel "decode_vq").
 
 This is the first servable form of VQ rows: correct on the interpreter and meant for the GPU, not yet
 tuned there (one MMA per block, codebook gathers through L1).
@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from lowbit.errors import LowbitError
-from lowbit.kernels.decode_attention import (
+from lowbit.core.errors import LowbitError
+from lowbit.kernels.attention.tiers import (
     LOG2E,
     _check_dense,
     _dense_split,
@@ -246,7 +246,7 @@ def _vq_stage1(
 def _check_mid(m: MidTensor, B: int, Hkv: int, D: int, device, what: str) -> dict:
     """Validate one middle tensor; -> the kernel's constexprs for it."""
     if not isinstance(m, MidTensor):
-        raise LowbitError(f"{what}: pass a lowbit.kernels.decode_vq.MidTensor")
+        raise LowbitError(f"{what}: pass a lowbit.kernels.attention.vq.MidTensor")
     c, s = m.codes, m.scale
     if c.dtype != torch.uint8 or c.dim() != 4 or c.shape[0] != B or c.shape[1] != Hkv:
         raise LowbitError(f"{what} codes must be uint8 [B={B}, Hkv={Hkv}, T, bytes], got {c.dtype} {tuple(c.shape)}")

@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 TOL = 1e-3
 DEQUANT_TOL = 1e-2
@@ -58,7 +58,7 @@ class WeightAuditRow:
 
 def random_weight(scheme_name: str, N: int, K: int, device, seed: int = 0):
     """A PackedWeight of `scheme_name` with random codes, scales (and zero-points if asymmetric)."""
-    from lowbit.kernels.weight_gemm import pack_weight
+    from lowbit.kernels.gemm.triton_gemm import pack_weight
     from lowbit.weights.scheme import parse_weight_scheme
 
     sch = parse_weight_scheme(scheme_name)
@@ -81,15 +81,15 @@ def cell_passes(rel: float, finite: bool, kernel: str) -> bool:
 def tolerance(kernel: str) -> float:
     """The audit's rel L2 bound for a kernel: DEQUANT_TOL where the weight is rounded to bf16 before the product
     (dequantize + cuBLAS, the tiled kernel's folded instances), TOL otherwise."""
-    from lowbit.kernels.weight_tiled import rounds_weight_to_bf16
+    from lowbit.kernels.gemm.tiled import rounds_weight_to_bf16
 
     return DEQUANT_TOL if rounds_weight_to_bf16(kernel) else TOL
 
 
 def check_cell(dispatch, pw, M: int, *, device, seed: int = 0, dtype=torch.bfloat16) -> tuple[float, bool, str]:
     """(rel_l2, finite, kernel) of dispatch's cell for (pw.kind, M) against the twin on fresh inputs."""
-    from lowbit.kernels import weight_gemm as wg
-    from lowbit.kernels.weight_dispatch import run_cell
+    from lowbit.kernels.gemm import triton_gemm as wg
+    from lowbit.kernels.gemm.dispatch import run_cell
 
     cell = dispatch.choose(pw.kind, M, pw, dtype)  # the cell that runs this weight (CUDA cells have conditions)
     g = torch.Generator(device=device).manual_seed(1000 + seed)
@@ -103,7 +103,7 @@ def check_cell(dispatch, pw, M: int, *, device, seed: int = 0, dtype=torch.bfloa
 
 def audit_weights(device: str = "cuda", *, schemes=SCHEMES, shapes=None, ms=None, dispatch=None, log=None):
     """(rows, dispatch with the failing cells removed). On CPU: small shapes through the interpreter."""
-    from lowbit.kernels.weight_dispatch import Dispatch, generic_cells
+    from lowbit.kernels.gemm.dispatch import Dispatch, generic_cells
 
     if dispatch is None:
         dispatch = Dispatch.for_device(device) if device == "cuda" else Dispatch(generic_cells(), "generic (cpu)")

@@ -11,7 +11,7 @@ warp, the offset out of the inner loop). pdl: the kernel prefetches its first we
 the previous kernel (griddepcontrol) before it reads x or writes anything; launched with programmatic stream
 serialization, so its launch overlaps the previous kernel's tail.
 
-The kernel (kernels/cuda/weight_small_m.cu) reads lowbit's PackedWeight as it is (pw.layout: 4-bit
+The kernel (kernels/gemm/cuda/weight_small_m.cu) reads lowbit's PackedWeight as it is (pw.layout: 4-bit
 compressed-tensors int32 words [N, K/8], 8-bit int8 [N, K], scale [G, N], zero int8 [G, N]): no repack, so
 the Triton and dequantize + cuBLAS cells for larger M read the same tensors. It needs no torch C++
 headers: nvcc builds a shared library with `extern "C"` launchers taking raw device pointers and the
@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kernels import nvcc
 from lowbit.kernels.nvcc import arch_for, find_nvcc, nvcc_missing  # noqa: F401  (re-exported: callers ask here)
 

@@ -6,12 +6,12 @@
 
 A cell is (kind, M range, capability[, weight shape]) -> path + launch config; a cell with a shape (N, K) is
 tuned for that one weight shape (measured there against the bucket's cell) and matches only it. Paths:
-    gemv            lowbit.kernels.weight_gemm.gemv with the cell's GemvConfig (A16, M <= BM: no tensor cores)
-    triton          lowbit.kernels.weight_gemm.linear with the cell's GemmConfig
+    gemv            lowbit.kernels.gemm.triton_gemm.gemv with the cell's GemvConfig (A16, M <= BM: no tensor cores)
+    triton          lowbit.kernels.gemm.triton_gemm.linear with the cell's GemmConfig
     dequant-cublas  dequantize the weight (Triton) then cuBLAS (A16 only; wins where the GEMM is
                     compute-bound, since the fused kernel's dequantization then costs tensor-core time)
-    cuda            lowbit.kernels.weight_cuda.linear with the cell's CudaConfig (A16 bf16, M <= 64: the
-                    CUDA C++ tensor-core kernel built with nvcc), or lowbit.kernels.weight_tiled.linear with a
+    cuda            lowbit.kernels.gemm.cuda_gemm.linear with the cell's CudaConfig (A16 bf16, M <= 64: the
+                    CUDA C++ tensor-core kernel built with nvcc), or lowbit.kernels.gemm.tiled.linear with a
                     TiledConfig (4-bit A16, any M: weight rows x activation rows tiles, names cuda-tl-*); a
                     weight or input it does not take (or no nvcc on the machine) falls through to the next
                     cell that covers M
@@ -21,7 +21,7 @@ tuned for that one weight shape (measured there against the bucket's cell) and m
                     bits with an fp32 output, then the per-token scale and the bias: the twin's
                     (x_q * s_x) @ W^T reordered as s_x * (x_q @ W^T). It wins at small M where the int8
                     kernel's tiles are mostly empty (W4A8 everywhere on the H200)
-The cells for a capability with a table in weight_tables/ (sm90.json: the H200) are the winners of the
+The cells for a capability with a table in tables/ (sm90.json: the H200) are the winners of the
 committed explorations (benchmarks/build_weight_table.py over benchmarks/results/weights/gemm_explore_*);
 other devices get the generic cells. A kind with no cell
 left on a device is an error naming what exists, never a silent run on the twin.
@@ -33,10 +33,10 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from lowbit.errors import LowbitError
-from lowbit.kernels.weight_cuda import CudaConfig
-from lowbit.kernels.weight_gemm import GemmConfig, GemvConfig, PackedWeight
-from lowbit.kernels.weight_tiled import TiledConfig
+from lowbit.core.errors import LowbitError
+from lowbit.kernels.gemm.cuda_gemm import CudaConfig
+from lowbit.kernels.gemm.triton_gemm import GemmConfig, GemvConfig, PackedWeight
+from lowbit.kernels.gemm.tiled import TiledConfig
 
 KINDS = ("w4a16", "w8a16", "w8a8", "w4a8")
 M_INF = 1 << 62
@@ -125,12 +125,12 @@ def config_from_name(path: str, name: str | None):
 
 
 def measured_cells(cap: tuple[int, int]) -> tuple[list[Cell], str] | None:
-    """The cells measured on a device of this capability: weight_tables/sm<maj><min>.json (written by
+    """The cells measured on a device of this capability: tables/sm<maj><min>.json (written by
     benchmarks/build_weight_table.py from committed explorations), or None."""
     import json
     from pathlib import Path
 
-    f = Path(__file__).with_name("weight_tables") / f"sm{cap[0]}{cap[1]}.json"
+    f = Path(__file__).with_name("tables") / f"sm{cap[0]}{cap[1]}.json"
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
@@ -142,7 +142,7 @@ def measured_cells(cap: tuple[int, int]) -> tuple[list[Cell], str] | None:
 
 def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] through one cell's path (out_dtype: the audit asks for float32)."""
-    from lowbit.kernels import weight_gemm as wg
+    from lowbit.kernels.gemm import triton_gemm as wg
 
     if cell.path == "dequant-cublas":
         y = wg.linear_dequant_cublas(x, pw)
@@ -152,7 +152,8 @@ def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dty
     if cell.path == "gemv":
         return wg.gemv(x, pw, cell.config, out_dtype)
     if cell.path == "cuda":
-        from lowbit.kernels import weight_cuda, weight_tiled
+        from lowbit.kernels.gemm import cuda_gemm as weight_cuda
+        from lowbit.kernels.gemm import tiled as weight_tiled
 
         kernel = weight_tiled if isinstance(cell.config, TiledConfig) else weight_cuda
         return kernel.linear(x, pw, cell.config, out_dtype)
@@ -167,7 +168,7 @@ def as_a16(pw: PackedWeight) -> PackedWeight:
 def linear_via_a16(x: torch.Tensor, pw: PackedWeight, via: ViaA16, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A8 weight, x [M, K] float -> [M, N]: x_q, s_x = the per-token activation quantizer's codes and scale;
     y = s_x * (x_q @ W^T) + bias, x_q @ W^T through the A16 path `via` in fp32."""
-    from lowbit.kernels.weight_gemm import quantize_rows
+    from lowbit.kernels.gemm.triton_gemm import quantize_rows
 
     if pw.a_bits != 8:
         raise ValueError(f"a16-xq runs A8 weights, got {pw.kind}")
@@ -183,12 +184,13 @@ def takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
     if cell.path == "a16-xq":
         return takes(cell.config.cell(pw.bits), as_a16(pw), torch.bfloat16, M)
     if cell.path == "triton" and getattr(cell.config, "tma", False):
-        from lowbit.kernels.weight_gemm import tma_why_not
+        from lowbit.kernels.gemm.triton_gemm import tma_why_not
 
         return tma_why_not(pw, cell.config) is None
     if cell.path != "cuda":
         return True
-    from lowbit.kernels import weight_cuda, weight_tiled
+    from lowbit.kernels.gemm import cuda_gemm as weight_cuda
+    from lowbit.kernels.gemm import tiled as weight_tiled
 
     kernel = weight_tiled if isinstance(cell.config, TiledConfig) else weight_cuda
     return kernel.why_not(pw, x_dtype, M, cell.config) is None and weight_cuda.nvcc_missing() is None

@@ -1,4 +1,4 @@
-"""CUDA C++ 4-bit weight-only GEMM tiled over weight rows and activation rows (kernels/cuda/weight_tiled.cu), for the
+"""CUDA C++ 4-bit weight-only GEMM tiled over weight rows and activation rows (kernels/gemm/cuda/weight_tiled.cu), for the
 M range between the decode GEMVs (weight_cuda, M <= 16) and dequantize + cuBLAS: batched decode and prefill chunks.
 
     y = linear(x, pw, TiledConfig(WN=4, WM=2, RT=2, MTW=4))     x [M, K] bf16 -> y [M, N]
@@ -26,9 +26,9 @@ from pathlib import Path
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 from lowbit.kernels import nvcc
-from lowbit.kernels.weight_cuda import _KIND, _counter_buffer, kernel_input
+from lowbit.kernels.gemm.cuda_gemm import _KIND, _counter_buffer, kernel_input
 
 SOURCE = Path(__file__).with_name("cuda") / "weight_tiled.cu"
 # (WN, WM, RT, MTW, STAGES): the instances in the library (by_tile in the .cu), exact and folded

@@ -202,10 +202,10 @@ def _row(kernel, name, out, ref, t):
 
 
 def audit_geometry(device: str | None = None, cases=None) -> list[AuditRow]:
-    """The geometry kernel (lowbit.kernels.decode_geometry) against its twins, default launch config
+    """The geometry kernel (lowbit.kernels.attention.geometry) against its twins, default launch config
     on CUDA, a small one under the interpreter."""
-    from lowbit.kernels.decode_geometry import GeoConfig, decode_attention_geo, decode_attention_latent
-    from lowbit.kernels.reference import decode_attention_latent_ref, decode_attention_ref
+    from lowbit.kernels.attention.geometry import GeoConfig, decode_attention_geo, decode_attention_latent
+    from lowbit.kernels.attention.reference import decode_attention_latent_ref, decode_attention_ref
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = GeoConfig() if device == "cuda" else GeoConfig(block_t=16, num_splits=3, dense_block=16)
@@ -256,8 +256,8 @@ def audit(device: str | None = None, cases=None, config=None,
     default launch config (or `config`). kernels: which sweeps ("decode_attention": the 64/128/256
     kernel; "decode_geometry": the geometry kernel's latent and K/V cases; "decode_vq": the VQ-row kernel;
     "vllm_cpu": the vLLM plugin's C++ CPU kernels, lowbit.vllm_plugin.kernel_audit)."""
-    from lowbit.kernels.decode_attention import KernelConfig, decode_attention
-    from lowbit.kernels.reference import decode_attention_ref
+    from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
+    from lowbit.kernels.attention.reference import decode_attention_ref
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     vq_rows = audit_vq(device) if "decode_vq" in kernels and cases is None else []
@@ -289,14 +289,14 @@ def audit(device: str | None = None, cases=None, config=None,
 
 
 def make_vq_case(B, Hq, Hkv, D, T, k, v, *, sink=0, recent=0, ragged=False, dtype=torch.bfloat16, device="cpu", seed=0):
-    """Inputs for lowbit.kernels.decode_vq.decode_attention_vq. k / v: ("vq", SUB, E, scale_format) with a random
+    """Inputs for lowbit.kernels.attention.vq.decode_attention_vq. k / v: ("vq", SUB, E, scale_format) with a random
     codebook per KV head, or ("scalar", bits, group, scale_format) scale-only groups; a 5th item
     "sign" / "qjl" adds a 1-bit residual; rows (keys with per-channel offsets) written through lowbit.quant
     (the codec's own encoders and packing)."""
     from dataclasses import replace
 
-    from lowbit.kernels.decode_vq import MidTensor
-    from lowbit.kernels.reference import dequantize_mid
+    from lowbit.kernels.attention.vq import MidTensor
+    from lowbit.kernels.attention.reference import dequantize_mid
     from lowbit.quant import residual, vq
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -373,9 +373,9 @@ def vq_sweep(device: str) -> list[tuple[str, dict]]:
 
 
 def audit_vq(device: str | None = None, cases=None) -> list[AuditRow]:
-    """The VQ-row kernel (lowbit.kernels.decode_vq) against its twin (reference.decode_attention_vq_ref)."""
-    from lowbit.kernels.decode_vq import decode_attention_vq
-    from lowbit.kernels.reference import decode_attention_vq_ref
+    """The VQ-row kernel (lowbit.kernels.attention.vq) against its twin (reference.decode_attention_vq_ref)."""
+    from lowbit.kernels.attention.vq import decode_attention_vq
+    from lowbit.kernels.attention.reference import decode_attention_vq_ref
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows = []

@@ -36,8 +36,8 @@ def packed_bytes(B, Hkv, L, D, bits, group, scale_only: bool = False, one_byte: 
 def bits_tag(spec: tuple) -> str:
     """(kbits, vbits) -> "k2v2"; (kbits, vbits, "so") -> "k2v2so" (scale-only groups, the shipped @2.5 recipes');
     (kbits, vbits, "s8") -> "k2v2s8" (scale-only groups with one-byte ue5m3 scales); (2, 2, "vq") -> "k2v2vq"
-    (VQ 2x16 keys and 4x256 values, one ue5m3 scale per row: lowbit.kernels.decode_vq); (2, 2, "rs") -> "k2v2rs"
-    (int2 scale-only ue5m3 plus a 1-bit residual on K and V: lowbit.kernels.decode_vq)."""
+    (VQ 2x16 keys and 4x256 values, one ue5m3 scale per row: lowbit.kernels.attention.vq); (2, 2, "rs") -> "k2v2rs"
+    (int2 scale-only ue5m3 plus a 1-bit residual on K and V: lowbit.kernels.attention.vq)."""
     return f"k{spec[0]}v{spec[1]}" + (spec[2] if len(spec) > 2 else "")
 
 
@@ -125,7 +125,7 @@ def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0, scale_
     """Callables running the fused kernel over nbuf packed KV sets (random codes and scales; scale_only: no zero
     stored, the kernel takes the centre code, as lowbit.kv.codec writes zero "none" groups; one_byte: those
     scales as uint8 ue5m3 codes, scale_format "ue5m3")."""
-    from lowbit.kernels.decode_attention import decode_attention
+    from lowbit.kernels.attention.tiers import decode_attention
     from lowbit.quant import scale_format
 
     g = torch.Generator(device="cuda").manual_seed(seed)
@@ -156,9 +156,9 @@ def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0, scale_
 
 
 def vq_case(B, Hq, Hkv, D, L, nbuf, seed=0):
-    """Callables running lowbit.kernels.decode_vq over nbuf VQ middle tiers (K 2x16, V 4x256, ue5m3 row scales;
+    """Callables running lowbit.kernels.attention.vq over nbuf VQ middle tiers (K 2x16, V 4x256, ue5m3 row scales;
     random codes, scales and codebooks), as a VQ recipe stores them."""
-    from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
+    from lowbit.kernels.attention.vq import MidTensor, decode_attention_vq
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -181,9 +181,9 @@ def vq_case(B, Hq, Hkv, D, L, nbuf, seed=0):
 
 
 def residual_case(B, Hq, Hkv, D, L, group, nbuf, seed=0):
-    """Callables running lowbit.kernels.decode_vq over nbuf middle tiers of int2 scale-only groups with one-byte
+    """Callables running lowbit.kernels.attention.vq over nbuf middle tiers of int2 scale-only groups with one-byte
     ue5m3 scales plus a 1-bit residual on K and V (sign bits + one ue5m3 gain per row; random fields)."""
-    from lowbit.kernels.decode_vq import MidTensor, decode_attention_vq
+    from lowbit.kernels.attention.vq import MidTensor, decode_attention_vq
 
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -229,7 +229,7 @@ def run(batches=(1, 16, 64), lengths=(4096, 32768, 131072), geometries=("llama3-
     "k2v2so"), (kbits, vbits, "s8") for them with one-byte ue5m3 scales (tag "k2v2s8"). configs:
     {(geometry, B, L, kbits): KernelConfig} (default: the kernel's own choice). Returns a
     JSON-able dict with env, rows and the ratios."""
-    from lowbit.kernels.decode_attention import KernelConfig
+    from lowbit.kernels.attention.tiers import KernelConfig
 
     configs = configs or {}
     rows = []

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from lowbit.diffusion.gate import DEFAULTS, Thresholds, failures, image_metrics
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 
 def _sync(device):

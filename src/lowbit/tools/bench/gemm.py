@@ -6,7 +6,7 @@ F.linear and the cell the dispatch table picks (choosing cells is benchmarks/gem
 Row: {"scheme", "shape", "M", "N", "K", "ms", "bf16_ms", "ratio" (bf16_ms / ms), "kernel", "tbs"
 (weight + activation + output bytes / ms, A16) or "tops" (A8, activation quantization included),
 "bf16_tbs"}; with read_floor, also "read_ms" (the fastest single read of the packed weight's bytes,
-lowbit.kernels.read_floor, timed the same way), "ceiling" (bf16_ms / read_ms: the best ratio any kernel that
+lowbit.tools.bench.read_floor, timed the same way), "ceiling" (bf16_ms / read_ms: the best ratio any kernel that
 reads the weight once could reach in this harness) and "bf16_read_ms" (the same read of the bf16 weight).
 """
 
@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from lowbit.kernels.bench import graph_time_ms, n_buffers
-from lowbit.kernels.weight_audit import DIT_MS, DIT_SHAPES, LLM_MS, LLM_SHAPES, random_weight
+from lowbit.tools.bench.attention import graph_time_ms, n_buffers
+from lowbit.kernels.gemm.check import DIT_MS, DIT_SHAPES, LLM_MS, LLM_SHAPES, random_weight
 
 BENCH_SCHEMES = ("w4a16-g128", "w8a16", "w8a8", "w4a16-g64-asym", "w4a8")
 SECONDARY_SHAPES = ("llama3-8b gate/up", "llama3-8b down")
@@ -28,12 +28,12 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, log=print, t0=0.0, read_fl
     """Rows for every M in `ms` on one (scheme, shape); weight sets made once, inputs per M."""
     import torch.nn.functional as F
 
-    from lowbit.kernels.weight_dispatch import run_cell
+    from lowbit.kernels.gemm.dispatch import run_cell
 
     pw0 = random_weight(scheme, N, K, "cuda")
     floor = {}
     if read_floor:
-        from lowbit.kernels.read_floor import read_floor_ms
+        from lowbit.tools.bench.read_floor import read_floor_ms
 
         read_ms, cfg = read_floor_ms(pw0.nbytes())
         floor = {"read_ms": read_ms, "read_config": cfg, "bf16_read_ms": read_floor_ms(N * K * 2)[0]}
@@ -73,8 +73,8 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, log=print, t0=0.0, read_fl
 
 def check_selection(schemes, ms, shapes) -> None:
     """A one-line LowbitError for a scheme, M or shape name the sweep does not have (before any GPU work)."""
-    from lowbit.errors import LowbitError
-    from lowbit.kernels.weight_audit import SCHEMES
+    from lowbit.core.errors import LowbitError
+    from lowbit.kernels.gemm.check import SCHEMES
 
     bad = [x for x in schemes if x not in SCHEMES]
     if bad:
@@ -90,7 +90,7 @@ def run(schemes=BENCH_SCHEMES, *, dit: bool = True, log=print, ms=None, shapes=N
     """The sweep; ms / shapes (names) narrow it (default: the audit's); read_floor adds the read-floor columns."""
     import triton
 
-    from lowbit.kernels.weight_dispatch import Dispatch
+    from lowbit.kernels.gemm.dispatch import Dispatch
 
     dispatch = Dispatch.for_device("cuda")
     rows = []
@@ -112,5 +112,5 @@ def run(schemes=BENCH_SCHEMES, *, dit: bool = True, log=print, ms=None, shapes=N
                     "torch": torch.__version__, "triton": triton.__version__, "python": platform.python_version(),
                     "dispatch": dispatch.source, "timing": "CUDA graph of calls cycling >= 4x L2 of weight sets; "
                                                           "median of 3 replays",
-                    "read_floor": "lowbit.kernels.read_floor: best of READ_CONFIGS" if read_floor else None},
+                    "read_floor": "lowbit.tools.bench.read_floor: best of READ_CONFIGS" if read_floor else None},
             "dispatch_table": dispatch.table(), "rows": rows}

@@ -1,9 +1,9 @@
-"""GPU benchmark of the geometry decode kernel (lowbit.kernels.decode_geometry): the issue-19 geometries.
+"""GPU benchmark of the geometry decode kernel (lowbit.kernels.attention.geometry): the issue-19 geometries.
 
-Rows have the format of lowbit.kernels.bench (results/decode_attention_<gpu>.json): `sdpa_ms` /
+Rows have the format of lowbit.tools.bench.attention (results/decode_attention_<gpu>.json): `sdpa_ms` /
 `sdpa_tbs` are the bf16 baseline, `k{b}v{b}_ms/_ratio/_tbs/_bytes/_config` the packed kernel. A row
 whose baseline is not torch SDPA names it in "baseline" and repeats its time in "baseline_ms"; the
-ratios are always relative to the row's baseline. Timing: lowbit.kernels.bench.graph_time_ms (a CUDA
+ratios are always relative to the row's baseline. Timing: lowbit.tools.bench.attention.graph_time_ms (a CUDA
 graph of calls cycling through enough input sets to defeat the L2), the same for both sides.
 
 Geometries (full-size attention shapes, random codes/scales; bytes from the tensors held):
@@ -24,7 +24,7 @@ import json
 
 import torch
 
-from lowbit.kernels.bench import env_info, graph_time_ms, n_buffers
+from lowbit.tools.bench.attention import env_info, graph_time_ms, n_buffers
 
 GEOMETRIES = {
     # name: dict(kind, Hq, Hkv, Dk, Dv, DR, gk, gv)
@@ -38,7 +38,7 @@ GEOMETRIES = {
 def candidates(geo: dict, packed: bool = True):
     """Launch configs tried per row of `run` (GeoConfig); the first is the kernel's own default
     (GeoConfig.resolve), the others the runners-up of the H200 sweep (`sweep`)."""
-    from lowbit.kernels.decode_geometry import GeoConfig
+    from lowbit.kernels.attention.geometry import GeoConfig
 
     if geo["kind"] == "mha":
         return [GeoConfig(), GeoConfig(block_t=64, num_warps=1), GeoConfig(block_t=64, num_warps=2)]
@@ -60,7 +60,7 @@ def candidates(geo: dict, packed: bool = True):
 
 def sweep_candidates(geo: dict):
     """The wider grid `sweep` times (tile tokens x warps x heads per program x q in registers/L1 x waves)."""
-    from lowbit.kernels.decode_geometry import GeoConfig
+    from lowbit.kernels.attention.geometry import GeoConfig
 
     if geo["kind"] == "mha":
         out = [GeoConfig(block_t=bt, num_warps=w) for bt in (32, 64, 128) for w in (1, 2, 4)]
@@ -111,8 +111,8 @@ def sweep(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=
 
 def parse_config(text: str):
     """'block_t=64,heads=8,q_loop=0' -> GeoConfig (integers; q_loop / zero_mma 0 or 1)."""
-    from lowbit.errors import LowbitError
-    from lowbit.kernels.decode_geometry import GeoConfig
+    from lowbit.core.errors import LowbitError
+    from lowbit.kernels.attention.geometry import GeoConfig
 
     fields = {}
     for kv in text.split(","):
@@ -125,7 +125,7 @@ def parse_config(text: str):
 
 
 def GeoConfig_default():
-    from lowbit.kernels.decode_geometry import GeoConfig
+    from lowbit.kernels.attention.geometry import GeoConfig
 
     return GeoConfig()
 
@@ -157,7 +157,7 @@ def _rand_packed(B, H, L, D, bits, group, g, dev):
 
 def latent_fns(geo, B, L, bits, nbuf, cfg, dense_mid=False, seed=0, dev="cuda"):
     """Callables of decode_attention_latent over nbuf middle sets (packed, or bf16 with dense_mid)."""
-    from lowbit.kernels.decode_geometry import decode_attention_latent
+    from lowbit.kernels.attention.geometry import decode_attention_latent
 
     g = torch.Generator(device=dev).manual_seed(seed)
     Hq, D, DR = geo["Hq"], geo["Dv"], geo["DR"]
@@ -184,7 +184,7 @@ def latent_fns(geo, B, L, bits, nbuf, cfg, dense_mid=False, seed=0, dev="cuda"):
 
 
 def mha_fns(geo, B, L, bits, nbuf, cfg, seed=0, dev="cuda"):
-    from lowbit.kernels.decode_geometry import decode_attention_geo
+    from lowbit.kernels.attention.geometry import decode_attention_geo
 
     g = torch.Generator(device=dev).manual_seed(seed)
     Hq, H, Dk, Dv = geo["Hq"], geo["Hkv"], geo["Dk"], geo["Dv"]
@@ -280,7 +280,7 @@ def _best(make, cfgs, log, timer):
 
 def run(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=(2, 4), mem_cap_gb: float = 60.0,
         log=print, dev: str = "cuda", timer=graph_time_ms) -> dict:
-    """Rows for the geometry kernel (format of lowbit.kernels.bench.run). dev/timer: tests run the same
+    """Rows for the geometry kernel (format of lowbit.tools.bench.attention.run). dev/timer: tests run the same
     code on CPU tensors (the Triton interpreter) with a stand-in timer."""
     rows = []
     for name in geometries:
@@ -363,10 +363,10 @@ def format_row(r: dict, bits=(2, 4)) -> str:
 
 
 def main(argv=None) -> int:
-    """python -m lowbit.kernels.geo_bench --sweep OUT.json [--geometry a,b] [--batch 1,16] [--length 32768]"""
+    """python -m lowbit.tools.bench.geometry --sweep OUT.json [--geometry a,b] [--batch 1,16] [--length 32768]"""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m lowbit.kernels.geo_bench")
+    ap = argparse.ArgumentParser(prog="python -m lowbit.tools.bench.geometry")
     ap.add_argument("--sweep", required=True, help="JSON file to write the sweep to")
     ap.add_argument("--geometry", default=",".join(GEOMETRIES))
     ap.add_argument("--batch", default="1,16")

@@ -67,7 +67,7 @@ def read_words_ref(words: torch.Tensor, block: int = 2048, iters: int = 1) -> to
 def read_floor_ms(nbytes: int, device="cuda", configs=READ_CONFIGS) -> tuple[float, dict]:
     """The fastest time (ms) over `configs` to read `nbytes` (rounded up to whole int32 words) once, timed
     like the weight GEMMs; -> (ms, {"block", "iters", "num_warps"} of the best)."""
-    from lowbit.kernels.bench import graph_time_ms, n_buffers
+    from lowbit.tools.bench.attention import graph_time_ms, n_buffers
 
     n = -(-nbytes // 4)
     bufs = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=device)

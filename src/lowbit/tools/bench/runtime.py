@@ -33,7 +33,7 @@ import time
 
 import torch
 
-from lowbit.errors import LowbitError
+from lowbit.core.errors import LowbitError
 
 GEOMETRIES = {
     "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
@@ -116,7 +116,7 @@ def kv_bytes(path: str, cfg, B: int, L: int) -> int:
     H, D, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     if path in ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "hf-generate-compile-lowbit-bf16"):
         return B * L * n * H * 2 * D * 2
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
 
     s = parse_kv_scheme(SCHEMES[path])
     dense = min(L, s.sink + s.recent)
@@ -272,7 +272,7 @@ def _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s) -> dict:
 def _row_hf(path, model, cfg, B, L, steps):
     from transformers import DynamicCache, StaticCache
 
-    from lowbit.kv.cache import cache_kwargs
+    from lowbit.runtime.cache import cache_kwargs
 
     model.set_attn_implementation("sdpa")
     H, D = cfg.num_key_value_heads, cfg.head_dim
@@ -325,7 +325,7 @@ def _row_hf_generate(path, model, cfg, B, L, steps, warm: int = 6, compile_confi
     transformers' default (what a user who only swaps the cache gets), or a transformers.CompileConfig."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from lowbit.kv.cache import cache_kwargs
+    from lowbit.runtime.cache import cache_kwargs
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.generate import GenerateCache
@@ -417,7 +417,7 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
     the lowbit runtime's prefill into a StaticKVCache slot (bf16 and int2), tokens/s of each."""
     from transformers import DynamicCache
 
-    from lowbit.kv.cache import cache_kwargs
+    from lowbit.runtime.cache import cache_kwargs
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.static_cache import StaticKVCache
@@ -567,10 +567,10 @@ def engine_load(geometry: str, concurrency, *, prompt_len: int, max_tokens: int,
     import threading
 
     from lowbit.models.geometry import ModelGeometry
-    from lowbit.recipe import parse_kv_scheme
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.serve.batch_engine import BatchEngine
     from lowbit.serve.engine import GenParams, Request
-    from lowbit.serve.runtime import Runtime
+    from lowbit.serve.loader import Runtime
 
     model, cfg = build_model(geometry, device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     slots = max(concurrency)

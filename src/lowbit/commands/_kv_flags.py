@@ -1,15 +1,15 @@
 """The KV-cache flags every command shares (`generate`, `eval`, `serve`), and the scheme they make.
 
-    from lowbit.kv.cli_args import add_kv_arguments, scheme_from_args
+    from lowbit.commands._kv_flags import add_kv_arguments, scheme_from_args
     add_kv_arguments(parser)                 # --kv SCHEME + --group --sink --recent --page --clip
                                              # --lloyd-max --rotation --layer-bits | --recipe FILE
-    scheme = scheme_from_args(args)          # a lowbit.recipe.KVScheme (not yet validated)
+    scheme = scheme_from_args(args)          # a lowbit.kv.scheme.KVScheme (not yet validated)
 """
 
 from __future__ import annotations
 
-from lowbit.errors import LowbitError
-from lowbit.recipe import SCHEME_NAMES, KVScheme, load_recipe, parse_kv_scheme
+from lowbit.core.errors import LowbitError
+from lowbit.kv.scheme import SCHEME_NAMES, KVScheme, load_recipe, parse_kv_scheme
 
 _FLAGS = ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid", "zero", "scale_format", "vq",
           "residual")
