@@ -7,8 +7,6 @@ from dataclasses import replace
 import pytest
 
 from lowbit.core.errors import LowbitError
-from lowbit.models.geometry import ModelGeometry
-from lowbit.models.tiny import tiny_config
 from lowbit.kv.scheme import (
     DEFAULT_PAGE,
     KVScheme,
@@ -17,6 +15,8 @@ from lowbit.kv.scheme import (
     load_recipe,
     parse_kv_scheme,
 )
+from lowbit.models.geometry import ModelGeometry
+from lowbit.models.tiny import tiny_config
 
 
 def geom(name):

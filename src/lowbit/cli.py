@@ -20,9 +20,9 @@ from pathlib import Path
 
 import lowbit
 from lowbit import __version__
-from lowbit.core import threads
 from lowbit.commands import COMMANDS, TORCH_FREE
 from lowbit.commands import load as load_command
+from lowbit.core import threads
 from lowbit.core.errors import LowbitError
 
 EXIT_ERROR = 2

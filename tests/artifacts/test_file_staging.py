@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from lowbit.artifacts import verify
-from lowbit.tools.killpoints import FILE_POINTS, file_kill_point, file_kill_points
 from lowbit.artifacts.writer import is_staging_dir, staging_name, write_new_file
+from lowbit.tools.killpoints import FILE_POINTS, file_kill_point, file_kill_points
 
 
 def _staging(parent):

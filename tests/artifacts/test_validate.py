@@ -190,10 +190,10 @@ def test_existing_json_is_refused_before_any_stage(arts, tmp_path, capsys):
 
 def test_kernel_cases_follow_the_plan():
     """Only shapes the kernel takes are audited, each once; per-channel K (KIVI) is named as torch-only."""
-    from lowbit.tools.validate import kernel_cases
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
     from lowbit.models.tiny import tiny_config
+    from lowbit.tools.validate import kernel_cases
 
     gemma = ModelGeometry.from_config(tiny_config("gemma3-270m", num_layers=7))
     cases, notes = kernel_cases(resolve("int2", gemma), "cpu")

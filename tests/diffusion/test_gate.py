@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from lowbit.diffusion.gate import DEFAULTS, Thresholds, calibrate, failures, image_metrics, psnr, seed_band
 from lowbit.core.errors import LowbitError
+from lowbit.diffusion.gate import DEFAULTS, Thresholds, calibrate, failures, image_metrics, psnr, seed_band
 
 
 def digit_like(seed: int, size: int = 24) -> torch.Tensor:

@@ -15,8 +15,8 @@ from lowbit.eval.layer_error import (
     measure_layers,
     tiered_attention,
 )
-from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
 from lowbit.kv.scheme import parse_kv_scheme
+from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
 from lowbit.rotation.hadamard import hadamard
 
 

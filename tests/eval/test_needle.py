@@ -6,9 +6,9 @@ import pytest
 from lowbit.core.errors import LowbitError
 from lowbit.eval import needle
 from lowbit.eval.needle import build_prompt, insert_needle, load_haystack, run_needle, score, split_sentences
+from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.models import LoadedModel, ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer
-from lowbit.kv.scheme import parse_kv_scheme
 
 HAY = ("The cat sat on the mat. A dog ran to the mat! Did the cat run?The dog sat. "
        "Dr. Who and the cat ran on 3.5 mats. The end")

@@ -8,8 +8,8 @@ import torch
 from lowbit.core.errors import LowbitError
 from lowbit.eval.harness import evaluate
 from lowbit.eval.peers import Accounting, hf_quantized_entry, lowbit_entry, reference_entry, tensor_bits
-from lowbit.models.geometry import ModelGeometry
 from lowbit.kv.scheme import parse_kv_scheme
+from lowbit.models.geometry import ModelGeometry
 
 
 def test_quanto_peer_runs_and_its_bits_come_from_its_tensors(tiny_smollm, random_windows):

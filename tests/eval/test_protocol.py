@@ -8,8 +8,8 @@ import torch
 from lowbit.eval.harness import evaluate
 from lowbit.eval.peers import Entry, dynamic_cache_accounting, lowbit_entry, reference_entry
 from lowbit.eval.perplexity import Scores, chunk_targets, full_window_ppl
-from lowbit.models.geometry import ModelGeometry
 from lowbit.kv.scheme import parse_kv_scheme
+from lowbit.models.geometry import ModelGeometry
 
 
 def test_chunk_targets_score_positions_0_to_L_minus_2():

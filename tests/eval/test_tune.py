@@ -15,8 +15,8 @@ from lowbit.core.errors import LowbitError
 from lowbit.eval.plan import plan_schemes
 from lowbit.eval.tune import allocate
 from lowbit.kv.held import held_bits
-from lowbit.models import ModelGeometry
 from lowbit.kv.scheme import load_recipe
+from lowbit.models import ModelGeometry
 
 
 def test_allocate_spends_bits_where_loss_drops_most_per_held_bit():

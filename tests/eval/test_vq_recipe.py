@@ -15,8 +15,8 @@ from lowbit.core.errors import LowbitError
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.held import held_bits
 from lowbit.kv.plan import resolve, save_levels
-from lowbit.models import ModelGeometry
 from lowbit.kv.scheme import LevelsRef, TensorQuant, load_recipe, parse_kv_scheme
+from lowbit.models import ModelGeometry
 
 RECIPE = """[kv]
 scheme = "int2"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lowbit.kernels.attention.common import interpreted
 from lowbit.tools.audit.attention import audit, make_case, sweep
-from lowbit.kernels.attention.tiers import interpreted
 
 
 def test_sweeps_cover_scale_only_groups():
@@ -23,9 +23,9 @@ def test_scale_only_case_stores_no_zero():
 
 @pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
 def test_audit_passes_a_scale_only_case_and_the_kernel_reads_the_centre():
-    from lowbit.tools.audit.attention import TOL
-    from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
     from lowbit.kernels.attention.reference import decode_attention_ref
+    from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
+    from lowbit.tools.audit.attention import TOL
 
     case = dict(B=3, Hq=9, Hkv=3, D=64, T=99, kbits=2, vbits=2, zero="none", ragged=True)
     (row,) = audit("cpu", cases=[("scale-only", case)], kernels=("decode_attention",))

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels.attention.tiers import interpreted
+from lowbit.kernels.attention.common import interpreted
 
 
 @pytest.mark.slow  # ~50 s on 2 shared cores (a 420-token prefill, then the interpreter)
 @pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
 def test_cache_decode_through_kernel_matches_torch_path():
-    from lowbit.runtime.cache import QuantizedKVCache
     from lowbit.models.tiny import tiny_model
+    from lowbit.runtime.cache import QuantizedKVCache
 
     model, cfg = tiny_model("smollm2-135m", num_layers=1, dtype=torch.float32)
     g = torch.Generator().manual_seed(0)
@@ -36,11 +36,11 @@ def test_cache_decode_through_kernel_matches_torch_path():
 def test_scale_only_cache_decodes_through_kernel_like_torch_path():
     """Scale-only groups (zero "none", no zero buffer held): the plan routes decode to the kernel, which
     computes the zero from the scale, and gives what the torch path gives; k4v2 so both widths are read."""
-    from lowbit.runtime.cache import QuantizedKVCache
     from lowbit.kv.plan import resolve
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.models import ModelGeometry
     from lowbit.models.tiny import tiny_model
-    from lowbit.kv.scheme import parse_kv_scheme
+    from lowbit.runtime.cache import QuantizedKVCache
 
     model, cfg = tiny_model("smollm2-135m", num_layers=1, dtype=torch.float32)
     s = parse_kv_scheme("k4v2", zero="none", sink=2, recent=4, page=2)

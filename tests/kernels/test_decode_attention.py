@@ -16,8 +16,9 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _make import make_inputs, rel_l2
 
 from lowbit.core.errors import LowbitError
-from lowbit.kernels.attention.tiers import KernelConfig, decode_attention, interpreted
+from lowbit.kernels.attention.common import interpreted
 from lowbit.kernels.attention.reference import decode_attention_ref
+from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
 
 TOL = 1e-3
 # tests/conftest.py sets TRITON_INTERPRET=1 unless the environment says otherwise; GPU runs use

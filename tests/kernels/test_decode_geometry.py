@@ -17,9 +17,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _make import make_inputs, packed_tier, rel_l2
 
 from lowbit.core.errors import LowbitError
-from lowbit.kernels.attention.tiers import decode_attention, interpreted
+from lowbit.kernels.attention.common import interpreted
 from lowbit.kernels.attention.geometry import GeoConfig, decode_attention_geo, decode_attention_latent
 from lowbit.kernels.attention.reference import decode_attention_latent_ref, decode_attention_ref
+from lowbit.kernels.attention.tiers import decode_attention
 
 TOL = 1e-3
 cpu_only = pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
@@ -198,7 +199,7 @@ def test_plan_puts_the_new_geometries_on_the_kernel(family, mla):
 
 
 def test_plan_names_why_not():
-    from lowbit.backends.triton_decode import geo_tiling_reason, shared_reason
+    from lowbit.kv.capabilities import geo_tiling_reason, shared_reason
     from lowbit.kv.plan import resolve
     from lowbit.models.families import family_geometry
 
@@ -212,9 +213,9 @@ def test_plan_names_why_not():
 
 
 def _tiny_run(name, mla, scheme_name, backend, steps=3, **model_kw):
-    from lowbit.runtime.cache import QuantizedKVCache
     from lowbit.models.geometry import ModelGeometry
     from lowbit.models.tiny import tiny_tokenizer_free_inputs
+    from lowbit.runtime.cache import QuantizedKVCache
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "kv"))
     from helpers import make_model, run_chunks, scheme
@@ -319,8 +320,8 @@ def test_geo_bench_rows_run_end_to_end_on_cpu():
 
 
 def test_geo_bench_parse_config_reads_fields_and_names_bad_ones():
-    from lowbit.tools.bench import geometry as geo_bench
     from lowbit.kernels.attention.geometry import GeoConfig
+    from lowbit.tools.bench import geometry as geo_bench
 
     assert geo_bench.parse_config("block_t=64,heads=8,q_loop=0") == GeoConfig(block_t=64, heads=8, q_loop=False)
     for bad in ("block=64", "heads=eight", "heads"):

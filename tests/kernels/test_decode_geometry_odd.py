@@ -20,10 +20,10 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _make import make_inputs, rel_l2
 from test_decode_geometry import latent_inputs
 
-from lowbit.tools.bench import geometry as geo_bench
-from lowbit.kernels.attention.tiers import interpreted
+from lowbit.kernels.attention.common import interpreted
 from lowbit.kernels.attention.geometry import GeoConfig, decode_attention_geo, decode_attention_latent
 from lowbit.kernels.attention.reference import decode_attention_latent_ref, decode_attention_ref
+from lowbit.tools.bench import geometry as geo_bench
 
 TOL = 1e-3
 cpu_only = pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")

@@ -8,10 +8,10 @@ import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.tools.audit.attention import RES_K, RES_V, TOL, VQ_K, VQ_V, audit_vq, make_vq_case
-from lowbit.kernels.attention.tiers import interpreted
-from lowbit.kernels.attention.vq import MidTensor, decode_attention_vq
+from lowbit.kernels.attention.common import interpreted
 from lowbit.kernels.attention.reference import decode_attention_vq_ref
+from lowbit.kernels.attention.vq import MidTensor, decode_attention_vq
+from lowbit.tools.audit.attention import RES_K, RES_V, TOL, VQ_K, VQ_V, audit_vq, make_vq_case
 
 pytestmark = pytest.mark.skipif(not interpreted(), reason="kernels imported for CUDA (TRITON_INTERPRET=0)")
 
@@ -42,8 +42,8 @@ def _eager_logits(model, cfg, scheme, seed: int = 0) -> dict:
 def _static_matches_eager(m, plan, monkeypatch, vq_layers) -> None:
     """The static cache's decode steps through the VQ kernel's op (use_kernel) and through its torch path give the
     eager cache's logits; the op runs exactly when use_kernel is set; vq_layers: which layers' StaticLayer.vq."""
-    from lowbit.runtime.cache import QuantizedKVCache
     from lowbit.models.tiny import tiny_tokenizer_free_inputs
+    from lowbit.runtime.cache import QuantizedKVCache
     from lowbit.runtime.static_cache import StaticKVCache
     from lowbit.runtime.step import ModelStep, eager_decode, prefill
     from tests.kv.helpers import run_chunks
@@ -118,9 +118,9 @@ def test_bad_inputs_are_named():
 
 def test_cache_routes_vq_layers_to_the_kernel_like_the_torch_path(tmp_path):
     from lowbit.kv.plan import resolve, save_levels
+    from lowbit.kv.scheme import LevelsRef, parse_kv_scheme
     from lowbit.models import ModelGeometry
     from lowbit.models.tiny import tiny_model
-    from lowbit.kv.scheme import LevelsRef, parse_kv_scheme
 
     model, cfg = tiny_model("smollm2-135m", num_layers=2, dtype=torch.float32)
     geo = ModelGeometry.from_config(cfg)
@@ -132,7 +132,7 @@ def test_cache_routes_vq_layers_to_the_kernel_like_the_torch_path(tmp_path):
                         scale_format="ue5m3", levels=LevelsRef(str(cb)))
     plan = resolve(s, geo, decode_backend="triton")
     assert {lp.backends["decode"].name for lp in plan.layers} == {"triton-decode"}
-    from lowbit.backends.triton_decode import kernel_name
+    from lowbit.kv.capabilities import kernel_name
 
     assert kernel_name(plan.layers[1]) == "decode_vq (VQ rows / 1-bit residual)"  # int4 scalar K beside VQ V
     logits = _eager_logits(model, cfg, s)
@@ -144,8 +144,8 @@ def test_static_runtime_reads_vq_rows_through_the_kernel_op(tmp_path, monkeypatc
     """The static cache holds VQ codes and one-byte row scales; its decode step through the VQ kernel's custom op
     (use_kernel, what a CUDA plan sets) and through its torch path give the eager cache's logits."""
     from lowbit.kv.plan import resolve, save_levels
-    from lowbit.models import ModelGeometry
     from lowbit.kv.scheme import LevelsRef, parse_kv_scheme
+    from lowbit.models import ModelGeometry
     from tests.kv.helpers import fast_model
 
     m = fast_model("smollm2-135m")
@@ -192,11 +192,11 @@ def test_a_kernel_ignoring_the_residual_would_fail():
 
 
 def test_cache_routes_residual_layers_to_the_kernel_like_the_torch_path():
-    from lowbit.backends.triton_decode import kernel_name
+    from lowbit.kv.capabilities import kernel_name
     from lowbit.kv.plan import resolve
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.models import ModelGeometry
     from lowbit.models.tiny import tiny_model
-    from lowbit.kv.scheme import parse_kv_scheme
 
     model, cfg = tiny_model("smollm2-135m", num_layers=3, dtype=torch.float32)
     geo = ModelGeometry.from_config(cfg)
@@ -213,8 +213,8 @@ def test_static_runtime_reads_the_residual_through_the_kernel_op(monkeypatch):
     """The static cache holds the residual's sign bits and gains; its decode step through the VQ kernel's op and
     through its torch path give the eager cache's logits."""
     from lowbit.kv.plan import resolve
-    from lowbit.models import ModelGeometry
     from lowbit.kv.scheme import parse_kv_scheme
+    from lowbit.models import ModelGeometry
     from tests.kv.helpers import fast_model
 
     m = fast_model("smollm2-135m")

@@ -22,7 +22,7 @@ from test_decode_geometry import latent_inputs
 from lowbit.core.errors import LowbitError
 from lowbit.kernels import nvcc
 from lowbit.kernels.attention import latent_cuda
-from lowbit.kernels.attention.tiers import interpreted
+from lowbit.kernels.attention.common import interpreted
 from lowbit.kernels.attention.geometry import GeoConfig, decode_attention_latent
 from lowbit.kernels.attention.reference import decode_attention_latent_ref
 

@@ -13,7 +13,8 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _make import make_inputs
 
 import lowbit.kernels.attention.tiers as da
-from lowbit.kernels.attention.tiers import KernelConfig, Launch, decode_attention, interpreted
+from lowbit.kernels.attention.common import interpreted
+from lowbit.kernels.attention.tiers import KernelConfig, Launch, decode_attention
 
 pytestmark = pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
 

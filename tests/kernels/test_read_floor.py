@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels.attention.tiers import interpreted
+from lowbit.kernels.attention.common import interpreted
 from lowbit.tools.bench.read_floor import READ_CONFIGS, programs, read_words, read_words_ref
 
 pytestmark = pytest.mark.skipif(not interpreted(), reason="kernels imported for CUDA (TRITON_INTERPRET=0)")

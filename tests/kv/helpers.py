@@ -7,8 +7,8 @@ from dataclasses import replace
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
-from lowbit.models.tiny import tiny_config
 from lowbit.kv.scheme import parse_kv_scheme
+from lowbit.models.tiny import tiny_config
 
 
 def make_model(name: str, num_layers: int | None = None, seed: int = 0, **overrides):

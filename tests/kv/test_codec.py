@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from lowbit.kv.codec import TensorCodec
-from lowbit.quant import affine, packing
 from lowbit.kv.scheme import TensorQuant
+from lowbit.quant import affine, packing
 
 
 def _x(*shape, seed=0):

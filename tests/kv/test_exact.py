@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import FAST, fast_model, reference, rel_err, run_chunks, scheme
 

@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import FAST, fast_model, reference, rel_err, run_chunks, scheme
 
@@ -15,7 +15,7 @@ def _skip_reason() -> str | None:
     if not torch.cuda.is_available():
         return "needs CUDA"
     try:
-        from lowbit.kernels.attention.tiers import interpreted
+        from lowbit.kernels.attention.common import interpreted
     except ImportError as e:
         return f"needs triton for the fused decode kernel ({e})"
     if interpreted():

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.backends.torch_stream import online_attention
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import make_model, reference, rel_err, run_chunks, scheme
 

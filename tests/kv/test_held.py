@@ -5,11 +5,11 @@ import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.held import held_bits, held_bits_of_cache, tier_tokens
+from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.models import ModelGeometry
 from lowbit.models.tiny import tiny_config
-from lowbit.kv.scheme import parse_kv_scheme
+from lowbit.runtime.cache import QuantizedKVCache
 
 
 def _geometry(name="gemma3-270m", layers=6):

@@ -8,8 +8,8 @@ rather than refused. On CUDA, tests/kv/test_gpu.py runs the same comparison nati
 import pytest
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import fast_model, rel_err, run_chunks, scheme
 

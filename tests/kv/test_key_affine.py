@@ -6,12 +6,12 @@ import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv import key_affine as kam
 from lowbit.kv.plan import resolve
+from lowbit.kv.scheme import RotationRef
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
-from lowbit.kv.scheme import RotationRef
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import reference, rel_err, run_chunks, scheme
 

@@ -4,10 +4,10 @@ import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
 from lowbit.quant import affine
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import fast_model, make_model, reference, rel_err, run_chunks, scheme
 

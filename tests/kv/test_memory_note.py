@@ -2,8 +2,8 @@
 
 import pytest
 
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import make_model, run_chunks, scheme
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
+from lowbit.kv.scheme import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
 from lowbit.models import ModelGeometry
 from lowbit.models.tiny import tiny_config
 from lowbit.quant import affine
-from lowbit.kv.scheme import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
+from lowbit.runtime.cache import QuantizedKVCache
 
 
 def _heavy(*shape, seed=0):
@@ -148,7 +148,7 @@ def test_cache_middle_rows_are_searched_and_never_worse():
 
 def test_fused_kernel_rule_takes_the_mse_grid():
     """The fused decode kernel takes the mse grid as it takes std scale-only groups (head_dim 64, int2)."""
-    from lowbit.backends.triton_decode import supports
+    from lowbit.kv.capabilities import supports
     from lowbit.kv.plan import resolve
 
     cfg = tiny_config("smollm2-135m", num_layers=2)

@@ -9,14 +9,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
+import lowbit.eval.layer_error
+import lowbit.vllm_plugin.slot  # noqa: F401 (registers the vllm-slot backend)
 from lowbit import backends
+from lowbit.core.errors import LowbitError
 from lowbit.kv.plan import load_levels, resolve, save_levels
+from lowbit.kv.scheme import LevelsRef, RotationRef, kv_scheme_from_dict, parse_kv_scheme
 from lowbit.models.geometry import ModelGeometry, geometry_of
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
-from lowbit.kv.scheme import LevelsRef, RotationRef, kv_scheme_from_dict, parse_kv_scheme
 from lowbit.rotation.rotation_set import RotationSet
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import fast_model, rel_err, run_chunks, scheme
 from .test_rotation import make_set
@@ -197,6 +199,8 @@ def _stored_rows(model, plan, ids, chunks, layer_idx, lo, n):
 
 
 def test_registry_lists_every_backend_and_refuses_unknown():
+    """The package's own backends are found by scanning lowbit.backends; vllm-slot and fake-quant register
+    when their modules (imported at the top of this file) are imported."""
     names = set(backends.all_backends())
     assert names == {"torch-stream", "triton-decode", "vllm-slot", "fake-quant"}
     with pytest.raises(LowbitError, match="KV backend 'nope' unknown; known: fake-quant"):

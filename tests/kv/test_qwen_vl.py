@@ -11,10 +11,9 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from lowbit.runtime.cache import QuantizedKVCache
-from lowbit.runtime.cache import cache_kwargs
 from lowbit.models.families import tiny_overrides
 from lowbit.models.tiny import tiny_model
+from lowbit.runtime.cache import QuantizedKVCache, cache_kwargs
 
 from .helpers import rel_err, scheme
 

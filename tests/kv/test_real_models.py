@@ -10,10 +10,10 @@ import torch
 from transformers import DynamicCache
 
 from lowbit.calib.corpora import WIKITEXT2_PATH
-from lowbit.runtime.greedy import generate
-from lowbit.runtime.cache import QuantizedKVCache
-from lowbit.models import BUILTINS, load
 from lowbit.kv.scheme import parse_kv_scheme
+from lowbit.models import BUILTINS, load
+from lowbit.runtime.cache import QuantizedKVCache
+from lowbit.runtime.greedy import generate
 
 from .helpers import rel_err, run_chunks
 

@@ -6,12 +6,12 @@ import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.plan import resolve
 from lowbit.kv.rotations import fold_v_into_weights
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
 from lowbit.rotation.rotation_set import RotationSet
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import FAST, fast_model, reference, rel_err, run_chunks, scheme
 

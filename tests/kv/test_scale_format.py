@@ -16,14 +16,14 @@ import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.held import held_bits, held_bits_of_cache
+from lowbit.kv.scheme import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
 from lowbit.models import ModelGeometry
 from lowbit.models.tiny import tiny_config, tiny_tokenizer_free_inputs
 from lowbit.quant import affine, packing
 from lowbit.quant import scale_format as sf
-from lowbit.kv.scheme import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import fast_model, rel_err, run_chunks
 
@@ -185,7 +185,7 @@ def test_torch_path_reads_byte_scales_about_as_well_as_fp16():
 
 def test_cache_decodes_through_kernel_like_torch_path():
     """The plan routes a ue5m3 layer's decode to the fused kernel (uint8 scales decoded in the kernel)."""
-    from lowbit.kernels.attention.tiers import interpreted
+    from lowbit.kernels.attention.common import interpreted
     from lowbit.kv.plan import resolve
     from lowbit.models.tiny import tiny_model
 
@@ -213,9 +213,10 @@ def test_cache_decodes_through_kernel_like_torch_path():
 
 def test_kernel_decodes_the_byte_not_its_integer_value():
     """The audit's twin agrees; the same case with the scale bytes read as plain numbers would not."""
-    from lowbit.tools.audit.attention import TOL, audit, make_case
-    from lowbit.kernels.attention.tiers import KernelConfig, decode_attention, interpreted
+    from lowbit.kernels.attention.common import interpreted
     from lowbit.kernels.attention.reference import decode_attention_ref
+    from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
+    from lowbit.tools.audit.attention import TOL, audit, make_case
 
     if not interpreted():
         pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")
@@ -235,7 +236,7 @@ def test_kernel_decodes_the_byte_not_its_integer_value():
 
 
 def test_geometry_kernel_refuses_byte_scales_by_name():
-    from lowbit.kernels.attention.tiers import check_packed_tier
+    from lowbit.kernels.attention.common import check_packed_tier
 
     codes = torch.zeros(1, 1, 4, 24, dtype=torch.uint8)
     scale = torch.zeros(1, 1, 4, 1, dtype=torch.uint8)
@@ -249,7 +250,7 @@ def test_geometry_kernel_refuses_byte_scales_by_name():
 def test_static_runtime_reads_byte_scales_like_the_eager_cache():
     """The static cache allocates uint8 scales; torch path, the kernel's wrapper and the custom op agree with
     the eager cache's logits."""
-    from lowbit.kernels.attention.tiers import interpreted
+    from lowbit.kernels.attention.common import interpreted
     from lowbit.kv.plan import resolve
     from lowbit.runtime.static_cache import StaticKVCache
     from lowbit.runtime.step import ModelStep, eager_decode, prefill

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.held import held_bits, held_bits_of_cache
+from lowbit.kv.scheme import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
 from lowbit.models import ModelGeometry
 from lowbit.models.tiny import tiny_config
 from lowbit.quant import affine, packing
-from lowbit.kv.scheme import TensorQuant, kv_scheme_from_dict, parse_kv_scheme
+from lowbit.runtime.cache import QuantizedKVCache
 
 
 def _x(*shape, seed=0):

@@ -8,10 +8,10 @@ middle pages and ring rows.
 import pytest
 import torch
 
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.layer import QuantizedKVLayer
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
+from lowbit.runtime.cache import QuantizedKVCache
 
 from .helpers import FAST, fast_model, run_chunks, scheme
 

@@ -5,8 +5,8 @@ import time
 
 import pytest
 
-from lowbit.runtime.greedy import PROMPT, greedy_continuation
 from lowbit.models import BUILTINS, load
+from lowbit.runtime.greedy import PROMPT, greedy_continuation
 
 pytestmark = pytest.mark.slow
 

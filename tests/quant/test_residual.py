@@ -12,9 +12,9 @@ import torch
 from lowbit.core.errors import LowbitError
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.held import codec_bits_per_token
+from lowbit.kv.scheme import TensorQuant, parse_kv_scheme
 from lowbit.quant import residual
 from lowbit.quant import scale_format as sf
-from lowbit.kv.scheme import TensorQuant, parse_kv_scheme
 
 
 @pytest.mark.parametrize("D", [8, 64, 128, 256])

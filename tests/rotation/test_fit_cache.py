@@ -7,9 +7,9 @@ from lowbit.calib.run import collect, write_calibration
 from lowbit.calib.stats import load_calibration
 from lowbit.core.errors import LowbitError
 from lowbit.kv.plan import resolve
+from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model, tiny_tokenizer_free_inputs
-from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.rotation.fit_run import fit_and_save
 
 

@@ -22,14 +22,14 @@ from transformers import AutoModelForCausalLM
 from lowbit.calib.run import collect, write_calibration
 from lowbit.calib.stats import load_calibration
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.plan import resolve
+from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_config, tiny_tokenizer_free_inputs
-from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.rotation.fit_run import fit_and_save
 from lowbit.rotation.hadamard import hadamard
 from lowbit.rotation.rotation_set import RotationSet
+from lowbit.runtime.cache import QuantizedKVCache
 
 from ..kv.helpers import reference, rel_err, run_chunks, scheme
 

@@ -99,8 +99,8 @@ def test_one_graph_per_bucket_and_a_smaller_bucket_leaves_other_slots_alone():
 
 
 def test_decode_graphs_refuses_cpu_and_bench_paths_are_the_schema_names():
-    from lowbit.tools.bench import runtime as bench
     from lowbit.runtime.step import DecodeGraphs
+    from lowbit.tools.bench import runtime as bench
 
     m = _model("llama")
     cache = StaticKVCache(m, _plan(m, "int2"), slots=1, max_context=16)
@@ -171,7 +171,7 @@ def test_compiled_body_runs_the_fused_kernel_as_one_op():
     step's logits (the eager step calls the kernel's Python wrapper directly)."""
     from torch._dynamo.backends.registry import lookup_backend
 
-    from lowbit.kernels.attention.tiers import interpreted
+    from lowbit.kernels.attention.common import interpreted
 
     if not interpreted():
         pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")

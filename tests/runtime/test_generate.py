@@ -8,10 +8,10 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, DynamicCache, StaticCache
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import cache_kwargs
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.registry import get_builtin
+from lowbit.runtime.cache import cache_kwargs
 from lowbit.runtime.generate import GenerateCache
 from lowbit.runtime.static_cache import StaticKVCache
 from lowbit.runtime.step import ModelStep, eager_decode, prefill
@@ -236,7 +236,7 @@ def test_kernel_op_equals_the_torch_twin():
     """The fused kernel as the custom op GenerateCache puts in a compiled step (the Triton interpreter on
     CPU): the same attention as the torch twin over ragged tiers, called directly and inside a full-graph
     trace (the op is one opaque node: dynamo does not trace the kernel's launcher)."""
-    from lowbit.kernels.attention.tiers import interpreted
+    from lowbit.kernels.attention.common import interpreted
     from lowbit.tools.bench.runtime import _fill_static, build_model
 
     if not interpreted():

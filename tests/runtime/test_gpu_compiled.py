@@ -104,8 +104,8 @@ def test_compiled_captured_step_with_w4a16_linears(inductor_pdl):
     codegen, whose kernels then sit between lowbit's PDL-aware CUDA kernels and its Triton attention kernels."""
     if not _kernels_compiled():
         pytest.skip("the fused kernel was imported under the Triton interpreter")
-    from lowbit.tools.bench.runtime import quantize_linears
     from lowbit.runtime.step import inductor_pdl_missing
+    from lowbit.tools.bench.runtime import quantize_linears
 
     if inductor_pdl and inductor_pdl_missing():
         pytest.skip(inductor_pdl_missing())

@@ -21,7 +21,7 @@ def _model():
 
 def _kernels_compiled() -> bool:
     try:
-        from lowbit.kernels.attention.tiers import interpreted
+        from lowbit.kernels.attention.common import interpreted
     except ImportError:
         return False
     return not interpreted()
@@ -72,9 +72,9 @@ def test_captured_step_equals_eager_step(kv):
 def test_bf16_runtime_greedy_equals_dynamic_cache():
     from transformers import DynamicCache
 
-    from lowbit.runtime.cache import cache_kwargs
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.cache import cache_kwargs
     from lowbit.runtime.static_cache import StaticKVCache
     from lowbit.runtime.step import DecodeGraphs, ModelStep, prefill
 

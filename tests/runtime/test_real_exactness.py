@@ -8,9 +8,9 @@ import torch
 from transformers import DynamicCache
 
 from lowbit.calib.corpora import stdlib_text
-from lowbit.runtime.cache import cache_kwargs
 from lowbit.kv.plan import resolve
 from lowbit.models import BUILTINS, load
+from lowbit.runtime.cache import cache_kwargs
 from lowbit.runtime.static_cache import StaticKVCache
 from lowbit.runtime.step import ModelStep, eager_decode, prefill
 from tests.kv.helpers import scheme

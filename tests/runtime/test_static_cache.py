@@ -7,11 +7,11 @@ import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_tokenizer_free_inputs
+from lowbit.runtime.cache import QuantizedKVCache
 from lowbit.runtime.static_cache import StaticKVCache
 from lowbit.runtime.step import DecodeGraphs, ModelStep, eager_decode, prefill
 from tests.kv.helpers import fast_model, rel_err, run_chunks, scheme
@@ -85,7 +85,7 @@ def test_fused_kernel_reads_scale_only_static_tiers_like_the_torch_path():
     """use_kernel (what a CUDA plan sets; here the Triton interpreter): with scale-only groups the decode step
     through the kernel's wrapper and through the custom op (kernel_op) gives the torch path's logits (k4v2:
     both code widths read; the kernel computes zero = -centre * scale; stored zeros: test_compiled_step)."""
-    from lowbit.kernels.attention.tiers import interpreted
+    from lowbit.kernels.attention.common import interpreted
 
     if not interpreted():
         pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")

@@ -37,9 +37,9 @@ def byte_tokenizer():
 
 
 def tiny_runtime(kv: str = "bf16", *, max_context: int = 256, eos: tuple[int, ...] = (2,), seed: int = 0, **kv_flags):
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.models.geometry import ModelGeometry
     from lowbit.models.tiny import tiny_model
-    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.serve.loader import Runtime
 
     model, config = tiny_model("smollm2-135m", vocab_size=VOCAB, seed=seed)

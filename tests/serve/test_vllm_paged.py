@@ -141,7 +141,6 @@ class PagedEmulation:
         from transformers import AttentionInterface
 
         from lowbit.kv.plan import resolve
-
         from lowbit.vllm_plugin import cpu_kernel
         from lowbit.vllm_plugin.slot import layer_formats
 
@@ -292,8 +291,8 @@ def test_plugin_serves_a_key_affine_recipe_as_lowbit_does(tmp_path, sink, recent
     lowbit's own cache's logits and greedy tokens (keys stored mapped in every tier, queries scaled; the
     fused C++ decode takes the scaled queries); the same cells read without the query map do not."""
     from lowbit.kv import key_affine as kam
-    from lowbit.models.tiny import tiny_tokenizer_free_inputs
     from lowbit.kv.scheme import RotationRef
+    from lowbit.models.tiny import tiny_tokenizer_free_inputs
     from lowbit.serve.kvcache import CacheFactory
     from tests.serve.conftest import tiny_runtime
 

@@ -206,9 +206,9 @@ def test_a_prefix_hit_on_sliding_window_layers_gives_the_tokens_of_a_miss():
 
     from transformers import AutoModelForCausalLM
 
+    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.models.geometry import ModelGeometry
     from lowbit.models.tiny import tiny_config
-    from lowbit.kv.scheme import parse_kv_scheme
 
     cfg = tiny_config("gemma3-270m", vocab_size=101)
     cfg.sliding_window = 13

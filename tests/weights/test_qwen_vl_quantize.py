@@ -26,9 +26,8 @@ import torch
 from safetensors import safe_open
 
 from lowbit.cli import main
-from lowbit.runtime.cache import QuantizedKVCache
-from lowbit.runtime.cache import cache_kwargs
 from lowbit.models.tiny import tiny_model, tiny_tokenizer
+from lowbit.runtime.cache import QuantizedKVCache, cache_kwargs
 from lowbit.weights.qlinear import QuantLinear
 
 FAMILY = "qwen2.5-vl-7b"

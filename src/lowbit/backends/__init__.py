@@ -2,10 +2,15 @@
 
 A backend registers once, in its own module, with the capability rules it has and nothing else:
 
-    torch-stream    lowbit.backends.torch_stream        online softmax over streamed tiers (prefill + decode): the reference
-    triton-decode   lowbit.backends.triton_decode   fused split-K decode kernel over the packed middle
-    vllm-slot       lowbit.vllm_plugin.slot    one packed cell per (token, KV head) in vLLM's paged cache
-    fake-quant      lowbit.eval.layer_error    teacher-forced evaluation on dequantized K/V (no cache)
+    torch-stream    lowbit.backends.torch_stream    online softmax over streamed tiers (prefill + decode): the reference
+    triton-decode   lowbit.backends.triton_decode   fused split-K decode kernels (rules: lowbit.kv.capabilities)
+    vllm-slot       lowbit.vllm_plugin.slot         one packed cell per (token, KV head) in vLLM's paged cache
+    fake-quant      lowbit.eval.layer_error         teacher-forced evaluation on dequantized K/V (no cache)
+
+Every module of this package is a backend and is found by scanning the package (`all_backends`): a new
+backend is one new file here. A backend that belongs to a higher layer (the vLLM integration, the
+evaluation harness) registers when its own module is imported; whoever asks for it by name imports
+that module first, so the import shows in the graph.
 
 `supports(layer, step, device) -> None | reason` answers for one LayerPlan (lowbit.kv.plan) and a step
 kind (STEPS); the plan records the answer per layer, so the cache, the export and the vLLM plugin ask
@@ -16,14 +21,13 @@ step (its signature is the backend module's; the registry only carries it).
 from __future__ import annotations
 
 import importlib
+import pkgutil
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from lowbit.core.errors import LowbitError
 
 STEPS = ("prefill", "decode", "paged", "fake-quant")
-# Modules that register a backend when imported (kept here so the registry can list every backend).
-_MODULES = ("lowbit.backends.torch_stream", "lowbit.backends.triton_decode", "lowbit.vllm_plugin.slot", "lowbit.eval.layer_error")
 
 
 @dataclass(frozen=True)
@@ -56,9 +60,11 @@ def register(backend: Backend) -> Backend:
 
 
 def all_backends() -> dict[str, Backend]:
-    """{name: Backend} of every backend lowbit ships (imports their modules on first use)."""
-    for mod in _MODULES:
-        importlib.import_module(mod)
+    """{name: Backend} of every backend registered: each module of this package (imported here on first
+    use), plus those of higher layers whose modules were imported (vllm-slot, fake-quant)."""
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
     return dict(_REGISTRY)
 
 

@@ -9,10 +9,10 @@ chunks attend to quantized history as in serving. See lowbit.eval for the protoc
 
 from __future__ import annotations
 
+from lowbit.commands._kv_flags import add_kv_arguments
 from lowbit.core.errors import LowbitError
 from lowbit.eval.peers import PEERS
 from lowbit.eval.runner import DEFAULT_CHUNK, DEFAULT_SEQ_LEN, DEFAULT_WINDOWS, EvalOptions, run_eval
-from lowbit.commands._kv_flags import add_kv_arguments
 
 NAME = "eval"
 HELP = ("perplexity, KL and top-1 of KV-cache schemes and peers on the same windows (table, JSON, markdown, PNG); "

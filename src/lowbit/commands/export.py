@@ -66,8 +66,8 @@ def vllm_scheme(scheme):
 def run(args) -> int:
     from lowbit.artifacts import ArtifactWriter, sha256_file
     from lowbit.commands.serve import kv_scheme_from_args
-    from lowbit.models.geometry import ModelGeometry
     from lowbit.kv.scheme import parse_kv_scheme
+    from lowbit.models.geometry import ModelGeometry
     from lowbit.vllm_plugin import sidecar
 
     if args.kv is None and getattr(args, "recipe", None) is None:
@@ -97,6 +97,7 @@ def run(args) -> int:
     # group, rotation file + shapes, attention kinds, the plugin's rules: refuse before writing anything
     from lowbit import backends
     from lowbit.kv.plan import resolve
+    from lowbit.vllm_plugin import slot as _slot  # noqa: F401 (registers the vllm-slot backend)
 
     plan = resolve(scheme, geometry, device="cpu")
     slot = backends.get("vllm-slot")

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import sys
 
+from lowbit.commands._kv_flags import add_kv_arguments, scheme_from_args
 from lowbit.core.device import resolve_device
 from lowbit.core.errors import LowbitError
 from lowbit.core.flags import torch_dtype
 from lowbit.runtime.greedy import generate, read_prompt
-from lowbit.commands._kv_flags import add_kv_arguments, scheme_from_args
 
 NAME = "generate"
 HELP = "greedy generation with a quantized KV cache; prints the continuation and a memory summary"

@@ -40,8 +40,8 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from lowbit.tools.validate import Options, format_report, parse_stages, validate, write_report
     from lowbit.core.device import resolve_device
+    from lowbit.tools.validate import Options, format_report, parse_stages, validate, write_report
 
     device = resolve_device(args.device).type  # None -> cuda if present; cuda without CUDA -> one line
     opts = Options(artifact=args.artifact, model=args.model, base=args.base, device=device,

@@ -32,8 +32,8 @@ from pathlib import Path
 
 import torch
 
-from lowbit.diffusion.gate import DEFAULTS, Thresholds, calibrate, failures, image_metrics, seed_band
 from lowbit.core.errors import LowbitError
+from lowbit.diffusion.gate import DEFAULTS, Thresholds, calibrate, failures, image_metrics, seed_band
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 

@@ -134,8 +134,8 @@ def _lr_at(cfg: TrainConfig, k: int) -> float:
 
 def train_model(cfg: TrainConfig, *, progress: bool | None = None, log_every: int = 250):
     """Train; returns (EMA transformer in eval mode, sampling scheduler, stats dict)."""
-    from lowbit.diffusion.data import digits_rgba
     from lowbit.core.progress import bar
+    from lowbit.diffusion.data import digits_rgba
 
     cfg.check()
     images, labels = digits_rgba(cfg.size)

@@ -32,11 +32,11 @@ from __future__ import annotations
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.kv.scheme import TensorQuant
 from lowbit.quant import affine, packing
 from lowbit.quant import residual as resm
 from lowbit.quant import scale_format as sf
 from lowbit.quant import vq as vqm
-from lowbit.kv.scheme import TensorQuant
 
 SCALE_DTYPE = torch.float16
 LAYOUT = "strided"

@@ -8,7 +8,7 @@
 Plan (frozen) holds, per layer (LayerPlan): the attention kind and window, the layer's scheme (its
 layer_bits override applied), the K and V codecs (bits, group, grid, axis, Lloyd-Max levels: the
 ONE quantizer, lowbit.kv.codec.TensorCodec), the rotations (float32 tensors, loaded and verified
-once; None = identity) and, per step kind, the backend chosen and why (lowbit.backends). The
+once; None = identity) and, per step kind, the backend chosen and why (the rules: lowbit.kv.capabilities; who runs a step: lowbit.backends). The
 plan's `scheme` is the input scheme with its RotationRef / LevelsRef pinned to the sha256 of what
 was opened, so a manifest that records `plan.scheme.to_dict()` names exactly what was served.
 """
@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit import backends
+from lowbit.kv import capabilities
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.scheme import KVScheme, LevelsRef, RotationRef, TensorQuant, parse_kv_scheme
 
@@ -334,7 +334,7 @@ def _choose(lp: LayerPlan, requested: str, device: str) -> dict:
     if requested == "torch":
         out["decode"] = BackendChoice("torch-stream", "requested (decode_backend='torch')")
         return out
-    why = backends.get("triton-decode").why_not(lp, "decode", device)
+    why = capabilities.supports(lp, "decode", device)
     if requested == "triton":
         if why:
             raise LowbitError(f"decode backend 'triton' cannot take layer {lp.index}: {why}; "
@@ -347,9 +347,7 @@ def _choose(lp: LayerPlan, requested: str, device: str) -> dict:
     elif why:
         out["decode"] = BackendChoice("torch-stream", why)
     else:
-        from lowbit.backends.triton_decode import kernel_name
-
-        out["decode"] = BackendChoice("triton-decode", f"the fused kernel takes this layer ({kernel_name(lp)})")
+        out["decode"] = BackendChoice("triton-decode", f"the fused kernel takes this layer ({capabilities.kernel_name(lp)})")
     return out
 
 

@@ -23,8 +23,8 @@ from collections import Counter
 import torch
 from transformers.cache_utils import Cache
 
-from lowbit.core.errors import LowbitError
 from lowbit.backends import torch_stream as attn
+from lowbit.core.errors import LowbitError
 from lowbit.kv.key_affine import map_queries
 from lowbit.kv.layer import QuantizedKVLayer
 from lowbit.kv.rotations import rotate, rotation_key, unrotate
@@ -190,11 +190,12 @@ class QuantizedKVCache(Cache):
                 self._note(f"layer {layer.layer_idx}: torch path ({choice.reason})")
             return None
         from lowbit.backends import triton_decode as decode_backend
+        from lowbit.kv.capabilities import call_reason
 
         if qg.device.type != self.plan.device:
             raise LowbitError(f"the cache was planned for {self.plan.device} but the model runs on {qg.device.type}; "
                               "resolve the plan for this device")
-        reason = decode_backend.call_reason(layer, keep, softcap)
+        reason = call_reason(layer, keep, softcap)
         if reason:
             if self.decode_backend == "triton":
                 raise LowbitError(f"decode backend 'triton' cannot take layer {layer.layer_idx}: {reason}")

@@ -44,9 +44,9 @@ class GenerateCache(StaticKVCache):
     """
 
     def __init__(self, model, scheme="bf16", *, batch: int, max_context: int, device=None, dtype=None):
-        from lowbit.runtime.cache import model_device
         from lowbit.kv.plan import Plan, resolve
         from lowbit.models.geometry import ModelGeometry
+        from lowbit.runtime.cache import model_device
 
         if isinstance(scheme, Plan):
             plan = scheme

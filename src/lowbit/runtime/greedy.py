@@ -45,8 +45,7 @@ def generate(lm, scheme, prompt: str, max_new_tokens: int, *, decode_backend: st
 
     lm: a lowbit.models.LoadedModel (model, tokenizer, geometry); scheme: a KVScheme valid for it.
     """
-    from lowbit.runtime.cache import QuantizedKVCache
-    from lowbit.runtime.cache import cache_kwargs
+    from lowbit.runtime.cache import QuantizedKVCache, cache_kwargs
 
     if lm.tokenizer is None:
         raise LowbitError(f"model {lm.name} has no tokenizer; generate needs one")

@@ -30,8 +30,8 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from lowbit.core.errors import LowbitError
 from lowbit.backends import torch_stream as attn
+from lowbit.core.errors import LowbitError
 from lowbit.kv.key_affine import KeyAffine, map_keys, map_queries
 
 _ROW_ALIGN = 64  # rows per (slot, head) rounded up so every head starts 64 rows (>= 128 B) aligned

@@ -126,8 +126,8 @@ class BatchEngine(Worker):
     def __init__(self, runtime, metrics: Metrics | None = None, *, slots: int = DEFAULT_MAX_ACTIVE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait",
                  batch_invariant: bool = False, compile: bool | str = False, decode_ahead: bool = True):
-        from lowbit.runtime.cache import model_device
         from lowbit.kv.plan import resolve
+        from lowbit.runtime.cache import model_device
         from lowbit.runtime.fold import fold_value_rotation_once
         from lowbit.runtime.static_cache import StaticKVCache
         from lowbit.runtime.step import REGIONS, DecodeGraphs, ModelStep

@@ -101,8 +101,8 @@ class CacheFactory:
         if cls is not None:
             # resolved once (rotation / levels files opened here, never per request); bad group /
             # rotation / attention type: refused before serving
-            from lowbit.runtime.cache import model_device
             from lowbit.kv.plan import resolve
+            from lowbit.runtime.cache import model_device
 
             self.plan = resolve(scheme, geometry, device=model_device(model))
             self.scheme = self.plan.scheme

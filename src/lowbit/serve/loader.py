@@ -70,8 +70,8 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
 
     `random:GEOMETRY` (e.g. random:llama3-8b) serves a random-weight model of that geometry with a word
     tokenizer and no EOS (every request runs to max_tokens): for load tests, not for text."""
-    from lowbit.models import load_tokenizer, resolve
     from lowbit.kv.scheme import parse_kv_scheme
+    from lowbit.models import load_tokenizer, resolve
     from lowbit.vllm_plugin import sidecar
 
     if str(model_or_artifact).startswith(RANDOM_PREFIX):

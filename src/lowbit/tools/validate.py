@@ -317,6 +317,7 @@ def _cpu_kv_export(ctx: Context, st: _Stage) -> None:
     from lowbit import backends
     from lowbit.models.geometry import ModelGeometry
     from lowbit.vllm_plugin import sidecar
+    from lowbit.vllm_plugin import slot as _slot  # noqa: F401 (registers the vllm-slot backend)
 
     side = sidecar.read(ctx.root)
     cfg = _config(ctx.root)
@@ -396,8 +397,8 @@ def _cpu_dit(ctx: Context, st: _Stage) -> None:
 
 
 def _cpu_rotations(ctx: Context, st: _Stage) -> None:
-    from lowbit.models.geometry import ModelGeometry
     from lowbit.kv.scheme import parse_kv_scheme
+    from lowbit.models.geometry import ModelGeometry
     from lowbit.rotation.rotation_set import RotationSet
 
     rs = RotationSet.load(ctx.root)  # sha256 against the manifest, format, orthogonality

@@ -87,7 +87,7 @@ def _register_backend():
 BACKEND = _register_backend()
 
 
-def layer_formats(plan, dense_dtype: torch.dtype) -> list["SlotFormat"]:
+def layer_formats(plan, dense_dtype: torch.dtype) -> list[SlotFormat]:
     """One SlotFormat per layer of a resolved lowbit.kv.plan.Plan, each from the layer's own scheme (its
     layer_bits applied), padded to the widest cell among layers with the same head dims: vLLM gives
     every layer of a KV cache group one cell size. The padding is real memory: vLLM's capacity counts

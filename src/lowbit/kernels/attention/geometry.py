@@ -1,6 +1,6 @@
 """Fused split-K decode attention for the geometries the 64/128/256 kernel does not take (Triton).
 
-Two cache layouts, one kernel (`_geo_stage1`), the merge of lowbit.kernels.attention.tiers (`_stage2`):
+Two cache layouts, one kernel (`_geo_stage1`), the merge of lowbit.kernels.attention.tiers (`stage2`):
 
 * **Separate K and V** of any head dims (`decode_attention_geo`): K192/V128 (Kimi-K2 / DeepSeek-V3 as
   expanded MHA), head_dim 512 (Gemma-4 full layers as plain GQA), ... Same tiers and arguments as
@@ -10,7 +10,7 @@ Two cache layouts, one kernel (`_geo_stage1`), the merge of lowbit.kernels.atten
   key = [c_kv | k_pe 64]; Gemma-4 K = V full layers: value = V [512], key = K's RoPE dims (own, dense)
   and unrotate(V)[rest] * k_norm weight. Both reduce to
       score_t = q_lat . x_t + q_pe . pe_t ,   out = sum_t p_t x_t        (x_t = the stored tensor)
-  where the caller folds everything elementwise or orthogonal into q_lat (lowbit.backends.triton_decode:
+  where the caller folds everything elementwise or orthogonal into q_lat (lowbit.backends.triton_decode.run_shared:
   q_lat = rotate(q[rest] * k_scale, R_v), q_pe = q[own]), and unrotates the output as for any layer.
 
 Tiers (B sequences, Hkv KV heads, q head h reads KV head h // G):
@@ -18,7 +18,7 @@ Tiers (B sequences, Hkv KV heads, q head h reads KV head h // G):
           dims j + i*S, S = D*bits/8, at bit offset i*bits), scale/zero fp16 [B, Hkv, T, D/group],
           x = codes * scale + zero; valid slots [0, mid_lens[b]). Shared layout: pe [B, Hkv, T, DR] dense.
   sink / recent  dense, model dtype: K [B, Hkv, N, Dk] (separate) or pe [B, Hkv, N, DR] (shared),
-          V [B, Hkv, N, Dv]; valid slots [0, *_lens[b]).
+          V [B, Hkv, N, Dv]; valid slots [0, *valid_lens[b]).
 
 How a middle tile of BT tokens is read (2-D tiles, one MMA per segment; no batched dots). A packed
 row of S = D*bits/8 bytes holds, at bit offset i*bits of byte j, dim j + i*S (the `strided` layout):
@@ -56,19 +56,20 @@ import triton
 import triton.language as tl
 
 from lowbit.core.errors import LowbitError
-from lowbit.kernels.attention.tiers import (
+from lowbit.kernels.attention.common import (
     LOG2E,
-    _halves,
-    _lens,
-    _pair_byte,
-    _pow2,
-    _stage2,
     check_mode,
     check_packed_tier,
     cuda_index,
     device_info,
+    halves,
+    pair_byte,
+    pow2,
+    stage2,
     tier_heads,
+    valid_lens,
 )
+from lowbit.kv.capabilities import geo_tiling_reason
 
 
 @triton.jit
@@ -157,8 +158,8 @@ def _codes_k(w, SH: tl.constexpr, BITS: tl.constexpr):
     mask that keeps one code in each 16-bit half IS two fp16 subnormals (bytes 0 and 2; the word
     shifted by 8 gives bytes 1 and 3): no convert, subtract or multiply per element."""
     M: tl.constexpr = (((1 << BITS) - 1) << SH) * 0x10001
-    el, eh = _halves(w & M)  # bytes 0, 2
-    ol, oh = _halves((w >> 8) & M)  # bytes 1, 3
+    el, eh = halves(w & M)  # bytes 0, 2
+    ol, oh = halves((w >> 8) & M)  # bytes 1, 3
     x = tl.join(tl.join(el, ol), tl.join(eh, oh))  # [BT, U, 2, 2] -> column 4u + 2*h + eo
     return tl.reshape(x, (w.shape[0], w.shape[1] * 4))
 
@@ -173,7 +174,7 @@ def _token_pairs(wt, USE_PRMT: tl.constexpr):
     a, b = tl.split(tl.reshape(wt, (U, BT // 2, 2)))  # even, odd tokens [U, BT/2]
     shape: tl.constexpr = (4, U, BT // 2)
     c = tl.broadcast_to(tl.arange(0, 4)[:, None, None], shape)
-    return _pair_byte(tl.broadcast_to(a[None, :, :], shape), tl.broadcast_to(b[None, :, :], shape), c, USE_PRMT)
+    return pair_byte(tl.broadcast_to(a[None, :, :], shape), tl.broadcast_to(b[None, :, :], shape), c, USE_PRMT)
 
 
 @triton.jit
@@ -181,7 +182,7 @@ def _codes_v(x, SH: tl.constexpr, BITS: tl.constexpr):
     """_token_pairs [4, U, BT/2] -> fp16 codes^T [4U, BT] at bit offset SH, value code * 2**(SH - 24);
     rows in _seg_rows order, columns = tokens."""
     M: tl.constexpr = (((1 << BITS) - 1) << SH) * 0x10001
-    lo, hi = _halves(x & M)
+    lo, hi = halves(x & M)
     return tl.reshape(tl.join(lo, hi), (4 * x.shape[1], 2 * x.shape[2]))
 
 
@@ -553,8 +554,8 @@ class GeoConfig:
             return replace(self, **{k: v for k, v in few.items() if getattr(self, k) is None}).resolve(G, DV, DK, shared)
         DK = DK or DV
         wide = shared and G > 16
-        heads = self.heads or min(_pow2(G), 32 if wide else 16)
-        hp = max(8, _pow2(heads))
+        heads = self.heads or min(pow2(G), 32 if wide else 16)
+        hp = max(8, pow2(heads))
         narrow = DV <= 128 and hp <= 8
         warps = self.num_warps or (1 if narrow else 4)
         q_loop = self.q_loop if self.q_loop is not None else DK * hp * 2 / 32 > 128
@@ -607,8 +608,7 @@ def chunk_width(S: int, group: int) -> int:
 
 def tiling_reason(bits: int, head_dim: int, group: int) -> str | None:
     """Why this kernel has no tiling for `bits`-bit codes of `head_dim` in groups of `group` (None: it
-    has). The rule lives once, in lowbit.backends.triton_decode.geo_tiling_reason (which the plan asks)."""
-    from lowbit.backends.triton_decode import geo_tiling_reason
+    has). The rule lives once, in lowbit.kv.capabilities.geo_tiling_reason (which the plan asks)."""
 
     return geo_tiling_reason(bits, head_dim, group)
 
@@ -687,9 +687,9 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
             raise LowbitError(f"{name} must be a power of two >= 16, got {v}")
     G = Hq // Hkv
     BH = min(int(cfg.heads), G) if cfg.heads else G
-    BH = _pow2(BH) if BH < G else BH
+    BH = pow2(BH) if BH < G else BH
     NHB = -(-G // BH)
-    HP = max(8, _pow2(BH))
+    HP = max(8, pow2(BH))
     has_mid = vmid is not None
     f16 = torch.zeros(1, dtype=torch.float16, device=dev)
     if has_mid:
@@ -710,7 +710,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
                 if kc.shape[2] != T:
                     raise LowbitError("K and V middle tiers must have the same number of slots T")
                 WK = seg_width(DK * k_bits // 8, GK)
-        mid_lens = _lens(T if mid_lens is None else mid_lens, B, dev, "mid_lens")
+        mid_lens = valid_lens(T if mid_lens is None else mid_lens, B, dev, "mid_lens")
         if mid_pe is not None:
             _dense(mid_pe, B, Hkv, DR, dev, "middle pe")
             if mid_pe.shape[2] != T:
@@ -738,7 +738,7 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
                 raise LowbitError(f"{what} pe and V must have the same slots")
         if not shared and k.shape[2] != v.shape[2]:
             raise LowbitError(f"{what} K and V must have the same slots")
-        lens = _lens(v.shape[2] if n is None else n, B, dev, f"{what} lens")
+        lens = valid_lens(v.shape[2] if n is None else n, B, dev, f"{what} lens")
         k = v if shared else k
         pe = pe if (shared and DR) else v
         return k, v, pe, lens
@@ -813,8 +813,8 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
                        nsm, nsplit, split0, st2, st3, G=G, BH=BH, NHB=NHB, HP=HP, DK=DK, DV=DV, DR=DR,
                        k_bits=k_bits, v_bits=v_bits, GK=GK, GV=GV, WK=WK, WV=WV, shared=shared, dense_mid=dense_mid,
                        cfg=cfg, interp=interp, BT=BT, BTD=BTD, has_sink=has_sink, has_rec=has_rec)
-    ch = min(32, max(16, _pow2(nsplit)))
-    _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
+    ch = min(32, max(16, pow2(nsplit)))
+    stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
                      DV=DV, num_warps=4)
     launch = GeoLaunch(num_splits=nsm, grid=grid, split_tokens=split_tokens, config=cfg,
                        mode="interpreter" if interp else "compiled")
@@ -834,7 +834,7 @@ def _triton_stage1(grid, q, qp, kc, ks, kz, vc, vs, vz, mp, mid_lens, st, rt, pa
         sk, sv, sp, *st3(sk), *st3(sv), *st3(sp), sl,
         rk, rv, rp, *st3(rk), *st3(rv), *st3(rp), rl,
         part, lse, float(sm_scale) * LOG2E, int(split_tokens), nsm, nsplit, split0,
-        G=G, BH=BH, NHB=NHB, HP=HP, DK=DK, DKP=_pow2(DK), DV=DV, DR=max(DR, 16),
+        G=G, BH=BH, NHB=NHB, HP=HP, DK=DK, DKP=pow2(DK), DV=DV, DR=max(DR, 16),
         KBITS=k_bits, VBITS=v_bits, GK=GK, GV=GV, WK=WK, WV=WV, SHARED=shared, HAS_PE=bool(DR),
         DENSE_MID=dense_mid, Q_LOOP=bool(cfg.q_loop), USE_PRMT=not interp, ZMMA=bool(cfg.zero_mma),
         BT=BT, BTD=BTD, HAS_SINK=has_sink, HAS_REC=has_rec, INTERP=interp,

@@ -37,15 +37,15 @@ import triton
 import triton.language as tl
 
 from lowbit.core.errors import LowbitError
-from lowbit.kernels.attention.tiers import (
+from lowbit.kernels.attention.common import (
     LOG2E,
-    _check_dense,
-    _dense_split,
-    _lens,
-    _pow2,
-    _stage2,
-    _ue5m3,
+    check_dense,
     check_mode,
+    dense_split,
+    pow2,
+    stage2,
+    ue5m3,
+    valid_lens,
 )
 
 BT = 32  # middle rows per block
@@ -98,7 +98,7 @@ def _mid_tile(C, S, CB, base_c, base_s, t, valid, RB: tl.constexpr, NG: tl.const
         idx = (raw >> shift[None, :]) & (E - 1)
         val = tl.load(CB + idx * SUB + (d % SUB)[None, :]).to(tl.float32)
         if SF == 1:
-            sc = _ue5m3(tl.load(S + base_s + t, mask=valid, other=0))
+            sc = ue5m3(tl.load(S + base_s + t, mask=valid, other=0))
         else:
             sc = tl.load(S + base_s + t, mask=valid, other=0.0).to(tl.float32)
         return val * sc[:, None]
@@ -110,7 +110,7 @@ def _mid_tile(C, S, CB, base_c, base_s, t, valid, RB: tl.constexpr, NG: tl.const
         GS: tl.constexpr = D // NG
         sp = S + base_s + t[:, None] * NG + (d // GS)[None, :]
         if SF == 1:
-            sc = _ue5m3(tl.load(sp, mask=valid[:, None], other=0))
+            sc = ue5m3(tl.load(sp, mask=valid[:, None], other=0))
         else:
             sc = tl.load(sp, mask=valid[:, None], other=0.0).to(tl.float32)
         return (code.to(tl.float32) - ZC) * sc
@@ -125,7 +125,7 @@ def _sign_tile(R, RG, base_r, base_g, t, valid, D: tl.constexpr, RSF: tl.constex
     raw = tl.load(R + base_r + t[:, None] * SB + (d % SB)[None, :], mask=valid[:, None], other=0).to(tl.int32)
     sgn = ((raw >> (d // SB)[None, :]) & 1).to(tl.float32) * 2.0 - 1.0
     if RSF == 1:
-        g = _ue5m3(tl.load(RG + base_g + t, mask=valid, other=0))
+        g = ue5m3(tl.load(RG + base_g + t, mask=valid, other=0))
     else:
         g = tl.load(RG + base_g + t, mask=valid, other=0.0).to(tl.float32)
     return sgn * g[:, None]
@@ -238,7 +238,7 @@ def _vq_stage1(
         if V_RES:  # the dense split's rows of OP2 stay zero (allocated so)
             tl.store(OP2 + o_rows[:, None] * DV + dv[None, :], o2 * inv_l[:, None], mask=hvalid[:, None])
     else:  # the dense tiers (sink, recent) in the last split: decode_attention's own split
-        _dense_split(q_t, b, kvh, SKK, SKV, sskb, sskh, sskt, ssvb, ssvh, ssvt, SINK_LEN,
+        dense_split(q_t, b, kvh, SKK, SKV, sskb, sskh, sskt, ssvb, ssvh, ssvt, SINK_LEN,
                      RKK, RKV, srkb, srkh, srkt, srvb, srvh, srvt, REC_LEN, OP, LSE, o_rows, hvalid,
                      HP, BTD_, D, DV, HAS_SINK, HAS_REC, INTERP, SINK_ITERS, REC_ITERS)
 
@@ -326,14 +326,14 @@ def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTens
     if Hq % Hkv:
         raise LowbitError(f"{Hq} query heads do not split into {Hkv} KV heads")
     G = Hq // Hkv
-    HP = max(16, _pow2(G))
+    HP = max(16, pow2(G))
     if k_mid is not None:
         kc = _check_mid(k_mid, B, Hkv, D, dev, "K middle")
         vc = _check_mid(v_mid, B, Hkv, DV, dev, "V middle")
         T = k_mid.codes.shape[2]
         if v_mid.codes.shape[2] != T:
             raise LowbitError("K and V middle tiers must have the same number of slots T")
-        mid_lens = _lens(T if mid_lens is None else mid_lens, B, dev, "mid_lens")
+        mid_lens = valid_lens(T if mid_lens is None else mid_lens, B, dev, "mid_lens")
         kcb = k_mid.codebook if k_mid.codebook is not None else k_mid.scale
         vcb = v_mid.codebook if v_mid.codebook is not None else v_mid.scale
         kt, vt = (k_mid.codes, k_mid.scale), (v_mid.codes, v_mid.scale)
@@ -343,8 +343,8 @@ def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTens
                    "RSF": 0}
         T, kcb, vcb, kt, vt = 0, dummy, dummy, (dummy, dummy), (dummy, dummy)
         mid_lens = torch.zeros(B, dtype=torch.int32, device=dev)
-    sk, sv, sl = _check_dense(sink_k, sink_v, sink_lens, B, Hkv, D, DV, dev, "sink")
-    rk, rv, rl = _check_dense(recent_k, recent_v, recent_lens, B, Hkv, D, DV, dev, "recent")
+    sk, sv, sl = check_dense(sink_k, sink_v, sink_lens, B, Hkv, D, DV, dev, "sink")
+    rk, rv, rl = check_dense(recent_k, recent_v, recent_lens, B, Hkv, D, DV, dev, "recent")
     has_sink, has_rec = sk is not None, rk is not None
     sk, sv, sl = (sk, sv, sl) if has_sink else (q[:, None], q[:, None], mid_lens)
     rk, rv, rl = (rk, rv, rl) if has_rec else (q[:, None], q[:, None], mid_lens)
@@ -387,14 +387,14 @@ def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTens
         REC_ITERS=triton.cdiv(rk.shape[2], BTD) if interp else 0,
         num_warps=4,
     )
-    ch = min(32, max(16, _pow2(nsplit)))
+    ch = min(32, max(16, pow2(nsplit)))
     if not vc["RES"]:
-        _stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
+        stage2[(B, Hq)](part, lse, out, out.stride(0), out.stride(1), nsplit, NCH=triton.cdiv(nsplit, ch), CH=ch,
                          DV=DV, num_warps=4)
         return out
     merged = torch.empty(2, B, Hq, DV, dtype=torch.float32, device=dev)
     for i, pp in enumerate((part, part2)):  # the same log-sum-exp weights merge both
-        _stage2[(B, Hq)](pp, lse, merged[i], merged.stride(1), merged.stride(2), nsplit, NCH=triton.cdiv(nsplit, ch),
+        stage2[(B, Hq)](pp, lse, merged[i], merged.stride(1), merged.stride(2), nsplit, NCH=triton.cdiv(nsplit, ch),
                          CH=ch, DV=DV, num_warps=4)
     out.copy_(torch.addmm(merged[0].reshape(B * Hq, DV), merged[1].reshape(B * Hq, DV), basis(DV, dev)).view(B, Hq, DV))
     return out

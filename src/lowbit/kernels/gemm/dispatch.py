@@ -35,8 +35,8 @@ import torch
 
 from lowbit.core.errors import LowbitError
 from lowbit.kernels.gemm.cuda_gemm import CudaConfig
-from lowbit.kernels.gemm.triton_gemm import GemmConfig, GemvConfig, PackedWeight
 from lowbit.kernels.gemm.tiled import TiledConfig
+from lowbit.kernels.gemm.triton_gemm import GemmConfig, GemvConfig, PackedWeight
 
 KINDS = ("w4a16", "w8a16", "w8a8", "w4a8")
 M_INF = 1 << 62

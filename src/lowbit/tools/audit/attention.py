@@ -256,8 +256,8 @@ def audit(device: str | None = None, cases=None, config=None,
     default launch config (or `config`). kernels: which sweeps ("decode_attention": the 64/128/256
     kernel; "decode_geometry": the geometry kernel's latent and K/V cases; "decode_vq": the VQ-row kernel;
     "vllm_cpu": the vLLM plugin's C++ CPU kernels, lowbit.vllm_plugin.kernel_audit)."""
-    from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
     from lowbit.kernels.attention.reference import decode_attention_ref
+    from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     vq_rows = audit_vq(device) if "decode_vq" in kernels and cases is None else []
@@ -295,8 +295,8 @@ def make_vq_case(B, Hq, Hkv, D, T, k, v, *, sink=0, recent=0, ragged=False, dtyp
     (the codec's own encoders and packing)."""
     from dataclasses import replace
 
-    from lowbit.kernels.attention.vq import MidTensor
     from lowbit.kernels.attention.reference import dequantize_mid
+    from lowbit.kernels.attention.vq import MidTensor
     from lowbit.quant import residual, vq
 
     g = torch.Generator(device=device).manual_seed(seed)
@@ -374,8 +374,8 @@ def vq_sweep(device: str) -> list[tuple[str, dict]]:
 
 def audit_vq(device: str | None = None, cases=None) -> list[AuditRow]:
     """The VQ-row kernel (lowbit.kernels.attention.vq) against its twin (reference.decode_attention_vq_ref)."""
-    from lowbit.kernels.attention.vq import decode_attention_vq
     from lowbit.kernels.attention.reference import decode_attention_vq_ref
+    from lowbit.kernels.attention.vq import decode_attention_vq
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     rows = []

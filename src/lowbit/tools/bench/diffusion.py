@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from lowbit.diffusion.gate import DEFAULTS, Thresholds, failures, image_metrics
 from lowbit.core.errors import LowbitError
+from lowbit.diffusion.gate import DEFAULTS, Thresholds, failures, image_metrics
 
 
 def _sync(device):

@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from lowbit.tools.bench.attention import graph_time_ms, n_buffers
 from lowbit.kernels.gemm.check import DIT_MS, DIT_SHAPES, LLM_MS, LLM_SHAPES, random_weight
+from lowbit.tools.bench.attention import graph_time_ms, n_buffers
 
 BENCH_SCHEMES = ("w4a16-g128", "w8a16", "w8a8", "w4a16-g64-asym", "w4a8")
 SECONDARY_SHAPES = ("llama3-8b gate/up", "llama3-8b down")

@@ -376,7 +376,7 @@ def main(argv=None) -> int:
                     help="GeoConfig fields to time instead of sweep_candidates, e.g. block_t=64,heads=8,q_loop=0 "
                          "(repeatable)")
     a = ap.parse_args(argv)
-    ints = lambda x: tuple(int(v) for v in x.split(","))  # noqa: E731
+    ints = lambda x: tuple(int(v) for v in x.split(","))
     res = sweep(ints(a.batch), ints(a.length), tuple(a.geometry.split(",")), ints(a.bits),
                 configs=[parse_config(c) for c in a.cfg] or None)
     with open(a.sweep, "w") as f:

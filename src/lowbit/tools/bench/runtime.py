@@ -325,9 +325,9 @@ def _row_hf_generate(path, model, cfg, B, L, steps, warm: int = 6, compile_confi
     transformers' default (what a user who only swaps the cache gets), or a transformers.CompileConfig."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from lowbit.runtime.cache import cache_kwargs
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.cache import cache_kwargs
     from lowbit.runtime.generate import GenerateCache
 
     dev = next(model.parameters()).device  # cuda; cpu only for the CPU smoke test of this harness
@@ -417,9 +417,9 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
     the lowbit runtime's prefill into a StaticKVCache slot (bf16 and int2), tokens/s of each."""
     from transformers import DynamicCache
 
-    from lowbit.runtime.cache import cache_kwargs
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.cache import cache_kwargs
     from lowbit.runtime.static_cache import StaticKVCache
     from lowbit.runtime.step import ModelStep, prefill
 
@@ -566,8 +566,8 @@ def engine_load(geometry: str, concurrency, *, prompt_len: int, max_tokens: int,
     inter-token latency p50/p99 (from the streamed deltas). No HTTP: the engine the server runs."""
     import threading
 
-    from lowbit.models.geometry import ModelGeometry
     from lowbit.kv.scheme import parse_kv_scheme
+    from lowbit.models.geometry import ModelGeometry
     from lowbit.serve.batch_engine import BatchEngine
     from lowbit.serve.engine import GenParams, Request
     from lowbit.serve.loader import Runtime
