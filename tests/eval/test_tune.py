@@ -10,6 +10,7 @@ import pytest
 
 import lowbit.models
 import lowbit.recipes
+import lowbit.runtime.load
 from lowbit.cli import main
 from lowbit.core.errors import LowbitError
 from lowbit.eval.plan import plan_schemes
@@ -74,6 +75,7 @@ def no_model_work(monkeypatch):
 
     monkeypatch.setattr(lowbit.models, "load", refuse)
     monkeypatch.setattr(lowbit.models, "resolve", refuse)
+    monkeypatch.setattr(lowbit.runtime.load, "resolve", refuse)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -13,6 +13,7 @@ from lowbit.core.errors import LowbitError
 from lowbit.kernels.gemm import triton_gemm as wg
 from lowbit.kernels.gemm.check import audit_weights, random_weight
 from lowbit.kernels.gemm.dispatch import Cell, Dispatch, ViaA16, generic_cells
+from lowbit.kernels.gemm.prepare import pack_module
 from lowbit.kernels.gemm.triton_gemm import GemmConfig, GemvConfig
 
 interp = pytest.mark.skipif(not wg.triton or __import__("os").environ.get("TRITON_INTERPRET") != "1",
@@ -46,9 +47,9 @@ def test_dequantize_matches_quantlinear(scheme):
     w = torch.randn(33, 256)
     grid = grid_for_clip(w, sch.w_bits, sch.group_for(256), sch.symmetric, 1.0, torch.bfloat16)
     q = QuantLinear.from_codes(quantize_on(w, grid), grid, sch, scale_dtype=torch.bfloat16)
-    assert torch.equal(wg.dequantize(q.to_packed()), q.dequantized_weight())
+    assert torch.equal(wg.dequantize(pack_module(q)), q.dequantized_weight())
     x = torch.randn(3, 256).bfloat16()
-    assert rel(wg.linear_twin(x, q.to_packed(), torch.float32), q(x).float()) < 1e-2  # q(x) rounds to bf16
+    assert rel(wg.linear_twin(x, pack_module(q), torch.float32), q(x).float()) < 1e-2  # q(x) rounds to bf16
 
 
 CASES = [  # (scheme, M, N, K, config)
@@ -203,7 +204,8 @@ def test_audit_removes_a_cell_whose_kernel_returns_nan(monkeypatch):
 
 
 def test_prepare_cuda_refuses_cpu_models():
-    from lowbit.weights.qlinear import QuantLinear, prepare_cuda
+    from lowbit.kernels.gemm.prepare import prepare_cuda
+    from lowbit.weights.qlinear import QuantLinear
     from lowbit.weights.scheme import parse_weight_scheme
 
     m = torch.nn.Sequential(QuantLinear(128, 16, parse_weight_scheme("w8a16")))
@@ -258,8 +260,9 @@ def test_gpu_swapped_operand_configs_match_twin(scheme, M):
 @gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_quantlinear_model_packed_and_equal_to_torch_forward():
+    from lowbit.kernels.gemm.prepare import prepare_cuda
     from lowbit.weights.grid import grid_for_clip, quantize_on
-    from lowbit.weights.qlinear import QuantLinear, prepare_cuda
+    from lowbit.weights.qlinear import QuantLinear
     from lowbit.weights.scheme import parse_weight_scheme
 
     sch = parse_weight_scheme("w4a16-g128")

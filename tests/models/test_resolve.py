@@ -1,4 +1,4 @@
-"""lowbit.models.resolve: one answer to 'name or dir -> model, tokenizer, geometry, provenance'."""
+"""lowbit.runtime.load.resolve (lowbit.models.resolve + quantized checkpoints): one answer to 'name or dir -> model, tokenizer, geometry, provenance'."""
 
 import json
 
@@ -14,10 +14,11 @@ from lowbit.models import (
     load_tokenizer,
     model_dir,
     model_name,
-    resolve,
 )
+from lowbit.models import resolve as resolve_plain
 from lowbit.models.load import is_cached, sha256_file
 from lowbit.models.tiny import tiny_model, tiny_tokenizer
+from lowbit.runtime.load import resolve
 
 from .test_load import toy  # noqa: F401 (fixture: a fake built-in, no GGUF)
 
@@ -76,6 +77,9 @@ def test_quantized_checkpoint_loads_through_lowbit_weights(hf_dir, tmp_path, cap
     save_compressed(model, tiny_tokenizer(), s, ckpt, inputs={"model": "tiny"}, recipe={"scheme": s.to_dict()},
                     counts=rep.counts(), ignore=["lm_head"])
     assert is_quantized_checkpoint(ckpt)
+    # models sit below weights: lowbit.models.resolve refuses it and says where it opens
+    with pytest.raises(LowbitError, match="quantized checkpoint .* lowbit.runtime.load.resolve"):
+        resolve_plain(ckpt, cache_dir=tmp_path / "cache")
     lm = resolve(ckpt, cache_dir=tmp_path / "cache")
     assert lm.provenance["source"] == "quantized-checkpoint" and lm.provenance["manifest"] is True
     assert lm.provenance["quantization_config"]["format"] == s.ct_format

@@ -136,6 +136,7 @@ def test_inductor_pdl_is_an_inductor_option_with_a_clear_error():
 def test_packed_linear_traces_as_one_op():
     """A packed QuantLinear (the torch twin dispatch: CPU) inside a full-graph trace goes through the
     lowbit::packed_linear op, with the same output as its eager forward; unregistered it is refused."""
+    from lowbit.kernels.gemm.prepare import attach
     from lowbit.kernels.ops import register_packed_linears
     from lowbit.weights.grid import grid_for_clip, quantize_on
     from lowbit.weights.qlinear import QuantLinear
@@ -145,7 +146,7 @@ def test_packed_linear_traces_as_one_op():
     w = torch.randn(67, 256, generator=torch.Generator().manual_seed(3))
     grid = grid_for_clip(w, sch.w_bits, sch.group_for(256), sch.symmetric, 1.0, torch.float32)
     q = QuantLinear.from_codes(quantize_on(w, grid), grid, sch, bias=None, scale_dtype=torch.float32)
-    q.packed, q.dispatch = q.to_packed(), "twin"  # what prepare_cuda(kernel="twin") sets, without a GPU
+    attach(q, "twin")  # what prepare_cuda(kernel="twin") sets, without a GPU
     x = torch.randn(3, 5, 256, generator=torch.Generator().manual_seed(4))
     eager = q(x)
     torch._dynamo.reset()

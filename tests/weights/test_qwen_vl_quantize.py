@@ -190,7 +190,7 @@ def test_manifest_counts_and_the_vision_tower_kept_by_design(w4a8, calls):
 
 
 def test_reloads_in_transformers_and_lowbit_with_the_same_weights(w4a8):
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
 
     ours = resolve(w4a8).model
     assert type(ours).__name__ == "Qwen2_5_VLForConditionalGeneration"
@@ -205,7 +205,7 @@ def test_reloads_in_transformers_and_lowbit_with_the_same_weights(w4a8):
 
 
 def test_w4a8_greedy_with_an_image_through_kv8_equals_transformers_reload(w4a8):
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
 
     ours = resolve(w4a8).model
     hf = _plain_load(w4a8)
@@ -220,7 +220,7 @@ def test_w4a8_greedy_with_an_image_through_kv8_equals_transformers_reload(w4a8):
 
 
 def test_w4a16_free_greedy_with_an_image_through_kv8_is_equal(vl_dir, calib_file, tmp_path):
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
 
     out = _quantize(vl_dir, calib_file, tmp_path / "w4a16", "w4a16-g128")
     ours, hf = resolve(out).model, _plain_load(out)

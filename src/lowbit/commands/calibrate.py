@@ -41,7 +41,7 @@ def run(args) -> int:
             raise LowbitError(f"--threads {args.threads}: give 1 or more")
         torch.set_num_threads(args.threads)
     from lowbit.calib.corpora import load_text
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
 
     out = Path(args.out)
     if out.exists():

@@ -15,9 +15,10 @@ from pathlib import Path
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.models.load import is_cached, resolve
+from lowbit.models.load import is_cached
 from lowbit.models.registry import BUILTINS
 from lowbit.runtime.greedy import PROMPT, greedy_continuation
+from lowbit.runtime.load import resolve
 
 NAME = "demo"
 HELP = "eval bf16 vs lowbit int4/int2 (Hadamard) vs HF quanto KV on smollm2-135m: table + plot in minutes"

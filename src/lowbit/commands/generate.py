@@ -38,7 +38,7 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
 
     if args.max_new_tokens < 1:
         raise LowbitError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")

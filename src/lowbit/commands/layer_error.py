@@ -68,7 +68,7 @@ def run(args) -> int:
     from lowbit.calib.levels import fitted_levels
     from lowbit.eval.layer_error import Variant, fake_quant_ppl, format_table, heatmap, measure_layers
     from lowbit.eval.perplexity import full_window_ppl
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
 
     out = Path(args.out) if args.out else None
     if out is not None and out.exists():

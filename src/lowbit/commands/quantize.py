@@ -105,7 +105,7 @@ def _alpha(text: str):
 
 def run(args) -> int:
     from lowbit.calib.corpora import load_text, token_windows
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
     from lowbit.weights.apply import is_ignored, quantize_model
     from lowbit.weights.arch import default_ignore, vision_tower
     from lowbit.weights.export import save_compressed

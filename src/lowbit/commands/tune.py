@@ -135,7 +135,7 @@ def check(args):
 def run(args) -> int:
     from lowbit.calib.corpora import load_text, token_windows
     from lowbit.eval.tune import choose, measure, recipe_toml
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
 
     _, context, rotations, grids, tiers, jobs, codebooks = check(args)
     text = load_text(args.data)

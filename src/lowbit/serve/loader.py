@@ -4,7 +4,7 @@ MODEL_OR_ARTIFACT is a built-in name (smollm2-135m), a Hugging Face model direct
 directory written by `lowbit export --for vllm` (it carries lowbit_kv.json, the KV sidecar,
 whose scheme is used unless --kv is given; the sidecar is checked against the model). A
 directory whose config.json has a `quantization_config` (a compressed-tensors checkpoint from
-`lowbit quantize`) and `--weights DIR` are loaded by lowbit.models.resolve, through lowbit.weights.load_quantized.
+`lowbit quantize`) and `--weights DIR` are loaded by lowbit.runtime.load.resolve, through lowbit.weights.load_quantized.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
     `random:GEOMETRY` (e.g. random:llama3-8b) serves a random-weight model of that geometry with a word
     tokenizer and no EOS (every request runs to max_tokens): for load tests, not for text."""
     from lowbit.kv.scheme import parse_kv_scheme
-    from lowbit.models import load_tokenizer, resolve
+    from lowbit.models import load_tokenizer
+    from lowbit.runtime.load import resolve
     from lowbit.vllm_plugin import sidecar
 
     if str(model_or_artifact).startswith(RANDOM_PREFIX):

@@ -517,7 +517,7 @@ def _models(ctx: Context) -> dict:
         return ctx.loaded
     import torch
 
-    from lowbit.models.load import resolve
+    from lowbit.runtime.load import resolve
 
     dtype = torch.bfloat16 if ctx.opts.device == "cuda" else torch.float32
     test = resolve(ctx.test_src, dtype=dtype, device=ctx.opts.device)

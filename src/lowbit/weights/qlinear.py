@@ -22,8 +22,8 @@ Forward:
                boundary (one int8 step), which a near-tie in the logits can turn into another token.
                The GPU kernels (prepare_cuda) run the same codes through int8 x int8 -> int32.
 
-On CUDA, `prepare_cuda(model)` repacks every QuantLinear once into the weight kernels' layout
-(lowbit.kernels.gemm.triton_gemm.PackedWeight: int4 stays packed, 8 codes per int32), drops the unpacked
+On CUDA, `lowbit.kernels.gemm.prepare.prepare_cuda(model)` repacks every QuantLinear once into the weight
+kernels' layout (lowbit.kernels.gemm.triton_gemm.PackedWeight: int4 stays packed, 8 codes per int32), drops the unpacked
 codes, and routes forward through one Dispatch resolved for the model (the table for the device,
 trimmed by a self-check of each distinct shape against the torch twin). `kernel="twin"` runs the
 twin on the GPU instead: only when asked for by name.
@@ -62,8 +62,11 @@ class QuantLinear(nn.Module):
             self.register_buffer("bias", torch.zeros(out_features, dtype=scale_dtype))
         else:
             self.bias = None
-        self.packed = None  # PackedWeight once prepare_cuda ran
-        self.dispatch = None  # the model's Dispatch, or "twin"
+        # Set together by lowbit.kernels.gemm.prepare (prepare_cuda / attach): the kernels' PackedWeight, the
+        # model's Dispatch (or "twin"), and packed_forward(module, x2 [M, in]) -> [M, out] that runs them.
+        self.packed = None
+        self.dispatch = None
+        self.packed_forward = None
 
     @classmethod
     def from_codes(
@@ -103,16 +106,8 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [..., in] -> [..., out]
-        if self.packed is not None:
-            from lowbit.kernels.gemm import triton_gemm as weight_gemm
-
-            x2 = x.reshape(-1, self.in_features)
-            if torch.compiler.is_compiling():  # one opaque node (lowbit.kernels.ops): dynamo cannot trace ctypes
-                from lowbit.kernels.ops import traced_packed_linear
-
-                return traced_packed_linear(self, x2).reshape(*x.shape[:-1], self.out_features)
-            y = (weight_gemm.linear_twin(x2, self.packed) if self.dispatch == "twin"
-                 else self.dispatch.linear(x2, self.packed))
+        if self.packed is not None:  # the weight kernels (lowbit.kernels.gemm.prepare attached them)
+            y = self.packed_forward(self, x.reshape(-1, self.in_features))
             return y.reshape(*x.shape[:-1], self.out_features)
         if self.scheme.a_bits == 8:  # the reload's arithmetic (module docstring): codes * scale in x's dtype
             xq, sx = quantize_activations_per_token(x.reshape(-1, self.in_features))  # int8 [M, in], f32 [M, 1]
@@ -120,63 +115,5 @@ class QuantLinear(nn.Module):
         w = self.dequantized_weight().to(x.dtype)
         return nn.functional.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
 
-    def to_packed(self):
-        """The weight as a PackedWeight (on this module's device)."""
-        from lowbit.kernels.gemm.triton_gemm import pack_weight
-
-        return pack_weight(self.codes, self.scale, None if self.scheme.symmetric else self.zero_point,
-                           bits=self.bits, group=self.group, a_bits=self.scheme.a_bits, bias=self.bias)
-
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, scheme={self.scheme.name}, group={self.group}"
-
-
-def prepare_cuda(model: nn.Module, *, kernel: str = "auto", check_ms=(1, 16, 17, 129, 1025), log=None) -> dict:
-    """Repack every QuantLinear of a CUDA model for the weight kernels (see module docstring).
-
-    kernel: "auto" (the dispatch table, minus cells whose self-check fails) or "twin" (torch, by name).
-    Returns {"dispatch", "removed", "modules", "packed_bytes", "bf16_bytes"}: the bytes held by the
-    packed weights against the same weights in bf16."""
-    from lowbit.core.errors import LowbitError
-
-    mods = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    if not mods:
-        raise LowbitError("the model has no QuantLinear modules: nothing to prepare for the weight kernels")
-    dev = mods[0].codes.device
-    if dev.type != "cuda":
-        raise LowbitError(f"prepare_cuda needs the model on a CUDA device, it is on {dev}: call model.cuda() first")
-    if kernel not in ("auto", "twin"):
-        raise LowbitError(f"weight kernel {kernel!r}: use auto (the dispatch table) or twin (torch, slow)")
-    for m in mods:
-        m.packed = m.to_packed()
-        m.codes = torch.empty(0, dtype=torch.uint8, device=dev)  # the packed copy replaces it
-    removed: list[str] = []
-    if kernel == "twin":
-        disp = "twin"
-    else:
-        from lowbit.kernels.gemm.check import cell_passes, check_cell
-        from lowbit.kernels.gemm.dispatch import Dispatch
-
-        disp = Dispatch.for_device(dev)
-        seen, failed = set(), []
-        for m in mods:
-            key = (m.packed.kind, m.packed.N, m.packed.K, m.packed.group, m.packed.zero is not None)
-            if key in seen:
-                continue
-            seen.add(key)
-            for M in check_ms:
-                rel, finite, name = check_cell(disp, m.packed, M, device=dev)
-                if not cell_passes(rel, finite, name):
-                    failed.append((m.packed.kind, M, name))
-                    removed.append(f"{name} {m.packed.kind} M={M} N={m.packed.N} K={m.packed.K}: rel {rel:.3g}"
-                                   f"{'' if finite else ' (non-finite)'}")
-                    if log:
-                        log(f"weight kernel self-check FAILED, cell removed: {removed[-1]}")
-        disp = disp.without(failed)
-        for k in {m.packed.kind for m in mods}:
-            disp.choose(k, 1)  # a kind with nothing left is an error now, not at the first token
-    for m in mods:
-        m.dispatch = disp
-    return {"dispatch": disp if disp == "twin" else disp.source, "removed": removed, "modules": len(mods),
-            "packed_bytes": sum(m.packed.nbytes() for m in mods),
-            "bf16_bytes": sum(2 * m.in_features * m.out_features for m in mods)}

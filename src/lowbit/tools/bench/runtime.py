@@ -64,8 +64,9 @@ def quantize_linears(model, scheme_name: str, log=print, *, fuse: bool = True) -
     each group is one W4/W8 GEMM; permanent for this model."""
     from torch import nn
 
+    from lowbit.kernels.gemm.prepare import prepare_cuda
     from lowbit.weights.grid import grid_for_clip, quantize_on
-    from lowbit.weights.qlinear import QuantLinear, prepare_cuda
+    from lowbit.weights.qlinear import QuantLinear
     from lowbit.weights.scheme import parse_weight_scheme
 
     sch = parse_weight_scheme(scheme_name)
