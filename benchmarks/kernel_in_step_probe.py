@@ -23,7 +23,8 @@ import torch
 from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
 from lowbit.kv.plan import resolve
 from lowbit.models.geometry import ModelGeometry
-from lowbit.tools.bench.runtime import GEOMETRIES, _fill_static
+from lowbit.models.random import GEOMETRIES
+from lowbit.tools.bench.runtime import _fill_static
 from lowbit.runtime.static_cache import StaticKVCache
 
 

@@ -275,7 +275,7 @@ def run(args, rep: dict) -> dict:
 
     from lowbit.models.geometry import ModelGeometry
     from lowbit.kv.scheme import parse_kv_scheme
-    from lowbit.tools.bench.runtime import GEOMETRIES, _word_tokenizer, build_model
+    from lowbit.models.random import GEOMETRIES, word_tokenizer as _word_tokenizer, build_model
     from lowbit.serve.loader import Runtime
 
     t0 = time.perf_counter()

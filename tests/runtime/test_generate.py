@@ -221,7 +221,8 @@ def test_bench_row_harness_on_cpu():
     """The `hf-generate-compile-lowbit-*` row of `lowbit bench decode` (a GPU benchmark) run on CPU with the
     aot_eager backend: the continuation of a filled cache through generate works, and the row records that
     every timed decode step ran compiled from one graph."""
-    from lowbit.tools.bench.runtime import _row_hf_generate, build_model
+    from lowbit.models.random import build_model
+    from lowbit.tools.bench.runtime import _row_hf_generate
 
     model, cfg = build_model("tiny-llama", "cpu", dtype=torch.float32)
     torch._dynamo.reset()
@@ -237,7 +238,8 @@ def test_kernel_op_equals_the_torch_twin():
     CPU): the same attention as the torch twin over ragged tiers, called directly and inside a full-graph
     trace (the op is one opaque node: dynamo does not trace the kernel's launcher)."""
     from lowbit.kernels.attention.common import interpreted
-    from lowbit.tools.bench.runtime import _fill_static, build_model
+    from lowbit.models.random import build_model
+    from lowbit.tools.bench.runtime import _fill_static
 
     if not interpreted():
         pytest.skip("the kernels were imported for CUDA (TRITON_INTERPRET=0)")
@@ -269,7 +271,7 @@ def test_compiled_generate_on_cuda_follows_the_eager_generate(kv):
     Logits: within 2% of their range at bf16; at int2 within 6%, since one code that flips at a rounding tie
     moves its value by a whole INT2 step (a third of the row's range) -- on the H200 the run of 2026-12-01 saw
     2.7% at int2."""
-    from lowbit.tools.bench.runtime import build_model
+    from lowbit.models.random import build_model
 
     model, cfg = build_model("tiny-llama", "cuda")
     with torch.no_grad():

@@ -9,7 +9,7 @@ pytestmark = [pytest.mark.gpu, cuda]
 
 
 def _model():
-    from lowbit.tools.bench.runtime import build_model
+    from lowbit.models.random import build_model
 
     model, cfg = build_model("tiny-llama", "cuda")
     with torch.no_grad():  # sharper logits than the 0.02 init, so greedy tokens differ across prompts

@@ -50,9 +50,9 @@ RANDOM_PREFIX = "random:"
 
 def _random_model(spec: str, dtype, device):
     """(model, geometry, tokenizer) for `random:GEOMETRY`: the random-weight model `lowbit bench decode`
-    builds (lowbit.tools.bench.runtime.GEOMETRIES, seed 0), built on `device`, with a word tokenizer ("t123" per id)."""
+    builds (lowbit.models.random, seed 0), built on `device`, with a word tokenizer ("t123" per id)."""
     from lowbit.models.geometry import ModelGeometry
-    from lowbit.tools.bench.runtime import GEOMETRIES, _word_tokenizer, build_model
+    from lowbit.models.random import GEOMETRIES, build_model, word_tokenizer
 
     geo = spec[len(RANDOM_PREFIX):]
     if geo not in GEOMETRIES:
@@ -61,7 +61,7 @@ def _random_model(spec: str, dtype, device):
         model, cfg = build_model(geo, str(device), dtype=dtype)
     except torch.OutOfMemoryError:
         raise LowbitError(f"--model {spec} does not fit in {device} memory; use a smaller geometry") from None
-    return model, ModelGeometry.from_config(cfg, name=f"random-{geo}"), _word_tokenizer(cfg.vocab_size)
+    return model, ModelGeometry.from_config(cfg, name=f"random-{geo}"), word_tokenizer(cfg.vocab_size)
 
 
 def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None, dtype=torch.float32,

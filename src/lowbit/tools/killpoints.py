@@ -158,17 +158,14 @@ print("done", flush=True)
 
 
 def _next_run(which: str, target: Path, artifact: Path | None) -> tuple[int, str]:
-    """The next run of the same command through the CLI: `lowbit pin DIR`, or `lowbit validate ARTIFACT
-    --stages 1 --json PATH` (a pinned "files" artifact: stage 1 fails on its kind, rc 1, report written).
-    Returns (exit code, its stdout + stderr)."""
-    from lowbit.cli import main
-
+    """The next run of the same command through the CLI, in a child process (`python -m lowbit`): `lowbit pin
+    DIR`, or `lowbit validate ARTIFACT --stages 1 --json PATH` (a pinned "files" artifact: stage 1 fails on its
+    kind, rc 1, report written). Returns (exit code, its stdout + stderr)."""
     argv = (["pin", str(target)] if which == "pin" else
             ["validate", str(artifact), "--stages", "1", "--device", "cpu", "--json", str(target)])
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        rc = main(argv)
-    return rc, out.getvalue()
+    p = subprocess.run([sys.executable, "-m", "lowbit", *argv], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, check=False)  # one stream, in the order the lines were written
+    return p.returncode, p.stdout
 
 
 def file_kill_point(parent: Path, which: str, point: str) -> dict:

@@ -78,8 +78,8 @@ ENCODE_CASES = [
 
 def audit_plugin() -> list:
     """AuditRows for paged_decode and encode_cells (one row saying why, failed, if an extension did not build)."""
+    from lowbit.kernels.twin import TOL, AuditRow
     from lowbit.kv.scheme import parse_kv_scheme
-    from lowbit.tools.audit.attention import TOL, AuditRow
     from lowbit.vllm_plugin import cpu_kernel, paged
     from lowbit.vllm_plugin.slot import SlotFormat
 

@@ -9,29 +9,13 @@ exactly what this catches, so run it on the device before trusting the kernel th
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 
+from lowbit.kernels.twin import TOL, AuditRow
 from lowbit.quant import scale_format as sf
 from lowbit.quant.affine import centre, quantize, quantize_centred
 from lowbit.quant.packing import pack
-
-TOL = 1e-3  # relative L2 error, kernel (fp32 output) vs float32 twin
-
-
-@dataclass
-class AuditRow:
-    kernel: str
-    case: str
-    rel_l2: float
-    max_rel: float
-    finite: bool
-    ok: bool
-    seconds: float
-
-    def as_dict(self) -> dict:
-        return asdict(self)
 
 
 def _packed(x, bits, group, zero="group", scale_format="fp16"):

@@ -34,15 +34,8 @@ import time
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.models.random import build_model, word_tokenizer
 
-GEOMETRIES = {
-    "llama3-8b": {"hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
-                      "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "rope_theta": 500000.0,
-                      "max_position_embeddings": 1 << 17},
-    # CPU smoke geometry (same head layout, 2 small layers)
-    "tiny-llama": {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-                       "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1000, "max_position_embeddings": 1 << 15},
-}
 # transformers' generate + compile over the lowbit cache (lowbit.runtime.generate.GenerateCache)
 GEN_PATHS = {"hf-generate-compile-lowbit-int2": "int2", "hf-generate-compile-lowbit-int4": "int4",
              "hf-generate-compile-lowbit-bf16": "bf16"}
@@ -93,23 +86,6 @@ def quantize_linears(model, scheme_name: str, log=print, *, fuse: bool = True) -
         f"(bf16 {rep['bf16_bytes'] / 1e9:.2f} GB), dispatch {rep['dispatch']}, "
         f"{fused} fused q/k/v + gate/up groups")
     return rep
-
-
-def build_model(geometry: str, device: str, dtype=torch.bfloat16):
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    if geometry not in GEOMETRIES:
-        raise LowbitError(f"unknown geometry {geometry!r}; use one of {', '.join(GEOMETRIES)}")
-    cfg = LlamaConfig(**GEOMETRIES[geometry])
-    torch.manual_seed(0)
-    old = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            model = LlamaForCausalLM(cfg)
-    finally:
-        torch.set_default_dtype(old)
-    return model.eval(), cfg
 
 
 def kv_bytes(path: str, cfg, B: int, L: int) -> int:
@@ -548,17 +524,6 @@ def _rows_for(paths, model, cfg, contexts, batches, steps, rows, log, fuse=True,
                 torch.cuda.empty_cache()
 
 
-def _word_tokenizer(vocab_size: int):
-    """A tokenizer whose every id decodes to one word ("t123"), for random-weight models with no
-    tokenizer of their own: each generated token is one streamed delta."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.WordLevel(vocab={f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", pad_token="t0")
-
-
 def engine_load(geometry: str, concurrency, *, prompt_len: int, max_tokens: int, kv: str = "int2",
                 device: str = "cuda", prefill_chunk: int = 2048, log=print) -> dict:
     """The serving engine (lowbit.serve.batch_engine.BatchEngine) in-process at each concurrency C:
@@ -575,7 +540,7 @@ def engine_load(geometry: str, concurrency, *, prompt_len: int, max_tokens: int,
 
     model, cfg = build_model(geometry, device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     slots = max(concurrency)
-    rt = Runtime(model=model, tokenizer=_word_tokenizer(cfg.vocab_size), geometry=ModelGeometry.from_config(cfg, name=geometry),
+    rt = Runtime(model=model, tokenizer=word_tokenizer(cfg.vocab_size), geometry=ModelGeometry.from_config(cfg, name=geometry),
                  name=geometry, scheme=parse_kv_scheme(kv), weights=None, max_context=prompt_len + max_tokens + 16,
                  eos_token_ids=[])
     t0 = time.perf_counter()
