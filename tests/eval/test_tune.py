@@ -175,13 +175,14 @@ def test_tune_measures_a_key_affine_candidate_with_its_maps_and_pins_it(tiny_dir
     import tomllib
 
     from lowbit.artifacts import load_manifest
+    from lowbit.calib import key_affine as kfit
     from lowbit.calib.corpora import load_text, token_windows
     from lowbit.kv import key_affine as kam
     from lowbit.models import resolve
 
     lm = resolve(str(tiny_dir))
     windows = token_windows(lm.tokenizer, load_text(str(corpus)), 77, 2)
-    maps = kam.fit(lm.model, windows, skip=8)
+    maps = kfit.fit(lm.model, windows, skip=8)
     ka_dir = kam.save(tmp_path / "art" / "ka", maps, model=lm.geometry.name)
     sha = load_manifest(ka_dir).file_map()[kam.FILE_NAME].sha256
     out = tmp_path / "recipes" / "tiny@2.7.toml"

@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from lowbit.calib import key_affine as kfit
 from lowbit.core.errors import LowbitError
 from lowbit.kv import key_affine as kam
 from lowbit.kv.plan import resolve
@@ -40,7 +41,7 @@ def qwen():
 def _affine_dir(tmp_path, model, name="ka", **kw):
     g = ModelGeometry.from_config(model.config, name="tiny-qwen2")
     windows = tiny_tokenizer_free_inputs(model.config, 2, 70, seed=11)  # calibration ids, not the test's
-    maps = kam.fit(model, windows, skip=4, **kw)
+    maps = kfit.fit(model, windows, skip=4, **kw)
     return kam.save(tmp_path / name, maps, model="tiny-qwen2"), g, maps
 
 
@@ -129,6 +130,7 @@ def test_every_path_maps_and_soft_capping_refuses(qwen, tmp_path):
     d, g, _ = _affine_dir(tmp_path, qwen)
     plan = resolve(scheme("int2", rotation=RotationRef(str(d))), g)
     assert static_reason(plan.layer(0)) is None  # the static runtime maps keys and queries (next test)
+    import lowbit.vllm_plugin.slot  # noqa: F401 (registers the vllm-slot backend)
     from lowbit import backends
 
     # the vLLM plugin maps them too (tests/serve/test_vllm_paged.py::test_plugin_serves_a_key_affine_recipe...)
@@ -142,7 +144,7 @@ def test_every_path_maps_and_soft_capping_refuses(qwen, tmp_path):
     with pytest.raises(LowbitError, match="soft-caps"):
         StaticKVCache(capped, plan, slots=1, max_context=32)
     with pytest.raises(LowbitError, match="alpha"):
-        kam.fit(qwen, tiny_tokenizer_free_inputs(qwen.config, 1, 70), alpha=2.0)
+        kfit.fit(qwen, tiny_tokenizer_free_inputs(qwen.config, 1, 70), alpha=2.0)
 
 
 def test_static_runtime_maps_keys_and_queries_as_the_eager_cache(qwen, tmp_path):
@@ -192,18 +194,18 @@ def test_layer_error_harness_measures_the_mapped_keys(qwen, tmp_path):
 def test_select_keeps_only_layers_the_map_helps(qwen):
     g = ModelGeometry.from_config(qwen.config, name="tiny-qwen2")
     windows = tiny_tokenizer_free_inputs(qwen.config, 1, 70, seed=11)
-    maps = kam.fit(qwen, windows, skip=4)
+    maps = kfit.fit(qwen, windows, skip=4)
     bad = kam.KeyAffine(torch.full_like(maps[1].scale, 1.0).index_fill_(-1, torch.tensor([0, 32]), 1e-3),
                         torch.zeros_like(maps[1].shift))  # crushes one pair's scale: a map that hurts
-    kept, ev = kam.select(qwen, windows, {0: maps[0], 1: bad}, g, scheme=scheme("int2"))  # small tiers
+    kept, ev = kfit.select(qwen, windows, {0: maps[0], 1: bad}, g, scheme=scheme("int2"))  # small tiers
     assert set(kept) == {0} and ev[1][1] > ev[1][0] and ev[0][1] < ev[0][0]
 
 
 def _fitted_dir(tmp_path, model, name="kaf"):
     g = ModelGeometry.from_config(model.config, name="tiny-qwen2")
     windows = tiny_tokenizer_free_inputs(model.config, 2, 70, seed=11)
-    maps = kam.fit(model, windows, skip=4)
-    rots = kam.fit_base(model, windows, maps, g, skip=4)
+    maps = kfit.fit(model, windows, skip=4)
+    rots = kfit.fit_base(model, windows, maps, g, skip=4)
     return kam.save(tmp_path / name, maps, model="tiny-qwen2", base="fitted", rotations=rots), g, maps, rots, windows
 
 
@@ -214,7 +216,7 @@ def test_fitted_base_is_the_mapped_keys_eigenbasis_and_exact(qwen, tmp_path):
     from lowbit.rotation.hadamard import hadamard
 
     d, g, maps, rots, windows = _fitted_dir(tmp_path, qwen)
-    st = kam.MappedMoments(maps, skip=4)
+    st = kfit.MappedMoments(maps, skip=4)
     from lowbit.calib.capture import capture_attention
 
     with torch.no_grad(), capture_attention(qwen, st):

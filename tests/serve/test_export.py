@@ -188,6 +188,7 @@ def test_default_int2_export_keeps_the_std_grid_and_serves_layer_bits_padded(tin
 def test_export_ships_a_key_affine_and_the_plugin_plan_maps_it(tiny_dir, tmp_path):
     """A key-affine directory (what `lowbit tune` picks on biased-key models) exports like a RotationSet: copied,
     pinned, and the plan the plugin resolves from the sidecar carries each layer's map (paged.write/attend)."""
+    from lowbit.calib import key_affine as kfit
     from lowbit.kv import key_affine as kam
     from lowbit.kv.plan import resolve
     from lowbit.models.geometry import ModelGeometry
@@ -196,7 +197,7 @@ def test_export_ships_a_key_affine_and_the_plugin_plan_maps_it(tiny_dir, tmp_pat
     from tests.serve.conftest import tiny_runtime
 
     m = tiny_runtime("bf16").model
-    maps = kam.fit(m, tiny_tokenizer_free_inputs(m.config, 2, 70, seed=11), skip=4)
+    maps = kfit.fit(m, tiny_tokenizer_free_inputs(m.config, 2, 70, seed=11), skip=4)
     ka = kam.save(tmp_path / "ka", maps, model=tiny_dir.name)
     out = tmp_path / "exp"
     assert main(["export", "--for", "vllm", "--model", str(tiny_dir), "--kv", "int2", "--rotation", str(ka),

@@ -113,6 +113,7 @@ def test_vllm_plugin_on_sliding_window_layers_matches_lowbit(tmp_path):
 def test_vllm_plugin_serves_a_key_affine_recipe_as_lowbit(tmp_path):
     """An int2 recipe with a key affine (lowbit tune's pick on biased-key models) through real vLLM: the same
     greedy tokens as lowbit's runtime on the exported directory (keys mapped at write, queries at read)."""
+    from lowbit.calib import key_affine as kfit
     from lowbit.cli import main
     from lowbit.kv import key_affine as kam
     from lowbit.models.tiny import tiny_tokenizer_free_inputs
@@ -122,7 +123,7 @@ def test_vllm_plugin_serves_a_key_affine_recipe_as_lowbit(tmp_path):
     plain = tmp_path / "tiny"
     rt.model.save_pretrained(plain)
     rt.tokenizer.save_pretrained(plain)
-    maps = kam.fit(rt.model, tiny_tokenizer_free_inputs(rt.model.config, 2, 70, seed=11), skip=4)
+    maps = kfit.fit(rt.model, tiny_tokenizer_free_inputs(rt.model.config, 2, 70, seed=11), skip=4)
     ka = kam.save(tmp_path / "ka", maps, model="tiny")
     exp = tmp_path / "tiny-int2-ka"
     assert main(["export", "--for", "vllm", "--model", str(plain), "--kv", "int2", "--rotation", str(ka),

@@ -290,6 +290,7 @@ def test_plugin_serves_a_key_affine_recipe_as_lowbit_does(tmp_path, sink, recent
     """A key-affine int2 recipe (lowbit tune's kind): the plugin's write + attend, with the layer's map, give
     lowbit's own cache's logits and greedy tokens (keys stored mapped in every tier, queries scaled; the
     fused C++ decode takes the scaled queries); the same cells read without the query map do not."""
+    from lowbit.calib import key_affine as kfit
     from lowbit.kv import key_affine as kam
     from lowbit.kv.scheme import RotationRef
     from lowbit.models.tiny import tiny_tokenizer_free_inputs
@@ -297,7 +298,7 @@ def test_plugin_serves_a_key_affine_recipe_as_lowbit_does(tmp_path, sink, recent
     from tests.serve.conftest import tiny_runtime
 
     rt0 = tiny_runtime("bf16")
-    maps = kam.fit(rt0.model, tiny_tokenizer_free_inputs(rt0.model.config, 2, 70, seed=11), skip=4)
+    maps = kfit.fit(rt0.model, tiny_tokenizer_free_inputs(rt0.model.config, 2, 70, seed=11), skip=4)
     d = kam.save(tmp_path / "ka", maps, model="tiny")
     assert any(float((m.scale - 1).abs().max()) > 0.05 for m in maps.values())  # a map that changes the stored keys
     rt = tiny_runtime("int2", sink=sink, recent=recent, page=1, rotation=RotationRef(str(d)))

@@ -34,7 +34,7 @@ def add_arguments(p) -> None:
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per calibration window (default 1024)")
     p.add_argument("--rotations", default="hadamard",
                    help="comma list of scheme-wide rotation candidates: hadamard, none, RotationSet or "
-                        "key-affine (python -m lowbit.kv.key_affine) dirs (default hadamard)")
+                        "key-affine (python -m lowbit.calib.key_affine) dirs (default hadamard)")
     p.add_argument("--grids", default="std,lloyd-max",
                    help="2-bit grid candidates: std, lloyd-max, scale-only (the std grid without a stored zero: "
                         "int2 at head_dim 64 costs 2.25 b/elt instead of 2.5; best after a key shift), scale-only-mse (the same "
