@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from lowbit.artifacts import verify
-from lowbit.artifacts.writer import is_staging_dir, staging_name, write_new_file
+from lowbit.artifacts.manifest import is_staging_dir, staging_name
+from lowbit.artifacts.writer import write_new_file
 from lowbit.tools.killpoints import FILE_POINTS, file_kill_point, file_kill_points
 
 

@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from lowbit.artifacts import ArtifactWriter, load_manifest, sweep_stale, verify
-from lowbit.artifacts.writer import is_staging_dir, staging_name
+from lowbit.artifacts.manifest import is_staging_dir, staging_name
 from lowbit.cli import main
 from lowbit.core.errors import LowbitError
 from lowbit.tools.killpoints import _CHILD, POINTS, kill_point, listing

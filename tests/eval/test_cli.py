@@ -5,6 +5,7 @@ import json
 import pytest
 
 import lowbit.models
+import lowbit.runtime.load
 from lowbit.cli import main
 from lowbit.eval.report import RESULT_KEYS
 
@@ -18,6 +19,7 @@ def no_model_work(monkeypatch):
 
     monkeypatch.setattr(lowbit.models, "load", refuse)
     monkeypatch.setattr(lowbit.models, "resolve", refuse)
+    monkeypatch.setattr(lowbit.runtime.load, "resolve", refuse)
 
 
 def _err(capsys) -> str:

@@ -64,9 +64,12 @@ def test_existing_report_refused_unless_overwrite(flag, tiny_dir, corpus, tmp_pa
 
 def test_cli_refuses_existing_json_before_loading(tiny_dir, corpus, tmp_path, capsys, monkeypatch):
     import lowbit.models
+    import lowbit.runtime.load
     from lowbit.cli import main
 
     monkeypatch.setattr(lowbit.models, "resolve", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+
+    monkeypatch.setattr(lowbit.runtime.load, "resolve", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
     out = tmp_path / "r.json"
     out.write_text("{}")
     assert main(["eval", "--model", str(tiny_dir), "--data", str(corpus), "--seq-len", "64", "--json", str(out)]) == 2

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import lowbit.models
+import lowbit.runtime.load
 from lowbit.cli import main
 from lowbit.eval import needle_task
 from lowbit.eval.needle_task import chunked_greedy, parse_depths, parse_lengths
@@ -29,6 +30,7 @@ def no_model_work(monkeypatch):
 
     monkeypatch.setattr(lowbit.models, "load", refuse)
     monkeypatch.setattr(lowbit.models, "resolve", refuse)
+    monkeypatch.setattr(lowbit.runtime.load, "resolve", refuse)
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -108,11 +108,14 @@ def test_calibrate_fits_codebooks_that_eval_runs(tiny_dir, corpus, tmp_path, cap
 
 def test_calibrate_vq_for_refuses_a_recipe_without_vq_before_model_work(tmp_path, capsys, monkeypatch):
     import lowbit.models
+    import lowbit.runtime.load
 
     def boom(*a, **k):
         raise AssertionError("model work started")
 
     monkeypatch.setattr(lowbit.models, "resolve", boom)
+
+    monkeypatch.setattr(lowbit.runtime.load, "resolve", boom)
     r = tmp_path / "plain.toml"
     r.write_text('[kv]\nscheme = "int2"\n')
     rc = main(["calibrate", "--model", "smollm2-135m", "--vq-for", str(tmp_path / "missing.toml"),

@@ -5,6 +5,7 @@ import torch
 from transformers import BatchEncoding
 
 import lowbit.models
+import lowbit.runtime.load
 from lowbit.cli import main
 from lowbit.models import LoadedModel, ModelGeometry
 
@@ -36,6 +37,8 @@ def tiny_loader(monkeypatch):
         return LoadedModel(model=model, tokenizer=CharTokenizer(), name=name, weights_sha256="0" * 64, geometry=geo)
 
     monkeypatch.setattr(lowbit.models, "resolve", fake_load)
+
+    monkeypatch.setattr(lowbit.runtime.load, "resolve", fake_load)
     return calls
 
 

@@ -195,7 +195,7 @@ def test_frozen_dataclass():
 @pytest.mark.parametrize("shape,group", [((1, 64), 64), ((3, 99, 128), 64), ((5, 256), 128)])
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_quantize_std_grid(shape, group, bits):
-    from lowbit.quant.lloyd_max import gaussian_uniform_step
+    from lowbit.quant.gaussian import gaussian_uniform_step
 
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(bits)) * 3 + 1
     q = affine.quantize_std(x, bits, group, scale_dtype=torch.float16)

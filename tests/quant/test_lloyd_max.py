@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.quant import gaussian as gs
 from lowbit.quant import lloyd_max as lm
 from lowbit.quant.affine import dequantize, quantize
 
@@ -22,58 +23,58 @@ def _randn(*shape, seed=0):
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_gaussian_levels_match_known(bits):
-    lv = lm.gaussian_levels(bits)
+    lv = gs.gaussian_levels(bits)
     assert lv.dtype == torch.float64 and lv.shape == (2**bits,)
     assert (lv[1:] > lv[:-1]).all()
     torch.testing.assert_close(lv, -lv.flip(0), rtol=0, atol=1e-12)
     pos = lv[2 ** (bits - 1) :]
     torch.testing.assert_close(pos, torch.tensor(KNOWN[bits], dtype=torch.float64), rtol=0, atol=1e-3)
-    assert lm.gaussian_distortion(bits) == pytest.approx(KNOWN_MSE[bits], rel=2e-3)
+    assert gs.gaussian_distortion(bits) == pytest.approx(KNOWN_MSE[bits], rel=2e-3)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_gaussian_levels_are_lloyd_fixed_point(bits):
     # centroid condition: each level is E[X | X in its cell] with midpoint thresholds
-    lv = lm.gaussian_levels(bits).tolist()
-    t = lm._thresholds(lv)
+    lv = gs.gaussian_levels(bits).tolist()
+    t = gs._thresholds(lv)
     for i, level in enumerate(lv):
-        p, m1, _ = lm._cell_moments(t[i], t[i + 1])
+        p, m1, _ = gs._cell_moments(t[i], t[i + 1])
         assert m1 / p == pytest.approx(level, abs=1e-9)
     # and it beats a nearby perturbed codebook
-    nudged = lm.gaussian_levels(bits) * 1.02
-    assert lm.gaussian_distortion(nudged) > lm.gaussian_distortion(bits)
+    nudged = gs.gaussian_levels(bits) * 1.02
+    assert gs.gaussian_distortion(nudged) > gs.gaussian_distortion(bits)
 
 
 def test_gaussian_levels_cached_but_not_shared():
-    a = lm.gaussian_levels(2)
+    a = gs.gaussian_levels(2)
     a[0] = 99.0
-    assert lm.gaussian_levels(2)[0] == pytest.approx(-1.5104, abs=1e-3)
-    assert lm._gaussian_levels.cache_info().hits >= 1
+    assert gs.gaussian_levels(2)[0] == pytest.approx(-1.5104, abs=1e-3)
+    assert gs._gaussian_levels.cache_info().hits >= 1
 
 
 @pytest.mark.parametrize("bits", [0, 5, 8])
 def test_gaussian_levels_bad_bits(bits):
     with pytest.raises(LowbitError, match="bits"):
-        lm.gaussian_levels(bits)
+        gs.gaussian_levels(bits)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4])
 def test_encode_gaussian_beats_uniform(bits):
     x = _randn(999, 128, seed=bits)
-    q = lm.encode(x, lm.gaussian_levels(bits), 128)
+    q = lm.encode(x, gs.gaussian_levels(bits), 128)
     assert q.codes.dtype == torch.uint8 and q.codes.shape == x.shape and q.bits == bits
     assert q.mean.shape == (999, 1) == q.std.shape
     mse = float((lm.decode(q) - x).pow(2).mean())
     uni = float((dequantize(quantize(x, bits, 128)) - x).pow(2).mean())
     assert mse < uni
     # and lands near the theoretical distortion (the group std is estimated from 128 samples)
-    assert mse == pytest.approx(lm.gaussian_distortion(bits), rel=0.1)
+    assert mse == pytest.approx(gs.gaussian_distortion(bits), rel=0.1)
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (3, 99, 32), (5, 1, 7, 48)])
 def test_encode_decode_shapes_and_nearest_level(shape):
     x = _randn(*shape, seed=1) * 2 + 0.5
-    lv = lm.gaussian_levels(3)
+    lv = gs.gaussian_levels(3)
     q = lm.encode(x, lv, 16)
     assert q.mean.shape == (*shape[:-1], shape[-1] // 16)
     xh = lm.decode(q)
@@ -91,20 +92,20 @@ def test_constant_groups_exact_and_finite():
     x[1] = 4.25
     x[2, :4] = -3.0
     x[2, 4:] = torch.tensor([1.0, 2.0, 3.0, 4.0])
-    q = lm.encode(x, lm.gaussian_levels(2), 4)
+    q = lm.encode(x, gs.gaussian_levels(2), 4)
     xh = lm.decode(q)
     assert torch.isfinite(xh).all()
     torch.testing.assert_close(xh[:2], x[:2], rtol=0, atol=0)
     torch.testing.assert_close(xh[2, :4], x[2, :4], rtol=0, atol=0)
     # group of 1: std 0, exact
     y = _randn(3, 5)
-    torch.testing.assert_close(lm.decode(lm.encode(y, lm.gaussian_levels(2), 1)), y, rtol=0, atol=0)
+    torch.testing.assert_close(lm.decode(lm.encode(y, gs.gaussian_levels(2), 1)), y, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("stat_dtype", [torch.float16, torch.bfloat16])
 def test_bf16_input_and_low_precision_stats(stat_dtype):
     x = (_randn(7, 99, 64, seed=4) * 0.2 + 1.0).to(torch.bfloat16)
-    lv = lm.gaussian_levels(4)
+    lv = gs.gaussian_levels(4)
     q = lm.encode(x, lv, 32, stat_dtype=stat_dtype)
     assert q.mean.dtype == stat_dtype == q.std.dtype
     q32 = lm.encode(x, lv, 32)
@@ -120,8 +121,8 @@ def test_fit_levels_recovers_gaussian():
         f = lm.fit_levels(x, bits)
         assert f.dtype == torch.float32 and f.shape == (2**bits,)
         # sampling noise moves the tail levels most; the distortion is what must match
-        torch.testing.assert_close(f.double(), lm.gaussian_levels(bits), rtol=0, atol=0.04)
-        assert lm.gaussian_distortion(f.double()) < lm.gaussian_distortion(bits) * 1.005
+        torch.testing.assert_close(f.double(), gs.gaussian_levels(bits), rtol=0, atol=0.04)
+        assert gs.gaussian_distortion(f.double()) < gs.gaussian_distortion(bits) * 1.005
 
 
 def test_fit_levels_beats_gaussian_on_non_gaussian_data():
@@ -133,7 +134,7 @@ def test_fit_levels_beats_gaussian_on_non_gaussian_data():
     for bits in (2, 3):
         fit = lm.fit_levels(x, bits, group=64)
         e_fit = float((lm.decode(lm.encode(x, fit, 64)) - x).pow(2).mean())
-        e_gauss = float((lm.decode(lm.encode(x, lm.gaussian_levels(bits), 64)) - x).pow(2).mean())
+        e_gauss = float((lm.decode(lm.encode(x, gs.gaussian_levels(bits), 64)) - x).pow(2).mean())
         assert e_fit < 0.8 * e_gauss
 
 
@@ -152,7 +153,7 @@ def test_fit_levels_degenerate_and_errors():
 
 def test_encode_errors():
     x = _randn(2, 576)
-    lv = lm.gaussian_levels(2)
+    lv = gs.gaussian_levels(2)
     with pytest.raises(LowbitError, match="group 128 does not divide dim 576"):
         lm.encode(x, lv, 128)
     with pytest.raises(LowbitError, match="ascending"):
@@ -169,10 +170,10 @@ def test_encode_errors():
 
 @pytest.mark.parametrize("bits,step", [(2, 0.9957), (3, 0.5860), (4, 0.3352)])
 def test_gaussian_uniform_step_matches_max_1960(bits, step):
-    from lowbit.quant.lloyd_max import gaussian_uniform_step
+    from lowbit.quant.gaussian import gaussian_uniform_step
 
     s = gaussian_uniform_step(bits)
     assert s == pytest.approx(step, abs=2e-4)
     K = 1 << bits
-    d = lambda st: lm.gaussian_distortion(torch.tensor([(i - (K - 1) / 2) * st for i in range(K)], dtype=torch.float64))
+    d = lambda st: gs.gaussian_distortion(torch.tensor([(i - (K - 1) / 2) * st for i in range(K)], dtype=torch.float64))
     assert d(s) < d(s * 1.01) and d(s) < d(s * 0.99)  # a minimum, not just a match to the table

@@ -225,13 +225,25 @@ def _is_safe_relpath(p: str) -> bool:
     )
 
 
+# A write is staged in a hidden sibling of its output (lowbit.artifacts.writer): what one looks like.
+STAGING_RE = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)")
+
+
+def staging_name(out_name: str, pid: int | None = None) -> str:
+    """The hidden sibling a write to `out_name` is staged in: `.<out_name>.tmp-<pid>`."""
+    return f".{out_name}.tmp-{os.getpid() if pid is None else pid}"
+
+
+def is_staging_dir(path: str | os.PathLike) -> bool:
+    """True for a name of the staging form (what an unfinished write looks like; never an artifact)."""
+    return STAGING_RE.fullmatch(Path(path).name) is not None
+
+
 def load_manifest(directory: str | os.PathLike) -> Manifest:
     """Read and validate `directory/manifest.json`. Missing, corrupt or malformed -> LowbitError."""
     root = Path(directory)
     if not root.is_dir():
         raise LowbitError(f"artifact directory {root} does not exist or is not a directory")
-    from lowbit.artifacts.writer import is_staging_dir
-
     if is_staging_dir(root.resolve()):
         raise LowbitError(f"{root} is the staging directory of an unfinished (or killed) write, not an artifact; "
                           "use the finished output directory, or write it again")

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import fcntl
 import os
-import re
 import shutil
 import stat
 import sys
@@ -37,25 +36,15 @@ from typing import Any, Self
 
 from lowbit.artifacts.manifest import (
     MANIFEST_NAME,
+    STAGING_RE,
     FileEntry,
     Manifest,
     check_class,
     library_versions,
     sha256_file,
+    staging_name,
 )
 from lowbit.core.errors import LowbitError
-
-STAGING_RE = re.compile(r"\.(?P<name>.+)\.tmp-(?P<pid>\d+)")
-
-
-def staging_name(out_name: str, pid: int | None = None) -> str:
-    """The hidden sibling a write to `out_name` is staged in: `.<out_name>.tmp-<pid>`."""
-    return f".{out_name}.tmp-{os.getpid() if pid is None else pid}"
-
-
-def is_staging_dir(path: str | os.PathLike) -> bool:
-    """True for a name of the staging form (what an unfinished write looks like; never an artifact)."""
-    return STAGING_RE.fullmatch(Path(path).name) is not None
 
 
 def _open_dir(path: Path) -> int:

@@ -33,7 +33,7 @@ import torch
 
 from lowbit.core.errors import LowbitError
 from lowbit.kv.scheme import TensorQuant
-from lowbit.quant import affine, packing
+from lowbit.quant import affine, gaussian, lloyd_max, packing
 from lowbit.quant import residual as resm
 from lowbit.quant import scale_format as sf
 from lowbit.quant import vq as vqm
@@ -64,9 +64,7 @@ class TensorCodec:
         self.centre = affine.centre(tq.bits) if tq.quantized else 0.0
         self.unit_step: float | None = None  # the std grid's step per unit std, resolved once
         if tq.quantized and tq.grid in ("std", "mse") and not tq.lloyd_max:
-            from lowbit.quant.lloyd_max import gaussian_uniform_step
-
-            self.unit_step = gaussian_uniform_step(tq.bits)
+            self.unit_step = gaussian.gaussian_uniform_step(tq.bits)
         if tq.quantized and tq.axis == "token" and head_dim % self.group:
             raise LowbitError(f"group {self.group} does not divide head_dim {head_dim}; pick a divisor")
         if tq.lloyd_max:
@@ -84,10 +82,8 @@ class TensorCodec:
 
     def set_levels(self, levels: torch.Tensor | None) -> None:
         """Lloyd-Max levels for this tensor of this layer (None = Gaussian-optimal for the bits)."""
-        from lowbit.quant import lloyd_max
-
         if levels is None:
-            levels = lloyd_max.gaussian_levels(self.bits)
+            levels = gaussian.gaussian_levels(self.bits)
         levels = torch.as_tensor(levels, dtype=torch.float32).flatten()
         if levels.numel() != 1 << self.bits:
             raise LowbitError(f"Lloyd-Max levels for {self.bits} bits need {1 << self.bits} values, got {levels.numel()}")
@@ -193,8 +189,6 @@ class TensorCodec:
         """Quantize along the last dim in groups; returns codes uint8, scale/zero SCALE_DTYPE [..., n/group]."""
         tq = self.tq
         if tq.lloyd_max:
-            from lowbit.quant import lloyd_max
-
             q = lloyd_max.encode(x, self.levels.to(x.device), group, stat_dtype=SCALE_DTYPE)
             return q.codes, q.std, q.mean
         if not self.stores_zero:  # scale-only: the grid centred on 0

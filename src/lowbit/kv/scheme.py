@@ -31,15 +31,14 @@ rest (group vs head_dim, attention types, rotation shapes) before any token is c
 
 from __future__ import annotations
 
-import json
 import re
-import tomllib
 from dataclasses import asdict, dataclass, field, replace
 from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
 from lowbit.core.errors import LowbitError
+from lowbit.recipes import looks_like_name, read_recipe_file, shipped_path
 
 KV_SCHEME_VERSION = 1
 KV_BITS = (2, 3, 4, 8, 16)
@@ -733,22 +732,6 @@ def _ref_from_field(value, cls, what: str, base_dir: Path | None):
     return cls(path=path, sha256=value.get("sha256"))
 
 
-def read_recipe_file(path) -> dict:
-    """Parse a recipe file (.json, or .toml via tomllib) into a dict."""
-    p = Path(path)
-    if not p.is_file():
-        raise LowbitError(f"recipe file {p} not found")
-    text = p.read_text(encoding="utf-8")
-    try:
-        if p.suffix.lower() == ".toml":
-            return tomllib.loads(text)
-        if p.suffix.lower() == ".json":
-            return json.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
-        raise LowbitError(f"recipe file {p} is not valid {p.suffix[1:].upper()}: {e}") from None
-    raise LowbitError(f"recipe file {p}: unknown format {p.suffix!r}; use .json or .toml")
-
-
 def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
     """KVScheme from recipe fields.
 
@@ -809,8 +792,6 @@ def kv_scheme_from_dict(d: dict, base_dir: Path | None = None) -> KVScheme:
 def load_recipe(path) -> KVScheme:
     """KV scheme from a JSON or TOML recipe file: its [kv] table, or the top level without one.
     `path` may also name a recipe shipped in the package, MODEL@BUDGET (lowbit.recipes, sha256-pinned)."""
-    from lowbit.recipes import looks_like_name, shipped_path
-
     if looks_like_name(path):
         path = shipped_path(str(path))
     d = read_recipe_file(path)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.quant.gaussian import gaussian_uniform_step
 
 BITS = (2, 3, 4, 8)
 DEFAULT_CLIP_RATIOS = (1.0, 0.98, 0.96, 0.94, 0.92, 0.90, 0.88, 0.85, 0.82, 0.78, 0.74, 0.70)
@@ -180,7 +181,7 @@ def quantize_std(
     """Uniform grid placed by each group's mean and standard deviation instead of its min/max.
 
     The grid is the MSE-optimal uniform quantizer of a Gaussian with the group's mean and std
-    (step = lloyd_max.gaussian_uniform_step(bits) * std, centred on the mean); values beyond the
+    (step = gaussian.gaussian_uniform_step(bits) * std, centred on the mean); values beyond the
     end levels clamp. For the many-outlier-free groups a rotation produces this beats min/max at
     2 bits (min/max of 64 Gaussian values sits at ~2.4 std, so its step is ~1.6x too coarse).
     Same storage and ONE dequant formula as `quantize`: x_hat = codes * scale + zero, so every
@@ -188,8 +189,6 @@ def quantize_std(
     bits in {2, 3, 4}. unit_step: gaussian_uniform_step(bits) when the caller resolved it already (a
     compiled step cannot call the cached search). Returns AffineQuantized(symmetric=False, clip_ratio=1.0).
     """
-    from lowbit.quant.lloyd_max import gaussian_uniform_step
-
     if bits not in (2, 3, 4):
         raise LowbitError(f"the std-placed grid is for 2, 3 or 4 bits, got {bits}; use the min/max grid at 8 bits")
     bits, g, xg = _groups(x, bits, group, scale_dtype)  # xg [..., G, g]
@@ -245,8 +244,6 @@ def quantize_centred(
     against them, as for fp16.
     """
     from lowbit.quant import scale_format as sf
-    from lowbit.quant.lloyd_max import gaussian_uniform_step
-
     if grid not in ("std", "absmax"):
         raise LowbitError(f"centred grid {grid!r} unknown; use 'std' or 'absmax'")
     if grid == "std" and bits not in (2, 3, 4):

@@ -4,7 +4,8 @@
     from lowbit.recipes import shipped_path, names
     shipped_path("smollm2-135m@2.5")   # the TOML's path, after its sha256 matched index.json
 
-Each recipe is a `lowbit tune` output (its [tune] table holds the budget, the held bits measured at
+A recipe file is JSON or TOML (read_recipe_file: the one reader; lowbit.kv.scheme.load_recipe turns its
+[kv] table into a KVScheme). Each recipe is a `lowbit tune` output (its [tune] table holds the budget, the held bits measured at
 its context and the evidence), pinned by the sha256 in index.json: a file that differs from its pin
 is refused by name. A recipe that names a key affine (lowbit.kv.key_affine: the gemma3 and qwen recipes; the
 smollm2 ones use rotation "hadamard") ships it under keyaffine/<dir>/, named relative to the recipe and pinned
@@ -16,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import tomllib
 from pathlib import Path
 
 from lowbit.core.errors import LowbitError
@@ -23,6 +25,22 @@ from lowbit.core.errors import LowbitError
 RECIPES_DIR = Path(__file__).parent
 INDEX_FILE = "index.json"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*@\d+(\.\d+)?$")
+
+
+def read_recipe_file(path) -> dict:
+    """Parse a recipe file (.json, or .toml via tomllib) into a dict."""
+    p = Path(path)
+    if not p.is_file():
+        raise LowbitError(f"recipe file {p} not found")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix.lower() == ".toml":
+            return tomllib.loads(text)
+        if p.suffix.lower() == ".json":
+            return json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as e:
+        raise LowbitError(f"recipe file {p} is not valid {p.suffix[1:].upper()}: {e}") from None
+    raise LowbitError(f"recipe file {p}: unknown format {p.suffix!r}; use .json or .toml")
 
 
 def index() -> dict:
@@ -62,8 +80,6 @@ def shipped_path(name: str) -> Path:
 
 def recipe_model(path) -> str | None:
     """The model a recipe file was tuned for ([tune].model), or None when it does not say."""
-    from lowbit.kv.scheme import read_recipe_file
-
     d = read_recipe_file(path)
     t = d.get("tune") if isinstance(d, dict) else None
     return t.get("model") if isinstance(t, dict) else None

@@ -29,6 +29,7 @@ from lowbit.kv.key_affine import map_queries
 from lowbit.kv.layer import QuantizedKVLayer
 from lowbit.kv.rotations import rotate, rotation_key, unrotate
 from lowbit.kv.scheme import KVScheme
+from lowbit.runtime import families
 
 log = logging.getLogger(__name__)
 
@@ -121,8 +122,6 @@ class QuantizedKVCache(Cache):
         self._pending: int | None = None
         if model is not None:
             attn.install_attention(model)
-            from lowbit.runtime import families
-
             families.install(model, self)  # MLA forwards (DeepseekV3), K = V scales (Gemma-4)
 
     @classmethod

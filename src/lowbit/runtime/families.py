@@ -27,6 +27,7 @@ import types
 
 import torch
 
+from lowbit.backends.torch_stream import lowbit_attention
 from lowbit.core.errors import LowbitError
 
 _CACHE_NAMES = ("cache", "past_key_values", "past_key_value")
@@ -37,7 +38,7 @@ def install(model, cache) -> None:
     geometry = cache.geometry
     if any(getattr(g, "storage", "mha") == "mla-latent" for g in geometry.layers) or \
             getattr(model.config, "model_type", None) == "deepseek_v3" or _has_mla(model):
-        _install_mla(model)
+        _install_mla(model, type(cache))
     if any(getattr(g, "k_eq_v", False) for g in geometry.layers):
         _attach_k_scales(model, cache)
 
@@ -51,8 +52,12 @@ def _has_mla(model) -> bool:
     return any(_is_mla(m) for m in model.modules())
 
 
-def _install_mla(model) -> None:
+def _install_mla(model, cache_type) -> None:
+    """Replace each MLA module's forward; the replacement takes the lowbit path only for a `cache_type`
+    cache (the class of the cache that installed it), transformers' own forward for any other."""
     for m in model.modules():
+        if _is_mla(m):
+            m._lowbit_cache_type = cache_type
         if _is_mla(m) and not getattr(m, "_lowbit_mla", False):
             orig = m.forward
             params = inspect.signature(orig).parameters
@@ -101,14 +106,11 @@ def mla_latent_qkv(self, q_nope, q_pe, c, k_pe):
 
 def _mla_forward(self, hidden_states, position_embeddings=None, attention_mask=None, *args, **kwargs):
     """DeepseekV3Attention.forward with the lowbit cache (see the module docstring); [B, T, hidden], None."""
-    from lowbit.backends.torch_stream import lowbit_attention
-    from lowbit.runtime.cache import QuantizedKVCache
-
     cache = None
     for n in _CACHE_NAMES:
         if n in kwargs:
             cache = kwargs.pop(n) if cache is None else (kwargs.pop(n) or cache)
-    if not isinstance(cache, QuantizedKVCache):
+    if not isinstance(cache, self._lowbit_cache_type):
         kwargs[self._lowbit_cache_name] = cache
         return self._lowbit_orig_forward(hidden_states, position_embeddings=position_embeddings,
                                          attention_mask=attention_mask, *args, **kwargs)

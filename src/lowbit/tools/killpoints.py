@@ -26,8 +26,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lowbit.artifacts.manifest import is_staging_dir
 from lowbit.artifacts.verify import all_ok, verify
-from lowbit.artifacts.writer import ArtifactWriter, is_staging_dir
+from lowbit.artifacts.writer import ArtifactWriter
 
 # In the order the write reaches them; "none" is the control (nothing killed).
 POINTS = ("staging-created", "partial-file", "files-written", "manifest-written", "renamed", "none")
