@@ -15,9 +15,11 @@ of a file or inside a function, is an edge. Each module maps to one layer:
 
 The rules: no import goes up a layer (same layer is fine), and no two modules import each other,
 directly or through others (no cycles, counting top-level and function-local imports alike).
-Function-local imports of lowbit modules are allowed only in commands (so `lowbit --help` does
-not import torch); elsewhere a function-local import is reserved for optional heavy third-party
-dependencies (triton, fastapi, uvicorn, vllm, diffusers, openai, ...), which this test does not see.
+Function-local imports: commands may import anything lazily (so `lowbit --help` imports no torch);
+elsewhere a lowbit module imports another inside a function only to keep an optional or heavy
+third-party package (triton, fastapi, uvicorn, vllm, diffusers, openai, transformers, torch, ...) out
+of its own import: the imported module must pull in one that the importing module does not (HEAVY).
+Everything else sits at the top of the file, where readers and linters see the real graph.
 
 Run `python tests/test_layers.py` to print the graph's violations, one per line, as
 `a.b -> c.d (layer X -> layer Y)`.
@@ -150,16 +152,78 @@ def upward_violations(g=None) -> list[str]:
     return sorted(out)
 
 
-def local_import_violations(g=None) -> list[str]:
-    """Function-local imports of lowbit modules outside commands (they hide the real graph)."""
+# Third-party packages that are optional or slow to import. A lowbit module may import another lowbit
+# module inside a function only to keep one of these out of its own import: the imported module pulls
+# in (at its top level, directly or through lowbit modules) a heavy package the importing one does not.
+HEAVY = {"torch", "triton", "transformers", "fastapi", "uvicorn", "vllm", "diffusers", "openai", "safetensors",
+         "tokenizers", "numpy", "matplotlib", "sklearn", "gguf", "compressed_tensors", "accelerate", "hqq",
+         "optimum", "rich", "tqdm"}
+
+
+def third_party(path: Path) -> set[str]:
+    """Top-level (module body, not function) imports of HEAVY packages in one file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = set()
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, ast.Import):
+                out.update(a.name.split(".")[0] for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                out.add(node.module.split(".")[0])
+            elif isinstance(node, (ast.If, ast.Try, ast.With)) and not (
+                    isinstance(node, ast.If) and _is_type_checking(node.test)):
+                for field in ("body", "orelse", "finalbody", "handlers"):
+                    for sub in getattr(node, field, []) or []:
+                        visit(sub.body if isinstance(sub, ast.ExceptHandler) else [sub])
+
+    visit(tree.body)
+    return out & HEAVY
+
+
+def heavy_closure(g=None) -> dict[str, set[str]]:
+    """Per module: the HEAVY packages importing it pulls in (its top-level imports, its packages' and
+    those of every lowbit module it imports at the top level, transitively)."""
     g = g if g is not None else graph()
+    known = modules()
+    own = {m: third_party(p) for m, p in known.items()}
+    deps = {m: {b for b, local, _ in g[m] if not local} for m in g}
+    for m in g:  # importing a.b.c runs a/__init__ and a/b/__init__ first
+        parts = m.split(".")
+        deps[m] |= {".".join(parts[:i]) for i in range(1, len(parts)) if ".".join(parts[:i]) in known}
+    memo: dict[str, set[str]] = {}
+
+    def close(m, seen=()):
+        if m in memo:
+            return memo[m]
+        out = set(own[m])
+        for d in deps[m]:
+            if d not in seen and d != m:
+                out |= close(d, (*seen, m))
+        memo[m] = out
+        return out
+
+    return {m: close(m) for m in g}
+
+
+# The vLLM plugin is loaded by vLLM in every process it starts (lowbit.vllm_plugin:register, a general
+# plugin): it keeps its imports lazy so that a model that is not lowbit's costs nothing; its modules are
+# maintained beside the vLLM integration work and are left out of this rule until they are reviewed
+# there. The entries below are module prefixes, not single imports.
+LOCAL_IMPORTS_EXEMPT = ("lowbit.vllm_plugin",)
+
+
+def local_import_violations(g=None) -> list[str]:
+    """Function-local imports of lowbit modules outside commands that keep no heavy package out."""
+    g = g if g is not None else graph()
+    heavy = heavy_closure(g)
     out = set()
     for a, edges in g.items():
-        if layer_of(a) == PACKAGE_LAYER["commands"]:
+        if layer_of(a) == PACKAGE_LAYER["commands"] or a.startswith(LOCAL_IMPORTS_EXEMPT):
             continue
         for b, local, line in edges:
-            if local:
-                out.add(f"{a}:{line} imports {b} inside a function")
+            if local and not (heavy[b] - heavy[a]):
+                out.add(f"{a}:{line} imports {b} inside a function (it keeps no heavy package out: hoist it)")
     return sorted(out)
 
 
@@ -232,9 +296,9 @@ def test_no_import_cycles():
     assert not found, "import cycles:\n" + "\n".join(" <-> ".join(c) for c in found)
 
 
-def test_lowbit_imports_inside_functions_only_in_commands():
+def test_function_local_lowbit_imports_only_keep_heavy_packages_out():
     found = local_import_violations()
-    assert not found, "function-local lowbit imports outside commands:\n" + "\n".join(found)
+    assert not found, "function-local lowbit imports that keep nothing out:\n" + "\n".join(found)
 
 
 if __name__ == "__main__":

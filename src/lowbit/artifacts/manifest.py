@@ -38,6 +38,7 @@ from importlib import metadata
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from lowbit import __version__
 from lowbit.core.errors import LowbitError
 
 MANIFEST_NAME = "manifest.json"
@@ -81,8 +82,6 @@ def library_versions() -> dict[str, str | None]:
 
     Read from package metadata so writing a manifest never imports torch or transformers.
     """
-    from lowbit import __version__
-
     out: dict[str, str | None] = {"lowbit": __version__}
     for pkg in ("torch", "transformers"):
         try:

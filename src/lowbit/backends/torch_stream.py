@@ -28,6 +28,7 @@ from collections.abc import Iterable
 
 import torch
 
+from lowbit import backends as registry
 from lowbit.core.errors import LowbitError
 
 ATTENTION_NAME = "lowbit"
@@ -268,10 +269,4 @@ def _stream_supports(layer, step: str, device: str) -> str | None:
     return None  # the reference reads every tier the cache can hold (any bits, axis, grid, levels)
 
 
-def _register_backend():
-    from lowbit.backends import Backend, register
-
-    return register(Backend("torch-stream", ("prefill", "decode"), _stream_supports, stream_layer, module=__name__))
-
-
-BACKEND = _register_backend()
+BACKEND = registry.register(registry.Backend("torch-stream", ("prefill", "decode"), _stream_supports, stream_layer, module=__name__))

@@ -12,6 +12,7 @@ import torch
 
 from lowbit.backends import Backend, register
 from lowbit.kv.capabilities import NAME, reads_with_decode_vq, supports
+from lowbit.kv.rotations import rotate
 
 
 def run(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
@@ -92,8 +93,6 @@ def run_shared(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
     the kernel gets q_lat = that rotated query (V's width) and q_pe = q[own]; its output is in V's
     rotated basis, which the cache takes back as for every layer. Returns [B, Hkv, G, 1, Dv] float32."""
     from lowbit.kernels.attention.geometry import decode_attention_latent
-    from lowbit.kv.rotations import rotate
-
     view = layer.view()
     B, Hkv, G, _, D = qg.shape
     Dv = layer.geometry.head_dim_v

@@ -21,6 +21,9 @@ from collections.abc import Iterator
 
 import torch
 
+from lowbit.core.errors import LowbitError
+from lowbit.runtime.families import _is_mla, mla_latent_qkv, mla_project
+
 
 def latent_layers(geometry) -> set[int]:
     """Indices of the layers `geometry` stores as an MLA latent."""
@@ -31,12 +34,8 @@ def latent_layers(geometry) -> set[int]:
 def latent_capture(model, observer, layers: set[int]) -> Iterator:
     """Within the block, the MLA modules of `layers` report their latent q/k/v to `observer` (see module
     docstring). Yields the observer to hand capture_attention: it drops those modules' expanded calls."""
-    from lowbit.runtime.families import _is_mla, mla_latent_qkv, mla_project
-
     mods = [m for m in model.modules() if _is_mla(m) and int(m.layer_idx) in layers]
     if len(mods) != len(layers):
-        from lowbit.core.errors import LowbitError
-
         raise LowbitError(f"the geometry stores {len(layers)} MLA latent layers but the model has {len(mods)} MLA "
                           "attention modules there: calibrate with the model the geometry came from")
     ids = {id(m) for m in mods}

@@ -18,7 +18,14 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import ArtifactWriter, load_manifest
+from lowbit.calib.corpora import token_windows
+from lowbit.calib.mla import latent_capture, latent_layers
+from lowbit.calib.vq import VQ_SAMPLE_PER_SEQ, fit_codebooks, vq_tensors
 from lowbit.core.errors import LowbitError
+from lowbit.core.progress import bar
+from lowbit.kv.plan import LEVELS_FILE, load_rotations, save_levels
+from lowbit.models.geometry import ModelGeometry
 
 DEFAULT_TOKENS = 32768
 DEFAULT_SEQ_LEN = 1024
@@ -54,10 +61,7 @@ def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_wei
     Returns the StatsCollector. Raises LowbitError unless every attention layer saw N*T tokens.
     """
     from lowbit.calib.capture import attention_layers, capture_attention
-    from lowbit.calib.mla import latent_capture, latent_layers
     from lowbit.calib.stats import StatsCollector
-    from lowbit.models.geometry import ModelGeometry
-
     geometry = geometry if geometry is not None else ModelGeometry.from_config(model.config)
     layers = [m.layer_idx for m in attention_layers(model)]
     col = StatsCollector(skip=skip, sample_per_seq=sample_per_seq, score_weighted=score_weighted)
@@ -84,15 +88,12 @@ def _collect_text(loaded, data_spec: str, text: str, *, tokens: int, seq_len: in
             f"too few calibration tokens: {tokens} gives fewer than {MIN_TOKENS_PER_DIM} x head_dim ({max(dims)}) "
             f"statistics tokens per layer after skipping {skip} per sequence; use --tokens {need} or more"
         )
-    from lowbit.calib.corpora import token_windows
 
     try:
         windows = token_windows(loaded.tokenizer, text, seq_len, check_tokens_arg(tokens, seq_len))
     except LowbitError as e:
         raise LowbitError(f"calibration data {data_spec}: {e}") from None
     t0 = time.time()
-
-    from lowbit.core.progress import bar
 
     pb = bar(len(windows), "calibrate", "seq", progress)
 
@@ -127,9 +128,6 @@ def calibrate_vq(loaded, data_spec: str, text: str, out: Path, scheme, recipe_na
                  skip: int, progress: bool | None = None) -> dict:
     """Fit the VQ codebooks of `scheme` (lowbit.calib.vq) on `text` and write them as a levels artifact (kind
     "kv-levels", the recipe's `levels`). Returns counts with the sha256 a recipe pins."""
-    from lowbit.calib.vq import VQ_SAMPLE_PER_SEQ, fit_codebooks, vq_tensors
-    from lowbit.kv.plan import LEVELS_FILE, load_rotations, save_levels
-
     geo = loaded.geometry
     scheme.validate(geo)
     todo = vq_tensors(scheme, geo)
@@ -144,7 +142,6 @@ def calibrate_vq(loaded, data_spec: str, text: str, out: Path, scheme, recipe_na
     inputs = {**_inputs(loaded, data_spec, text), "vq_for": recipe_name, "tokens": tokens, "seq_len": seq_len,
               "skip": skip, "rows_per_sequence": VQ_SAMPLE_PER_SEQ}
     save_levels(out, cbs, model=loaded.name, inputs=inputs)
-    from lowbit.artifacts import load_manifest
 
     sha = load_manifest(out).file_map()[LEVELS_FILE].sha256
     return {"tensors": len(todo), "tokens": tokens, "seconds": round(seconds + time.time() - t0, 1), "sha256": sha}
@@ -152,8 +149,6 @@ def calibrate_vq(loaded, data_spec: str, text: str, out: Path, scheme, recipe_na
 
 def write_calibration(col, out: Path, geo, inputs: dict, *, tokens: int, seq_len: int) -> dict:
     """Write a collector's statistics as a calibration artifact (atomic; nothing left on error)."""
-    from lowbit.artifacts import ArtifactWriter
-
     if sorted(col.layers) != [lg.index for lg in geo.layers]:
         raise LowbitError(f"captured attention layers {sorted(col.layers)}, the model has {geo.num_layers}: "
                           "some layers bypassed the capture")

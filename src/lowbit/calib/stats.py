@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from lowbit.artifacts import OK, load_manifest, verify
 from lowbit.calib.capture import allowed_mask
 from lowbit.core.errors import LowbitError
 
@@ -292,8 +293,6 @@ def load_calibration(path: str | Path, *, verify: bool = True) -> Calibration:
 
 def verify_artifact(path: Path, kind: str) -> None:
     """Every file listed in the manifest must match its sha256; the artifact must be of `kind`."""
-    from lowbit.artifacts import OK, load_manifest, verify
-
     man = load_manifest(path)
     if man.kind != kind:
         raise LowbitError(f"{path} is a {man.kind!r} artifact, not {kind!r}")

@@ -32,8 +32,13 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import load_manifest
+from lowbit.core.device import resolve_device
 from lowbit.core.errors import LowbitError
 from lowbit.diffusion.gate import DEFAULTS, Thresholds, calibrate, failures, image_metrics, seed_band
+from lowbit.diffusion.grid import save_grid
+from lowbit.diffusion.load import check_artifact, load_pipeline, pipeline_components, quantized_components
+from lowbit.diffusion.measure import PeakMemory
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -65,8 +70,6 @@ def _outputs(o: ImageEvalOptions) -> list[Path]:
 
 def check_options(o: ImageEvalOptions) -> None:
     """Every bad input as one LowbitError, before any model is loaded."""
-    from lowbit.diffusion.load import check_artifact, pipeline_components, quantized_components
-
     o.thresholds.check()
     if not o.classes or not o.seeds:
         raise LowbitError("--classes and --seeds must name at least one class and one seed")
@@ -76,7 +79,6 @@ def check_options(o: ImageEvalOptions) -> None:
         raise LowbitError(f"image dtype {o.dtype!r}: use one of {', '.join(DTYPES)}")
     if o.batch is not None and o.batch < 1:
         raise LowbitError(f"--batch {o.batch} must be >= 1")
-    from lowbit.core.device import resolve_device
 
     resolve_device(o.device)
     ref = Path(o.model)
@@ -108,8 +110,6 @@ def check_options(o: ImageEvalOptions) -> None:
 
 
 def _row_info(path: Path) -> dict:
-    from lowbit.artifacts import load_manifest
-
     if not (path / "manifest.json").is_file():
         return {"scheme": "fp32", "method": "none"}
     m = load_manifest(path)
@@ -142,9 +142,6 @@ def generate(pipe, classes, seeds, *, steps, guidance, batch=None, device="cpu")
 
 
 def _run_row(path: Path, o: ImageEvalOptions, classes, seeds):
-    from lowbit.diffusion.load import load_pipeline
-    from lowbit.diffusion.measure import PeakMemory
-
     gc.collect()
     with PeakMemory(o.device) as pm:
         pipe = load_pipeline(path, device=o.device, dtype=DTYPES[o.dtype])
@@ -271,8 +268,6 @@ def _atomic_write(path: Path, write) -> None:
 
 
 def _write_outputs(o: ImageEvalOptions, res: dict, grid_rows, labels) -> None:
-    from lowbit.diffusion.grid import save_grid
-
     def js(obj):
         return json.dumps(obj, indent=1, allow_nan=False, default=str)
 

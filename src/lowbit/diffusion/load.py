@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import load_manifest, require_intact
 from lowbit.core.errors import LowbitError
+from lowbit.weights.qlinear import QuantLinear
 
 WEIGHTS_NAME = "diffusion_pytorch_model.safetensors"
 
@@ -78,8 +80,6 @@ def check_artifact(path: Path, *, need_native: bool) -> str | None:
 def verified_class(path: Path) -> str | None:
     """Every file's sha256 against the manifest (a damaged file is one LowbitError naming it); its class.
     None: no manifest.json."""
-    from lowbit.artifacts import load_manifest, require_intact
-
     if not (path / "manifest.json").is_file():
         return None
     require_intact(path, "diffusers checkpoint")
@@ -124,7 +124,6 @@ def load_quantized_transformer(comp_dir: Path, *, dtype: torch.dtype | None = No
     install_quantlinears(model, sd, scheme, comp_dir)
     _load_rest(model, sd, comp_dir)
     if dtype is not None:  # the float tensors outside QuantLinear; codes and scales stay as the checkpoint has them
-        from lowbit.weights.qlinear import QuantLinear
 
         for mod in model.modules():
             if isinstance(mod, QuantLinear):

@@ -17,16 +17,15 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import ArtifactWriter, load_manifest
 from lowbit.core.errors import LowbitError
+from lowbit.diffusion.load import WEIGHTS_NAME, check_artifact
 
 KINDS = ("nan", "zero")
 
 
 def plant_failure(src, out, *, linear: str, kind: str = "nan", component: str = "transformer") -> Path:
     from safetensors.torch import load_file, save_file
-
-    from lowbit.artifacts import ArtifactWriter, load_manifest
-    from lowbit.diffusion.load import WEIGHTS_NAME, check_artifact
 
     src, out = Path(src), Path(out)
     if kind not in KINDS:

@@ -44,7 +44,14 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import ArtifactWriter, load_manifest, sha256_file
 from lowbit.core.errors import LowbitError
+from lowbit.diffusion.load import WEIGHTS_NAME, check_artifact, load_pipeline, pipeline_components
+from lowbit.weights.apply import target_linears
+from lowbit.weights.arch import set_module
+from lowbit.weights.gptq import gptq_quantize, rtn_quantize
+from lowbit.weights.hooks import HessianCollector
+from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.scheme import WeightScheme
 
 DEFAULT_IGNORE = ("proj_out_2",)
@@ -77,16 +84,12 @@ class DiTQuantReport:
 
 
 def _targets(model, ignore):
-    from lowbit.weights.apply import target_linears
-
     return target_linears(model, tuple(ignore))
 
 
 @torch.no_grad()
 def collect_hessians(pipe, targets: dict, calib: CalibSpec) -> tuple[dict, dict]:
     """(name -> H float32 [in, in], name -> rows seen) from the pipeline sampling calib's images."""
-    from lowbit.weights.hooks import HessianCollector
-
     tr = pipe.transformer
     hc = HessianCollector(targets)
     orig = tr.forward
@@ -112,10 +115,6 @@ def quantize_transformer(pipe, scheme: WeightScheme, *, method: str = "rtn", ign
                          act_order: bool = True, clip_search: bool = False,
                          scale_dtype: torch.dtype = torch.float32) -> DiTQuantReport:
     """Replace the pipeline's transformer linears by QuantLinear modules in place (see module docstring)."""
-    from lowbit.weights.arch import set_module
-    from lowbit.weights.gptq import gptq_quantize, rtn_quantize
-    from lowbit.weights.qlinear import QuantLinear
-
     t0 = time.perf_counter()
     if method not in METHODS:
         raise LowbitError(f"unknown method {method!r} for a diffusion transformer; use one of {', '.join(METHODS)}")
@@ -156,8 +155,6 @@ def quantize_transformer(pipe, scheme: WeightScheme, *, method: str = "rtn", ign
 
 
 def _source_sha(src: Path, rel: str) -> str | None:
-    from lowbit.artifacts import load_manifest
-
     if not (src / "manifest.json").is_file():
         return None
     for f in load_manifest(src).files:
@@ -171,8 +168,6 @@ def quantize_pipeline(src, out, *, component: str, scheme: WeightScheme, method:
                       block: int = 128, act_order: bool = True, clip_search: bool = False,
                       dtype: torch.dtype = torch.float32) -> dict:
     """Write `out` (new) from the pipeline directory `src` with `component` quantized. Returns the manifest dict."""
-    from lowbit.artifacts import ArtifactWriter, sha256_file
-    from lowbit.diffusion.load import WEIGHTS_NAME, check_artifact, load_pipeline, pipeline_components
     from lowbit.weights.export import checkpoint_state, ct_quantization_config
 
     src, out = Path(src), Path(out)

@@ -36,7 +36,11 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import ArtifactWriter
 from lowbit.core.errors import LowbitError
+from lowbit.core.progress import bar
+from lowbit.diffusion.data import CHANNELS, NUM_CLASSES, digits_rgba, digits_source
+from lowbit.diffusion.grid import save_grid
 
 ARTIFACT_KIND = "diffusers-pipeline"
 SAMPLE_SEEDS = tuple(range(8))
@@ -85,8 +89,6 @@ def build_transformer(cfg: TrainConfig):
     """A fresh DiTTransformer2DModel for cfg (adaLN-zero init), float32."""
     from diffusers import DiTTransformer2DModel
 
-    from lowbit.diffusion.data import CHANNELS, NUM_CLASSES
-
     m = DiTTransformer2DModel(
         num_attention_heads=cfg.heads, attention_head_dim=cfg.hidden // cfg.heads, in_channels=CHANNELS,
         out_channels=CHANNELS, num_layers=cfg.layers, sample_size=cfg.size, patch_size=cfg.patch,
@@ -134,9 +136,6 @@ def _lr_at(cfg: TrainConfig, k: int) -> float:
 
 def train_model(cfg: TrainConfig, *, progress: bool | None = None, log_every: int = 250):
     """Train; returns (EMA transformer in eval mode, sampling scheduler, stats dict)."""
-    from lowbit.core.progress import bar
-    from lowbit.diffusion.data import digits_rgba
-
     cfg.check()
     images, labels = digits_rgba(cfg.size)
     x_all = images * 2 - 1  # [N, 4, S, S] in [-1, 1]
@@ -193,8 +192,6 @@ def train(cfg: TrainConfig, out, *, progress: bool | None = None) -> dict:
     """Train and write the artifact directory `out` (new; refused if it exists). Returns the manifest as a dict."""
     import os
 
-    from lowbit.diffusion.data import NUM_CLASSES, digits_source
-    from lowbit.diffusion.grid import save_grid
     from lowbit.diffusion.pipeline import DigitsDiTPipeline
 
     cfg.check()
@@ -217,8 +214,6 @@ def train(cfg: TrainConfig, out, *, progress: bool | None = None) -> dict:
 def save_pipeline_artifact(pipe, out, *, inputs: dict, recipe: dict, counts: dict, samples=None) -> dict:
     """Write an (unquantized) pipeline as a generic lowbit artifact: save_pretrained's files + manifest.json;
     samples(path) may write samples.png beside them. Returns the manifest as a dict."""
-    from lowbit.artifacts import ArtifactWriter
-
     with ArtifactWriter(out, kind=ARTIFACT_KIND, artifact_class="generic", inputs=inputs, recipe=recipe) as w:
         pipe.save_pretrained(w.path, safe_serialization=True)
         if samples is not None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lowbit.backends.torch_stream import register
 from lowbit.core.errors import LowbitError
 from lowbit.eval.peers import Accounting, Entry
 from lowbit.eval.perplexity import Scores, chunk_targets, forward_chunk
@@ -151,8 +152,6 @@ def use_attention(model, name: str) -> None:
     """Switch the model's attention implementation (a config field read at every forward; ~0.1 ms)."""
     if model.config._attn_implementation != name:
         if name == "lowbit":
-            from lowbit.backends.torch_stream import register
-
             register()
         model.set_attn_implementation(name)
 

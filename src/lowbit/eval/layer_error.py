@@ -33,9 +33,12 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
+from lowbit.backends import Backend, register
 from lowbit.calib.capture import allowed_mask, capture_attention
 from lowbit.core.errors import LowbitError
+from lowbit.eval.perplexity import full_window_ppl
 from lowbit.kv.codec import TensorCodec
+from lowbit.kv.key_affine import map_keys, unmap_keys
 from lowbit.kv.rotations import rotate, unrotate
 
 
@@ -109,7 +112,6 @@ def dequantized_kv(k, v, variant: Variant, layer: int):
         v = v - mv.float()[None, :, None, :]
     kc = layer_codec(s.k, k.shape[-1], s.page, levels=lk, clip=ck)
     vc = layer_codec(s.v, v.shape[-1], s.page, levels=lv, clip=cv)
-    from lowbit.kv.key_affine import map_keys, unmap_keys
 
     ka = variant.key_affine.get(layer)  # exact for attention: q . k_hat differs from the cache's by q . shift only
     kh = unmap_keys(unrotate(fake_quantize(kc, rotate(map_keys(k, ka), rk), sink=s.sink), rk), ka)
@@ -224,8 +226,6 @@ def fake_quant_ppl(model, windows: torch.Tensor, variant: Variant) -> tuple[floa
 
     Returns (ppl, quantized rows per layer summed over windows); raises if no row was quantized.
     """
-    from lowbit.eval.perplexity import full_window_ppl
-
     h = Harness([variant], "replace")
     with capture_attention(model, h):
         ppl = full_window_ppl(model, windows)
@@ -284,8 +284,6 @@ def _fake_quant_supports(layer, step: str, device: str) -> str | None:
 
 
 def _register_backend():
-    from lowbit.backends import Backend, register
-
     return register(Backend("fake-quant", ("fake-quant",), _fake_quant_supports, dequantized_kv, module=__name__))
 
 

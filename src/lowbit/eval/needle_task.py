@@ -30,6 +30,24 @@ from pathlib import Path
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.eval import report as rep
+from lowbit.eval.harness import use_attention
+from lowbit.eval.needle import DEPTHS, INTRO, KEYS, NEEDLE, QUESTION, load_haystack, run_needle
+from lowbit.eval.perplexity import cache_kwarg
+from lowbit.eval.plan import plan_peers, plan_schemes
+from lowbit.eval.report import versions
+from lowbit.eval.runner import (
+    EvalOptions,
+    _console,
+    _load_model,
+    build_entries,
+    check_quantizes,
+    model_context,
+)
+from lowbit.kv.held import held_bits
+from lowbit.kv.plan import resolve as plan_resolve
+from lowbit.kv.scheme import DEFAULT_RECENT, parse_kv_scheme
+from lowbit.models import load_tokenizer
 
 DEFAULT_LENGTHS = (1024, 2048)
 DEFAULT_NEW_TOKENS = 12
@@ -88,8 +106,6 @@ def parse_lengths(text: str | None, ctx: int | None, model: str) -> list[int]:
 
 def parse_depths(text: str | None) -> list[float]:
     """Needle depths (% of the haystack), sorted and unique, each in 0..100."""
-    from lowbit.eval.needle import DEPTHS
-
     if text is None:
         return [float(d) for d in DEPTHS]
     try:
@@ -104,8 +120,6 @@ def parse_depths(text: str | None) -> list[float]:
 def needle_fixed_tokens(tokenizer) -> int:
     """Tokens the intro, needle and question take whatever the haystack (the longest key, a 7-digit
     value, + the prompt's special tokens): a length below this cannot hold the needle."""
-    from lowbit.eval.needle import INTRO, KEYS, NEEDLE, QUESTION
-
     key = max(KEYS, key=len)
     text = INTRO + NEEDLE.format(key=key, value="9999999") + "\n\n" + QUESTION.format(key=key)
     n = len(tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -118,9 +132,6 @@ def _n_special(tokenizer) -> int:
 
 def check_needle(o: NeedleOptions):
     """Everything that needs no model: (schemes, peers, lengths, depths). Raises LowbitError."""
-    from lowbit.eval.plan import plan_peers, plan_schemes
-    from lowbit.eval.runner import check_quantizes, model_context
-
     if o.trials < 1:
         raise LowbitError(f"--trials must be >= 1, got {o.trials}")
     if o.new_tokens < 1:
@@ -173,8 +184,6 @@ def chunked_greedy(model, tokenizer, cache, prompt: str, max_new_tokens: int, ch
     """Feed `prompt` through `cache` `chunk` tokens at a time, then greedy-decode one token per step
     until the first answer word is complete (a space or newline after it), EOS, or max_new_tokens.
     Returns (answer text, prompt tokens, new token ids)."""
-    from lowbit.eval.perplexity import cache_kwarg
-
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]  # [1, L]
     kw = {cache_kwarg(model): cache}
     L = int(ids.shape[1])
@@ -200,12 +209,6 @@ def chunked_greedy(model, tokenizer, cache, prompt: str, max_new_tokens: int, ch
 
 def run_needle_eval(o: NeedleOptions, console=None) -> dict:
     """Run the needle task and write the requested outputs; returns the report dict."""
-    from lowbit.eval.harness import use_attention
-    from lowbit.eval.needle import load_haystack, run_needle
-    from lowbit.eval.runner import EvalOptions, _console, _load_model, build_entries, model_context
-    from lowbit.kv.held import held_bits
-    from lowbit.models import load_tokenizer
-
     console = console or _console()
     schemes, peers, lengths, depths = check_needle(o)
     ctx = model_context(o.model)
@@ -222,7 +225,6 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
     if tokenizer is None:
         raise LowbitError(f"{o.model} has no tokenizer; the needle task needs one")
     fixed = check_fits(tokenizer, lengths, ctx)
-    from lowbit.kv.scheme import DEFAULT_RECENT
 
     entries = build_entries(schemes, peers, geometry, DEFAULT_RECENT)
     for e in entries:  # a peer that cannot run on this model (a missing package, sliding layers) is named, not skipped
@@ -267,15 +269,12 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
     held = {}
     for s in schemes:
         if s.scheme is not None:
-            from lowbit.kv.plan import resolve
-
-            plan = resolve(s.scheme, geometry)
+            plan = plan_resolve(s.scheme, geometry)
             held[s.label] = {str(L): held_bits(plan, L, chunk=o.chunk).bits for L in lengths}
     kinds = {e.name: e.kind for e in entries}
     for p in peers:
         if kinds[p] == "hf-quantized":  # transformers' QuantizedCache: no lowbit scheme to count (its PPL row has its bits)
             continue
-        from lowbit.kv.scheme import parse_kv_scheme
 
         held[p] = {str(L): held_bits(parse_kv_scheme(p), L, geometry=geometry, chunk=o.chunk).bits for L in lengths}
     report = build_needle_report(o, res, entries, model_info, held, seconds, rows, fixed, len(haystack))
@@ -283,7 +282,6 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
     if o.heatmaps:
         for r in report["results"]:
             r["heatmap"] = str(write_heatmap(report, r, heatmap_path(o.heatmaps, r["scheme"])))
-    from lowbit.eval import report as rep
 
     if o.json_out:
         console.print(f"wrote {rep.write_json(report, o.json_out)}")
@@ -300,8 +298,6 @@ def _mean(grid) -> float:
 
 
 def build_needle_report(o, res, entries, model_info, held, seconds, rows, fixed, hay_chars) -> dict:
-    from lowbit.eval.report import versions
-
     ref = _mean(res.grid[entries[0].name])
     results = []
     for e in entries:

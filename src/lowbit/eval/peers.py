@@ -26,6 +26,8 @@ from typing import Any, Self
 
 import torch
 
+from lowbit.kv.plan import resolve as plan_resolve
+
 PEERS = ("hf-quanto-int2", "hf-quanto-int4", "hf-hqq-int2", "hf-hqq-int4", "kivi2", "kivi4")
 REFERENCE = "bf16"
 
@@ -238,16 +240,14 @@ def lowbit_entry(label: str, scheme, geometry, *, kind: str = "lowbit") -> Entry
     """A lowbit KVScheme as a row: QuantizedKVCache, "lowbit" attention. The scheme is validated against
     the geometry now (a LowbitError here is bad input, raised before any forward): resolved once per
     device, every window's cache is built from that plan."""
-    from lowbit.kv.plan import resolve
-
-    plans = {"cpu": resolve(scheme, geometry, device="cpu")}
+    plans = {"cpu": plan_resolve(scheme, geometry, device="cpu")}
 
     def make(model):
         from lowbit.runtime.cache import QuantizedKVCache, model_device
 
         dev = model_device(model)
         if dev not in plans:
-            plans[dev] = resolve(scheme, geometry, device=dev)
+            plans[dev] = plan_resolve(scheme, geometry, device=dev)
         return QuantizedKVCache.from_plan(model, plans[dev])
 
     return Entry(name=label, kind=kind, make_cache=make, account=lowbit_cache_accounting,

@@ -17,6 +17,9 @@ from pathlib import Path
 
 from lowbit.core.errors import LowbitError
 from lowbit.eval.peers import PEERS, REFERENCE
+from lowbit.kv.scheme import load_recipe, parse_kv_scheme
+from lowbit.models import model_name
+from lowbit.recipes import looks_like_name, recipe_model, shipped_path
 
 
 @dataclass(frozen=True)
@@ -48,9 +51,6 @@ def plan_schemes(kv_text: str | None, flags: dict | None = None, recipe: str | N
     accepted as a --kv item). model: the --model, against which a recipe's [tune] model is checked.
     Unknown names raise LowbitError.
     """
-    from lowbit.kv.scheme import load_recipe, parse_kv_scheme
-    from lowbit.recipes import looks_like_name, recipe_model, shipped_path
-
     def recipe_row(label: str, p: Path) -> PlannedScheme:
         tuned_for = recipe_model(p)
         if model is not None and tuned_for is not None and tuned_for != _model_name(model):
@@ -102,8 +102,6 @@ _SCHEME_WORDS = ("bf16", "int8", "int4", "int3", "int2", "kivi2", "kivi4")
 
 
 def _model_name(model: str) -> str:
-    from lowbit.models import model_name
-
     return model_name(model)
 
 

@@ -13,8 +13,16 @@ from pathlib import Path
 
 import torch
 
+from lowbit.calib.corpora import load_text, token_windows
 from lowbit.core.errors import LowbitError
+from lowbit.eval import report as rep
+from lowbit.eval.harness import evaluate, use_attention
+from lowbit.eval.peers import hf_quantized_entry, lowbit_entry, reference_entry
+from lowbit.eval.perplexity import forward_chunk, full_window_ppl
 from lowbit.eval.plan import plan_peers, plan_schemes
+from lowbit.kv.scheme import DEFAULT_RECENT, parse_kv_scheme
+from lowbit.models import load_tokenizer, model_name
+from lowbit.models.registry import BUILTINS
 
 DEFAULT_SEQ_LEN = 2048
 DEFAULT_CHUNK = 128
@@ -52,8 +60,6 @@ class EvalOptions:
 
 def model_context(model: str) -> int | None:
     """max_position_embeddings of a built-in (from its stored config) or a local HF dir, else None."""
-    from lowbit.models.registry import BUILTINS
-
     if model in BUILTINS:
         cfg = BUILTINS[model].config_dict()
     else:
@@ -110,8 +116,6 @@ def check_options(o: EvalOptions):
 def check_quantizes(schemes, peers, seq_len: int, ctx: int | None, model: str) -> None:
     """Refuse, before loading anything, a window too short for a quantizing row to quantize any token:
     its sink + recent tiers (model dtype) would hold the whole window and the row would measure bf16."""
-    from lowbit.kv.scheme import parse_kv_scheme
-
     rows = [(s.label, s.scheme, False) for s in schemes if s.scheme is not None]
     rows += [(p, parse_kv_scheme(p), True) for p in peers if not p.startswith("hf-")]
     for label, sch, fixed in rows:
@@ -149,7 +153,6 @@ def _load_model(o: EvalOptions, lm=None):
     from the checkpoint, else from --model, whose own weights are then not loaded. The geometry is
     named after --model, so RotationSets fitted for that model apply to its quantized weights.
     """
-    from lowbit.models import load_tokenizer, model_name
     from lowbit.runtime.load import resolve
 
     dtype = DTYPES[o.dtype]
@@ -183,9 +186,6 @@ def warm_up(model, windows, entries, chunk: int) -> int:
     page is quantized (sink + recent + page, plus a chunk), so one-off costs (imports, first kernel
     launches, a peer's lazy setup, the first quantization) are not charged to one row's seconds.
     A peer that fails here is left to fail again, and be recorded, in the timed run. Returns tokens fed."""
-    from lowbit.eval.harness import use_attention
-    from lowbit.eval.perplexity import forward_chunk
-
     def first_quantized(c: dict) -> int:  # lowbit rows: sink + recent + page; HF peers: residual_length + 1
         return sum(int(c.get(k) or 0) for k in ("sink", "recent", "page")) + int(c.get("residual_length") or 0)
 
@@ -214,9 +214,6 @@ def warm_up(model, windows, entries, chunk: int) -> int:
 def build_entries(schemes, peers, geometry, recent: int):
     """Entries in table order: reference, --kv schemes, then peers. Each lowbit scheme is validated
     against the geometry here (before any forward)."""
-    from lowbit.eval.peers import hf_quantized_entry, lowbit_entry, reference_entry
-    from lowbit.kv.scheme import parse_kv_scheme
-
     entries = []
     for s in schemes:
         entries.append(reference_entry() if s.scheme is None else lowbit_entry(s.label, s.scheme, geometry))
@@ -239,12 +236,6 @@ def _console():
 def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
     """Run an evaluation and write the requested outputs; returns the report dict.
     loaded: a lowbit.models.LoadedModel of o.model already in memory (the demo), else it is loaded here."""
-    from lowbit.calib.corpora import load_text, token_windows
-    from lowbit.eval import report as rep
-    from lowbit.eval.harness import evaluate
-    from lowbit.eval.perplexity import full_window_ppl
-    from lowbit.models import load_tokenizer
-
     console = console or _console()
     schemes, peers, seq_len = check_options(o)
     if o.threads is not None:
@@ -264,8 +255,6 @@ def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
         windows = token_windows(tokenizer, text, seq_len, o.windows)
     recent = next((s.scheme.recent for s in schemes if s.scheme is not None), None)
     if recent is None:
-        from lowbit.kv.scheme import DEFAULT_RECENT
-
         recent = o.kv_flags.get("recent") or DEFAULT_RECENT
     entries = build_entries(schemes, peers, geometry, recent)
 

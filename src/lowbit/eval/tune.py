@@ -28,7 +28,10 @@ import math
 import time
 from dataclasses import dataclass, field, replace
 
+from lowbit import __version__
 from lowbit.core.errors import LowbitError
+from lowbit.kv.held import codec_bits_per_token, held_bits
+from lowbit.kv.scheme import LevelsRef, _with_bits, parse_kv_scheme
 
 BITS = (2, 4, 8)
 # 2-bit grid candidates. "scale-only": the std grid with no zero stored (lowbit.kv.scheme.TensorQuant zero
@@ -48,8 +51,6 @@ DEFAULT_ROTATIONS = ("hadamard",)
 def base_scheme(rotation, grid: str, *, sink=None, recent=None, page=None, codebooks=None):
     """The all-2-bit scheme of a base (rotation, 2-bit grid). codebooks: the LevelsRef of the VQ codebooks
     (grid "vq" only)."""
-    from lowbit.kv.scheme import parse_kv_scheme
-
     if grid not in GRIDS:
         raise LowbitError(f"2-bit grid {grid!r} unknown; use {', '.join(GRIDS)}")
     if grid == "vq":
@@ -113,8 +114,6 @@ class TuneResult:
 
 def smallest_held(geometry, context: int, rotations, grids, codebooks=None, **tiers) -> float:
     """Held bits of the cheapest recipe tune can write (every tensor at 2 bits) at `context` (VQ codebooks in)."""
-    from lowbit.kv.held import held_bits
-
     out = []
     for r in rotations:
         for g in grids:
@@ -129,7 +128,6 @@ def smallest_held(geometry, context: int, rotations, grids, codebooks=None, **ti
 
 def _cost_table(base, geometry, context: int):
     """(layer -> (K elements, V elements), bits -> per-element cost (K, V) per layer) at the context."""
-    from lowbit.kv.held import codec_bits_per_token, held_bits
     from lowbit.kv.plan import resolve
 
     h = held_bits(base, context, geometry=geometry)
@@ -211,8 +209,6 @@ def _variants(geometry, rotations, grids, tiers, codebooks=None):
     (LevelsRef, {layer: (cb_k, cb_v)}) for the vq grid."""
     from lowbit.eval.layer_error import Variant
     from lowbit.kv.plan import load_rotations
-    from lowbit.kv.scheme import _with_bits, parse_kv_scheme
-
     out = []
     for r in rotations:
         rot, ka = _rotation_maps(load_rotations(r, geometry), geometry)
@@ -268,7 +264,6 @@ def measure(lm, calib, *, rotations=DEFAULT_ROTATIONS, grids=DEFAULT_GRIDS, sink
         if codebooks is None:
             raise LowbitError("the vq grid needs fitted codebooks: pass --codebooks DIR (lowbit calibrate --vq-for)")
         loaded, sha = load_levels(codebooks, geometry)
-        from lowbit.kv.scheme import LevelsRef
 
         cbs = (LevelsRef(codebooks.path, sha), {i: (d.get("k"), d.get("v")) for i, d in loaded.items()})
     variants = _variants(geometry, rotations, grids, tiers, cbs)
@@ -299,7 +294,6 @@ def _ppl(lm, m: Measured, scheme, rot, ka=None) -> float:
 
 def choose(lm, m: Measured, *, budget: float, context: int, calib_info: dict, log=print) -> TuneResult:
     """The recipe for one budget from the measurements (steps 2-4 of the module docstring)."""
-    from lowbit.kv.held import held_bits
     from lowbit.kv.plan import load_rotations
 
     t0 = time.perf_counter()
@@ -394,8 +388,6 @@ def _artifact_field(path, sha256, out) -> str:
 def recipe_toml(res: TuneResult, *, command: str = "", out=None) -> str:
     """The recipe: [kv] (what load_recipe reads), [tune] (budget, measured held bits, evidence).
     out: where the recipe will be written (a fitted rotation's path is written relative to it)."""
-    from lowbit import __version__
-
     b = res.best
     s = b.scheme
     h = res.held

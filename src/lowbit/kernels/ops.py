@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.weights.qlinear import QuantLinear
 
 
 # ------------------------------------------------------------------ the fused decode kernel
@@ -102,8 +103,6 @@ _PACKED: dict = {}
 def register_packed_linears(model) -> int:
     """Give every QuantLinear of `model` that holds CUDA-packed weights a key for packed_linear (its
     forward calls the op when traced by torch.compile); returns how many have one."""
-    from lowbit.weights.qlinear import QuantLinear
-
     n = 0
     for m in model.modules():
         if isinstance(m, QuantLinear) and m.packed is not None:

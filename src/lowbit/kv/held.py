@@ -30,6 +30,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from lowbit.core.errors import LowbitError
+
 DEFAULT_CONTEXT = 32768
 CODEBOOK_VALUE_BITS = 32  # Lloyd-Max levels are float32
 
@@ -203,8 +205,6 @@ def held_bits(plan_or_scheme, context: int | None = None, *, geometry=None, chun
               dense_bits: int = 16) -> HeldBits:
     """Held bits of a resolved Plan (or a KVScheme + geometry, resolved here) at `context` tokens
     (default DEFAULT_CONTEXT) fed `chunk` at a time (1: a decode-built context; 128: lowbit eval's)."""
-    from lowbit.core.errors import LowbitError
-
     plan = plan_or_scheme
     if not hasattr(plan, "layers") or not hasattr(plan, "geometry"):
         if geometry is None:

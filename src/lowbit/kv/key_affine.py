@@ -51,7 +51,9 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import ArtifactWriter, load_manifest, require_intact
 from lowbit.core.errors import LowbitError
+from lowbit.rotation.fit import check_orthogonal
 
 KIND = "kv-key-affine"
 FILE_NAME = "key_affine.safetensors"
@@ -112,8 +114,6 @@ def save(out_dir, affine: dict[int, KeyAffine], *, model: str, base: str = "hada
     rotations: {layer: (R_k, R_v)} for every layer, exactly when base is "fitted" (fit_base)."""
     from safetensors.torch import save_file
 
-    from lowbit.artifacts import ArtifactWriter
-
     if base not in BASES:
         raise LowbitError(f"key affine base rotation {base!r} unknown; use one of {BASES}")
     if not affine:
@@ -140,7 +140,6 @@ def is_key_affine(path) -> bool:
     p = Path(path)
     if not (p / "manifest.json").is_file():
         return False
-    from lowbit.artifacts import load_manifest
 
     return load_manifest(p).kind == KIND
 
@@ -149,8 +148,6 @@ def load(path, geometry) -> tuple[str, dict[int, KeyAffine], str, dict | None]:
     """(base rotation, {layer: KeyAffine}, sha256 of the file, {layer: (R_k, R_v)} for base "fitted" else None),
     checked against its manifest and `geometry`."""
     from safetensors import safe_open
-
-    from lowbit.artifacts import load_manifest, require_intact
 
     root = Path(path)
     man = load_manifest(root)
@@ -194,8 +191,6 @@ def load(path, geometry) -> tuple[str, dict[int, KeyAffine], str, dict | None]:
 
 
 def _checked_rotation(root, g, d) -> tuple[torch.Tensor, torch.Tensor]:
-    from lowbit.rotation.fit import check_orthogonal
-
     rk, rv = d.get("rot_k"), d.get("rot_v")
     for name, r, dim in (("K", rk, g.head_dim_k), ("V", rv, g.head_dim_v)):
         if r is None or list(r.shape) != [dim, dim]:

@@ -43,7 +43,7 @@ from transformers.cache_utils import CacheLayerMixin
 from lowbit.core.errors import LowbitError
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.key_affine import map_keys
-from lowbit.kv.rotations import rotate
+from lowbit.kv.rotations import rotate, unrotate
 
 _MIN_MID_ROWS = 256
 
@@ -166,7 +166,6 @@ class QuantizedKVLayer(CacheLayerMixin):
         k [.., len(own)] and V [.., head_dim_v] as stored (un-rotated here: K's rest is elementwise in V)."""
         if not self.shared:
             return k
-        from lowbit.kv.rotations import unrotate
 
         vu = unrotate(v.float(), self.rot_v).float()
         rest = vu.index_select(-1, self.k_rest)

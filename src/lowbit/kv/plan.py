@@ -20,10 +20,13 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import ArtifactWriter, load_manifest, require_intact
 from lowbit.core.errors import LowbitError
-from lowbit.kv import capabilities
+from lowbit.kv import capabilities, key_affine
 from lowbit.kv.codec import TensorCodec
 from lowbit.kv.scheme import KVScheme, LevelsRef, RotationRef, TensorQuant, parse_kv_scheme
+from lowbit.rotation.hadamard import hadamard, is_supported_order
+from lowbit.rotation.rotation_set import FILE_NAME, RotationSet
 
 DECODE_CHOICES = ("auto", "torch", "triton")
 _REQUESTED = {"torch": "torch-stream", "triton": "triton-decode"}
@@ -166,8 +169,6 @@ def load_rotations(rotation, geometry) -> Rotations:
     if rotation == "none":
         return Rotations(tuple((None, None) for _ in layers), tuple("none" for _ in layers), None)
     if rotation == "hadamard":
-        from lowbit.rotation.hadamard import hadamard, is_supported_order
-
         mats: dict[int, torch.Tensor] = {}
         for g in layers:
             for d in (g.head_dim_k, g.head_dim_v):
@@ -181,13 +182,9 @@ def load_rotations(rotation, geometry) -> Rotations:
                          tuple("hadamard" for _ in layers), None)
     if not isinstance(rotation, RotationRef):
         raise LowbitError(f"rotation {rotation!r} is not 'none', 'hadamard' or a RotationRef")
-    from lowbit.kv import key_affine
 
     if key_affine.is_key_affine(rotation.path):
         return _load_key_affine(rotation, geometry)
-    from lowbit.artifacts import load_manifest
-    from lowbit.rotation.rotation_set import FILE_NAME, RotationSet
-
     rs = RotationSet.load(rotation.path)  # verifies the file against its manifest
     sha = load_manifest(rotation.path).file_map()[FILE_NAME].sha256
     _check_latent_rotation(rs, layers)
@@ -205,8 +202,6 @@ def load_rotations(rotation, geometry) -> Rotations:
 
 def _load_key_affine(rotation: RotationRef, geometry) -> Rotations:
     """A key-affine artifact (lowbit.kv.key_affine): its base rotation plus the per-layer key maps."""
-    from lowbit.kv import key_affine
-
     base_name, maps, sha, fitted = key_affine.load(rotation.path, geometry)
     if rotation.sha256 is not None and rotation.sha256 != sha:
         raise LowbitError(
@@ -253,8 +248,6 @@ def save_levels(out_dir, levels: dict, *, model: str, inputs: dict | None = None
     LevelsRef(path, sha256)."""
     from safetensors.torch import save_file
 
-    from lowbit.artifacts import ArtifactWriter
-
     tensors = {}
     for i, d in sorted(levels.items()):
         for which, t in d.items():
@@ -276,8 +269,6 @@ def load_levels(ref: LevelsRef, geometry) -> tuple[dict, str]:
     """({layer: {"k"|"v": float32 [n]}}, sha256) from a levels artifact, verified against its manifest."""
     from safetensors import safe_open
 
-    from lowbit.artifacts import load_manifest
-
     root = Path(ref.path)
     fpath = root / LEVELS_FILE
     if not fpath.is_file():
@@ -285,7 +276,6 @@ def load_levels(ref: LevelsRef, geometry) -> tuple[dict, str]:
     man = load_manifest(root)
     if man.kind != LEVELS_KIND:
         raise LowbitError(f"{root} is a {man.kind!r} artifact, not Lloyd-Max levels ({LEVELS_KIND!r})")
-    from lowbit.artifacts import require_intact
 
     require_intact(root, "levels")  # every file, each named when it differs: the manifest's digest is the file's
     sha = man.file_map()[LEVELS_FILE].sha256

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.kv.plan import load_rotations
 
 
 def rotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
@@ -52,7 +53,6 @@ def fold_v_into_weights(model, scheme, geometry) -> None:
     marker = getattr(model, "_lowbit_v_folded", None)
     if marker is not None:
         raise LowbitError(f"V rotation {marker!r} is already folded into this model's weights; load a fresh model")
-    from lowbit.kv.plan import load_rotations
 
     full = load_rotations(scheme.rotation, geometry).per_layer
     mods = _attention_modules(model)

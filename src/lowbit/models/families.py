@@ -29,6 +29,7 @@ import json
 from pathlib import Path
 
 from lowbit.core.errors import LowbitError
+from lowbit.models.geometry import ModelGeometry
 
 FAMILY_DIR = Path(__file__).parent / "configs" / "families"
 FAMILIES = ("deepseek-v3", "kimi-k2", "gemma4-text", "qwen2.5-vl-7b")
@@ -76,6 +77,4 @@ def tiny_overrides(name: str) -> dict:
 
 def family_geometry(name: str, *, mla: str = "latent"):
     """ModelGeometry of the full-size family config (no weights)."""
-    from lowbit.models.geometry import ModelGeometry
-
     return ModelGeometry.from_config(family_config_dict(name), name=name, mla=mla)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from lowbit.core.errors import LowbitError
+from lowbit.models.registry import BUILTINS, get_builtin
 
 # HF layer_types value -> our attention kind
 _LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
@@ -339,9 +340,6 @@ def geometry_of(name_or_dir) -> ModelGeometry:
     import json
     import os
     from pathlib import Path
-
-    from lowbit.core.errors import LowbitError
-    from lowbit.models.registry import BUILTINS, get_builtin
 
     key = os.fspath(name_or_dir)
     if key in BUILTINS:

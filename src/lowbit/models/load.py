@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.models.auto import causal_lm_class
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.registry import BUILTINS, BuiltinModel, get_builtin
 
@@ -325,8 +326,6 @@ def _read_valid_meta(path: Path) -> dict | None:
 
 def _load_dir(path: Path, name: str, prov: dict, dtype, attn_implementation: str, device) -> LoadedModel:
     from transformers import AutoConfig
-
-    from lowbit.models.auto import causal_lm_class
 
     cls = causal_lm_class(AutoConfig.from_pretrained(path))  # a VLM dir (Qwen2.5-VL) is not AutoModelForCausalLM's
     model = cls.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)

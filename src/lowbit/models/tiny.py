@@ -13,6 +13,8 @@ import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from lowbit.core.errors import LowbitError
+from lowbit.models import families
+from lowbit.models.auto import causal_lm_class
 from lowbit.models.registry import get_builtin
 
 # Default depth per built-in: the smallest that shows every attention kind of the real model.
@@ -24,8 +26,6 @@ def tiny_config(name: str, num_layers: int | None = None, vocab_size: int | None
     and optionally a smaller vocabulary (special token ids must stay below it). A family of
     lowbit.models.families (deepseek-v3, kimi-k2, gemma4-text) keeps its attention geometry and
     takes that module's small sizes for the rest."""
-    from lowbit.models import families
-
     if name in families.FAMILIES:  # geometry-only families: real attention geometry, small everything else
         d = {**families.family_config_dict(name), **families.tiny_overrides(name)}
         default_layers = families.TINY_LAYERS[name]
@@ -64,8 +64,6 @@ def tiny_model(
     Deterministic per `seed`; the caller's global RNG state is left untouched.
     Returns (model, config); `ModelGeometry.from_config(config)` gives its geometry.
     """
-    from lowbit.models.auto import causal_lm_class
-
     config = tiny_config(name, num_layers, vocab_size)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.quant import scale_format as sf
 from lowbit.quant.gaussian import gaussian_uniform_step
 
 BITS = (2, 3, 4, 8)
@@ -243,7 +244,6 @@ def quantize_centred(
     scale holds those values exactly (the caller stores their codes), and the codes are computed
     against them, as for fp16.
     """
-    from lowbit.quant import scale_format as sf
     if grid not in ("std", "absmax"):
         raise LowbitError(f"centred grid {grid!r} unknown; use 'std' or 'absmax'")
     if grid == "std" and bits not in (2, 3, 4):

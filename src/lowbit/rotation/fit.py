@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.core.progress import bar
 from lowbit.rotation.hadamard import hadamard
 
 KINDS = ("hadamard", "per-layer", "per-head")
@@ -151,8 +152,6 @@ def fit_rotations(calib, kind: str, objective: str = "kk", *, mix: str = "hadama
                   center: bool = False, progress: bool | None = False) -> list[FittedLayer]:
     """Fit every layer of a loaded Calibration, in global layer order.
     progress: a bar over layers with ETA (lowbit.core.progress; None: when stderr is a terminal)."""
-    from lowbit.core.progress import bar
-
     latent = {d["index"] for d in calib.meta.get("geometry") or [] if d.get("storage") == "mla-latent"}
     out = []
     with bar(len(calib.layers), f"fit {kind}", "layer", progress) as pb:

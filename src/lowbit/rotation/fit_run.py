@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import lowbit.models
+from lowbit.artifacts import sha256_file
 from lowbit.core.errors import LowbitError
 
 
 def check_model(calib, model: str) -> None:
     """Refuse a calibration made on another model (name, then weights sha256)."""
-    from lowbit.models import resolve
-
-    lm = resolve(model)
+    lm = lowbit.models.resolve(model)
     if calib.model != lm.name or (calib.weights_sha256 and calib.weights_sha256 != lm.weights_sha256):
         raise LowbitError(
             f"calibration {calib.path} was made on model {calib.model!r} (weights sha256 {str(calib.weights_sha256)[:12]}), "
@@ -30,7 +30,6 @@ def fit_and_save(calib, out: Path, *, kind: str, objective: str = "kk", mix: str
                  bit_reversal: bool = False, center: bool = False, progress: bool | None = False) -> Path:
     """Fit every layer of `calib` and write a RotationSet artifact at `out` (nothing is left on error).
     progress: a bar over layers with ETA (None: when stderr is a terminal)."""
-    from lowbit.artifacts import sha256_file
     from lowbit.rotation.fit import MIXES, fit_rotations
     from lowbit.rotation.rotation_set import RotationSet
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import ArtifactWriter, load_manifest, require_intact
 from lowbit.core.errors import LowbitError
 
 FORMAT = "lowbit-rotations"
@@ -135,8 +136,6 @@ class RotationSet:
         """
         from safetensors.torch import save_file
 
-        from lowbit.artifacts import ArtifactWriter
-
         self.check_orthogonal()
         tensors = {}
         for i in range(self.num_layers):
@@ -159,8 +158,6 @@ class RotationSet:
         """Read a set written by `save`; with verify, the file's sha256 must match the manifest."""
         from safetensors import safe_open
 
-        from lowbit.artifacts import load_manifest
-
         root = Path(path)
         if not root.is_dir():
             raise LowbitError(f"rotation set {root} not found (expected a directory holding {FILE_NAME})")
@@ -171,7 +168,6 @@ class RotationSet:
         if manifest.kind != ARTIFACT_KIND:
             raise LowbitError(f"{root} is a {manifest.kind!r} artifact, not a rotation set ({ARTIFACT_KIND!r})")
         if verify:  # every file (a changed, missing or added one is named), not only the rotations
-            from lowbit.artifacts import require_intact
 
             require_intact(root, "rotation set")
         with safe_open(str(fpath), framework="pt") as f:

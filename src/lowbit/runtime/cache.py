@@ -24,11 +24,16 @@ import torch
 from transformers.cache_utils import Cache
 
 from lowbit.backends import torch_stream as attn
+from lowbit.backends import triton_decode as decode_backend
 from lowbit.core.errors import LowbitError
+from lowbit.kv.capabilities import call_reason
 from lowbit.kv.key_affine import map_queries
 from lowbit.kv.layer import QuantizedKVLayer
+from lowbit.kv.memory import measure
+from lowbit.kv.plan import resolve as plan_resolve
 from lowbit.kv.rotations import rotate, rotation_key, unrotate
 from lowbit.kv.scheme import KVScheme
+from lowbit.models.geometry import ModelGeometry
 from lowbit.runtime import families
 
 log = logging.getLogger(__name__)
@@ -96,13 +101,9 @@ class QuantizedKVCache(Cache):
     ):
         model, config = _split_model(model_or_config)
         if plan is None:
-            from lowbit.kv.plan import resolve
-
             if geometry is None:
-                from lowbit.models.geometry import ModelGeometry
-
                 geometry = ModelGeometry.from_config(config)
-            plan = resolve(scheme, geometry, device=model_device(model), decode_backend=decode_backend)
+            plan = plan_resolve(scheme, geometry, device=model_device(model), decode_backend=decode_backend)
         scheme = plan.scheme
         if (scheme.fold_v_rotation and model is not None
                 and getattr(model, "_lowbit_v_folded", None) != rotation_key(scheme.rotation)):
@@ -188,9 +189,6 @@ class QuantizedKVCache(Cache):
             if choice.reason:
                 self._note(f"layer {layer.layer_idx}: torch path ({choice.reason})")
             return None
-        from lowbit.backends import triton_decode as decode_backend
-        from lowbit.kv.capabilities import call_reason
-
         if qg.device.type != self.plan.device:
             raise LowbitError(f"the cache was planned for {self.plan.device} but the model runs on {qg.device.type}; "
                               "resolve the plan for this device")
@@ -228,8 +226,6 @@ class QuantizedKVCache(Cache):
 
     def memory(self):
         """Memory held now, measured from the live tensors (see lowbit.kv.memory.MemoryReport)."""
-        from lowbit.kv.memory import measure
-
         return measure(self)
 
     def summary(self) -> str:

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from lowbit.core.errors import LowbitError
+from lowbit.runtime.fuse import FusedHead, FusedTail
 
 
 @dataclass
@@ -54,8 +55,6 @@ class FoldedValueRotation:
 def _value_weight(attn):
     """(weight [Hkv*D, K], bias [Hkv*D] or None) of attn's v projection as views that write through, or a
     reason string."""
-    from lowbit.runtime.fuse import FusedHead, FusedTail
-
     v = getattr(attn, "v_proj", None)
     if type(v) is nn.Linear:
         return v.weight, v.bias

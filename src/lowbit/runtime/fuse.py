@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lowbit.core.errors import LowbitError
+from lowbit.weights.qlinear import QuantLinear
 
 GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
@@ -93,8 +94,6 @@ class FusedProjections:
 
 
 def _kind(mods) -> str | None:
-    from lowbit.weights.qlinear import QuantLinear
-
     if all(type(m) is nn.Linear for m in mods):
         return "linear"
     if all(type(m) is QuantLinear and m.packed is None for m in mods):
@@ -138,8 +137,6 @@ def _fused_linear(mods, sizes) -> nn.Module:
 def _fused_quant(mods):
     """One QuantLinear [K -> sum(sizes)] holding the parts' codes, scales and zero points stacked along out
     (each row of a QuantLinear is quantized on its own, so stacking rows is exact)."""
-    from lowbit.weights.qlinear import QuantLinear
-
     m0 = mods[0]
     out = sum(m.out_features for m in mods)
     q = QuantLinear(m0.in_features, out, m0.scheme, bias=m0.bias is not None, scale_dtype=m0.scale.dtype)

@@ -27,8 +27,13 @@ the device and raised by `check()` and by the next prefill -- a step cannot rais
 
 import torch
 
+from lowbit.backends import torch_stream as attn
 from lowbit.core.errors import LowbitError
 from lowbit.kernels.ops import decode_attention_op
+from lowbit.kv.plan import Plan
+from lowbit.kv.plan import resolve as plan_resolve
+from lowbit.models.geometry import ModelGeometry
+from lowbit.runtime.cache import model_device
 from lowbit.runtime.static_cache import StaticKVCache, _rot, _writer
 
 # the fused kernel as one opaque node of the compiled step (lowbit.kernels.ops; DecodeGraphs(compile=True)
@@ -44,15 +49,11 @@ class GenerateCache(StaticKVCache):
     """
 
     def __init__(self, model, scheme="bf16", *, batch: int, max_context: int, device=None, dtype=None):
-        from lowbit.kv.plan import Plan, resolve
-        from lowbit.models.geometry import ModelGeometry
-        from lowbit.runtime.cache import model_device
-
         if isinstance(scheme, Plan):
             plan = scheme
         else:
             geo = ModelGeometry.from_config(model.config, name=getattr(model.config, "name_or_path", None) or None)
-            plan = resolve(scheme, geo, device=str(device or model_device(model)).split(":")[0])
+            plan = plan_resolve(scheme, geo, device=str(device or model_device(model)).split(":")[0])
         super().__init__(model, plan, slots=batch, max_context=max_context, device=device, dtype=dtype)
         # transformers compiles the whole step, writes included (a nested torch.compile would only be inlined);
         # no host-synchronising input checks inside a step that may be traced
@@ -144,7 +145,6 @@ class GenerateCache(StaticKVCache):
         if layer_idx == 0:
             self._begin_prefill(L)
         layer = self.layers[layer_idx]
-        from lowbit.backends import torch_stream as attn
 
         k = _rot(key_states, layer.rot_k).to(self.dtype)  # [B, H, L, D]
         v = _rot(value_states, layer.rot_v).to(self.dtype)

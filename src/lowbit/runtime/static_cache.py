@@ -32,7 +32,9 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lowbit.backends import torch_stream as attn
 from lowbit.core.errors import LowbitError
+from lowbit.kernels.ops import decode_attention_op, decode_attention_vq_op
 from lowbit.kv.key_affine import KeyAffine, map_keys, map_queries
+from lowbit.runtime.cache import _check_key_affine, _split_model, model_device
 
 _ROW_ALIGN = 64  # rows per (slot, head) rounded up so every head starts 64 rows (>= 128 B) aligned
 # rows (all heads and batch slots together) up to which a traced rotation is a fused product-sum, not a GEMM
@@ -372,8 +374,6 @@ class StaticKVCache(Cache):
     """
 
     def __init__(self, model_or_config, plan, *, slots: int, max_context: int, device=None, dtype=None):
-        from lowbit.runtime.cache import _check_key_affine, _split_model, model_device
-
         model, _ = _split_model(model_or_config)
         if slots < 1 or max_context < 1:
             raise LowbitError(f"slots ({slots}) and max_context ({max_context}) must be positive")
@@ -528,8 +528,6 @@ class StaticKVCache(Cache):
         VQ rows: lowbit::decode_attention_vq_tiers, its codebooks in place of the zeros): one opaque node when
         the step is traced by torch.compile (dynamo would break on the launcher's host logic).
         qg [B, H, G, D] -> [B, H, G, Dv] float32."""
-        from lowbit.kernels.ops import decode_attention_op, decode_attention_vq_op
-
         B, H = qg.shape[:2]
         C, S, R = layer.C, layer.S, layer.R
         kc, ks, kz, k_centre = _mid_tier(layer.k_codec, layer.mid["k"], B, C)

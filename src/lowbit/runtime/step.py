@@ -22,6 +22,8 @@ import inspect
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.kernels.ops import register_packed_linears
+from lowbit.runtime.fuse import fuse_projections
 
 # model_type -> how its position embeddings are built ("shared": one rotary for every layer;
 # "per-type": rotary_emb(x, pos, layer_type) or a separate local rotary for sliding layers)
@@ -54,8 +56,6 @@ class ModelStep:
         # fuse=True: q/k/v and gate/up as one GEMM each (lowbit.runtime.fuse), in place until unfuse()
         self.fused = None
         if fuse:
-            from lowbit.runtime.fuse import fuse_projections
-
             self.fused = fuse_projections(model)
 
     def unfuse(self) -> None:
@@ -198,7 +198,6 @@ class CompiledDecode:
 
     def __init__(self, step: ModelStep, cache, *, backend="inductor", inductor_pdl: bool | None = None,
                  regions: str = "whole", max_buckets: int = len(DEFAULT_BUCKETS)):
-        from lowbit.kernels.ops import register_packed_linears
         from lowbit.runtime.static_cache import _writer
 
         if regions not in REGIONS:

@@ -57,8 +57,11 @@ import time
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.runtime.step import eager_decode
+from lowbit.kv.plan import resolve as plan_resolve
+from lowbit.runtime import fold as fold_mod
+from lowbit.runtime.step import REGIONS, DecodeGraphs, ModelStep, eager_decode
 from lowbit.serve.engine import DEFAULT_MAX_ACTIVE, DEFAULT_PREFILL_CHUNK, REPORT_EVERY_S, Request, Worker
+from lowbit.serve.kvcache import served_scheme
 from lowbit.serve.metrics import Metrics
 from lowbit.serve.sampling import Detokenizer, make_generator, sample
 
@@ -126,12 +129,8 @@ class BatchEngine(Worker):
     def __init__(self, runtime, metrics: Metrics | None = None, *, slots: int = DEFAULT_MAX_ACTIVE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, mode: str = "auto", when_full: str = "wait",
                  batch_invariant: bool = False, compile: bool | str = False, decode_ahead: bool = True):
-        from lowbit.kv.plan import resolve
         from lowbit.runtime.cache import model_device
-        from lowbit.runtime.fold import fold_value_rotation_once
         from lowbit.runtime.static_cache import StaticKVCache
-        from lowbit.runtime.step import REGIONS, DecodeGraphs, ModelStep
-
         if slots < 1:
             raise LowbitError(f"--max-active {slots}: need at least 1 slot")
         if prefill_chunk < 1:
@@ -156,7 +155,7 @@ class BatchEngine(Worker):
         # a family without a step path: the error names those that have one. On the captured path q/k/v and
         # gate/up run as one GEMM each (lowbit.runtime.fuse): the engine owns the model for its lifetime
         self.step = ModelStep(model, fuse=(mode == "graphs"))
-        plan = resolve(runtime.scheme, runtime.geometry, device=device.type)
+        plan = plan_resolve(runtime.scheme, runtime.geometry, device=device.type)
         self.model, self.tokenizer, self.device, self.plan = model, runtime.tokenizer, device, plan
         self.scheme, self.geometry = plan.scheme, runtime.geometry
         self.max_context = int(runtime.max_context)
@@ -169,7 +168,7 @@ class BatchEngine(Worker):
                               f"{device.type} memory; lower --max-active or --max-context") from None
         # on the captured path V's rotation is folded into v_proj / o_proj (lowbit.runtime.fold): two GEMMs fewer
         # per layer and step; for the engine's lifetime, as the fusion (once per model: a later engine over it takes that fold)
-        self.folded = fold_value_rotation_once(model, self.cache, fold=(mode == "graphs"))
+        self.folded = fold_mod.fold_value_rotation_once(model, self.cache, fold=(mode == "graphs"))
         self.cache_class = type(self.cache).__name__
         self.slots, self.prefill_chunk, self.mode, self.when_full = slots, prefill_chunk, mode, when_full
         self.eos = {int(t) for t in runtime.eos_token_ids}
@@ -197,8 +196,6 @@ class BatchEngine(Worker):
                      "buckets": list(self.graphs.buckets) if self.graphs else None}
         if metrics is None:
             from types import SimpleNamespace
-
-            from lowbit.serve.kvcache import served_scheme
 
             served = served_scheme(SimpleNamespace(scheme=self.scheme, geometry=self.geometry,
                                                    cache_class=self.cache_class))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.kv.plan import resolve as plan_resolve
 
 
 @dataclass(frozen=True)
@@ -101,10 +102,9 @@ class CacheFactory:
         if cls is not None:
             # resolved once (rotation / levels files opened here, never per request); bad group /
             # rotation / attention type: refused before serving
-            from lowbit.kv.plan import resolve
             from lowbit.runtime.cache import model_device
 
-            self.plan = resolve(scheme, geometry, device=model_device(model))
+            self.plan = plan_resolve(scheme, geometry, device=model_device(model))
             self.scheme = self.plan.scheme
         # probe once so a broken combination fails at start-up, not on the first request
         probe = self.new()

@@ -15,7 +15,13 @@ from pathlib import Path
 
 import torch
 
+from lowbit.artifacts import load_manifest, require_intact
 from lowbit.core.errors import LowbitError
+from lowbit.kv.scheme import parse_kv_scheme
+from lowbit.models import load_tokenizer
+from lowbit.models.geometry import ModelGeometry
+from lowbit.models.random import GEOMETRIES, build_model, word_tokenizer
+from lowbit.vllm_plugin import sidecar
 
 log = logging.getLogger("lowbit.serve")
 
@@ -51,9 +57,6 @@ RANDOM_PREFIX = "random:"
 def _random_model(spec: str, dtype, device):
     """(model, geometry, tokenizer) for `random:GEOMETRY`: the random-weight model `lowbit bench decode`
     builds (lowbit.models.random, seed 0), built on `device`, with a word tokenizer ("t123" per id)."""
-    from lowbit.models.geometry import ModelGeometry
-    from lowbit.models.random import GEOMETRIES, build_model, word_tokenizer
-
     geo = spec[len(RANDOM_PREFIX):]
     if geo not in GEOMETRIES:
         raise LowbitError(f"--model {spec}: unknown geometry {geo!r}; use random:{' or random:'.join(GEOMETRIES)}")
@@ -70,11 +73,7 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
 
     `random:GEOMETRY` (e.g. random:llama3-8b) serves a random-weight model of that geometry with a word
     tokenizer and no EOS (every request runs to max_tokens): for load tests, not for text."""
-    from lowbit.kv.scheme import parse_kv_scheme
-    from lowbit.models import load_tokenizer
     from lowbit.runtime.load import resolve
-    from lowbit.vllm_plugin import sidecar
-
     if str(model_or_artifact).startswith(RANDOM_PREFIX):
         if weights is not None:
             raise LowbitError(f"--weights cannot be combined with --model {model_or_artifact} (random weights)")
@@ -83,8 +82,6 @@ def load_runtime(model_or_artifact: str, *, kv=None, weights: str | None = None,
                        max_context, eos=[])
     src = Path(model_or_artifact).expanduser()
     if src.is_dir() and (sidecar.has_sidecar(src) or (src / "manifest.json").is_file()):
-        from lowbit.artifacts import load_manifest, require_intact
-
         if not (src / "manifest.json").is_file():
             raise LowbitError(f"{src} has {sidecar.SIDECAR_NAME} but no manifest.json: the export is incomplete "
                               "or damaged; export it again with `lowbit export --for vllm`")

@@ -16,6 +16,7 @@ import time
 
 from lowbit.core.errors import LowbitError
 from lowbit.serve.app import ServedModel, build_app
+from lowbit.serve.batch_engine import BatchEngine
 from lowbit.serve.engine import DEFAULT_MAX_ACTIVE, DEFAULT_PREFILL_CHUNK, Engine
 from lowbit.serve.kvcache import CacheFactory, served_scheme
 from lowbit.serve.metrics import Metrics
@@ -71,8 +72,6 @@ def build(runtime, *, max_active: int = DEFAULT_MAX_ACTIVE, prefill_chunk: int =
 
 def _build_batch(runtime, slots: int, prefill_chunk: int, decode_path: str, when_full: str, batch_invariant: bool,
                  compile: bool | str = False, decode_ahead: bool | None = None):
-    from lowbit.serve.batch_engine import BatchEngine
-
     engine = BatchEngine(runtime, slots=slots, prefill_chunk=prefill_chunk, mode=decode_path, when_full=when_full,
                          batch_invariant=batch_invariant, compile=compile,
                          decode_ahead=True if decode_ahead is None else decode_ahead)

@@ -43,7 +43,16 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import lowbit
+from lowbit import __version__, backends
+from lowbit.artifacts import FAILED, MISSING, OK, UNLISTED, load_manifest, require_class, verify
+from lowbit.artifacts.writer import sweep_stale, write_new_file
+from lowbit.core.device import resolve_device
 from lowbit.core.errors import LowbitError
+from lowbit.kv.scheme import parse_kv_scheme
+from lowbit.models.geometry import ModelGeometry
+from lowbit.models.registry import BUILTINS
+from lowbit.vllm_plugin import sidecar
 
 REPORT_FORMAT = "lowbit-validate"
 REPORT_VERSION = 1
@@ -149,8 +158,6 @@ def _one_line(e: BaseException) -> str:
 # ------------------------------------------------------------------ provenance
 def _git_state() -> dict:
     """{commit, modified} of the checkout lowbit runs from; {commit: None} for an installed package."""
-    import lowbit
-
     root = Path(lowbit.__file__).resolve().parents[2]  # <checkout>/src/lowbit/__init__.py
     if not (root / "src" / "lowbit").is_dir() or not (root / ".git").exists():
         return {"commit": None, "modified": None, "source": "installed"}
@@ -176,8 +183,6 @@ def _device_info(device: str) -> dict:
 
 
 def provenance(ctx: Context) -> dict:
-    from lowbit import __version__
-
     pk: dict = {"python": platform.python_version()}
     for name in PACKAGES:
         try:
@@ -199,8 +204,6 @@ def provenance(ctx: Context) -> dict:
 # ------------------------------------------------------------------ stage 1: CPU checks
 def stage_cpu_checks(ctx: Context) -> dict:
     """Digests, class, and the recipe against the model's geometry (config files only)."""
-    from lowbit.artifacts import FAILED, MISSING, OK, UNLISTED, load_manifest, require_class, verify
-
     st = _Stage(1)
     try:
         ctx.manifest = load_manifest(ctx.root)
@@ -248,8 +251,6 @@ def _config(d: Path) -> dict:
 def _model_ref(spec: str | None, flag: str, what: str) -> tuple[Path, str]:
     """(HF directory, name) of a built-in name or local dir, without loading weights."""
     from lowbit.models.load import model_dir, model_name
-    from lowbit.models.registry import BUILTINS
-
     if not spec:
         raise LowbitError(f"the manifest names no {what}; pass {flag} NAME_OR_DIR")
     if spec not in BUILTINS and not Path(spec).expanduser().is_dir():
@@ -314,9 +315,6 @@ def _weights_checks(ctx: Context, st: _Stage, d: Path, cfg: dict) -> None:
 
 
 def _cpu_kv_export(ctx: Context, st: _Stage) -> None:
-    from lowbit import backends
-    from lowbit.models.geometry import ModelGeometry
-    from lowbit.vllm_plugin import sidecar
     from lowbit.vllm_plugin import slot as _slot  # noqa: F401 (registers the vllm-slot backend)
 
     side = sidecar.read(ctx.root)
@@ -350,8 +348,6 @@ def _cpu_kv_export(ctx: Context, st: _Stage) -> None:
 
 
 def _cpu_weights(ctx: Context, st: _Stage) -> None:
-    from lowbit.models.geometry import ModelGeometry
-
     cfg = _config(ctx.root)
     if not isinstance(cfg.get("quantization_config"), dict):
         raise LowbitError(f"{ctx.root}/config.json has no quantization_config: not a quantized checkpoint; re-create it")
@@ -397,8 +393,6 @@ def _cpu_dit(ctx: Context, st: _Stage) -> None:
 
 
 def _cpu_rotations(ctx: Context, st: _Stage) -> None:
-    from lowbit.kv.scheme import parse_kv_scheme
-    from lowbit.models.geometry import ModelGeometry
     from lowbit.rotation.rotation_set import RotationSet
 
     rs = RotationSet.load(ctx.root)  # sha256 against the manifest, format, orthogonality
@@ -423,8 +417,6 @@ def kernel_cases(plan, device: str) -> tuple[list, list[str]]:
     A layer is audited when the fused kernel takes it on CUDA (on CPU the plan decodes through the
     torch path, and the kernel is run in the Triton interpreter at the same bits / head_dim / group /
     GQA, small T); layers it does not take are noted with the rule. Same shapes are audited once."""
-    from lowbit import backends
-
     kern = backends.get("triton-decode")
     cases, notes, seen = [], [], {}
     for lp in plan.layers:
@@ -715,8 +707,6 @@ def check_output(path: str | None) -> None:
 
 def _check_flags(root: Path, opts: Options) -> None:
     """A flag that this artifact's kind would ignore is refused (nothing is ignored silently)."""
-    from lowbit.artifacts import load_manifest
-
     try:
         label = KINDS.get(load_manifest(root).kind, (None,))[0]
     except LowbitError:
@@ -732,8 +722,6 @@ def validate(opts: Options) -> dict:
 
     Bad input (no such directory, no manifest.json, an unusable flag) raises LowbitError before any stage;
     a problem with the artifact itself is a failed stage in the report."""
-    from lowbit.artifacts.writer import sweep_stale
-
     root = Path(opts.artifact).expanduser()
     sweep_stale(root.resolve().parent)  # killed writers' staging dirs beside it (one stderr line each)
     if root.is_dir() and not (root / "manifest.json").exists():
@@ -746,8 +734,6 @@ def validate(opts: Options) -> dict:
     if opts.device not in ("cpu", "cuda"):
         raise LowbitError(f"--device {opts.device}: validate runs on cpu or cuda")
     if opts.device == "cuda":
-        from lowbit.core.device import resolve_device
-
         resolve_device("cuda")  # no CUDA -> one line, before any stage
     if opts.json is not None:  # a killed report write's staging dir (one line each), even if the report exists
         sweep_stale(Path(opts.json).expanduser().resolve().parent)
@@ -781,8 +767,6 @@ def write_report(report: dict, path, *, on_point=None) -> Path:
     Staged like an artifact (writer.write_new_file: a flock'ed `.<name>.tmp-<pid>/` beside it, hard-linked
     into place), so a killed write leaves at most a staging dir that the next validate --json into the
     same directory (or any sweep there) removes. `on_point`: test hook (writer.FILE_POINTS)."""
-    from lowbit.artifacts.writer import write_new_file
-
     p = Path(path)
     check_output(str(p))
     text = json.dumps(report, indent=1, allow_nan=False) + "\n"

@@ -30,7 +30,11 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
+from lowbit.artifacts import all_ok, verify
+from lowbit.artifacts.verify import OK
 from lowbit.core.errors import LowbitError
+from lowbit.models.auto import causal_lm_class
+from lowbit.weights.export import MARKER_KEY
 from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.scheme import WeightScheme
 
@@ -100,8 +104,6 @@ def _verify_artifact(path: Path) -> None:
         # (export marks its safetensors header): then manifest.json was lost and nothing vouches for the files.
         from safetensors import SafetensorError, safe_open
 
-        from lowbit.weights.export import MARKER_KEY
-
         for f in sorted(path.glob("*.safetensors")):
             try:
                 with safe_open(str(f), framework="pt") as st:
@@ -113,9 +115,6 @@ def _verify_artifact(path: Path) -> None:
                                   "missing, so its files cannot be verified: copy the checkpoint again with "
                                   "manifest.json, or re-run `lowbit quantize`")
         return
-    from lowbit.artifacts import all_ok, verify
-    from lowbit.artifacts.verify import OK
-
     status = verify(path)
     if not all_ok(status):
         bad = [f"{s.path} {s.status}" for s in status if s.status != OK]  # the files that failed, not the good ones
@@ -163,7 +162,6 @@ def load_quantized(path, *, dtype: torch.dtype | None = None) -> tuple[nn.Module
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # we build the quantized modules ourselves
     dt = dtype or _DTYPES.get(str(raw.get("dtype") or raw.get("torch_dtype")), torch.float32)
-    from lowbit.models.auto import causal_lm_class
 
     model = causal_lm_class(config).from_config(config, dtype=dt, attn_implementation="sdpa")
     install_quantlinears(model, sd, scheme, path)

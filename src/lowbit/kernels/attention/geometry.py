@@ -56,6 +56,7 @@ import triton
 import triton.language as tl
 
 from lowbit.core.errors import LowbitError
+from lowbit.kernels.attention import latent_cuda
 from lowbit.kernels.attention.common import (
     LOG2E,
     check_mode,
@@ -666,7 +667,6 @@ def default_impl(q, qp, vmid, mid_pe, bits, shared, dense_mid) -> str:
     The choice is the launch's (GeoLaunch.config.impl)."""
     if not shared or dense_mid or vmid is None or q.device.type != "cuda":
         return "triton"
-    from lowbit.kernels.attention import latent_cuda
 
     return "cuda" if latent_cuda.why_not(q, qp, *vmid, mid_pe, bits) is None else "triton"
 
@@ -760,8 +760,6 @@ def _run(q, qp, kmid, vmid, mid_pe, mid_lens, k_bits, v_bits, sm_scale, sink, re
 
     cuda_mid = cfg.impl == "cuda"
     if cuda_mid:
-        from lowbit.kernels.attention import latent_cuda
-
         if picked:  # the tensors passed default_impl's check: only the resolved instance is left to check
             why = latent_cuda.instance_reason(int(cfg.num_warps), cfg.num_stages)
         elif not shared or dense_mid:

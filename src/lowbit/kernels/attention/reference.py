@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from lowbit.quant import scale_format
+from lowbit.quant import residual, scale_format, vq
 from lowbit.quant.packing import unpack
 
 LAYOUT = "strided"  # the middle-tier packing layout the kernel reads (docs/CONTRACTS.md)
@@ -59,13 +59,9 @@ def dequantize_mid(m) -> torch.Tensor:
     if m.codebook is None:
         x = dequantize_tier(m.codes, m.scale, None, m.bits, m.centre)
     else:
-        from lowbit.quant import vq
-
         s = scale_format.decode(m.scale) if m.scale.dtype == torch.uint8 else m.scale.float()
         x = vq.decode(vq.unpack_idx(m.codes, m.vq[1]), s, m.codebook)
     if m.rbits is not None:
-        from lowbit.quant import residual
-
         g = scale_format.decode(m.rgain) if m.rgain.dtype == torch.uint8 else m.rgain.float()
         x = x + residual.decode(m.rbits, g)
     return x

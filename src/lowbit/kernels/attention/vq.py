@@ -47,6 +47,7 @@ from lowbit.kernels.attention.common import (
     ue5m3,
     valid_lens,
 )
+from lowbit.quant.residual import basis
 
 BT = 32  # middle rows per block
 BTD = 32  # dense rows per block
@@ -364,7 +365,6 @@ def decode_attention_vq(q: torch.Tensor, k_mid: MidTensor | None, v_mid: MidTens
     if sm_scale is None:
         sm_scale = 1.0 / math.sqrt(D)
     consts = {f"K_{k}": v for k, v in kc.items()} | {f"V_{k}": v for k, v in vc.items()}
-    from lowbit.quant.residual import basis
 
     # residuals: K's scores read q @ S.T; V's part is summed in S's basis (OP2) and rotated back after the merge
     q2 = (q.float() @ basis(D, dev).T).contiguous() if kc["RES"] else q

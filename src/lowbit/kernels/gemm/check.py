@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.kernels.gemm.tiled import rounds_weight_to_bf16
+from lowbit.weights.scheme import parse_weight_scheme
 
 TOL = 1e-3
 DEQUANT_TOL = 1e-2
@@ -59,8 +61,6 @@ class WeightAuditRow:
 def random_weight(scheme_name: str, N: int, K: int, device, seed: int = 0):
     """A PackedWeight of `scheme_name` with random codes, scales (and zero-points if asymmetric)."""
     from lowbit.kernels.gemm.triton_gemm import pack_weight
-    from lowbit.weights.scheme import parse_weight_scheme
-
     sch = parse_weight_scheme(scheme_name)
     group = sch.group_for(K)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -81,8 +81,6 @@ def cell_passes(rel: float, finite: bool, kernel: str) -> bool:
 def tolerance(kernel: str) -> float:
     """The audit's rel L2 bound for a kernel: DEQUANT_TOL where the weight is rounded to bf16 before the product
     (dequantize + cuBLAS, the tiled kernel's folded instances), TOL otherwise."""
-    from lowbit.kernels.gemm.tiled import rounds_weight_to_bf16
-
     return DEQUANT_TOL if rounds_weight_to_bf16(kernel) else TOL
 
 
@@ -132,8 +130,6 @@ def audit_weights(device: str = "cuda", *, schemes=SCHEMES, shapes=None, ms=None
 
 
 def _kind(scheme: str) -> str:
-    from lowbit.weights.scheme import parse_weight_scheme
-
     s = parse_weight_scheme(scheme)
     return f"w{s.w_bits}a{s.a_bits}"
 

@@ -34,9 +34,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.kernels.gemm import cuda_gemm as weight_cuda
+from lowbit.kernels.gemm import tiled as weight_tiled
+from lowbit.kernels.gemm import triton_gemm as wg
 from lowbit.kernels.gemm.cuda_gemm import CudaConfig
 from lowbit.kernels.gemm.tiled import TiledConfig
-from lowbit.kernels.gemm.triton_gemm import GemmConfig, GemvConfig, PackedWeight
+from lowbit.kernels.gemm.triton_gemm import GemmConfig, GemvConfig, PackedWeight, quantize_rows, tma_why_not
 
 KINDS = ("w4a16", "w8a16", "w8a8", "w4a8")
 M_INF = 1 << 62
@@ -142,8 +145,6 @@ def measured_cells(cap: tuple[int, int]) -> tuple[list[Cell], str] | None:
 
 def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] -> [M, N] through one cell's path (out_dtype: the audit asks for float32)."""
-    from lowbit.kernels.gemm import triton_gemm as wg
-
     if cell.path == "dequant-cublas":
         y = wg.linear_dequant_cublas(x, pw)
         return y if out_dtype is None else y.to(out_dtype)
@@ -152,9 +153,6 @@ def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dty
     if cell.path == "gemv":
         return wg.gemv(x, pw, cell.config, out_dtype)
     if cell.path == "cuda":
-        from lowbit.kernels.gemm import cuda_gemm as weight_cuda
-        from lowbit.kernels.gemm import tiled as weight_tiled
-
         kernel = weight_tiled if isinstance(cell.config, TiledConfig) else weight_cuda
         return kernel.linear(x, pw, cell.config, out_dtype)
     return wg.linear(x, pw, cell.config, out_dtype)
@@ -168,8 +166,6 @@ def as_a16(pw: PackedWeight) -> PackedWeight:
 def linear_via_a16(x: torch.Tensor, pw: PackedWeight, via: ViaA16, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """A8 weight, x [M, K] float -> [M, N]: x_q, s_x = the per-token activation quantizer's codes and scale;
     y = s_x * (x_q @ W^T) + bias, x_q @ W^T through the A16 path `via` in fp32."""
-    from lowbit.kernels.gemm.triton_gemm import quantize_rows
-
     if pw.a_bits != 8:
         raise ValueError(f"a16-xq runs A8 weights, got {pw.kind}")
     # codes [M, K] bf16, s_x [M] float32: one Triton launch, nothing made on the host (capturable)
@@ -184,14 +180,9 @@ def takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
     if cell.path == "a16-xq":
         return takes(cell.config.cell(pw.bits), as_a16(pw), torch.bfloat16, M)
     if cell.path == "triton" and getattr(cell.config, "tma", False):
-        from lowbit.kernels.gemm.triton_gemm import tma_why_not
-
         return tma_why_not(pw, cell.config) is None
     if cell.path != "cuda":
         return True
-    from lowbit.kernels.gemm import cuda_gemm as weight_cuda
-    from lowbit.kernels.gemm import tiled as weight_tiled
-
     kernel = weight_tiled if isinstance(cell.config, TiledConfig) else weight_cuda
     return kernel.why_not(pw, x_dtype, M, cell.config) is None and weight_cuda.nvcc_missing() is None
 

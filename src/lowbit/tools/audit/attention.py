@@ -12,10 +12,18 @@ import time
 
 import torch
 
+from lowbit.kernels.attention.reference import (
+    decode_attention_latent_ref,
+    decode_attention_ref,
+    decode_attention_vq_ref,
+    dequantize_mid,
+)
 from lowbit.kernels.twin import TOL, AuditRow
+from lowbit.quant import residual, vq
 from lowbit.quant import scale_format as sf
 from lowbit.quant.affine import centre, quantize, quantize_centred
 from lowbit.quant.packing import pack
+from lowbit.vllm_plugin.kernel_audit import audit_plugin
 
 
 def _packed(x, bits, group, zero="group", scale_format="fp16"):
@@ -189,8 +197,6 @@ def audit_geometry(device: str | None = None, cases=None) -> list[AuditRow]:
     """The geometry kernel (lowbit.kernels.attention.geometry) against its twins, default launch config
     on CUDA, a small one under the interpreter."""
     from lowbit.kernels.attention.geometry import GeoConfig, decode_attention_geo, decode_attention_latent
-    from lowbit.kernels.attention.reference import decode_attention_latent_ref, decode_attention_ref
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     cfg = GeoConfig() if device == "cuda" else GeoConfig(block_t=16, num_splits=3, dense_block=16)
     rows = []
@@ -240,7 +246,6 @@ def audit(device: str | None = None, cases=None, config=None,
     default launch config (or `config`). kernels: which sweeps ("decode_attention": the 64/128/256
     kernel; "decode_geometry": the geometry kernel's latent and K/V cases; "decode_vq": the VQ-row kernel;
     "vllm_cpu": the vLLM plugin's C++ CPU kernels, lowbit.vllm_plugin.kernel_audit)."""
-    from lowbit.kernels.attention.reference import decode_attention_ref
     from lowbit.kernels.attention.tiers import KernelConfig, decode_attention
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -279,10 +284,7 @@ def make_vq_case(B, Hq, Hkv, D, T, k, v, *, sink=0, recent=0, ragged=False, dtyp
     (the codec's own encoders and packing)."""
     from dataclasses import replace
 
-    from lowbit.kernels.attention.reference import dequantize_mid
     from lowbit.kernels.attention.vq import MidTensor
-    from lowbit.quant import residual, vq
-
     g = torch.Generator(device=device).manual_seed(seed)
 
     def rnd(*shape):
@@ -358,7 +360,6 @@ def vq_sweep(device: str) -> list[tuple[str, dict]]:
 
 def audit_vq(device: str | None = None, cases=None) -> list[AuditRow]:
     """The VQ-row kernel (lowbit.kernels.attention.vq) against its twin (reference.decode_attention_vq_ref)."""
-    from lowbit.kernels.attention.reference import decode_attention_vq_ref
     from lowbit.kernels.attention.vq import decode_attention_vq
 
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -378,7 +379,6 @@ def _plugin_rows(kernels) -> list[AuditRow]:
     """"vllm_cpu": the vLLM plugin's C++ CPU kernels (paged_decode, encode_cells) against their twins."""
     if "vllm_cpu" not in kernels:
         return []
-    from lowbit.vllm_plugin.kernel_audit import audit_plugin
 
     return audit_plugin()
 

@@ -15,6 +15,8 @@ import time
 
 import torch
 
+from lowbit.quant import scale_format
+
 L2_BYTES = 60 * 2**20
 
 GEOMETRIES = {
@@ -126,8 +128,6 @@ def kernel_case(B, Hq, Hkv, D, L, kbits, vbits, group, nbuf, cfg, seed=0, scale_
     stored, the kernel takes the centre code, as lowbit.kv.codec writes zero "none" groups; one_byte: those
     scales as uint8 ue5m3 codes, scale_format "ue5m3")."""
     from lowbit.kernels.attention.tiers import decode_attention
-    from lowbit.quant import scale_format
-
     g = torch.Generator(device="cuda").manual_seed(seed)
     q = torch.randn(B, Hq, D, device="cuda", dtype=torch.bfloat16, generator=g)
     out = torch.empty(B, Hq, D, device="cuda", dtype=torch.bfloat16)

@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.diffusion.evaluate import DTYPES, ImageEvalOptions, _env, _row_info, _weights, check_options
 from lowbit.diffusion.gate import DEFAULTS, Thresholds, failures, image_metrics
+from lowbit.diffusion.load import load_pipeline
+from lowbit.diffusion.measure import PeakMemory
 
 
 def _sync(device):
@@ -35,10 +38,6 @@ def _sync(device):
 def capacity_matrix(model: str, checkpoints: list[str], *, batches, sizes, classes=tuple(range(10)), steps=10,
                     guidance=2.0, device="cpu", dtype="fp32", thresholds: Thresholds = DEFAULTS,
                     log=print) -> dict:
-    from lowbit.diffusion.evaluate import DTYPES, ImageEvalOptions, _env, _row_info, _weights, check_options
-    from lowbit.diffusion.load import load_pipeline
-    from lowbit.diffusion.measure import PeakMemory
-
     check_options(ImageEvalOptions(model=model, checkpoints=list(checkpoints), classes=tuple(classes), steps=steps,
                                    guidance=guidance, device=device, dtype=dtype, thresholds=thresholds))
     if not batches or min(batches) < 1 or not sizes:

@@ -17,7 +17,8 @@ import time
 
 import torch
 
-from lowbit.kernels.gemm.check import DIT_MS, DIT_SHAPES, LLM_MS, LLM_SHAPES, random_weight
+from lowbit.core.errors import LowbitError
+from lowbit.kernels.gemm.check import DIT_MS, DIT_SHAPES, LLM_MS, LLM_SHAPES, SCHEMES, random_weight
 from lowbit.tools.bench.attention import graph_time_ms, n_buffers
 
 BENCH_SCHEMES = ("w4a16-g128", "w8a16", "w8a8", "w4a16-g64-asym", "w4a8")
@@ -73,9 +74,6 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, log=print, t0=0.0, read_fl
 
 def check_selection(schemes, ms, shapes) -> None:
     """A one-line LowbitError for a scheme, M or shape name the sweep does not have (before any GPU work)."""
-    from lowbit.core.errors import LowbitError
-    from lowbit.kernels.gemm.check import SCHEMES
-
     bad = [x for x in schemes if x not in SCHEMES]
     if bad:
         raise LowbitError(f"bench gemm: unknown scheme(s) {', '.join(bad)}; use some of {', '.join(SCHEMES)}")

@@ -24,6 +24,7 @@ import json
 
 import torch
 
+from lowbit.core.errors import LowbitError
 from lowbit.tools.bench.attention import env_info, graph_time_ms, n_buffers
 
 GEOMETRIES = {
@@ -111,7 +112,6 @@ def sweep(batches=(1, 16), lengths=(32768,), geometries=tuple(GEOMETRIES), bits=
 
 def parse_config(text: str):
     """'block_t=64,heads=8,q_loop=0' -> GeoConfig (integers; q_loop / zero_mma 0 or 1)."""
-    from lowbit.core.errors import LowbitError
     from lowbit.kernels.attention.geometry import GeoConfig
 
     fields = {}

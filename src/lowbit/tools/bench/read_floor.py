@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from lowbit.tools.bench.attention import graph_time_ms, n_buffers
+
 # (BLOCK words, ITERS blocks per program, num_warps): the sweep a floor is the best of
 READ_CONFIGS = ((1024, 1, 4), (2048, 1, 4), (4096, 1, 8), (2048, 4, 4), (4096, 4, 8), (8192, 2, 8), (4096, 16, 8))
 
@@ -67,8 +69,6 @@ def read_words_ref(words: torch.Tensor, block: int = 2048, iters: int = 1) -> to
 def read_floor_ms(nbytes: int, device="cuda", configs=READ_CONFIGS) -> tuple[float, dict]:
     """The fastest time (ms) over `configs` to read `nbytes` (rounded up to whole int32 words) once, timed
     like the weight GEMMs; -> (ms, {"block", "iters", "num_warps"} of the best)."""
-    from lowbit.tools.bench.attention import graph_time_ms, n_buffers
-
     n = -(-nbytes // 4)
     bufs = [torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device=device)
             for _ in range(n_buffers(4 * n, 24e9))]

@@ -34,7 +34,19 @@ import time
 import torch
 
 from lowbit.core.errors import LowbitError
+from lowbit.kv.plan import resolve as plan_resolve
+from lowbit.kv.scheme import parse_kv_scheme
+from lowbit.models.geometry import ModelGeometry
 from lowbit.models.random import build_model, word_tokenizer
+from lowbit.runtime.fold import fold_value_rotation
+from lowbit.runtime.fuse import FusedHead, fuse_projections
+from lowbit.runtime.step import DecodeGraphs, ModelStep, prefill
+from lowbit.serve.batch_engine import BatchEngine
+from lowbit.serve.engine import GenParams, Request
+from lowbit.serve.loader import Runtime
+from lowbit.weights.grid import grid_for_clip, quantize_on
+from lowbit.weights.qlinear import QuantLinear
+from lowbit.weights.scheme import parse_weight_scheme
 
 # transformers' generate + compile over the lowbit cache (lowbit.runtime.generate.GenerateCache)
 GEN_PATHS = {"hf-generate-compile-lowbit-int2": "int2", "hf-generate-compile-lowbit-int4": "int4",
@@ -58,10 +70,6 @@ def quantize_linears(model, scheme_name: str, log=print, *, fuse: bool = True) -
     from torch import nn
 
     from lowbit.kernels.gemm.prepare import prepare_cuda
-    from lowbit.weights.grid import grid_for_clip, quantize_on
-    from lowbit.weights.qlinear import QuantLinear
-    from lowbit.weights.scheme import parse_weight_scheme
-
     sch = parse_weight_scheme(scheme_name)
     names = [n for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)]
     for n in names:
@@ -76,8 +84,6 @@ def quantize_linears(model, scheme_name: str, log=print, *, fuse: bool = True) -
         del lin, w
     fused = 0
     if fuse:
-        from lowbit.runtime.fuse import fuse_projections
-
         fused = fuse_projections(model).groups
     torch.cuda.empty_cache()
     rep = prepare_cuda(model, log=log)
@@ -93,7 +99,6 @@ def kv_bytes(path: str, cfg, B: int, L: int) -> int:
     H, D, n = cfg.num_key_value_heads, cfg.head_dim, cfg.num_hidden_layers
     if path in ("hf-eager-bf16", "hf-static-compile-bf16", "lowbit-bf16", "hf-generate-compile-lowbit-bf16"):
         return B * L * n * H * 2 * D * 2
-    from lowbit.kv.scheme import parse_kv_scheme
 
     s = parse_kv_scheme(SCHEMES[path])
     dense = min(L, s.sink + s.recent)
@@ -183,14 +188,9 @@ def _fill_static(cache, L: int, gen) -> None:
 
 
 def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor_pdl=None, compile="whole"):
-    from lowbit.kv.plan import resolve
-    from lowbit.models.geometry import ModelGeometry
-    from lowbit.runtime.fold import fold_value_rotation
     from lowbit.runtime.static_cache import StaticKVCache
-    from lowbit.runtime.step import DecodeGraphs, ModelStep
-
     geo = ModelGeometry.from_config(cfg, name="random-llama")
-    plan = resolve(SCHEMES[path], geo, device="cuda")
+    plan = plan_resolve(SCHEMES[path], geo, device="cuda")
     # every replay writes one token a slot: the warm-up (3), the timed steps, the profiler's (3) and _launch_cost's
     # (2 x steps) all stay inside the capacity (past it the step writes a spare row and its tiers stop growing)
     cache = StaticKVCache(model, plan, slots=B, max_context=L + 3 * steps + 16)
@@ -219,8 +219,6 @@ def _row_lowbit(path, model, cfg, B, L, steps, *, fuse=True, fold=True, inductor
 
 
 def _time_lowbit_row(graphs, cache, plan, step, B, L, steps, capture_s) -> dict:
-    from lowbit.runtime.fuse import FusedHead
-
     _fill_static(cache, L, torch.Generator(device="cuda").manual_seed(1))
     graphs.active[:B] = True
 
@@ -302,15 +300,13 @@ def _row_hf_generate(path, model, cfg, B, L, steps, warm: int = 6, compile_confi
     transformers' default (what a user who only swaps the cache gets), or a transformers.CompileConfig."""
     from transformers import LogitsProcessor, LogitsProcessorList
 
-    from lowbit.kv.plan import resolve
-    from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.cache import cache_kwargs
     from lowbit.runtime.generate import GenerateCache
 
     dev = next(model.parameters()).device  # cuda; cpu only for the CPU smoke test of this harness
     cuda = dev.type == "cuda"
     geo = ModelGeometry.from_config(cfg, name="random-llama")
-    plan = resolve(GEN_PATHS[path], geo, device=dev.type)
+    plan = plan_resolve(GEN_PATHS[path], geo, device=dev.type)
     cache = GenerateCache(model, plan, batch=B, max_context=L + 1 + warm + steps + 16)
     _fill_static(cache, L, torch.Generator(device=dev).manual_seed(1))
     # the whole sequence, as transformers continues a cache: it slices off the L tokens the cache holds
@@ -394,12 +390,8 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
     the lowbit runtime's prefill into a StaticKVCache slot (bf16 and int2), tokens/s of each."""
     from transformers import DynamicCache
 
-    from lowbit.kv.plan import resolve
-    from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.cache import cache_kwargs
     from lowbit.runtime.static_cache import StaticKVCache
-    from lowbit.runtime.step import ModelStep, prefill
-
     ids = torch.randint(0, cfg.vocab_size, (L,), device="cuda", generator=torch.Generator(device="cuda").manual_seed(2))
     out = []
 
@@ -423,7 +415,7 @@ def prefill_rows(model, cfg, L: int, chunk: int, log=print) -> list[dict]:
     log(f"prefill hf-bf16 L{L} chunk {chunk}: {L / s:.0f} tok/s")
     geo = ModelGeometry.from_config(cfg, name="random-llama")
     def lowbit_seconds(kv: str) -> float:
-        cache = StaticKVCache(model, resolve(kv, geo, device="cuda"), slots=1, max_context=L + 16)
+        cache = StaticKVCache(model, plan_resolve(kv, geo, device="cuda"), slots=1, max_context=L + 16)
         step = ModelStep(model)
 
         def go():
@@ -531,12 +523,6 @@ def engine_load(geometry: str, concurrency, *, prompt_len: int, max_tokens: int,
     Per C: end-to-end output tok/s, steady decode tok/s (while all C decode), time to first token and
     inter-token latency p50/p99 (from the streamed deltas). No HTTP: the engine the server runs."""
     import threading
-
-    from lowbit.kv.scheme import parse_kv_scheme
-    from lowbit.models.geometry import ModelGeometry
-    from lowbit.serve.batch_engine import BatchEngine
-    from lowbit.serve.engine import GenParams, Request
-    from lowbit.serve.loader import Runtime
 
     model, cfg = build_model(geometry, device, dtype=torch.bfloat16 if device == "cuda" else torch.float32)
     slots = max(concurrency)
