@@ -1,6 +1,6 @@
 """Greedy token ids from lowbit's own runtime for the KV scheme of a `lowbit export --for vllm` directory.
 
-Runs lowbit.runtime.greedy.generate -- what `lowbit generate` runs (it prints text only) -- and
+Runs lowbit.runtime.generate.generate -- what `lowbit generate` runs (it prints text only) -- and
 prints the ids, so they can be compared with vLLM's (scripts/serve_vllm_cpu.sh records token_ids):
 
     python scripts/lowbit_greedy_ids.py --model gemma3-270m --export DIR --prompt-file F [F ...] [--max-new 12]
@@ -19,7 +19,7 @@ import torch
 
 
 def main() -> int:
-    from lowbit.runtime.greedy import generate
+    from lowbit.runtime.generate import generate
     from lowbit.models import resolve
     from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.vllm_plugin import sidecar

@@ -278,6 +278,25 @@ def _key(v: str) -> str:
     return v.split(" (layer")[0]
 
 
+# Optional packages (extras) and the folders whose modules may need them at import. Everything else must
+# import on a plain install (torch + transformers), so a CPU user without Triton can plan, evaluate and
+# generate, and `lowbit serve` / the vLLM plugin / diffusion pull in their extras only when used.
+OPTIONAL = {"triton", "fastapi", "uvicorn", "vllm", "diffusers", "openai"}
+OPTIONAL_HOMES = ("lowbit.kernels", "lowbit.tools", "lowbit.serve", "lowbit.vllm_plugin", "lowbit.diffusion",
+                  "lowbit.integrations", "lowbit.commands", "lowbit.cli", "lowbit.__main__")
+
+
+def optional_leaks(g=None) -> list[str]:
+    heavy = heavy_closure(g)
+    return sorted(f"{m} imports {', '.join(sorted(heavy[m] & OPTIONAL))} at import time"
+                  for m in heavy if heavy[m] & OPTIONAL and not m.startswith(OPTIONAL_HOMES))
+
+
+def test_optional_packages_stay_in_their_folders():
+    found = optional_leaks()
+    assert not found, "modules that need an optional package to import:\n" + "\n".join(found)
+
+
 def test_every_module_has_a_layer():
     for m in modules():
         layer_of(m)
@@ -313,3 +332,6 @@ if __name__ == "__main__":
     print(f"# {len(cyc)} cycles")
     print("\n".join(loc))
     print(f"# {len(loc)} function-local lowbit imports outside commands")
+    opt = optional_leaks(g)
+    print("\n".join(opt))
+    print(f"# {len(opt)} modules outside their folder that need an optional package")

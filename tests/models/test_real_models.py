@@ -6,7 +6,7 @@ import time
 import pytest
 
 from lowbit.models import BUILTINS, load
-from lowbit.runtime.greedy import PROMPT, greedy_continuation
+from lowbit.runtime.generate import PROMPT, greedy_continuation
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import torch
 from lowbit.core.errors import LowbitError
 from lowbit.models.load import is_cached
 from lowbit.models.registry import BUILTINS
-from lowbit.runtime.greedy import PROMPT, greedy_continuation
+from lowbit.runtime.generate import PROMPT, greedy_continuation
 from lowbit.runtime.load import resolve
 
 NAME = "demo"

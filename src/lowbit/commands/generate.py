@@ -15,7 +15,7 @@ from lowbit.commands._kv_flags import add_kv_arguments, scheme_from_args
 from lowbit.core.device import resolve_device
 from lowbit.core.errors import LowbitError
 from lowbit.core.flags import torch_dtype
-from lowbit.runtime.greedy import generate, read_prompt
+from lowbit.runtime.generate import generate, read_prompt
 
 NAME = "generate"
 HELP = "greedy generation with a quantized KV cache; prints the continuation and a memory summary"

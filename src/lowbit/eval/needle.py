@@ -204,7 +204,7 @@ def run_needle(lm, schemes: dict, *, lengths, depths=DEPTHS, haystack: str | Non
 
 
 def _greedy(lm, scheme, prompt: str, max_new_tokens: int) -> str:
-    from lowbit.runtime.greedy import generate
+    from lowbit.runtime.generate import generate
 
     ids, _ = generate(lm, scheme, prompt, max_new_tokens)
     return lm.tokenizer.decode(ids, skip_special_tokens=True)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 
-from lowbit.kernels.gemm.prepare import prepare_cuda
 from lowbit.models.load import LoadedModel, finish
 from lowbit.models.load import resolve as resolve_plain
 from lowbit.weights.load import load_quantized
@@ -35,6 +34,8 @@ def _open_quantized(path: Path, name: str, prov: dict, dtype, attn_implementatio
         model.set_attn_implementation(attn_implementation)
     loaded = finish(model, tok, path, name, prov, device)
     if device is not None and torch.device(device).type == "cuda":
+        from lowbit.kernels.gemm.prepare import prepare_cuda  # Triton: only on CUDA, an optional dependency
+
         # weights stay packed on the GPU and run through the weight kernels (dispatch resolved once here)
         rep = prepare_cuda(loaded.model)
         loaded.provenance["weight_kernels"] = {k: rep[k] for k in ("dispatch", "removed", "modules", "packed_bytes",
