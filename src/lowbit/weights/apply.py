@@ -1,4 +1,4 @@
-"""Quantize a model's linears in place: optional rotation, then RTN, sequential GPTQ or SignRound.
+"""Quantize a model's linears in place: optional rotation and smoothing, then a method (lowbit.weights.methods).
 
     report = quantize_model(model, scheme, method="gptq", calib=ids, rotate=True)
 
@@ -13,10 +13,11 @@ Smoothing (smooth=ALPHA, after the rotation when both are asked): SmoothQuant's 
 scales from one calibration forward, folded into the norms / v_proj / up_proj (see smooth.py),
 before any linear is quantized; it needs calibration tokens whatever the method.
 
-GPTQ, sequential: for each decoder layer, (1) run the calibration batches through it with
-hooks collecting H per linear, (2) GPTQ every linear of the layer, (3) run the batches through
-the now-quantized layer to get the next layer's inputs. With sequential=False step (3) reuses the
-outputs of step (1) (one pass per layer, later layers see unquantized inputs).
+The method (rtn, gptq, signround, ...: one file each in weights/methods/, found by scanning that folder)
+turns the target linears into QuantLinear modules; this module checks the inputs before any work
+(calibration for methods that need it, linears outside the decoder layers for layerwise methods),
+runs the pre-passes (rotation, smoothing) and, after the method, refuses skipped linears and runs
+the optional scale tuning.
 """
 
 from __future__ import annotations
@@ -32,20 +33,19 @@ import torch
 from torch import nn
 
 from lowbit.core.errors import LowbitError
-from lowbit.core.progress import bar as progress_bar
+from lowbit.weights import methods
 from lowbit.weights.arch import decoder_layers, set_module
-from lowbit.weights.gptq import QuantizedWeight, gptq_quantize, rtn_quantize
-from lowbit.weights.hooks import HessianCollector, capture_layer_inputs, run_layer
+from lowbit.weights.gptq import QuantizedWeight
+from lowbit.weights.hooks import calib_batches, layer_prefix
 from lowbit.weights.qlinear import QuantLinear
 from lowbit.weights.rotate import rotate_model
 from lowbit.weights.scheme import WeightScheme
-from lowbit.weights.signround import SignRoundConfig, tune_layer
+from lowbit.weights.signround import SignRoundConfig
 from lowbit.weights.smooth import smooth_model
 from lowbit.weights.tune_scales import ScaleTuneConfig, tune_scales
 
 log = logging.getLogger("lowbit.weights")
 DEFAULT_IGNORE = ("lm_head",)
-METHODS = ("gptq", "rtn", "signround")
 
 
 @dataclass
@@ -102,12 +102,6 @@ def _to_qlinear(lin: nn.Linear, qw: QuantizedWeight, scheme: WeightScheme, scale
     return QuantLinear.from_codes(qw.codes, qw.grid, scheme, lin.bias, scale_dtype=scale_dtype).to(lin.weight.device)
 
 
-def _batches(calib: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
-    n = calib.shape[0]
-    bs = max(d for d in range(1, min(batch_size, n) + 1) if n % d == 0)  # equal-shape batches
-    return list(calib.split(bs))
-
-
 @torch.no_grad()
 def quantize_model(
     model: nn.Module,
@@ -144,9 +138,8 @@ def quantize_model(
     progress: a bar over decoder layers with ETA (lowbit.core.progress; None: when stderr is a terminal).
     """
     t0 = time.perf_counter()
-    if method not in METHODS:
-        raise LowbitError(f"unknown method {method!r}; use one of {', '.join(METHODS)}")
-    if method in ("gptq", "signround") and (calib is None or calib.numel() == 0):
+    m = methods.get(method)
+    if m.needs_calib and (calib is None or calib.numel() == 0):
         raise LowbitError(f"{method} needs calibration tokens (--calib); or use --method rtn")
     if signround is not None and method != "signround":
         raise LowbitError(f"SignRound settings were given but the method is {method}; use --method signround")
@@ -164,8 +157,8 @@ def quantize_model(
         except LowbitError as e:
             raise LowbitError(f"{name}: {e}") from None
     layers = decoder_layers(model)
-    if method != "rtn":  # calibrated methods see linears through the decoder layers only: refuse the rest up front
-        prefixes = tuple(_prefix_of(model, layer) + "." for layer in layers)
+    if m.layerwise:  # methods that see linears through the decoder layers only: refuse the rest up front
+        prefixes = tuple(layer_prefix(model, layer) + "." for layer in layers)
         outside = sorted(n for n in targets if not n.startswith(prefixes))
         if outside:
             raise LowbitError(
@@ -184,7 +177,7 @@ def quantize_model(
         targets, _ = target_linears(model, ignore)  # same modules; rotation replaced no module
     if smooth is not None:
         dev = next(model.parameters()).device
-        report.smoothing = smooth_model(model, [b.to(dev) for b in _batches(calib, batch_size)], smooth, autocast,
+        report.smoothing = smooth_model(model, [b.to(dev) for b in calib_batches(calib, batch_size)], smooth, autocast,
                                          scheme=scheme)
 
     def done(name: str, lin: nn.Linear, qw: QuantizedWeight) -> None:
@@ -195,51 +188,10 @@ def quantize_model(
         if qw.damp is not None and qw.damp > damp * (1 + 1e-9):
             report.damp_raised[name] = qw.damp
 
-    bits, sym = scheme.w_bits, scheme.symmetric
-    if method == "rtn":
-        for name, lin in targets.items():
-            g = scheme.group_for(lin.in_features)
-            done(name, lin, rtn_quantize(lin.weight, bits, g, sym, clip_search=clip_search, scale_dtype=scale_dtype))
-    elif method == "signround":
-        with progress_bar(len(layers), "SignRound", "layer", progress) as pb:
-            _signround(model, layers, targets, scheme, calib, batch_size, signround or SignRoundConfig(), autocast,
-                       scale_dtype, done, report, pb)
-    else:
-        batches = _batches(calib, batch_size)
-        report.calib_tokens = int(calib.numel())
-        with autocast():
-            hidden, layer_kwargs = capture_layer_inputs(model, layers, batches)
-        layer_index = {id(layer): i for i, layer in enumerate(layers)}
-        pb = progress_bar(len(layers), "GPTQ", "layer", progress)
-        for i, layer in enumerate(layers):
-            tl = time.perf_counter()
-            prefix = _prefix_of(model, layer)
-            mine = {n: m for n, m in targets.items() if n.startswith(prefix + ".")}
-            outs = []
-            with HessianCollector(mine) as hc, autocast():
-                for h in hidden:
-                    hc.new_batch()
-                    out = run_layer(layer, h, layer_kwargs[i])
-                    if not sequential:
-                        outs.append(out)
-            for name, lin in mine.items():
-                H = hc.hessian(name)
-                g = scheme.group_for(lin.in_features)
-                qw = gptq_quantize(
-                    lin.weight, H, bits, g, sym, block=block, damp=damp, act_order=act_order,
-                    clip_search=clip_search, name=name, scale_dtype=scale_dtype, weighted_clip=weighted_clip,
-                )
-                done(name, lin, qw)
-            del hc
-            if sequential:
-                with autocast():
-                    outs = [run_layer(layer, h, layer_kwargs[i]) for h in hidden]
-            hidden = outs
-            pb.update(1)
-            if not pb.enabled:  # the bar says it otherwise
-                log.info("layer %d/%d quantized in %.1fs", layer_index[id(layer)] + 1, len(layers),
-                         time.perf_counter() - tl)
-        pb.close()
+    options = {"damp": damp, "block": block, "act_order": act_order, "clip_search": clip_search,
+               "sequential": sequential, "weighted_clip": weighted_clip, "signround": signround}
+    m.run(methods.MethodJob(model, layers, targets, scheme, calib, batch_size, autocast, scale_dtype, done, report,
+                            progress, options))
     # Anything left as a plain nn.Linear outside the ignore list was skipped: refuse.
     left, _ = target_linears(model, ignore)
     report.skipped = sorted(left)
@@ -260,47 +212,3 @@ def quantize_model(
                  st["kl_holdout_after"], "kept" if st["kept"] else "not lower: quantizer's scales kept", st["seconds"])
     report.seconds = time.perf_counter() - t0
     return report
-
-
-def _signround(model, layers, targets, scheme, calib, batch_size, cfg, autocast, scale_dtype, done, report,
-               pb=None) -> None:
-    """Sequential SignRound: per layer, tune on (quantized-model inputs -> unquantized outputs)."""
-    # minibatches have the calibration batch shape: the recorded layer kwargs (masks, position
-    # embeddings) are for that shape
-    batches = _batches(calib, cfg.batch or batch_size)
-    bs = batches[0].shape[0]
-    if cfg.batch and bs != cfg.batch:
-        raise LowbitError(f"SignRound batch {cfg.batch} does not divide the {calib.shape[0]} calibration sequences")
-    report.calib_tokens = int(calib.numel())
-    with autocast():
-        hidden, layer_kwargs = capture_layer_inputs(model, layers, batches)
-    x_fp = torch.cat(hidden)  # [n, T, d] the unquantized model's hidden states
-    x_q = x_fp.clone()  # the quantized model's
-    del hidden
-    for i, layer in enumerate(layers):
-        tl = time.perf_counter()
-        prefix = _prefix_of(model, layer)
-        mine = {n: m for n, m in targets.items() if n.startswith(prefix + ".")}
-        with autocast():
-            y_fp = torch.cat([run_layer(layer, x_fp[j:j + bs], layer_kwargs[i]) for j in range(0, len(x_fp), bs)])
-        result, stats = tune_layer(layer, mine, x_q, y_fp, layer_kwargs[i], scheme, cfg, batch=bs,
-                                   autocast=autocast, scale_dtype=scale_dtype)
-        for name, qw in result.items():
-            done(name, mine[name], qw)
-        report.signround[i] = stats
-        with autocast():
-            x_q = torch.cat([run_layer(layer, x_q[j:j + bs], layer_kwargs[i]) for j in range(0, len(x_q), bs)])
-        x_fp = y_fp
-        if pb is not None and pb.enabled:
-            pb.update(1)
-            pb.set_postfix_str(f"loss {stats['loss_rtn']:.3g} -> {stats['loss_best']:.3g}")
-            continue
-        log.info("layer %d/%d signround in %.1fs: loss %.3g -> %.3g (step %d)", i + 1, len(layers),
-                 time.perf_counter() - tl, stats["loss_rtn"], stats["loss_best"], stats["best_step"])
-
-
-def _prefix_of(model: nn.Module, layer: nn.Module) -> str:
-    for name, m in model.named_modules():
-        if m is layer:
-            return name
-    raise LowbitError("decoder layer not found in the model")

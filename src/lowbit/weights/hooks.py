@@ -143,3 +143,18 @@ class HessianCollector:
 
     def tokens(self, name: str) -> int:
         return self.counts.get(self.owner.get(name, name), 0)
+
+
+def calib_batches(calib: torch.Tensor, batch_size: int) -> list[torch.Tensor]:
+    """Calibration ids [n, T] cut into equal-shape batches of at most batch_size sequences."""
+    n = calib.shape[0]
+    bs = max(d for d in range(1, min(batch_size, n) + 1) if n % d == 0)  # equal-shape batches
+    return list(calib.split(bs))
+
+
+def layer_prefix(model: nn.Module, layer: nn.Module) -> str:
+    """The dotted name of `layer` inside `model`."""
+    for name, m in model.named_modules():
+        if m is layer:
+            return name
+    raise LowbitError("decoder layer not found in the model")
