@@ -2,6 +2,7 @@
 
     decode backend   a module in lowbit/backends/              -> lowbit.backends.all_backends()
     weight method    a module in lowbit/weights/methods/       -> lowbit.weights.methods, quantize_model(method=...)
+    model family     a module in lowbit/models/families/       -> lowbit.models.families (step kind, ArchSpec, configs)
     subcommand       a module in lowbit/commands/              -> lowbit.commands.discover()
 
 Each test drops a toy module into a temporary directory appended to the package's search path (what a
@@ -88,6 +89,27 @@ def test_a_new_file_in_weights_methods_is_a_new_quantize_method(package_dir):
         assert torch.isfinite(model(ids).logits).all()
     finally:
         methods._REGISTRY.pop("toy-rtn", None)
+
+
+def test_a_new_file_in_models_families_is_a_new_model_family(package_dir):
+    from lowbit.models import families
+
+    package_dir(families, "toy_family", '''
+        from lowbit.models.families import ArchSpec, Family, register
+
+        FAMILY = register(Family("toy", ("toy_lm",), step="shared", arch=ArchSpec(layers="backbone.blocks"),
+                                 module=__name__))
+    ''')
+    try:
+        fam = families.for_model_type("toy_lm")
+        assert fam is not None and fam.name == "toy" and fam.step == "shared"
+        assert families.by_model_type("step")["toy_lm"] == "shared"
+        assert families.by_model_type("arch")["toy_lm"].layers == "backbone.blocks"
+        assert families.for_model_type("qwen2").name == "llama"  # the shipped ones are still there
+        with pytest.raises(Exception, match="both claim"):
+            families.register(families.Family("toy2", ("toy_lm",)))
+    finally:
+        families._REGISTRY.pop("toy", None)
 
 
 def test_unknown_methods_and_backends_are_refused_naming_the_known_ones():

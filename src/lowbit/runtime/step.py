@@ -23,12 +23,13 @@ import torch
 
 from lowbit.core.errors import LowbitError
 from lowbit.kernels.ops import register_packed_linears
+from lowbit.models import families
 from lowbit.runtime.fuse import fuse_projections
 
 # model_type -> how its position embeddings are built ("shared": one rotary for every layer;
-# "per-type": rotary_emb(x, pos, layer_type) or a separate local rotary for sliding layers)
-FAMILIES = {"llama": "shared", "mistral": "shared", "qwen2": "shared", "qwen3": "shared",
-            "gemma3_text": "per-type", "gemma3": "per-type"}
+# "per-type": rotary_emb(x, pos, layer_type) or a separate local rotary for sliding layers), declared by
+# each family (lowbit.models.families: one file per family)
+FAMILIES = families.by_model_type("step")
 
 
 class ModelStep:

@@ -3,17 +3,17 @@
 Quantization itself is generic (every nn.Linear inside the decoder layers, minus the ignore list).
 The residual-stream rotation (rotate.py) is not: it needs plain RMSNorm (y = w * x / rms(x)) in
 front of every reader of the residual stream and nothing else touching it. Each architecture is
-one ArchSpec entry; a model_type without an entry, or with `rotation_refusal` set, is refused
-with that reason.
+one ArchSpec, declared by its family (lowbit.models.families/<family>.py); a model_type without one,
+or with `rotation_refusal` set, is refused with that reason.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from torch import nn
 
 from lowbit.core.errors import LowbitError
+from lowbit.models import families
+from lowbit.models.families import ArchSpec
 
 
 def set_module(root: nn.Module, name: str, new: nn.Module) -> None:
@@ -22,54 +22,8 @@ def set_module(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent) if parent else root, child, new)
 
 
-@dataclass(frozen=True)
-class ArchSpec:
-    """Module paths relative to the causal-LM model (layers) or to one decoder layer (the rest)."""
-
-    layers: str = "model.layers"
-    embed: str = "model.embed_tokens"
-    final_norm: str = "model.norm"
-    lm_head: str = "lm_head"
-    attn_norm: str = "input_layernorm"
-    mlp_norm: str = "post_attention_layernorm"
-    attn_readers: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
-    attn_writer: str = "self_attn.o_proj"
-    v_proj: str = "self_attn.v_proj"
-    mlp_readers: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
-    mlp_writer: str = "mlp.down_proj"
-    rotation_refusal: str | None = None  # why the residual rotation cannot be folded, if it cannot
-    # VLMs: the vision tower (kept unquantized by design: only the decoder is quantized) and the tower's
-    # linears whose outputs enter the decoder's residual stream (image embeddings replace image tokens'
-    # rows of the embedding output, so the residual rotation must rotate them as it rotates E)
-    vision: str | None = None
-    vision_writers: tuple[str, ...] = ()
-
-
-_LLAMA = ArchSpec()
-_GEMMA3 = ArchSpec(
-    layers="model.layers",
-    rotation_refusal=(
-        "Gemma3 norms are y = (1 + w) * x / rms(x), post-attention / post-feedforward norms sit on the "
-        "residual branches and the embeddings are scaled by sqrt(hidden); the residual rotation cannot "
-        "be folded into its weights"
-    ),
-)
-
-# Qwen2.5-VL (transformers >= 4.52 module layout, 5.17 and 5.24): a Qwen2 decoder under model.language_model,
-# the tower at model.visual; its PatchMerger's last linear (mlp.2) writes the image embeddings.
-_QWEN2_5_VL = ArchSpec(
-    layers="model.language_model.layers", embed="model.language_model.embed_tokens",
-    final_norm="model.language_model.norm", vision="model.visual", vision_writers=("model.visual.merger.mlp.2",),
-)
-
-ARCHS: dict[str, ArchSpec] = {
-    "llama": _LLAMA,
-    "mistral": _LLAMA,
-    "qwen2": _LLAMA,  # q/k/v biases ride along: a rotation of the inputs leaves output biases alone
-    "gemma3_text": _GEMMA3,
-    "gemma3": _GEMMA3,
-    "qwen2_5_vl": _QWEN2_5_VL,
-}
+# model_type -> ArchSpec, from the family registry (lowbit.models.families: one file per family)
+ARCHS: dict[str, ArchSpec] = families.by_model_type("arch")
 
 
 def arch_of(model: nn.Module) -> tuple[str, ArchSpec | None]:
@@ -100,7 +54,7 @@ def vision_tower(model: nn.Module) -> str | None:
         get_module(model, spec.vision)
     except AttributeError:
         raise LowbitError(f"{type(model).__name__}: no vision tower at {spec.vision}; this transformers version lays "
-                          "the model out differently: update lowbit.weights.arch.ARCHS") from None
+                          "the model out differently: update its ArchSpec in lowbit.models.families") from None
     return spec.vision
 
 
@@ -133,6 +87,6 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     cands = [m for m in model.modules() if isinstance(m, nn.ModuleList) and len(m) == n]
     if len(cands) != 1:
         raise LowbitError(
-            f"cannot find the decoder layers of {type(model).__name__}; add its model_type to lowbit.weights.arch.ARCHS"
+            f"cannot find the decoder layers of {type(model).__name__}; add its family to lowbit.models.families"
         )
     return cands[0]

@@ -1,10 +1,27 @@
-"""Real configs of model families no small checkpoint exists for here (geometry only, no weights).
+"""Model families: one file each in this folder, found by scanning it; everything lowbit knows about a family.
 
+    from lowbit.models import families
+    families.for_model_type("qwen2")       # the Family: its step kind, its ArchSpec, its configs
+    families.family_geometry("deepseek-v3")  # ModelGeometry of a stored real config (no weights)
+
+A Family (one module here calls `register(Family(...))` at import) holds, for the HF model_type values it
+covers:
+    step      how the runtime step (lowbit.runtime.step) builds position embeddings: "shared" (one rotary
+              for every layer) or "per-type" (per layer type); None: no runtime step for it yet
+    arch      ArchSpec: where the decoder's pieces sit (weight quantization, the residual rotation), or None
+    configs   real configs of models no small checkpoint exists for here (geometry only), stored as JSON in
+              models/configs/families/, each with what a tiny random test model changes (`tiny`) and its
+              layer count (`tiny_layers`)
+The attention geometry itself is read from the config by lowbit.models.geometry (generic); the cache
+hooks a family's attention needs (MLA's latent forward, Gemma-4's K = V scales) are keyed on that
+geometry in lowbit.runtime.families. Adding a family is one new file here.
+
+Stored configs:
 DeepSeek-V3 (MLA), Kimi-K2 (the same MLA module, 64 heads: its cache is served expanded as
 K 192 / V 128) and a Gemma-4 text decoder (sliding 8 KV heads x 256, full 1 KV head x 512 with
 attention_k_eq_v, partial RoPE 0.25) and Qwen2.5-VL-7B (a VLM: a Qwen2 decoder, 28 q / 4 KV heads x 128,
-M-RoPE sections [16, 24, 24], behind a 32-block vision tower). Each is stored as JSON in `configs/families/` in the hub's
-key names, which transformers 5.17 and 5.24 both read (5.24 turns Gemma-4's global_head_dim /
+M-RoPE sections [16, 24, 24], behind a 32-block vision tower). Each is stored as JSON in
+`models/configs/families/` in the hub's key names, which transformers 5.17 and 5.24 both read (5.24 turns Gemma-4's global_head_dim /
 num_global_key_value_heads into `per_layer_config`).
 
 Where they come from: deepseek-v3 and kimi-k2 are written from the published config.json values
@@ -25,54 +42,126 @@ dims, K = V, sliding pattern) and shrinks everything else (hidden size, experts,
 
 from __future__ import annotations
 
+import copy
+import importlib
 import json
+import pkgutil
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from lowbit.core.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 
-FAMILY_DIR = Path(__file__).parent / "configs" / "families"
-FAMILIES = ("deepseek-v3", "kimi-k2", "gemma4-text", "qwen2.5-vl-7b")
+FAMILY_DIR = Path(__file__).resolve().parents[1] / "configs" / "families"
 
-# What a tiny test model changes; attention geometry stays the real one.
-_TINY = {
-    "deepseek-v3": {"hidden_size": 256, "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": 96,
-                    "intermediate_size": 192, "moe_intermediate_size": 64, "n_routed_experts": 4,
-                    "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1, "first_k_dense_replace": 1},
-    "gemma4-text": {"hidden_size": 256, "intermediate_size": 256, "final_logit_softcapping": None},
-}
-# Qwen2.5-VL: head_dim 128 (hidden / heads) and the real 4 KV heads kept, with 8 q heads (GQA 2:1, not the real
-# 7:1, which at 4 KV heads means hidden 3584: too big for a CPU test) -> hidden 1024;
-# M-RoPE sections and the vision patch geometry (patch 14, 2x2 merge, temporal 2) kept; the tower is 2 blocks
-# of width 64 with the last one full attention (the real tower: windowed blocks + every 8th full). The
-# special ids sit past a tiny vocabulary, so they move to the top of a 99-token one in the real order.
-_TINY["qwen2.5-vl-7b"] = {
-    "hidden_size": 1024, "num_attention_heads": 8, "num_key_value_heads": 4, "intermediate_size": 256,
-    "vocab_size": 99, "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, "vision_start_token_id": 93,
-    "vision_end_token_id": 94, "vision_token_id": 95, "image_token_id": 96, "video_token_id": 97,
-    "vision_config": {"depth": 2, "hidden_act": "silu", "hidden_size": 64, "intermediate_size": 96, "num_heads": 2,
-                      "in_chans": 3, "out_hidden_size": 1024, "patch_size": 14, "spatial_merge_size": 2,
-                      "spatial_patch_size": 14, "window_size": 112, "fullatt_block_indexes": [1],
-                      "tokens_per_second": 2, "temporal_patch_size": 2},
-}
-_TINY["kimi-k2"] = {**_TINY["deepseek-v3"], "bos_token_id": 0, "eos_token_id": 1}  # its ids sit past a tiny vocab
-TINY_LAYERS = {"deepseek-v3": 2, "kimi-k2": 2, "gemma4-text": 6, "qwen2.5-vl-7b": 2}
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Module paths relative to the causal-LM model (layers) or to one decoder layer (the rest)."""
+
+    layers: str = "model.layers"
+    embed: str = "model.embed_tokens"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head"
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    attn_readers: tuple[str, ...] = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+    attn_writer: str = "self_attn.o_proj"
+    v_proj: str = "self_attn.v_proj"
+    mlp_readers: tuple[str, ...] = ("mlp.gate_proj", "mlp.up_proj")
+    mlp_writer: str = "mlp.down_proj"
+    rotation_refusal: str | None = None  # why the residual rotation cannot be folded, if it cannot
+    # VLMs: the vision tower (kept unquantized by design: only the decoder is quantized) and the tower's
+    # linears whose outputs enter the decoder's residual stream (image embeddings replace image tokens'
+    # rows of the embedding output, so the residual rotation must rotate them as it rotates E)
+    vision: str | None = None
+    vision_writers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class StoredConfig:
+    """A real config stored in models/configs/families/<name>.json, and its tiny test model's changes."""
+
+    name: str
+    tiny: dict = field(default_factory=dict)
+    tiny_layers: int = 2
+
+
+@dataclass(frozen=True)
+class Family:
+    name: str
+    model_types: tuple[str, ...]
+    step: str | None = None
+    arch: ArchSpec | None = None
+    configs: tuple[StoredConfig, ...] = ()
+    module: str = ""
+
+
+_REGISTRY: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add a family (called at import of its module); a model_type claimed twice is a bug."""
+    for other in _REGISTRY.values():
+        if other.name != family.name and set(other.model_types) & set(family.model_types):
+            raise LowbitError(f"model families {other.name!r} and {family.name!r} both claim "
+                              f"{sorted(set(other.model_types) & set(family.model_types))}")
+    _REGISTRY[family.name] = family
+    return family
+
+
+def all_families() -> dict[str, Family]:
+    """{name: Family} of every module of this package (imported on first use)."""
+    for info in pkgutil.iter_modules(__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"{__name__}.{info.name}")
+    return dict(_REGISTRY)
+
+
+def for_model_type(model_type: str | None) -> Family | None:
+    """The family covering HF `model_type`, or None."""
+    return next((f for f in all_families().values() if model_type in f.model_types), None)
+
+
+def by_model_type(attr: str) -> dict:
+    """{model_type: getattr(family, attr)} over every family where that attribute is set (step, arch)."""
+    return {mt: getattr(f, attr) for f in all_families().values() for mt in f.model_types
+            if getattr(f, attr) is not None}
+
+
+def _stored() -> dict[str, StoredConfig]:
+    return {c.name: c for f in all_families().values() for c in f.configs}
+
+
+def stored_config_names() -> tuple[str, ...]:
+    return tuple(_stored())
+
+
+def __getattr__(name: str):
+    # FAMILIES / TINY_LAYERS: read from the registry when asked (the family modules import this one)
+    if name == "FAMILIES":
+        return stored_config_names()
+    if name == "TINY_LAYERS":
+        return {n: c.tiny_layers for n, c in _stored().items()}
+    raise AttributeError(name)
+
+
+def _config(name: str) -> StoredConfig:
+    found = _stored()
+    if name not in found:
+        raise LowbitError(f"unknown model family {name!r}; known: {', '.join(found)}")
+    return found[name]
 
 
 def family_config_dict(name: str) -> dict:
     """The stored real config of family `name` (a new dict each call)."""
-    if name not in FAMILIES:
-        raise LowbitError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
+    _config(name)
     return json.loads((FAMILY_DIR / f"{name}.json").read_text())
 
 
 def tiny_overrides(name: str) -> dict:
     """Config fields a tiny random model of family `name` changes (never the attention geometry)."""
-    if name not in FAMILIES:
-        raise LowbitError(f"unknown model family {name!r}; known: {', '.join(FAMILIES)}")
-    import copy
-
-    return copy.deepcopy(_TINY.get(name, {}))
+    return copy.deepcopy(_config(name).tiny)
 
 
 def family_geometry(name: str, *, mla: str = "latent"):
