@@ -153,3 +153,11 @@ def test_interrupt_while_starting(monkeypatch, capsys):
     monkeypatch.setattr(cli, "load_command", slow_import)
     assert cli.main(["models"]) == 130
     assert capsys.readouterr().err == "interrupted (Ctrl-C) while starting `lowbit`: no command ran, nothing was written\n"
+
+
+@pytest.mark.parametrize("flag", [["--vq", "2x16"], ["--zero", "none"], ["--residual", "sign"], ["--group", "64"]])
+def test_serve_scheme_flag_without_kv_is_one_line(flag, capsys):
+    """serve and export take the one KV flag set (lowbit.commands._kv_flags): a scheme flag without --kv or
+    --recipe is refused in one line, before any model is loaded, instead of being ignored."""
+    assert cli.main(["serve", "--model", "no-such-model", "--port", "0", "--device", "cpu", *flag]) == 2
+    assert capsys.readouterr().err == f"error: {flag[0]} needs --kv SCHEME (or a --recipe file)\n"

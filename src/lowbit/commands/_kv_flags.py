@@ -4,6 +4,8 @@
     add_kv_arguments(parser)                 # --kv SCHEME + --group --sink --recent --page --clip
                                              # --lloyd-max --rotation --layer-bits | --recipe FILE
     scheme = scheme_from_args(args)          # a lowbit.kv.scheme.KVScheme (not yet validated)
+    scheme = scheme_or_none(args)            # None when no --kv / --recipe and no scheme flag (serve: the
+                                             # artifact's scheme); a scheme flag alone is refused
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 from lowbit.core.errors import LowbitError
 from lowbit.kv.scheme import SCHEME_NAMES, KVScheme, load_recipe, parse_kv_scheme
 
+# every scheme flag add_kv_arguments adds besides --kv / --recipe / --lloyd-max (the one list)
 _FLAGS = ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid", "zero", "scale_format", "vq",
           "residual")
 
@@ -68,3 +71,20 @@ def scheme_from_args(args, name: str | None = None) -> KVScheme:
     if name is None:
         raise LowbitError(f"give a KV scheme with --kv ({', '.join(SCHEME_NAMES)}) or a --recipe file")
     return parse_kv_scheme(name, lloyd_max=lloyd, **flags)
+
+
+def flags_given(args) -> list[str]:
+    """The scheme flags given on the command line, as typed (e.g. ['--vq', '--group'])."""
+    given = [f"--{f.replace('_', '-')}" for f in _FLAGS if getattr(args, f, None) is not None]
+    return given + (["--lloyd-max"] if getattr(args, "lloyd_max", False) else [])
+
+
+def scheme_or_none(args) -> KVScheme | None:
+    """scheme_from_args, or None when neither --kv nor --recipe was given; a scheme flag without either is
+    refused in one line instead of being ignored (e.g. `--vq needs --kv SCHEME`)."""
+    if getattr(args, "kv", None) is None and getattr(args, "recipe", None) is None:
+        given = flags_given(args)
+        if given:
+            raise LowbitError(f"{given[0]} needs --kv SCHEME (or a --recipe file)")
+        return None
+    return scheme_from_args(args)

@@ -21,15 +21,9 @@ def add_kv_flags(p) -> None:
 
 def kv_scheme_from_args(args):
     """KVScheme from the shared flags (lowbit.commands._kv_flags), or None when neither --kv nor --recipe was given."""
-    from lowbit.commands._kv_flags import scheme_from_args
+    from lowbit.commands._kv_flags import scheme_or_none
 
-    if args.kv is None and args.recipe is None:
-        given = [f for f in ("group", "sink", "recent", "page", "clip", "rotation", "layer_bits", "grid")
-                 if getattr(args, f, None) is not None]
-        if given or args.lloyd_max:
-            raise LowbitError(f"--{(given or ['lloyd-max'])[0].replace('_', '-')} needs --kv SCHEME")
-        return None
-    return scheme_from_args(args)
+    return scheme_or_none(args)
 
 
 def add_arguments(p) -> None:
