@@ -12,9 +12,9 @@ import time
 
 import torch
 
-from lowbit.tools.bench import gemm as wb
-from lowbit.kernels.gemm.check import LLM_SHAPES
 from lowbit.kernels.gemm.dispatch import Dispatch
+from lowbit.tools.audit.gemm import LLM_SHAPES
+from lowbit.tools.bench import gemm as wb
 
 MS = (1, 2, 3, 4, 7, 8, 16, 17, 32, 64)
 

@@ -207,8 +207,8 @@ def test_gpu_cuda_graph_replay():
 @gpu
 @needs_cuda
 def test_gpu_audit_covers_cuda_cells():
-    from lowbit.kernels.gemm.check import audit_weights
     from lowbit.kernels.gemm.dispatch import last_resort
+    from lowbit.tools.audit.gemm import audit_weights
 
     cells = [Cell(k, 1, 64, "cuda", CudaConfig(RT=1)) for k in ("w4a16", "w8a16")] + last_resort()
     rows, _ = audit_weights("cuda", schemes=("w4a16-g128", "w4a16-g64-asym", "w8a16"),

@@ -346,7 +346,7 @@ def test_gpu_tiled_graph_replay(cfg):
 @gpu
 @needs_cuda
 def test_gpu_audit_covers_tiled_cells():
-    from lowbit.kernels.gemm.check import audit_weights
+    from lowbit.tools.audit.gemm import audit_weights
 
     cells = [Cell("w4a16", 17, 300, "cuda", TiledConfig())] + last_resort()
     rows, _ = audit_weights("cuda", schemes=("w4a16-g128", "w4a16-g64-asym", "w4a16-g32"),

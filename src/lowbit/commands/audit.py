@@ -45,8 +45,8 @@ def run(args) -> int:
         return subprocess.call(cmd, env=env)
 
     if args.weights:
-        from lowbit.kernels.gemm.check import audit_weights
-        from lowbit.kernels.gemm.check import format_table as weight_table
+        from lowbit.tools.audit.gemm import audit_weights
+        from lowbit.tools.audit.gemm import format_table as weight_table
 
         rows, dispatch = audit_weights(device, log=print)
         print(weight_table(rows, dispatch))

@@ -18,7 +18,8 @@ import time
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.kernels.gemm.check import DIT_MS, DIT_SHAPES, LLM_MS, LLM_SHAPES, SCHEMES, random_weight
+from lowbit.kernels.gemm.check import random_weight
+from lowbit.tools.audit.gemm import DIT_MS, DIT_SHAPES, LLM_MS, LLM_SHAPES, SCHEMES
 from lowbit.tools.bench.attention import graph_time_ms, n_buffers
 
 BENCH_SCHEMES = ("w4a16-g128", "w8a16", "w8a8", "w4a16-g64-asym", "w4a8")
