@@ -1,4 +1,5 @@
-"""The rotations the KV cache applies: rotate, un-rotate, fold V's into weights (lowbit.kv.plan resolves them).
+"""The rotations the KV cache applies: rotate, un-rotate, fold a scheme's V rotation into weights (the arithmetic:
+lowbit.rotation.fold; lowbit.kv.plan resolves the rotations).
 
 Stored K is k @ R_k and stored V is v @ R_v in every tier; queries are rotated by the same R_k
 (q R_k (k R_k)^T = q k^T for orthogonal R_k) and the attention output is multiplied by R_v^T.
@@ -12,6 +13,7 @@ import torch
 
 from lowbit.core.errors import LowbitError
 from lowbit.kv.plan import load_rotations
+from lowbit.rotation.fold import fold_value_rotation_
 
 
 def rotate(x: torch.Tensor, r: torch.Tensor | None) -> torch.Tensor:
@@ -67,17 +69,7 @@ def fold_v_into_weights(model, scheme, geometry) -> None:
             raise LowbitError(f"layer {g.index}: no attention module with v_proj/o_proj found to fold V's rotation into")
         if hasattr(m, "v_norm"):
             raise LowbitError(f"layer {g.index} normalises V after v_proj; its V rotation cannot be folded into weights")
-        D, Hkv, Hq = g.head_dim_v, g.num_kv_heads, g.num_q_heads
-        wv = m.v_proj.weight  # [Hkv*D, hidden]: v_h = W_h x -> v_h R = (R^T W_h) x
-        r = rv.to(wv.device, torch.float32)
-        w = wv.float().view(Hkv, D, -1)
-        wv.copy_(torch.matmul(r.T, w).reshape_as(wv).to(wv.dtype))
-        if m.v_proj.bias is not None:
-            b = m.v_proj.bias
-            b.copy_((b.float().view(Hkv, D) @ r).reshape_as(b).to(b.dtype))
-        wo = m.o_proj.weight  # [hidden, Hq*D]: out = sum_j W_j o_j = sum_j (W_j R)(R^T o_j)... o_j' = o_j R
-        w = wo.float().view(wo.shape[0], Hq, D)
-        wo.copy_(torch.matmul(w, r).reshape_as(wo).to(wo.dtype))
+        fold_value_rotation_(m.v_proj.weight, m.v_proj.bias, m.o_proj.weight, rv, g.num_q_heads // g.num_kv_heads)
     model._lowbit_v_folded = rotation_key(scheme.rotation)
 
 

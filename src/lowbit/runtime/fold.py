@@ -4,6 +4,9 @@
     ...                                          # two small GEMMs fewer per layer in every step
     handle.undo()                                # original weights and rotations back (undoable=True)
 
+The fold's arithmetic is lowbit.rotation.fold (the one V fold); this module finds the runtime cache's
+rotations and the model's projections (fused q/k/v included) and keeps what undo needs.
+
 Why: the runtime cache stores V rotated (v @ R, R orthogonal: [D, D], or per KV head [H, D, D]) and
 un-rotates the attention output (out @ R^T) before o_proj. At decode both are GEMMs of a few rows
 (B x H and B x Hq rows of D), each one more kernel and launch gap in the captured step. V has no RoPE
@@ -28,6 +31,7 @@ import torch
 from torch import nn
 
 from lowbit.core.errors import LowbitError
+from lowbit.rotation.fold import fold_value_rotation_
 from lowbit.runtime.fuse import FusedHead, FusedTail
 
 
@@ -83,17 +87,10 @@ def _fold_layer(attn, layer, rot: torch.Tensor, G: int):
     H, D = layer.H, rot.shape[-1]
     if wv.shape[0] != H * D or o.weight.shape[1] != H * G * D:
         return f"projection shapes {tuple(wv.shape)} / {tuple(o.weight.shape)} do not match {H} KV heads x {D}"
-    r = rot.to(wv.device, torch.float32)
-    r = r.expand(H, D, D) if r.dim() == 2 else r  # [H, D, D]
     saved = [(wv, wv.detach().cpu().clone()), (o.weight, o.weight.detach().cpu().clone())]
-    with torch.no_grad():
-        w = wv.float().reshape(H, D, -1)  # [H, D, K]
-        wv.copy_(torch.matmul(r.transpose(1, 2), w).reshape(H * D, -1))
-        if bv is not None:
-            saved.append((bv, bv.detach().cpu().clone()))
-            bv.copy_(torch.matmul(bv.float().reshape(H, 1, D), r).reshape(H * D))
-        wo = o.weight.float().reshape(-1, H, G, D)  # [N, H, G, D]: q head j = h * G + g reads KV head h
-        o.weight.copy_(torch.einsum("nhgd,hde->nhge", wo, r).reshape(o.weight.shape))
+    if bv is not None:
+        saved.append((bv, bv.detach().cpu().clone()))
+    fold_value_rotation_(wv, bv, o.weight, rot, G)
     return saved
 
 

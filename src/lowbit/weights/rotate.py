@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from lowbit.core.errors import LowbitError
+from lowbit.rotation.fold import fold_value_rotation_
 from lowbit.rotation.hadamard import hadamard, is_supported_order
 from lowbit.weights.arch import ArchSpec, decoder_layers, get_module, rotation_spec
 
@@ -106,13 +107,9 @@ def rotate_value_heads(model: nn.Module) -> None:
     for layer in decoder_layers(model):
         v = get_module(layer, spec.v_proj)  # weight [Hkv * hd, d]
         o = get_module(layer, spec.attn_writer)  # weight [d, Hq * hd]
-        wv = v.weight.detach().double()
-        hkv = wv.shape[0] // hd
-        _set(v.weight, torch.einsum("hed,ef->hfd", wv.reshape(hkv, hd, -1), Hh).reshape(wv.shape))
-        if v.bias is not None:
-            _set(v.bias, (v.bias.detach().double().reshape(hkv, hd) @ Hh).reshape(-1))
-        wo = o.weight.detach().double()
-        _set(o.weight, (wo.reshape(wo.shape[0], hq, hd) @ Hh).reshape(wo.shape))
+        hkv = v.weight.shape[0] // hd
+        fold_value_rotation_(v.weight.data, None if v.bias is None else v.bias.data, o.weight.data, Hh, hq // hkv,
+                             dtype=torch.float64)
 
 
 def rotate_model(model: nn.Module) -> dict:
