@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-OUT = Path(__file__).parent / "results" / "quality" / "summary.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "quality" / "summary.json"
 
 
 def _held(model: str, row: dict, context: int, chunk: int):

@@ -1,4 +1,4 @@
-"""Runs the server reliability checks of issue #22 on CPU and writes what they measure.
+"""Runs the server reliability checks on CPU and writes what they measure.
 
     .venv/bin/python scripts/serve_reliability.py [--out results/reliability/serve_cpu.json]
 
