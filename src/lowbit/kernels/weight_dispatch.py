@@ -153,10 +153,14 @@ def measured_cells(cap: tuple[int, int], gpu: str | None = None) -> tuple[list[C
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
-    cells = [Cell(c["kind"], c["m_lo"], M_INF if c["m_hi"] is None else c["m_hi"], c["path"],
-                  config_from_name(c["path"], c.get("config")), tuple(c["shape"]) if c.get("shape") else None)
-             for c in d["cells"]]
-    return cells + last_resort(), f"measured sm_{cap[0]}{cap[1]} ({d.get('gpu', '?')}, {f.name})"
+    return table_cells(d) + last_resort(), f"measured sm_{cap[0]}{cap[1]} ({d.get('gpu', '?')}, {f.name})"
+
+
+def table_cells(d: dict) -> list[Cell]:
+    """The cells of a table file's JSON (without the last resort)."""
+    return [Cell(c["kind"], c["m_lo"], M_INF if c["m_hi"] is None else c["m_hi"], c["path"],
+                 config_from_name(c["path"], c.get("config")), tuple(c["shape"]) if c.get("shape") else None)
+            for c in d["cells"]]
 
 
 def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
