@@ -217,34 +217,39 @@ def plan(pw, dtype=torch.bfloat16, ms=DEFAULT_MS, *, compile: bool = True) -> Hu
         raise LowbitError(f"humming cannot run this {pw.kind} weight (N={pw.N}, K={pw.K}, group {pw.group}): {why}")
     if pw.qweight.device.type != "cuda":
         raise LowbitError(f"humming runs on CUDA; the weight is on {pw.qweight.device}")
+    with torch.cuda.device(pw.qweight.device):  # humming reads the current device (capability, SMs, its kernels)
+        p = _transform(pw, dtype, ms)
+        if compile:
+            load(p)
+    return p
+
+
+def _transform(pw, dtype, ms) -> HummingPlan:
+    """humming's meta, transform and per-bucket configs for pw (on the current CUDA device; no kernel compiled)."""
     from humming.layer import HummingLayerMethod
     from humming.schema import HummingInputSchema, HummingWeightSchema
     from humming.tune import get_heuristics_config
 
     args = schema_args(pw, dtype)
-    dev = pw.qweight.device
     holder = torch.nn.Module()
-    with torch.cuda.device(dev):  # humming reads the current device (capability, SM count, its repack kernels)
-        meta = HummingLayerMethod.prepare_layer_meta(
-            holder, shape_n=pw.N, shape_k=pw.K, weight_schema=HummingWeightSchema(**args["weight"]),
-            input_schema=HummingInputSchema(**args["input"]), has_bias=pw.bias is not None, torch_dtype=dtype)
-        for name, t in humming_inputs(pw, dtype).items():
-            setattr(holder, name, torch.nn.Parameter(t.clone() if t is pw.qweight else t, requires_grad=False))
-        HummingLayerMethod.transform_humming_layer(holder)
-        tuning, last = [], None
-        for lo, hi, m in buckets(ms):
-            cfg = get_heuristics_config(meta, shape_m=m)
-            if last is not None and str(cfg) == str(last):
-                tuning[-1][1] = hi  # the same kernel as the bucket below: one wider bucket
-            else:
-                tuning.append([lo, hi, cfg])
-            last = cfg
+    meta = HummingLayerMethod.prepare_layer_meta(
+        holder, shape_n=pw.N, shape_k=pw.K, weight_schema=HummingWeightSchema(**args["weight"]),
+        input_schema=HummingInputSchema(**args["input"]), has_bias=pw.bias is not None, torch_dtype=dtype)
+    for name, t in humming_inputs(pw, dtype).items():
+        setattr(holder, name, torch.nn.Parameter(t.clone() if t is pw.qweight else t, requires_grad=False))
+    HummingLayerMethod.transform_humming_layer(holder)  # humming's repack, scale permutations, W4A8 int scales
+    tuning, last = [], None
+    for lo, hi, m in buckets(ms):
+        cfg = get_heuristics_config(meta, shape_m=m)
+        if last is not None and str(cfg) == str(last):
+            tuning[-1][1] = hi  # the same kernel as the bucket below: one wider bucket
+        else:
+            tuning.append([lo, hi, cfg])
+        last = cfg
     tensors = {k: v.data for k, v in holder.named_parameters()}
-    p = HummingPlan(pw.N, pw.K, dtype, pw.a_bits == 8, tuple(m for _, _, m in buckets(ms)), tensors,
-                    meta.to_str(), tuning, locks=torch.zeros(1024, dtype=torch.int32, device=dev), meta=meta)
-    if compile:
-        load(p)
-    return p
+    return HummingPlan(pw.N, pw.K, dtype, pw.a_bits == 8, tuple(m for _, _, m in buckets(ms)), tensors,
+                       meta.to_str(), tuning, locks=torch.zeros(1024, dtype=torch.int32, device=pw.qweight.device),
+                       meta=meta)
 
 
 def _kernel_kwargs(p: HummingPlan) -> list[dict]:
