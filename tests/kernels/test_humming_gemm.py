@@ -254,3 +254,49 @@ def test_gpu_humming_is_capturable_and_the_dispatch_cell_passes_the_audit():
     rows, _ = audit_weights("cuda", schemes=("w4a16-g128", "w8a8"), shapes=[("q/o", 4096, 4096)], ms=(1, 17, 300),
                             dispatch=d)
     assert rows and all(r.ok and r.kernel == "humming" for r in rows), rows
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the sweep's logic (timing faked)")
+def test_sweep_audits_each_candidate_reports_failures_and_picks_the_fastest_passing(monkeypatch):
+    """The sweep's control flow on CPU: timings faked (humming 0.5, lowbit's cell 1.5, dequantize + cuBLAS 2.0,
+    bf16 1.0), humming faked by the twin except a NaN at M=3 (the audit must drop it there)."""
+    from lowbit.kernels import bench as kbench
+    from lowbit.kernels import gemm_candidates as gc
+
+    def fake_time(fns, reps=3, target_ms=10):
+        fns[0]()
+        cell = (fns[0].__defaults__ or (None,) * 3)[-1]
+        return {"humming": 0.5, "triton": 1.5, "dequant-cublas": 2.0}.get(getattr(cell, "path", None), 1.0)
+
+    def fake_humming(x, pw, out_dtype=None):
+        y = wg.linear_twin(x, pw, out_dtype)
+        return torch.full_like(y, float("nan")) if x.shape[0] == 3 else y
+
+    monkeypatch.setattr(kbench, "graph_time_ms", fake_time)
+    monkeypatch.setattr(hg, "humming_missing", lambda: None)
+    monkeypatch.setattr(hg, "plan", lambda pw, dtype, ms, compile=True: object())
+    monkeypatch.setattr(hg, "compile_plans", lambda plans, log=None: [])
+    monkeypatch.setattr(hg, "plan_for", lambda pw, dtype, ms: None)
+    monkeypatch.setattr(hg, "linear", fake_humming)
+    seen, lines = [], []
+    res = gc.sweep(("w8a16",), [("tiny", 128, 64)], (1, 3), dispatch=Dispatch(generic_cells(), "generic"),
+                   log=lines.append, on_row=seen.append, device="cpu")
+    rows = res["rows"]
+    assert [r["M"] for r in rows] == [1, 3] and seen == rows and res["truncated"] == []
+    assert rows[0]["winner"] == "humming" and rows[0]["ratio"] == 2.0
+    bad = rows[1]["candidates"]["humming"]
+    assert not bad["ok"] and "non-finite" in bad["error"] and bad["ms"] is None
+    assert rows[1]["winner"] == "table" and rows[1]["kernel"].startswith("triton:")
+    assert all(r["candidates"]["dequant-cublas"]["ok"] for r in rows)
+    assert any("humming FAIL" in x and "M=3" in x for x in lines)
+    t = gc.build_table(res, Dispatch(generic_cells(), "generic"))
+    assert [(c["m_lo"], c["m_hi"], c["path"]) for c in t["cells"] if c.get("shape")] == [(1, 1, "humming"),
+                                                                                          (2, None, "triton")]
+    # humming missing: reported per row with the install command, the other candidates still run
+    monkeypatch.setattr(hg, "humming_missing", lambda: f"humming-kernels is not importable here; install it: {hg.INSTALL}")
+    res = gc.sweep(("w8a16",), [("tiny", 128, 64)], (1,), dispatch=Dispatch(generic_cells(), "generic"),
+                   log=lines.append, device="cpu")
+    assert "pip install" in res["rows"][0]["candidates"]["humming"]["error"] and res["rows"][0]["winner"] == "table"
+    res = gc.sweep(("w8a16",), [("tiny", 128, 64)], (1,), dispatch=Dispatch(generic_cells(), "generic"),
+                   log=lines.append, device="cpu", budget_s=-1)
+    assert res["rows"] == [] and res["truncated"] == ["w8a16 tiny"]

@@ -57,16 +57,17 @@ def candidate_cell(name: str, pw, M: int, dispatch):
     raise ValueError(name)
 
 
-def audit_cell(cell, pw, M: int, seed: int = 0) -> tuple[float, bool, str | None]:
+def audit_cell(cell, pw, M: int, seed: int = 0, device="cuda") -> tuple[float, bool, str | None]:
     """(rel_l2, finite, error) of one cell against the twin at M on fresh inputs (any exception is the error)."""
     from lowbit.kernels import weight_gemm as wg
     from lowbit.kernels.weight_dispatch import run_cell
 
     try:
-        g = torch.Generator(device="cuda").manual_seed(1000 + seed)
-        x = torch.randn(M, pw.K, generator=g, device="cuda").to(torch.bfloat16)
+        g = torch.Generator(device=device).manual_seed(1000 + seed)
+        x = torch.randn(M, pw.K, generator=g, device=device).to(torch.bfloat16)
         y = run_cell(cell, x, pw, torch.float32)
-        torch.cuda.synchronize()
+        if torch.device(device).type == "cuda":
+            torch.cuda.synchronize()
         ref = wg.linear_twin(x, pw, out_dtype=torch.float32)
         finite = bool(torch.isfinite(y).all())
         rel = float((y.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)) if finite else float("inf")
@@ -80,7 +81,7 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
 
 
-def _humming_precompile(cases, ms, log) -> str | None:
+def _humming_precompile(cases, ms, log, device="cuda") -> str | None:
     """Compile humming's kernels for every (scheme, shape) of the sweep at its Ms, in parallel, before any timing.
     Returns why humming cannot run here (one line with the install command), or None."""
     from lowbit.kernels import humming_gemm as hg
@@ -94,7 +95,7 @@ def _humming_precompile(cases, ms, log) -> str | None:
     plans = []
     for scheme, _shape, K, N in cases:
         try:
-            pw = random_weight(scheme, N, K, "cuda")
+            pw = random_weight(scheme, N, K, device)
             if hg.why_not(pw) is None:
                 plans.append(hg.plan(pw, torch.bfloat16, ms, compile=False))
         except Exception as e:  # noqa: BLE001 -- the rows will report the failure per candidate
@@ -103,32 +104,37 @@ def _humming_precompile(cases, ms, log) -> str | None:
         log(f"humming: {err}")
     log(f"humming: kernels ready in {time.time() - t0:.0f}s")
     del plans
-    torch.cuda.empty_cache()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
     return None
 
 
 def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None, log=print, budget_s: float | None = None,
-          on_row=None) -> dict:
-    """Rows for every (scheme, shape, M) of the selection (shapes: the audit's names; default the Llama-3-8B q/o,
-    gate/up and down), each candidate audited and timed. budget_s: no new (scheme, shape) starts after that many
-    seconds (the result says truncated). on_row(row) sees each row as it is made."""
+          on_row=None, device="cuda") -> dict:
+    """Rows for every (scheme, shape, M) of the selection (shapes: the audit's names or (name, K, N); default the
+    Llama-3-8B q/o, gate/up and down), each candidate audited and timed. budget_s: no new (scheme, shape) starts
+    after that many seconds (the result says truncated). on_row(row) sees each row as it is made. device: cuda (a
+    CPU run is for tests of this function's logic, with the timing replaced)."""
     import platform
 
     import torch.nn.functional as F
 
     from lowbit.kernels import humming_gemm as hg
-    from lowbit.kernels.bench import graph_time_ms, n_buffers
+    from lowbit.kernels.bench import n_buffers
     from lowbit.kernels.weight_audit import LLM_SHAPES, random_weight, tolerance
     from lowbit.kernels.weight_dispatch import Dispatch, run_cell
 
+    from lowbit.kernels import bench as kbench
+
     t0 = time.time()
-    dispatch = dispatch or Dispatch.for_device("cuda")
+    cuda = torch.device(device).type == "cuda"
+    dispatch = dispatch or Dispatch.for_device(device)
     candidates = check_candidates(candidates)
     shapes = shapes or ("llama3-8b qkv/o", "llama3-8b gate/up", "llama3-8b down")
     ms = tuple(ms or (1, 16, 64, 256, 4096))
     by_name = {n: (K, N) for n, K, N in LLM_SHAPES}
-    cases = [(s, sh, *by_name[sh]) for s in schemes for sh in shapes]
-    humming_why = _humming_precompile(cases, ms, log) if "humming" in candidates else None
+    cases = [(s, *(sh if isinstance(sh, tuple) else (sh, *by_name[sh]))) for s in schemes for sh in shapes]
+    humming_why = _humming_precompile(cases, ms, log, device) if "humming" in candidates else None
     rows, truncated = [], []
     for scheme, shape, K, N in cases:
         if budget_s is not None and time.time() - t0 > budget_s:
@@ -136,13 +142,13 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
             log(f"budget {budget_s:.0f}s reached: {scheme} {shape} not measured")
             continue
         try:
-            pw0 = random_weight(scheme, N, K, "cuda")
+            pw0 = random_weight(scheme, N, K, device)
         except Exception as e:  # noqa: BLE001 -- the group does not divide K, etc.
             log(f"{scheme} {shape}: no weight ({_one_line(e)})")
             continue
         n = n_buffers(pw0.nbytes(), 24e9)
-        pws = [pw0] + [random_weight(scheme, N, K, "cuda", seed=i) for i in range(1, n)]
-        ws = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(n_buffers(N * K * 2, 24e9))]
+        pws = [pw0] + [random_weight(scheme, N, K, device, seed=i) for i in range(1, n)]
+        ws = [torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n_buffers(N * K * 2, 24e9))]
         if "humming" in candidates and humming_why is None and hg.why_not(pw0) is None:
             try:
                 for p in pws:
@@ -151,10 +157,10 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
                 log(f"humming: repack for {scheme} {shape} failed: {_one_line(e)}")
         for M in ms:
             nx = max(len(pws), len(ws))
-            xs = [torch.randn(M, K, device="cuda", dtype=torch.bfloat16) for _ in range(nx)]
+            xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(nx)]
             row = {"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "candidates": {}}
             try:
-                row["bf16_ms"] = graph_time_ms([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(nx)],
+                row["bf16_ms"] = kbench.graph_time_ms([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(nx)],
                                                reps=3, target_ms=10)
             except Exception as e:  # noqa: BLE001
                 row["bf16_ms"], row["bf16_error"] = None, _one_line(e)
@@ -177,7 +183,7 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
                 if name == "humming" and (why := hg.why_not(pw0)) is not None:
                     c["error"] = f"humming does not take this weight: {why}"
                     continue
-                rel, finite, err = audit_cell(cell, pw0, M, seed=M)
+                rel, finite, err = audit_cell(cell, pw0, M, seed=M, device=device)
                 c["rel_l2"] = rel if finite else None
                 c["ok"] = err is None and finite and rel <= tolerance(cell.kernel)
                 if not c["ok"]:
@@ -185,12 +191,13 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
                         "" if finite else " (non-finite)")
                     continue
                 try:
-                    c["ms"] = graph_time_ms([(lambda p=pws[i % len(pws)], x=xs[i], cl=cell: run_cell(cl, x, p))
+                    c["ms"] = kbench.graph_time_ms([(lambda p=pws[i % len(pws)], x=xs[i], cl=cell: run_cell(cl, x, p))
                                              for i in range(nx)], reps=3, target_ms=10)
                     c["ratio"] = row["bf16_ms"] / c["ms"] if row["bf16_ms"] else None
                 except Exception as e:  # noqa: BLE001 -- e.g. not capturable: reported, not eligible
                     c["ok"], c["error"] = False, f"timing: {_one_line(e)}"
-                    torch.cuda.synchronize()
+                    if cuda:
+                        torch.cuda.synchronize()
             timed = [(v["ms"], k) for k, v in row["candidates"].items() if v["ok"] and v["ms"] is not None]
             best = min(timed)[1] if timed else None
             bc = row["candidates"].get(best, {})
@@ -201,8 +208,10 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
             log(_format_row(row, t0))
             del xs
         del ws, pws, pw0
-        torch.cuda.empty_cache()
-    return {"env": {"gpu": torch.cuda.get_device_name(0), "capability": list(torch.cuda.get_device_capability(0)),
+        if cuda:
+            torch.cuda.empty_cache()
+    return {"env": {"gpu": torch.cuda.get_device_name(0) if cuda else str(device),
+                    "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
                     "torch": torch.__version__, "python": platform.python_version(), "humming": _humming_version(),
                     "dispatch": dispatch.source, "candidates": list(candidates),
                     "timing": "CUDA graph of calls cycling >= 4x L2 of weight sets; median of 3 replays; bf16 "
