@@ -8,9 +8,9 @@ the cell, and `build_table` turns the winners into a dispatch table for this car
 Candidates (names):
     table           the cell lowbit's dispatch table picks today (lowbit's hand-written kernels, or whatever the
                     committed table says, dequantize + cuBLAS included)
-    humming         humming-kernels (lowbit.kernels.humming_gemm): one plan per weight set, kernels compiled for the
-                    sweep's Ms before any timing (compile_plans, in parallel), timed inside the graph like the others
-                    (eagerly it costs ~50 us of host time per call)
+    humming         humming-kernels (lowbit.kernels.humming_gemm): one plan per weight set; a scheme's kernels (all
+                    its shapes at the sweep's Ms) compiled in parallel threads before its first row (compile_plans);
+                    timed inside the graph like the others (eagerly it costs ~50 us of host time per call)
     dequant-cublas  dequantize + cuBLAS (A8 weights: their activation codes through it, a16-xq:dequant-cublas)
 
 Audit: a candidate runs once on fresh inputs at the row's M and its rel L2 against weight_gemm.linear_twin (fp32
@@ -81,16 +81,12 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {msg[0][:300] if msg else ''}"
 
 
-def _humming_precompile(cases, ms, log, device="cuda") -> str | None:
-    """Compile humming's kernels for every (scheme, shape) of the sweep at its Ms, in parallel, before any timing.
-    Returns why humming cannot run here (one line with the install command), or None."""
+def _humming_precompile(cases, ms, log, device="cuda") -> None:
+    """Compile humming's kernels for these (scheme, shape, K, N) at the sweep's Ms, in parallel threads, before any
+    of them is timed (failures are logged; the rows then report them per candidate)."""
     from lowbit.kernels import humming_gemm as hg
     from lowbit.kernels.weight_audit import random_weight
 
-    why = hg.humming_missing()
-    if why is not None:
-        log(f"humming: {why}")
-        return why
     t0 = time.time()
     plans = []
     for scheme, _shape, K, N in cases:
@@ -102,11 +98,10 @@ def _humming_precompile(cases, ms, log, device="cuda") -> str | None:
             log(f"humming: plan for {scheme} N={N} K={K} failed: {_one_line(e)}")
     for err in hg.compile_plans(plans, log=log):
         log(f"humming: {err}")
-    log(f"humming: kernels ready in {time.time() - t0:.0f}s")
+    log(f"humming: kernels for {', '.join(sorted({c[0] for c in cases}))} ready in {time.time() - t0:.0f}s")
     del plans
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
-    return None
 
 
 def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None, log=print, budget_s: float | None = None,
@@ -134,13 +129,18 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
     ms = tuple(ms or (1, 16, 64, 256, 4096))
     by_name = {n: (K, N) for n, K, N in LLM_SHAPES}
     cases = [(s, *(sh if isinstance(sh, tuple) else (sh, *by_name[sh]))) for s in schemes for sh in shapes]
-    humming_why = _humming_precompile(cases, ms, log, device) if "humming" in candidates else None
-    rows, truncated = [], []
+    humming_why = hg.humming_missing() if "humming" in candidates else None
+    if humming_why is not None:
+        log(f"humming: {humming_why}")
+    rows, truncated, compiled = [], [], set()
     for scheme, shape, K, N in cases:
         if budget_s is not None and time.time() - t0 > budget_s:
             truncated.append(f"{scheme} {shape}")
             log(f"budget {budget_s:.0f}s reached: {scheme} {shape} not measured")
             continue
+        if "humming" in candidates and humming_why is None and scheme not in compiled:
+            compiled.add(scheme)  # one scheme's kernels at a time: the first rows come early, a cut-short run compiles
+            _humming_precompile([c for c in cases if c[0] == scheme], ms, log, device)  # nothing it won't time
         try:
             pw0 = random_weight(scheme, N, K, device)
         except Exception as e:  # noqa: BLE001 -- the group does not divide K, etc.

@@ -343,3 +343,41 @@ def plan_for(pw, dtype=torch.bfloat16, ms=DEFAULT_MS) -> HummingPlan:
 def linear(x: torch.Tensor, pw, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [M, K] bf16/fp16 -> [M, N] through humming (the dispatch's "humming" path)."""
     return run(plan_for(pw, x.dtype), x, out_dtype)
+
+
+def probe(log=print) -> int:
+    """`python -m lowbit.kernels.humming_gemm`: whether humming imports here, its launcher build time, and one small
+    W4A16 GEMM against the twin (one kernel compiled). 0 when all of that worked."""
+    import time
+
+    why = humming_missing()
+    if why is not None:
+        log(why)
+        return 1
+    from importlib.metadata import version
+
+    log(f"humming-kernels {version('humming-kernels')} imports on {torch.cuda.get_device_name()}")
+    t = time.time()
+    from humming.ops.utils import init_humming_launcher
+
+    init_humming_launcher()
+    log(f"humming launcher built in {time.time() - t:.0f}s")
+    from lowbit.kernels.weight_audit import random_weight
+
+    pw = random_weight("w4a16-g128", 256, 512, "cuda")
+    t = time.time()
+    p = plan(pw, torch.bfloat16, ms=(16,))
+    log(f"one humming kernel compiled and loaded in {time.time() - t:.0f}s")
+    worst = 0.0
+    for M in (1, 5, 16, 40):
+        x = torch.randn(M, pw.K, device="cuda", dtype=torch.bfloat16)
+        y, ref = run(p, x, torch.float32), linear_twin(x, pw, torch.float32)
+        worst = max(worst, float((y - ref).norm() / ref.norm()) if bool(torch.isfinite(y).all()) else float("inf"))
+    log(f"w4a16-g128 N=256 K=512 M 1/5/16/40 against the twin: worst rel L2 {worst:.2e}")
+    return 0 if worst < 1e-2 else 2
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(probe())
