@@ -114,12 +114,11 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
 
     import torch.nn.functional as F
 
+    from lowbit.kernels import bench as kbench
     from lowbit.kernels import humming_gemm as hg
     from lowbit.kernels.bench import n_buffers
     from lowbit.kernels.weight_audit import LLM_SHAPES, random_weight, tolerance
     from lowbit.kernels.weight_dispatch import Dispatch, run_cell
-
-    from lowbit.kernels import bench as kbench
 
     t0 = time.time()
     cuda = torch.device(device).type == "cuda"
@@ -156,12 +155,12 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
             except Exception as e:  # noqa: BLE001
                 log(f"humming: repack for {scheme} {shape} failed: {_one_line(e)}")
         for M in ms:
-            nx = max(len(pws), len(ws))
+            nx, nw, npw = max(len(pws), len(ws)), len(ws), len(pws)
             xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(nx)]
             row = {"scheme": scheme, "shape": shape, "M": M, "N": N, "K": K, "candidates": {}}
             try:
-                row["bf16_ms"] = kbench.graph_time_ms([(lambda w=ws[i % len(ws)], x=xs[i]: F.linear(x, w)) for i in range(nx)],
-                                               reps=3, target_ms=10)
+                row["bf16_ms"] = kbench.graph_time_ms([(lambda w=ws[i % nw], x=xs[i]: F.linear(x, w))
+                                                       for i in range(nx)], reps=3, target_ms=10)
             except Exception as e:  # noqa: BLE001
                 row["bf16_ms"], row["bf16_error"] = None, _one_line(e)
             for name in candidates:
@@ -191,8 +190,8 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
                         "" if finite else " (non-finite)")
                     continue
                 try:
-                    c["ms"] = kbench.graph_time_ms([(lambda p=pws[i % len(pws)], x=xs[i], cl=cell: run_cell(cl, x, p))
-                                             for i in range(nx)], reps=3, target_ms=10)
+                    c["ms"] = kbench.graph_time_ms([(lambda p=pws[i % npw], x=xs[i], cl=cell: run_cell(cl, x, p))
+                                                    for i in range(nx)], reps=3, target_ms=10)
                     c["ratio"] = row["bf16_ms"] / c["ms"] if row["bf16_ms"] else None
                 except Exception as e:  # noqa: BLE001 -- e.g. not capturable: reported, not eligible
                     c["ok"], c["error"] = False, f"timing: {_one_line(e)}"

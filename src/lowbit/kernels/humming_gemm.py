@@ -168,12 +168,12 @@ def humming_missing() -> str | None:
     """None when humming imports here, else one line: why, and the install command."""
     if not _missing:
         try:
-            import humming  # noqa: F401
-            import humming.layer  # noqa: F401
+            import humming
+            import humming.layer
             import humming.ops  # noqa: F401
 
             _missing.append(None)
-        except Exception as e:  # ImportError, or a missing CUDA toolkit piece at import
+        except Exception as e:  # noqa: BLE001 -- ImportError, or a missing CUDA toolkit piece at import
             first = str(e).splitlines()[0] if str(e) else ""
             _missing.append(f"humming-kernels is not importable here ({type(e).__name__}: {first}); install it: "
                             f"{INSTALL}")
@@ -286,7 +286,7 @@ def compile_plans(plans, workers: int = 16, log=None) -> list[str]:
         try:
             HummingKernel(**kw)
             return None
-        except Exception as e:  # a config humming's compiler refuses
+        except Exception as e:  # noqa: BLE001 -- a config humming's compiler refuses: reported
             return f"humming kernel for N={kw.get('shape_n')} K={kw.get('shape_k')} {kw.get('block_shape')}: " \
                    f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
