@@ -72,17 +72,34 @@ def test_humming_formula_on_its_inputs_is_lowbits_weight(scheme, dtype):
 
 
 def test_schema_args_and_refusals():
-    pw = random_weight("w4a16-g128", 128, 256, "cpu")
+    pw = random_weight("w4a16-g128", 256, 256, "cpu")
     assert hg.schema_args(pw) == {"weight": {"b_dtype": "uint4", "weight_scale_group_size": 128,
                                              "has_zero_point": False}, "input": {"a_dtype": "bfloat16"}}
     assert hg.schema_args(random_weight("w8a8", 128, 256, "cpu"))["input"] == {"a_dtype": "int8"}
     assert hg.schema_args(random_weight("w8a16", 128, 256, "cpu"))["weight"]["weight_scale_group_size"] == 0
     assert hg.why_not(pw) is None and hg.why_not(pw, torch.float16) is None
     assert "bf16/fp16" in hg.why_not(pw, torch.float32)
-    assert "multiple of 64" in hg.why_not(random_weight("w4a16-g128", 33, 256, "cpu"))
-    assert "multiple of 64" in hg.why_not(random_weight("w8a8", 128, 96, "cpu"))  # K: 2 * 256 / 8 at int8 inputs
-    assert "smallest" in hg.why_not(random_weight("w4a16-g8", 128, 256, "cpu"))
-    assert "smallest" in hg.why_not(random_weight("w4a8-g16", 128, 256, "cpu"))
+    assert "multiple of 256" in hg.why_not(random_weight("w4a16-g128", 33, 256, "cpu"))
+    assert "K=192 is not a multiple of 128" in hg.why_not(random_weight("w8a8", 256, 192, "cpu"))
+    assert "smallest" in hg.why_not(random_weight("w4a16-g8", 256, 256, "cpu"))
+    assert "smallest" in hg.why_not(random_weight("w4a8-g16", 256, 256, "cpu"))
+
+
+# (scheme, K, N): whether humming 0.1.10's SM90 heuristics give kernel configurations its checks accept for every M
+# bucket (found by building them with its compiler stubbed out); why_not must refuse every shape that fails
+SM90_SHAPES = [("w4a16-g128", 1152, 4608, True), ("w4a16-g128", 4608, 1152, False), ("w4a16-g128", 128, 128, False),
+               ("w4a16-g128", 128, 768, True), ("w4a16-g128", 4096, 6144, True), ("w4a16-g128", 4096, 960, False),
+               ("w8a16", 576, 576, False), ("w8a16", 576, 1536, True), ("w8a16", 1536, 576, False),
+               ("w8a8", 576, 1536, False), ("w8a8", 1152, 4608, True), ("w8a8", 128, 768, True),
+               ("w4a8", 1152, 1152, True), ("w4a8", 4608, 1152, True), ("w4a8", 128, 128, False),
+               ("w4a8", 1536, 576, False), ("w4a16-g32", 576, 1536, True), ("w4a16-g32", 1152, 1152, False),
+               ("w4a16-g128", 4096, 14336, True), ("w4a16-g128", 14336, 4096, True), ("w8a8", 4096, 1024, True)]
+
+
+@pytest.mark.parametrize("scheme, K, N, ok", SM90_SHAPES)
+def test_why_not_refuses_what_hummings_sm90_tiles_do_not_divide(scheme, K, N, ok):
+    why = hg.why_not(random_weight(scheme, N, K, "cpu"))
+    assert why is None if ok else why is not None, why
 
 
 def test_buckets():
@@ -120,7 +137,7 @@ def test_dispatch_passes_over_a_weight_humming_does_not_take_and_errors_when_hum
     odd = random_weight("w4a16-g128", 33, 256, "cpu")  # N not a multiple of 64: the next cell takes it
     assert d.choose("w4a16", 1, odd).path == "triton"
     monkeypatch.setattr(hg, "humming_missing", lambda: f"humming-kernels is not importable here; install it: {hg.INSTALL}")
-    ok = random_weight("w4a16-g128", 128, 256, "cpu")
+    ok = random_weight("w4a16-g128", 256, 256, "cpu")
     with pytest.raises(LowbitError, match=r"dispatches w4a16 M=1 to humming on cpu.*pip install") as e:
         d.choose("w4a16", 1, ok)
     assert "\n" not in str(e.value)
@@ -153,7 +170,7 @@ def test_audit_bound_and_a_raising_humming_cell_fails_the_audit(monkeypatch):
     from lowbit.kernels.weight_audit import check_cell
 
     assert tolerance("humming") == DEQUANT_TOL
-    pw = random_weight("w4a16-g128", 128, 256, "cpu")
+    pw = random_weight("w4a16-g128", 256, 256, "cpu")
     d = _humming_first()
     monkeypatch.setattr(hg, "humming_missing", lambda: None)
 
@@ -192,7 +209,7 @@ def test_table_from_winners_round_trips_and_keeps_the_base_cells():
         ("w8a8", 1, None, "a16-xq", "dequant-cublas")]
     d = Dispatch(table_cells(t), "t")
     assert d.choose("w4a16", 100).path == "triton"  # a shape-free query: the base cells
-    pw = dataclasses.replace(random_weight("w4a16-g128", 128, 256, "cpu"), N=14336, K=4096)
+    pw = dataclasses.replace(random_weight("w4a16-g128", 256, 256, "cpu"), N=14336, K=4096)
     c = d.choose("w4a16", 300, pw)
     assert c.path == "dequant-cublas" and c.shape == (14336, 4096)
     assert [c.config.name for c in d.cells if c.shape and c.kind == "w4a16" and c.covers(200)] == ["cuda-ws-rt1-w8-nb3-sk0-pdl"]
@@ -279,7 +296,7 @@ def test_sweep_audits_each_candidate_reports_failures_and_picks_the_fastest_pass
     monkeypatch.setattr(hg, "plan_for", lambda pw, dtype, ms: None)
     monkeypatch.setattr(hg, "linear", fake_humming)
     seen, lines = [], []
-    res = gc.sweep(("w8a16",), [("tiny", 128, 64)], (1, 3), dispatch=Dispatch(generic_cells(), "generic"),
+    res = gc.sweep(("w8a16",), [("tiny", 128, 256)], (1, 3), dispatch=Dispatch(generic_cells(), "generic"),
                    log=lines.append, on_row=seen.append, device="cpu")
     rows = res["rows"]
     assert [r["M"] for r in rows] == [1, 3] and seen == rows and res["truncated"] == []
@@ -294,9 +311,9 @@ def test_sweep_audits_each_candidate_reports_failures_and_picks_the_fastest_pass
                                                                                           (2, None, "triton")]
     # humming missing: reported per row with the install command, the other candidates still run
     monkeypatch.setattr(hg, "humming_missing", lambda: f"humming-kernels is not importable here; install it: {hg.INSTALL}")
-    res = gc.sweep(("w8a16",), [("tiny", 128, 64)], (1,), dispatch=Dispatch(generic_cells(), "generic"),
+    res = gc.sweep(("w8a16",), [("tiny", 128, 256)], (1,), dispatch=Dispatch(generic_cells(), "generic"),
                    log=lines.append, device="cpu")
     assert "pip install" in res["rows"][0]["candidates"]["humming"]["error"] and res["rows"][0]["winner"] == "table"
-    res = gc.sweep(("w8a16",), [("tiny", 128, 64)], (1,), dispatch=Dispatch(generic_cells(), "generic"),
+    res = gc.sweep(("w8a16",), [("tiny", 128, 256)], (1,), dispatch=Dispatch(generic_cells(), "generic"),
                    log=lines.append, device="cpu", budget_s=-1)
     assert res["rows"] == [] and res["truncated"] == ["w8a16 tiny"]

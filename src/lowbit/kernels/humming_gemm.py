@@ -62,18 +62,22 @@ _missing: list = []  # [reason or None] once probed
 def why_not(pw, x_dtype=torch.bfloat16) -> str | None:
     """Why humming's dense GEMM cannot run this weight with x_dtype activations, or None if it can.
 
-    From humming 0.1.10's checks: N a multiple of 64 (its smallest N tile), K a multiple of 2 * 256 / a_bits (its
-    packed K block), group >= 256 / a_bits, weight bits <= 8; A16 activations bf16/fp16; A8 weights symmetric."""
+    From humming 0.1.10's checks and the tiles its SM90 heuristics pick (humming.tune.sm90; checked by building its
+    kernel configurations for the audit's shapes with the compiler stubbed out): N a multiple of 256 (128 for A8 with
+    group scales), K a multiple of 1024 / a_bits, group >= 256 / a_bits, weight bits <= 8; A16 activations
+    bf16/fp16; A8 weights symmetric. Other architectures' heuristics may take more shapes; these are refused anyway
+    (a refused weight falls through to the next cell)."""
     if pw.bits not in (4, 8):
         return f"humming here takes 4- or 8-bit weights, got {pw.bits}"
     if x_dtype not in _ACT:
         return f"humming's A16/A8 kernels take bf16/fp16 inputs, got {x_dtype}"
     a_bits = 16 if pw.a_bits == 16 else 8
-    if pw.N % 64:
-        return f"N={pw.N} is not a multiple of 64 (humming's smallest N tile)"
-    kb = 2 * 256 // a_bits
+    nb = 128 if a_bits == 8 and not pw.per_channel else 256
+    if pw.N % nb:
+        return f"N={pw.N} is not a multiple of {nb} (the N tile humming's heuristics pick for this weight)"
+    kb = 1024 // a_bits
     if pw.K % kb:
-        return f"K={pw.K} is not a multiple of {kb} (humming's packed K block at {a_bits}-bit activations)"
+        return f"K={pw.K} is not a multiple of {kb} (humming's K tile at {a_bits}-bit activations)"
     if not pw.per_channel and pw.group < 256 // a_bits:
         return f"group {pw.group} is under humming's smallest ({256 // a_bits} at {a_bits}-bit activations)"
     if pw.a_bits == 8 and pw.zero is not None:
