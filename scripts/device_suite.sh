@@ -28,9 +28,9 @@ case "$suite" in
   kernels) timeout -s INT 540 python3 -m lowbit bench decode-attention --geometry llama3-8b --batch 1,16 \
                --length 8192,32768 --bits 2,4 --out "$OUT/decode_attention_$gpu.json" 2>&1 | tail -30 ;;
   gemm)    export PYTHONPATH="$PWD/src:/tmp/site:$PYTHONPATH" HUMMING_CACHE_DIR=/tmp/humming_cache
-           timeout -k 10 -s INT 80 python3 -m lowbit.kernels.humming_gemm 2>&1 | tee "$OUT/gemm_humming_probe_$gpu.log" | tail -8
-           timeout -k 15 -s INT 210 python3 -m lowbit bench gemm --schemes w4a16-g128,w8a16,w4a8,w8a8 --m 1,16,64,256,4096 \
-               --candidates all --budget-s 150 --table "$OUT/gemm_table_$gpu.json" --out "$OUT/gemm_candidates_$gpu.json" \
+           timeout -k 10 -s INT 70 python3 -m lowbit.kernels.humming_gemm 2>&1 | tee "$OUT/gemm_humming_probe_$gpu.log" | tail -8
+           timeout -k 15 -s INT 200 python3 -m lowbit bench gemm --schemes w4a16-g128,w8a16,w4a8,w8a8 --m 1,16,64,256,4096 \
+               --candidates all --budget-s 140 --table "$OUT/gemm_table_$gpu.json" --out "$OUT/gemm_candidates_$gpu.json" \
                2>&1 | tee "$OUT/gemm_candidates_$gpu.log" | tail -70 ;;
   vllm)    bash scripts/vllm_gpu.sh "$OUT" ;;
   *)       echo "error: unknown suite '$suite'; use tests, audit, decode, kernels, gemm or vllm" >&2; exit 2 ;;
