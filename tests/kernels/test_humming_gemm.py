@@ -317,3 +317,26 @@ def test_sweep_audits_each_candidate_reports_failures_and_picks_the_fastest_pass
     res = gc.sweep(("w8a16",), [("tiny", 128, 256)], (1,), dispatch=Dispatch(generic_cells(), "generic"),
                    log=lines.append, device="cpu", budget_s=-1)
     assert res["rows"] == [] and res["truncated"] == ["w8a16 tiny"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU run of the sweep's logic (timing faked)")
+def test_sweep_reports_a_failed_humming_plan_in_each_row_without_retrying(monkeypatch):
+    from lowbit.kernels import bench as kbench
+    from lowbit.kernels import gemm_candidates as gc
+
+    calls = []
+
+    def failing_plan_for(pw, dtype, ms):
+        calls.append(1)
+        raise RuntimeError("launcher build failed: no g++")
+
+    monkeypatch.setattr(kbench, "graph_time_ms", lambda fns, reps=3, target_ms=10: (fns[0](), 1.0)[1])
+    monkeypatch.setattr(hg, "humming_missing", lambda: None)
+    monkeypatch.setattr(hg, "plan", lambda pw, dtype, ms, compile=True: object())
+    monkeypatch.setattr(hg, "compile_plans", lambda plans, log=None: [])
+    monkeypatch.setattr(hg, "plan_for", failing_plan_for)
+    res = gc.sweep(("w8a16",), [("tiny", 128, 256)], (1, 3), ("humming", "dequant-cublas"),
+                   dispatch=Dispatch(generic_cells(), "generic"), log=lambda s: None, device="cpu")
+    assert len(calls) == 1
+    for r in res["rows"]:
+        assert "launcher build failed" in r["candidates"]["humming"]["error"] and r["winner"] == "dequant-cublas"

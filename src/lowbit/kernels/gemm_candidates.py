@@ -148,12 +148,14 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
         n = n_buffers(pw0.nbytes(), 24e9)
         pws = [pw0] + [random_weight(scheme, N, K, device, seed=i) for i in range(1, n)]
         ws = [torch.randn(N, K, device=device, dtype=torch.bfloat16) * 0.02 for _ in range(n_buffers(N * K * 2, 24e9))]
+        case_err = None  # humming's failure to plan this weight: reported in each row, not retried per row
         if "humming" in candidates and humming_why is None and hg.why_not(pw0) is None:
             try:
                 for p in pws:
                     hg.plan_for(p, torch.bfloat16, ms)  # repack once per weight set (kernels already compiled)
             except Exception as e:  # noqa: BLE001
-                log(f"humming: repack for {scheme} {shape} failed: {_one_line(e)}")
+                case_err = f"humming plan: {_one_line(e)}"
+                log(f"humming: plan for {scheme} {shape} failed: {case_err}")
         for M in ms:
             nx, nw, npw = max(len(pws), len(ws)), len(ws), len(pws)
             xs = [torch.randn(M, K, device=device, dtype=torch.bfloat16) for _ in range(nx)]
@@ -166,8 +168,8 @@ def sweep(schemes, shapes=None, ms=None, candidates=CANDIDATES, *, dispatch=None
             for name in candidates:
                 c = {"kernel": None, "ok": False, "rel_l2": None, "ms": None, "ratio": None, "error": None}
                 row["candidates"][name] = c
-                if name == "humming" and humming_why is not None:
-                    c["error"] = humming_why
+                if name == "humming" and (humming_why or case_err):
+                    c["kernel"], c["error"] = "humming", humming_why or case_err
                     continue
                 try:
                     cell = candidate_cell(name, pw0, M, dispatch)
