@@ -265,7 +265,7 @@ def paged_attention(q, k_new, v_new, cache_u8, fmt, block_table, seq_lens, query
     width / blocks_per_split -- a static maximum: no host sync). Returns float32 [T, Hq, D_v] (rotated).
     """
     T, Hq, Dk = q.shape
-    NB, H, BS, SB = cache_u8.shape
+    _, H, BS, _ = cache_u8.shape
     G = Hq // H
     Dv = fmt.codecs["v"].head_dim
     MB = block_table.shape[1]
@@ -281,8 +281,7 @@ def paged_attention(q, k_new, v_new, cache_u8, fmt, block_table, seq_lens, query
         out = torch.empty(T, Hq, Dv, dtype=torch.float32, device=q.device)
     if T == 0:
         return out
-    o_part.zero_()
-    lse.fill_(float("-inf"))
+    lse.fill_(float("-inf"))  # o_part needs no fill: merge reads a split's output only where its weight > 0
     c16 = cache_u8.view(torch.int16)
     meta = kernel_meta(fmt)
     _paged_attn_kernel[(nsplit + 1, H, n_tiles)](
@@ -316,7 +315,7 @@ def paged_attention_ref(q, k_new, v_new, cache_u8, fmt, block_table, seq_lens, q
     SlotFormat.decode (TensorCodec.decode, lowbit's dequant) with tier rows from the pool, the own chunk
     as given, causal, softmax in float32. Returns float32 [T, Hq, D_v]."""
     T, Hq, Dk = q.shape
-    NB, H, BS, _ = cache_u8.shape
+    _, H, BS, _ = cache_u8.shape
     G = Hq // H
     Dv = fmt.codecs["v"].head_dim
     out = torch.zeros(T, Hq, Dv, dtype=torch.float32)

@@ -184,7 +184,7 @@ def write(cache_u8, fmt, key, value, slot_mapping, rot_k=None, rot_v=None, *, po
     the rotated rows in their dtype."""
     T, H, Dk = key.shape
     Dv = value.shape[2]
-    NB, Hc, BS, SB = cache_u8.shape
+    BS = cache_u8.shape[2]
     if T == 0:
         return
     p = write_params(fmt)
