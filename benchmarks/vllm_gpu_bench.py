@@ -84,6 +84,10 @@ def run_one(cfg: dict) -> dict:
     """Runs in its own process: one kv dtype, the batches in turn. Prints RESULT <json> per row."""
     import random
 
+    if os.environ.get("LOWBIT_BENCH_SELFTEST") == "hang":  # the parent's timeout path, tested without a GPU
+        print("RESULT " + json.dumps({"kv": cfg["kv"], "B": cfg["batches"][0], "fits": False, "note": "selftest"}))
+        print("a line without its end", end="", flush=True)
+        time.sleep(3600)
     from vllm import LLM, SamplingParams
 
     kv = cfg["kv"]
@@ -91,10 +95,10 @@ def run_one(cfg: dict) -> dict:
     directory = Path(cfg["dir"])
     lowbit = kv.startswith("lowbit-")
     t0 = time.time()
-    kwargs = dict(model=str(directory), load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
-                  kv_cache_dtype="auto" if lowbit else kv, gpu_memory_utilization=cfg["gpu_mem"],
-                  max_model_len=L + steps + 64, enable_prefix_caching=True, max_num_seqs=max(batches),
-                  block_size=16, tensor_parallel_size=1, seed=0, max_num_batched_tokens=cfg.get("chunk", 8192))
+    kwargs = {"model": str(directory), "load_format": "dummy", "skip_tokenizer_init": True, "dtype": "bfloat16",
+                  "kv_cache_dtype": "auto" if lowbit else kv, "gpu_memory_utilization": cfg["gpu_mem"],
+                  "max_model_len": L + steps + 64, "enable_prefix_caching": True, "max_num_seqs": max(batches),
+                  "block_size": 16, "tensor_parallel_size": 1, "seed": 0, "max_num_batched_tokens": cfg.get("chunk", 8192)}
     if cfg.get("enforce_eager"):
         kwargs["enforce_eager"] = True
     llm = LLM(**kwargs)
@@ -225,12 +229,12 @@ def check_tokens(args) -> bool:
         "print('TOKENS ' + json.dumps(list(o[0].outputs[0].token_ids)), flush=True)\n"
     )
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=args.check_timeout,
+        p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=args.check_timeout,
                            env=child_env(args))
     except subprocess.TimeoutExpired:
         print(f"CHECK vLLM tokens: vLLM timed out after {args.check_timeout}s -> FAIL", flush=True)
         return False
-    m = re.search(r"^TOKENS (.*)$", p.stdout, re.M)
+    m = re.search(r"^TOKENS (.*)$", p.stdout, re.MULTILINE)
     used = "lowbit plugin (CUDA)" in p.stderr
     if m is None:
         print("CHECK vLLM tokens: vLLM failed -> FAIL\n" + (p.stderr[-3000:] or p.stdout[-3000:]), flush=True)
@@ -275,7 +279,7 @@ def fa2_importable() -> str | None:
     code = ("from vllm.vllm_flash_attn.flash_attn_interface import FA2_AVAILABLE as a\n"
             "import sys; sys.exit(0 if a else 3)")
     try:
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        p = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120)
     except subprocess.TimeoutExpired:
         return "probing FlashAttention-2 timed out"
     if p.returncode == 0:
@@ -288,7 +292,7 @@ def versions() -> dict:
     out = {}
     for mod in ("torch", "triton", "vllm", "transformers"):
         try:
-            p = subprocess.run([sys.executable, "-c", f"import {mod}; print({mod}.__version__)"], capture_output=True,
+            p = subprocess.run([sys.executable, "-c", f"import {mod}; print({mod}.__version__)"], check=False, capture_output=True,
                                text=True, timeout=120)
             out[mod] = p.stdout.strip() or p.stderr.strip().splitlines()[-1][:120]
         except Exception as e:  # noqa: BLE001
@@ -299,7 +303,7 @@ def versions() -> dict:
 def card() -> str:
     try:
         p = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
-                           capture_output=True, text=True, timeout=30)
+                           check=False, capture_output=True, text=True, timeout=30)
         return p.stdout.strip().splitlines()[0]
     except Exception:  # noqa: BLE001
         return "unknown"
@@ -307,23 +311,23 @@ def card() -> str:
 
 def git(*a) -> str:
     try:
-        return subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip()
+        return subprocess.run(["git", *a], check=False, capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip()
     except Exception:  # noqa: BLE001
         return ""
 
 
 def table(rows: list) -> str:
     ref = {(r["kv"], r["B"]): r for r in rows if r.get("tok_s")}
-    lines = [f"{'kv':24} {'B':>3} {'fits':>5} {'capacity':>10} {'ms/step':>8} {'tok/s':>8} {'x fp8':>6} {'x bf16':>6} "
-             f"{'ttft_s':>7}  note"]
+    lines = [(f"{'kv':24} {'B':>3} {'fits':>5} {'capacity':>10} {'ms/step':>8} {'tok/s':>8} {'x fp8':>6} {'x bf16':>6} "
+             f"{'ttft_s':>7}  note")]
     for r in rows:
         f8 = ref.get(("fp8", r["B"]))
         bf = ref.get(("auto", r["B"]))
         x8 = f"{r['tok_s'] / f8['tok_s']:.2f}" if r.get("tok_s") and f8 else "-"
         xb = f"{r['tok_s'] / bf['tok_s']:.2f}" if r.get("tok_s") and bf else "-"
-        lines.append(f"{r['kv']:24} {r['B']:>3} {str(r.get('fits')):>5} {str(r.get('capacity_tokens')):>10} "
-                     f"{str(r.get('ms_per_step')):>8} {str(r.get('tok_s')):>8} {x8:>6} {xb:>6} "
-                     f"{str(r.get('ttft_s')):>7}  {r.get('note') or r.get('error') or ''}"[:220])
+        lines.append(f"{r['kv']:24} {r['B']:>3} {r.get('fits')!s:>5} {r.get('capacity_tokens')!s:>10} "
+                     f"{r.get('ms_per_step')!s:>8} {r.get('tok_s')!s:>8} {x8:>6} {xb:>6} "
+                     f"{r.get('ttft_s')!s:>7}  {r.get('note') or r.get('error') or ''}"[:220])
     caps = {r["kv"]: r["capacity_tokens"] for r in rows if r.get("capacity_tokens")}
     if caps.get("auto"):
         lines.append("capacity vs bf16: " + ", ".join(f"{k} {v / caps['auto']:.2f}x" for k, v in caps.items()))
@@ -362,7 +366,7 @@ def main(argv=None) -> int:
     env = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
            "git_commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
            "versions": versions(), "card": gpu, "gpu_memory_utilization": args.gpu_mem, "L": args.L,
-           "steps": args.steps, "prefill_chunk": args.chunk}
+           "steps": args.steps, "prefill_chunk": args.chunk, "kvs": kvs, "batches": batches}
     log("env", json.dumps(env))
     tq_why = fa2_importable() if any(k.startswith("turboquant") for k in kvs) else None
     rows: list = []
@@ -388,27 +392,31 @@ def main(argv=None) -> int:
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=child_env(args),
                                 start_new_session=True)
         deadline = time.time() + args.timeout
-        import selectors
+        import queue
+        import threading
 
-        sel = selectors.DefaultSelector()
-        sel.register(proc.stdout, selectors.EVENT_READ)
+        lines: queue.Queue = queue.Queue()
+
+        def pump(stream=proc.stdout, q=lines):  # a reader thread: a child stuck mid-line never blocks the deadline
+            for ln in iter(stream.readline, ""):
+                q.put(ln)
+            q.put(None)
+
+        threading.Thread(target=pump, daemon=True).start()
         cap_seen = None
         timed_out = False
         while True:
             if time.time() > deadline:
                 timed_out = True
                 break
-            if not sel.select(timeout=5):
-                if proc.poll() is not None:
-                    break
+            try:
+                line = lines.get(timeout=5)
+            except queue.Empty:
                 continue
-            line = proc.stdout.readline()
-            if not line:
-                if proc.poll() is not None:
-                    break
-                continue
+            if line is None:
+                break
             line = line.rstrip("\n")
-            tail = (tail + [line])[-40:]
+            tail = [*tail, line][-40:]
             if line.startswith("RESULT "):
                 r = json.loads(line[7:])
                 got[r["B"]] = r
@@ -425,7 +433,15 @@ def main(argv=None) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)  # its own session: vLLM's workers go with it
             except ProcessLookupError:
                 pass
-            proc.wait(timeout=60)
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                pass
+        else:
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, 9)
         why = (f"timed out after {args.timeout}s" if timed_out else f"exit {proc.returncode}") + \
             (": " + " | ".join(t for t in tail[-6:])[-400:] if tail else "")
         for B in batches:
@@ -437,16 +453,30 @@ def main(argv=None) -> int:
             rows.append(r)
         log(f"=== {kv}: done ({'timed out' if timed_out else 'exit ' + str(proc.returncode)})")
         write_results(args, env, rows, gpu)
-    print(table(rows), flush=True)
-    write_results(args, env, rows, gpu)
+    out = write_results(args, env, rows, gpu)
+    print(table(json.loads(out.read_text())["rows"]), flush=True)
+    log(f"wrote {out}")
     return 0
 
 
 def write_results(args, env, rows, gpu) -> Path:
+    """The results file; rows of kv configs this run did not touch are kept (one table over several calls)."""
     slug = re.sub(r"[^a-z0-9]+", "_", gpu.split(",")[0].lower()).strip("_") or "gpu"
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"vllm_gpu_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"env": env, "rows": rows}, indent=1) + "\n")
+    mine = {r["kv"] for r in rows}
+    kept, runs = [], []
+    if out.is_file():
+        try:
+            old = json.loads(out.read_text())
+            kept = [r for r in old.get("rows", []) if r.get("kv") not in mine]
+            runs = [e for e in old.get("env", {}).get("runs", [old.get("env")]) if e and e.get("kvs") != env.get("kvs")]
+        except (ValueError, AttributeError):
+            kept, runs = [], []
+    all_rows = kept + rows
+    order = {k: i for i, k in enumerate(DEFAULT_KVS)}
+    all_rows.sort(key=lambda r: (order.get(r["kv"], 99), r["kv"], r["B"]))
+    out.write_text(json.dumps({"env": {**env, "runs": [*runs, env]}, "rows": all_rows}, indent=1) + "\n")
     return out
 
 
