@@ -47,15 +47,21 @@ def _f16_at(C16, idx, mask):
 @triton.jit
 def _deq(C8, C16, cell, mask, D: tl.constexpr, CB: tl.constexpr, GRP: tl.constexpr,
          C_OFF: tl.constexpr, S_OFF: tl.constexpr, Z_OFF: tl.constexpr):
-    """cell [N] byte offsets of N cells -> x [N, D] float32 (codes * scale + zero)."""
+    """cell [N] byte offsets of N cells -> x [N, D] float32 (codes * scale + zero). Each code byte and each
+    scale / zero is loaded once: byte j of a cell holds dims j + i*S at bit i*CB ("strided" packing)."""
     S: tl.constexpr = D * CB // 8
-    d = tl.arange(0, D)
-    byte = tl.load(C8 + cell[:, None] + C_OFF + (d % S)[None, :], mask=mask[:, None], other=0).to(tl.int32)
-    code = (byte >> ((d // S) * CB)[None, :]) & ((1 << CB) - 1)
-    gi = (d // GRP)[None, :]
-    sc = _f16_at(C16, (cell[:, None] + S_OFF) // 2 + gi, mask[:, None])
-    ze = _f16_at(C16, (cell[:, None] + Z_OFF) // 2 + gi, mask[:, None])
-    return code.to(tl.float32) * sc + ze
+    P: tl.constexpr = 8 // CB
+    NG: tl.constexpr = D // GRP
+    N: tl.constexpr = cell.shape[0]
+    j = tl.arange(0, S)
+    byte = tl.load(C8 + cell[:, None] + C_OFF + j[None, :], mask=mask[:, None], other=0).to(tl.int32)  # [N, S]
+    sh = (tl.arange(0, P) * CB)[None, :, None]
+    code = (byte[:, None, :] >> sh) & ((1 << CB) - 1)  # [N, P, S]: dim i*S + j
+    code = tl.reshape(code, (N, NG, GRP)).to(tl.float32)
+    gi = tl.arange(0, NG)
+    sc = _f16_at(C16, (cell[:, None] + S_OFF) // 2 + gi[None, :], mask[:, None])  # [N, NG]
+    ze = _f16_at(C16, (cell[:, None] + Z_OFF) // 2 + gi[None, :], mask[:, None])
+    return tl.reshape(code * sc[:, :, None] + ze[:, :, None], (N, D))
 
 
 @triton.jit
