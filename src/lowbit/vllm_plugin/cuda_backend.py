@@ -120,7 +120,7 @@ class LowbitCudaMetadataBuilder(AttentionMetadataBuilder[LowbitCudaMetadata]):
         self.tiers: TierSlots | None = None
         sch = self.model.scheme if self.model is not None else None
         if sch is not None and (sch.sink or sch.recent):
-            nb = max(int(getattr(vllm_config.cache_config, "num_gpu_blocks", None) or 0), 1 << 22)  # map entries: 16 MiB
+            nb = max(int(getattr(vllm_config.cache_config, "num_gpu_blocks", None) or 0), 1 << 22)  # 16 MiB map
             self.tiers = TierSlots(int(nb), tier_pool_slots(vllm_config, sch), kv_cache_spec.block_size,
                                    sch.sink, sch.recent, device)
             TIER_SLOTS[id(vllm_config)] = self.tiers

@@ -49,19 +49,18 @@ class TierSlots:
         ok = torch.cat([c[1] for c in cols], 1)
         blocks = table.long().gather(1, j.clamp(max=MB - 1))
         blocks = torch.where(ok & (blocks >= 0) & (blocks < self.NB), blocks, self.NB).reshape(-1)
-        need = torch.zeros(self.NB + 1, dtype=torch.bool, device=dev)
-        need[blocks] = True
         own = self.owner[: self.S]
-        held = own >= 0
-        release = held & ~need[own.clamp(min=0)]
+        release = (own >= 0) & ~torch.isin(own, blocks)  # no [num_blocks] temporaries per step
         self.dmap[torch.where(release, own, self.NB)] = -1
         own.masked_fill_(release, -1)
         self.dmap[self.NB] = -1
         n = blocks.numel()
-        idx = torch.arange(n, device=dev)
-        first = torch.full((self.NB + 1,), n, dtype=torch.long, device=dev)
-        first.scatter_reduce_(0, blocks, idx, reduce="amin")
-        new = (blocks < self.NB) & (self.dmap[blocks] < 0) & (first[blocks] == idx)
+        srt, order = torch.sort(blocks, stable=True)
+        first_sorted = torch.ones(n, dtype=torch.bool, device=dev)
+        first_sorted[1:] = srt[1:] != srt[:-1]
+        first = torch.empty_like(first_sorted)
+        first[order] = first_sorted  # the first occurrence of each block (a block two requests share: once)
+        new = (blocks < self.NB) & (self.dmap[blocks] < 0) & first
         rank = torch.cumsum(new.long(), 0) - 1
         free_first = torch.argsort((own >= 0).to(torch.int32), stable=True)
         n_free = (own < 0).sum()
