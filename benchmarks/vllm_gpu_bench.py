@@ -59,8 +59,9 @@ def make_export(directory: Path, config: dict, kv: str, name: str = "llama3-8b-g
         from lowbit.recipe import load_recipe, parse_kv_scheme
         from lowbit.vllm_plugin import sidecar
 
-        spec = kv[len("lowbit-"):]
-        scheme = load_recipe(spec) if spec.endswith(".toml") else parse_kv_scheme(spec, page=1)
+        spec, *opts = kv[len("lowbit-"):].split(":")  # e.g. lowbit-int4:sink=4:recent=16
+        kw = {k: int(v) for k, v in (o.split("=") for o in opts)}
+        scheme = load_recipe(spec) if spec.endswith(".toml") else parse_kv_scheme(spec, page=1, **kw)
         geometry = ModelGeometry.from_config(AutoConfig.from_pretrained(directory), name=name)
         sidecar.write(directory, sidecar.build(scheme, geometry, model_name=name, weights_sha256=None,
                                                rotation_rel=None))
@@ -209,14 +210,15 @@ def check_tokens(args) -> bool:
     import torch
 
     base = Path(args.export_root) / "tiny"
-    make_export(base, TINY, "lowbit-int4", name="tiny-llama")
+    kv = "lowbit-int4:sink=4:recent=16"  # small tiers: most of the 224 tokens are read from their codes
+    make_export(base, TINY, kv, name="tiny-llama")
     if not (base / "model.safetensors").exists():
         from transformers import AutoConfig, AutoModelForCausalLM
 
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base)).to(torch.float16)
         model.save_pretrained(base)
-        make_export(base, TINY, "lowbit-int4", name="tiny-llama")  # save_pretrained rewrote config.json
+        make_export(base, TINY, kv, name="tiny-llama")  # save_pretrained rewrote config.json
     prompt = list(range(3, 3 + 200))
     n_new = 24
     code = (
@@ -381,7 +383,7 @@ def main(argv=None) -> int:
                       "tok_s": None, "ttft_s": None, "mode": "decode", "tp": 1,
                       "note": f"not run: the run's budget of {args.total_budget}s was spent"} for B in batches]
             continue
-        directory = make_export(Path(args.export_root) / kv.replace("/", "_"), LLAMA3_8B, kv)
+        directory = make_export(Path(args.export_root) / re.sub(r"[^A-Za-z0-9_.-]+", "_", kv), LLAMA3_8B, kv)
         cfg = {"kv": kv, "L": args.L, "steps": args.steps, "batches": batches, "dir": str(directory),
                "gpu_mem": args.gpu_mem, "vocab": LLAMA3_8B["vocab_size"], "chunk": args.chunk,
                "enforce_eager": args.enforce_eager}
