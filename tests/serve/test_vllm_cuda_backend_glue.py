@@ -119,7 +119,7 @@ def test_builder_and_impl_match_exact_attention(tmp_path, monkeypatch):
     hist_k = {r: torch.zeros(0, H, D, dtype=torch.float16) for r in range(3)}
     hist_v = {r: torch.zeros(0, H, D, dtype=torch.float16) for r in range(3)}
     for step in range(6):
-        q_lens = prompts if step == 0 else [1, 1, 1]
+        q_lens = prompts if step == 0 else [1, 1, 5] if step == 3 else [1, 1, 1]  # step 3: a mixed batch
         held = [hist_k[r].shape[0] for r in range(3)]
         for r in range(3):
             while len(blocks[r]) * BS < held[r] + q_lens[r]:

@@ -103,6 +103,7 @@ class LowbitCudaMetadata(AttentionMetadata):
     tile_t0: torch.Tensor
     bm: int
     tiers: TierSlots | None = None
+    prefills: list = field(default_factory=list)  # [(request, first token, end token, seq_len)] (host ints)
     memo: dict = field(default_factory=dict)
 
 
@@ -117,6 +118,8 @@ class LowbitCudaMetadataBuilder(AttentionMetadataBuilder[LowbitCudaMetadata]):
         self.tile_req = torch.zeros(self.max_tokens, dtype=torch.int32, device=device)
         self.tile_t0 = torch.zeros(self.max_tokens, dtype=torch.int32, device=device)
         self.model = current_model()
+        hf = getattr(getattr(vllm_config, "model_config", None), "hf_config", None)
+        self.softcap_layers = bool(getattr(hf, "attn_logit_softcapping", None) or 0)
         self.tiers: TierSlots | None = None
         sch = self.model.scheme if self.model is not None else None
         if sch is not None and (sch.sink or sch.recent):
@@ -129,15 +132,30 @@ class LowbitCudaMetadataBuilder(AttentionMetadataBuilder[LowbitCudaMetadata]):
               fast_build: bool = False) -> LowbitCudaMetadata:
         m = common_attn_metadata
         T, R = int(m.num_actual_tokens), int(m.num_reqs)
+        prefills: list = []
         if m.max_query_len <= 1:
             bm, treq, tt0 = 1, self.arange[:T], self.arange[:T]
-        else:
-            bm = PREFILL_TILE
-            tr, t0 = cuda_kernels.tiles_for(m.query_start_loc_cpu[: R + 1], bm)  # host data: no device sync
+        else:  # a mixed / prefill batch (eager): decode requests on the kernel, prefill chunks through SDPA
+            import numpy as np
+
+            qsl = np.asarray(m.query_start_loc_cpu[: R + 1], dtype=np.int64)
+            lens = qsl[1:] - qsl[:-1]
+            up = getattr(m, "seq_lens_cpu_upper_bound", None)  # precise for prefill rows (vLLM 0.26)
+            seq_cpu = (up if up is not None else m.seq_lens.cpu())[:R].tolist()  # (.cpu(): only without it)
+            if self.softcap_layers:  # the scores need the cap: every request on the Triton kernel, 16-token tiles
+                bm = PREFILL_TILE
+                tr, t0 = cuda_kernels.tiles_for(m.query_start_loc_cpu[: R + 1], bm)
+            else:
+                bm = 1
+                dec = np.nonzero(lens == 1)[0]
+                prefills = [(int(r), int(qsl[r]), int(qsl[r + 1]), int(seq_cpu[r])) for r in np.nonzero(lens > 1)[0]]
+                tr = torch.from_numpy(dec.astype(np.int32))
+                t0 = torch.from_numpy(qsl[dec].astype(np.int32))
             n = tr.numel()
             pin = torch.cuda.is_available()  # pinned: an async copy that never waits on the device
-            self.tile_req[:n].copy_(tr.pin_memory() if pin else tr, non_blocking=True)
-            self.tile_t0[:n].copy_(t0.pin_memory() if pin else t0, non_blocking=True)
+            if n:
+                self.tile_req[:n].copy_(tr.pin_memory() if pin else tr, non_blocking=True)
+                self.tile_t0[:n].copy_(t0.pin_memory() if pin else t0, non_blocking=True)
             treq, tt0 = self.tile_req[:n], self.tile_t0[:n]
         table = m.block_table_tensor
         seq = m.seq_lens
@@ -145,7 +163,8 @@ class LowbitCudaMetadataBuilder(AttentionMetadataBuilder[LowbitCudaMetadata]):
             self.tiers.update(table[:R], seq[:R])
         return LowbitCudaMetadata(num_actual_tokens=T, num_reqs=R, max_query_len=int(m.max_query_len),
                                   query_start_loc=m.query_start_loc, seq_lens=seq, block_table=table,
-                                  slot_mapping=m.slot_mapping, tile_req=treq, tile_t0=tt0, bm=bm, tiers=self.tiers)
+                                  slot_mapping=m.slot_mapping, tile_req=treq, tile_t0=tt0, bm=bm, tiers=self.tiers,
+                                  prefills=prefills)
 
 
 TIER_SLOTS: dict = {}
@@ -273,9 +292,16 @@ class LowbitCudaImpl(AttentionImpl[LowbitCudaMetadata]):
             bps = BLOCKS_PER_SPLIT
         else:
             nsplit, bps = 1, BLOCKS_PER_SPLIT
-        o = cuda_kernels.paged_attention(qr, kr, vr, cache, fmt, md.block_table, seq, qsl, md.tile_req, md.tile_t0,
-                                         bm=md.bm, scale=self.scale, sink=self.sink, recent=self.recent,
-                                         tiers=tiers, softcap=self.softcap, blocks_per_split=bps, n_splits=nsplit)
+        o = torch.zeros(n, self.num_heads, Dv, dtype=torch.float32, device=q.device) if md.prefills else None
+        if md.tile_req.numel():  # decode requests (all of a decode batch; a mixed batch's qlen-1 requests)
+            o = cuda_kernels.paged_attention(qr, kr, vr, cache, fmt, md.block_table, seq, qsl, md.tile_req,
+                                             md.tile_t0, bm=md.bm, scale=self.scale, sink=self.sink,
+                                             recent=self.recent, tiers=tiers, softcap=self.softcap,
+                                             blocks_per_split=bps, n_splits=nsplit, out=o)
+        for r, a, b, sq in md.prefills:  # prefill chunks: stored history dense + own rows exact, SDPA (eager)
+            o[a:b] = cuda_kernels.prefill_attention_sdpa(qr[a:b], kr[a:b], vr[a:b], cache, fmt, md.block_table[r],
+                                                         sq - (b - a), sq, scale=self.scale, sink=self.sink,
+                                                         recent=self.recent, tiers=tiers)
         o = self._rot(o.view(n, H, G, Dv), rvT)  # un-rotate by R_v^T
         output[:n].copy_(o.reshape(output[:n].shape))
         return output

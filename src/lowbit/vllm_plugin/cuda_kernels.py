@@ -210,20 +210,26 @@ def _paged_attn_kernel(
     empty = l_i == 0.0
     o = acc / tl.where(empty, 1.0, l_i)[:, None]
     lse = tl.where(empty, float("-inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-    orow = (pid_s * T_OUT + tok) * (H * G) + qhead
+    orow = (pid_s * T_OUT + pid_t * BM + m // HP) * (H * G) + qhead  # partials by tile row (T_OUT = tiles x BM)
     tl.store(OUT + orow[:, None] * DV + dv[None, :], o, mask=row_ok[:, None])
     tl.store(LSE + orow, lse, mask=row_ok)
 
 
 @triton.jit
-def _merge_kernel(OUT, LSE, DST, T_OUT, HQ: tl.constexpr, DV: tl.constexpr, NSP: tl.constexpr,
-                  NSP_P: tl.constexpr):
-    """dst[t, h] = sum_s w_s o_s / sum_s w_s, w_s = 2**(lse_s - max lse); all splits empty -> 0."""
-    t = tl.program_id(0)
+def _merge_kernel(OUT, LSE, DST, TILE_REQ, TILE_T0, QSL, T_OUT, HQ: tl.constexpr, DV: tl.constexpr,
+                  NSP: tl.constexpr, NSP_P: tl.constexpr, BM: tl.constexpr):
+    """dst[token, h] = sum_s w_s o_s / sum_s w_s, w_s = 2**(lse_s - max lse) over the splits of tile row i
+    (token tile_t0 + i % BM of its tile's request; rows past the request's end are skipped); all splits
+    empty -> 0 (never NaN)."""
+    i = tl.program_id(0)
     h = tl.program_id(1)
+    tile = i // BM
+    r = tl.load(TILE_REQ + tile)
+    t = tl.load(TILE_T0 + tile) + i % BM
+    live = t < tl.load(QSL + r + 1)
     s = tl.arange(0, NSP_P)
-    sok = s < NSP
-    row = (s * T_OUT + t) * HQ + h
+    sok = (s < NSP) & live
+    row = (s * T_OUT + i) * HQ + h
     lse = tl.load(LSE + row, mask=sok, other=float("-inf"))
     mx = tl.max(lse, 0)
     mx_safe = tl.where(mx == float("-inf"), 0.0, mx)
@@ -233,7 +239,7 @@ def _merge_kernel(OUT, LSE, DST, T_OUT, HQ: tl.constexpr, DV: tl.constexpr, NSP:
     o = tl.load(OUT + row[:, None] * DV + dv[None, :], mask=sok[:, None] & (w > 0)[:, None], other=0.0)
     acc = tl.sum(o * w[:, None], 0)
     res = acc / tl.where(den > 0, den, 1.0)
-    tl.store(DST + (t * HQ + h) * DV + dv, res)
+    tl.store(DST + (t.to(tl.int64) * HQ + h) * DV + dv, res, mask=(dv < DV) & live)
 
 
 def _interp() -> bool:
@@ -281,11 +287,12 @@ def paged_attention(q, k_new, v_new, cache_u8, fmt, block_table, seq_lens, query
     has_tiers = tiers is not None and (sink > 0 or recent > 0)
     pk, pv, dmap, dvalid = tiers if has_tiers else empty_tiers(q.device)
     n_tiles = tile_req.shape[0]
-    o_part = torch.empty(nsplit + 1, T, Hq, Dv, dtype=torch.float32, device=q.device)
-    lse = torch.empty(nsplit + 1, T, Hq, dtype=torch.float32, device=q.device)
+    NT = n_tiles * bm  # partial rows: one per tile row, not per batch token (a mixed batch's prefill is elsewhere)
+    o_part = torch.empty(nsplit + 1, NT, Hq, Dv, dtype=torch.float32, device=q.device)
+    lse = torch.empty(nsplit + 1, NT, Hq, dtype=torch.float32, device=q.device)
     if out is None:
-        out = torch.empty(T, Hq, Dv, dtype=torch.float32, device=q.device)
-    if T == 0:
+        out = torch.zeros(T, Hq, Dv, dtype=torch.float32, device=q.device)
+    if T == 0 or n_tiles == 0:
         return out
     lse.fill_(float("-inf"))  # o_part needs no fill: merge reads a split's output only where its weight > 0
     c16 = cache_u8.view(torch.int16)
@@ -293,13 +300,90 @@ def paged_attention(q, k_new, v_new, cache_u8, fmt, block_table, seq_lens, query
     _paged_attn_kernel[(nsplit + 1, H, n_tiles)](
         q, k_new, v_new, cache_u8, c16, block_table, seq_lens, query_start_loc, tile_req, tile_t0,
         pk, pv, dmap, dvalid, o_part, lse,
-        float(scale), float(softcap or 1.0), int(sink), int(recent), T,
+        float(scale), float(softcap or 1.0), int(sink), int(recent), NT,
         q.stride(0), q.stride(1), k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1),
         block_table.stride(0),
         H=H, G=G, HP=HP, BM=bm, BS=BS, DK=Dk, DV=Dv, BPS=bps, NSPLIT=nsplit, HAS_TIERS=has_tiers,
         SOFTCAP=bool(softcap), INTERP=_interp(), **meta)
-    _merge_kernel[(T, Hq)](o_part, lse, out, T, HQ=Hq, DV=Dv, NSP=nsplit + 1, NSP_P=_pow2(nsplit + 1))
+    _merge_kernel[(NT, Hq)](o_part, lse, out, tile_req, tile_t0, query_start_loc, NT, HQ=Hq, DV=Dv, NSP=nsplit + 1,
+                            NSP_P=_pow2(nsplit + 1), BM=bm)
     return out
+
+
+@triton.jit
+def _gather_kernel(C8, C16, TABLE, PK, PV, DMAP, DVALID, KO, VO, hist, seq, SINK, RECENT,
+                   H: tl.constexpr, BS: tl.constexpr, SB: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr,
+                   KCB: tl.constexpr, KG: tl.constexpr, KC_OFF: tl.constexpr, KS_OFF: tl.constexpr,
+                   KZ_OFF: tl.constexpr, VCB: tl.constexpr, VG: tl.constexpr, VC_OFF: tl.constexpr,
+                   VS_OFF: tl.constexpr, VZ_OFF: tl.constexpr, HAS_TIERS: tl.constexpr):
+    """One request's stored history as dense rotated rows: KO [hist, H, DK], VO [hist, H, DV] (the out dtype),
+    block jb of its table per program, tier rows from the pool where held, else decoded from the codes."""
+    jb = tl.program_id(0)
+    h = tl.program_id(1)
+    offs = tl.arange(0, BS)
+    dk = tl.arange(0, DK)
+    dv = tl.arange(0, DV)
+    blk = tl.load(TABLE + jb).to(tl.int64)
+    pos = jb * BS + offs
+    valid = pos < hist
+    cell = ((blk * H + h) * BS + offs) * SB
+    k = _deq(C8, C16, cell, valid, DK, KCB, KG, KC_OFF, KS_OFF, KZ_OFF)
+    v = _deq(C8, C16, cell, valid, DV, VCB, VG, VC_OFF, VS_OFF, VZ_OFF)
+    if HAS_TIERS:
+        dslot = tl.load(DMAP + blk)
+        tier = (pos < SINK) | (pos >= seq - RECENT)
+        has = tier & valid & (dslot >= 0)
+        dsl = tl.maximum(dslot, 0).to(tl.int64)
+        use = has & (tl.load(DVALID + dsl * BS + offs, mask=has, other=0) != 0)
+        prow = (dsl * BS + offs) * H + h
+        k = tl.where(use[:, None], tl.load(PK + prow[:, None] * DK + dk[None, :], mask=use[:, None],
+                                           other=0.0).to(tl.float32), k)
+        v = tl.where(use[:, None], tl.load(PV + prow[:, None] * DV + dv[None, :], mask=use[:, None],
+                                           other=0.0).to(tl.float32), v)
+    orow = pos.to(tl.int64) * H + h
+    tl.store(KO + orow[:, None] * DK + dk[None, :], k.to(KO.dtype.element_ty), mask=valid[:, None])
+    tl.store(VO + orow[:, None] * DV + dv[None, :], v.to(VO.dtype.element_ty), mask=valid[:, None])
+
+
+def gather_history(cache_u8, fmt, table_row, hist: int, seq: int, *, sink: int = 0, recent: int = 0, tiers=None,
+                   dtype=torch.float16):
+    """A request's first `hist` stored rows, dense and rotated: (k [hist, H, D_k], v [hist, H, D_v]) in `dtype`.
+    table_row: int32 [MB] (its block table row, on the device); seq: its length after this step (the tier rule)."""
+    _, H, BS, _ = cache_u8.shape
+    Dk, Dv = fmt.codecs["k"].head_dim, fmt.codecs["v"].head_dim
+    ko = torch.empty(hist, H, Dk, dtype=dtype, device=cache_u8.device)
+    vo = torch.empty(hist, H, Dv, dtype=dtype, device=cache_u8.device)
+    if hist <= 0:
+        return ko, vo
+    has_tiers = tiers is not None and (sink > 0 or recent > 0)
+    pk, pv, dmap, dvalid = tiers if has_tiers else empty_tiers(cache_u8.device)
+    meta = kernel_meta(fmt)
+    _gather_kernel[(-(-hist // BS), H)](cache_u8, cache_u8.view(torch.int16), table_row, pk, pv, dmap, dvalid, ko, vo,
+                                        int(hist), int(seq), int(sink), int(recent), H=H, BS=BS, DK=Dk, DV=Dv,
+                                        HAS_TIERS=has_tiers, **meta)
+    return ko, vo
+
+
+def prefill_attention_sdpa(q, k_new, v_new, cache_u8, fmt, table_row, hist: int, seq: int, *, scale: float,
+                           sink: int = 0, recent: int = 0, tiers=None, softcap: float = 0.0) -> torch.Tensor:
+    """One request's prefill chunk: q [lq, Hq, D] rotated over its stored history (gather_history) and its own new
+    rows k_new / v_new [lq, H, D] (exact), causal (lower-right aligned), through torch SDPA (FlashAttention on a
+    GPU). softcap needs the scores: the Triton kernel then. Returns float32 [lq, Hq, D_v]."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    lq, Hq, _ = q.shape
+    H = k_new.shape[1]
+    dt = k_new.dtype if k_new.dtype in (torch.float16, torch.bfloat16) else torch.float16
+    kh, vh = gather_history(cache_u8, fmt, table_row, hist, seq, sink=sink, recent=recent, tiers=tiers, dtype=dt)
+    k = torch.cat([kh, k_new.to(dt)]).transpose(0, 1)  # [H, n, D]
+    v = torch.cat([vh, v_new.to(dt)]).transpose(0, 1)
+    G = Hq // H
+    if G > 1:
+        k, v = k.repeat_interleave(G, 0), v.repeat_interleave(G, 0)
+    qq = q.to(dt).transpose(0, 1)  # [Hq, lq, D]
+    o = torch.nn.functional.scaled_dot_product_attention(qq[None], k[None], v[None],
+                                                         attn_mask=causal_lower_right(lq, k.shape[1]), scale=scale)
+    return o[0].transpose(0, 1).float()
 
 
 def tiles_for(query_start_loc_cpu, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
