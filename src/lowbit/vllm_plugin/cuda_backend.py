@@ -17,11 +17,14 @@ Per step (forward includes the cache write; no host synchronisation anywhere):
   - write (cuda_write.write): one fused Triton kernel rotates K/V (R_k, R_v), quantizes with lowbit's
     one quantizer's arithmetic, packs, stores the cells at slot_mapping, and stores the exact-tier rows
     (position < sink, or >= seq_len - recent) dense into the tier pool.
-  - attention (cuda_kernels.paged_attention): queries rotated by R_k; the history [0, seq - q_len) read
-    through vLLM's block table (codes, or the tier pool's dense rows), the step's own new tokens exact
-    (as they arrived, rotated, causal) -- lowbit's runtime semantics; split-K over the history for decode
-    (static split count from the block table's width), one program per 16-token tile for prefill chunks;
-    output un-rotated by R_v^T.
+  - attention: queries rotated by R_k; the history [0, seq - q_len) read through vLLM's block table (codes,
+    or the tier pool's dense rows), the step's own new tokens exact (as they arrived, rotated, causal) --
+    lowbit's runtime semantics; output un-rotated by R_v^T.
+      decode requests: cuda_kernels.paged_attention, split-K over the history (static split count from the
+      block table's width), all G query heads of a KV head per program, LSE merge;
+      prefill chunks (eager batches): cuda_kernels.prefill_attention_sdpa -- the stored history gathered dense
+      (one Triton kernel, rotated, model dtype) and the chunk's own rows, through torch SDPA with a lower-right
+      causal mask (FlashAttention on the GPU); with logit soft-capping every request takes the Triton kernel.
   - the exact tiers: a dense pool per layer [S, block_size, H_kv, D] in the model dtype (allocated when the
     layer is built, so vLLM's memory profile counts it: S = max_num_seqs x blocks a request's tiers span),
     keyed by physical block through a device map (dmap) the metadata builder maintains with torch ops
@@ -126,7 +129,6 @@ class LowbitCudaMetadataBuilder(AttentionMetadataBuilder[LowbitCudaMetadata]):
             nb = max(int(getattr(vllm_config.cache_config, "num_gpu_blocks", None) or 0), 1 << 22)  # 16 MiB map
             self.tiers = TierSlots(int(nb), tier_pool_slots(vllm_config, sch), kv_cache_spec.block_size,
                                    sch.sink, sch.recent, device)
-            TIER_SLOTS[id(vllm_config)] = self.tiers
 
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> LowbitCudaMetadata:
@@ -165,9 +167,6 @@ class LowbitCudaMetadataBuilder(AttentionMetadataBuilder[LowbitCudaMetadata]):
                                   query_start_loc=m.query_start_loc, seq_lens=seq, block_table=table,
                                   slot_mapping=m.slot_mapping, tile_req=treq, tile_t0=tt0, bm=bm, tiers=self.tiers,
                                   prefills=prefills)
-
-
-TIER_SLOTS: dict = {}
 
 
 def tier_pool_slots(vllm_config, scheme) -> int:
