@@ -291,7 +291,9 @@ class LowbitCudaImpl(AttentionImpl[LowbitCudaMetadata]):
             bps = BLOCKS_PER_SPLIT
         else:
             nsplit, bps = 1, BLOCKS_PER_SPLIT
-        o = torch.zeros(n, self.num_heads, Dv, dtype=torch.float32, device=q.device) if md.prefills else None
+        o = None
+        if md.prefills or not md.tile_req.numel():
+            o = torch.zeros(n, self.num_heads, Dv, dtype=torch.float32, device=q.device)
         if md.tile_req.numel():  # decode requests (all of a decode batch; a mixed batch's qlen-1 requests)
             o = cuda_kernels.paged_attention(qr, kr, vr, cache, fmt, md.block_table, seq, qsl, md.tile_req,
                                              md.tile_t0, bm=md.bm, scale=self.scale, sink=self.sink,
