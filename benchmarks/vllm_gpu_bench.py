@@ -10,7 +10,7 @@ Per batch B: B distinct random prompts of L tokens are prefilled once (one token
 decode is timed as (time of B requests x (1 + N) tokens - time of B x 1 token) / (N - 1 ... ) steps over the
 cached prompts, so prefill is out of the difference. KV capacity is vLLM's own num_gpu_blocks x block_size.
 A batch that does not fit (B x (L + N + 16) > capacity) is a row with fits=false. TTFT: the B=1 cold prefill.
-Writes benchmarks/results/vllm_gpu_<gpu>.json and prints a table with ratios vs fp8 and bf16 (auto).
+Writes lowbit-results/vllm_gpu_<gpu>.json (curated copies go to results/vllm/) and prints a table with ratios vs fp8 and bf16 (auto).
 """
 
 from __future__ import annotations
@@ -464,7 +464,7 @@ def main(argv=None) -> int:
 def write_results(args, env, rows, gpu) -> Path:
     """The results file; rows of kv configs this run did not touch are kept (one table over several calls)."""
     slug = re.sub(r"[^a-z0-9]+", "_", gpu.split(",")[0].lower()).strip("_") or "gpu"
-    out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"vllm_gpu_{slug}.json"
+    out = Path(args.out) if args.out else ROOT / "lowbit-results" / f"vllm_gpu_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     mine = {r["kv"] for r in rows}
     kept, runs = [], []

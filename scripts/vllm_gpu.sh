@@ -9,7 +9,7 @@
 # /root/vparts/install.sh -- run here when vLLM is missing and the parts are there). lowbit is on PYTHONPATH=src;
 # vLLM finds general plugins through entry points, so a minimal lowbit dist-info with the vllm.general_plugins
 # entry point is written into /tmp/site (no pip). Every step has a timeout; each kv config of the bench runs in its
-# own process with its own timeout; rows accumulate in benchmarks/results/vllm_gpu_<gpu>.json across calls
+# own process with its own timeout; rows accumulate in lowbit-results/vllm_gpu_<gpu>.json across calls
 # (copied to $OUT when set). A device call is at most 10 minutes: split the bench over calls, e.g.
 #   bash scripts/vllm_gpu.sh bench --kvs auto,fp8 --timeout 270 --total-budget 540
 #   bash scripts/vllm_gpu.sh bench --kvs lowbit-int2,lowbit-int4 --timeout 270 --total-budget 540
@@ -53,6 +53,6 @@ if [ "$mode" = bench ] || [ "$mode" = all ]; then
   say "bench rc $r"; [ $r -ne 0 ] && rc=$r
 fi
 if [ -n "${OUT:-}" ]; then
-  cp -v benchmarks/results/vllm_gpu_*.json "$OUT"/ 2>/dev/null || true
+  cp -v lowbit-results/vllm_gpu_*.json "$OUT"/ 2>/dev/null || true
 fi
 exit $rc
