@@ -141,6 +141,13 @@ def run_one(cfg: dict) -> dict:
             row.update(fits=True, ms_per_step=round(ms, 3), tok_s=round(B * 1000 / ms, 1), cached_run_s=round(base, 3),
                        prefill_s=round(prefill, 2), steps=n)
             log(f"[{kv}] B={B}: {ms:.2f} ms/step, {B * 1000 / ms:.0f} tok/s")
+            if cfg.get("profile"):  # where a decode step's GPU time goes (the engine runs in this process)
+                import torch
+
+                with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                    llm.generate(prompts, many, use_tqdm=False)
+                print(f"PROFILE {kv} B={B} ({n} steps)\n" + prof.key_averages().table(
+                    sort_by="cuda_time_total", row_limit=18, max_name_column_width=70), flush=True)
         except Exception as e:  # noqa: BLE001  (a row that fails says why; the next batch still runs)
             row.update(fits=None, error=f"{type(e).__name__}: {e}"[:500])
             log(f"[{kv}] B={B}: FAILED {row['error']}")
@@ -351,6 +358,7 @@ def main(argv=None) -> int:
     ap.add_argument("--export-root", default="/tmp/lowbit_vllm_exports")
     ap.add_argument("--out", default=None)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="print the top CUDA kernels of one timed decode run")
     ap.add_argument("--check", action="store_true", help="quick GPU correctness checks, then exit")
     ap.add_argument("--check-timeout", type=int, default=300)
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
@@ -386,7 +394,7 @@ def main(argv=None) -> int:
         directory = make_export(Path(args.export_root) / re.sub(r"[^A-Za-z0-9_.-]+", "_", kv), LLAMA3_8B, kv)
         cfg = {"kv": kv, "L": args.L, "steps": args.steps, "batches": batches, "dir": str(directory),
                "gpu_mem": args.gpu_mem, "vocab": LLAMA3_8B["vocab_size"], "chunk": args.chunk,
-               "enforce_eager": args.enforce_eager}
+               "enforce_eager": args.enforce_eager, "profile": args.profile}
         log(f"=== {kv}: starting (timeout {args.timeout}s)")
         got: dict = {}
         tail: list = []
@@ -426,6 +434,8 @@ def main(argv=None) -> int:
             elif (m := re.search(r"GPU KV cache size: ([\d,]+) tokens", line)):
                 cap_seen = int(m.group(1).replace(",", ""))
                 print(f"  [{kv}] {line[-160:]}", flush=True)
+            elif args.profile and (line.startswith("PROFILE") or line.count("  ") > 4):  # the profile's table
+                print(line[:200], flush=True)
             elif any(s in line for s in ("lowbit plugin", "Error", "error", "Traceback", "[" + kv + "]")):
                 print(f"  [{kv}] {line[-300:]}", flush=True)
         if timed_out or proc.poll() is None:
