@@ -15,21 +15,24 @@ warp-split instances under launch bound 256 (up to 255 registers) beside the def
 
 --cuda-tiled: the tiled 4-bit kernel (lowbit.kernels.gemm.tiled) at M 17-4096 beside the tabled cell and dequantize +
 cuBLAS, W4A16 g128 and g64-asym on the 8B and fused shapes. --cuda-wgmma: the same sweep over its wgmma instances. (A --cuda-tiled-l2 run timed the first version's L2 prefetch
-sizes and splits, results/weights/gemm_explore_tiled_l2_s23_*, at commit of scripts/gpu_s23_call2.sh; removed after.)
+sizes and splits: no change; the flag was removed after. Its file is in git history:
+benchmarks/results/weights/gemm_explore_tiled_l2_s23_NVIDIA_H200.json.)
 
 --cuda-pdl: W4A16 g128 through the CUDA kernels' best launches with and without programmatic dependent launch.
 
 --a8: A8 weights (w8a8, w4a8-g128) at the table's representative M: the tabled int8 cell beside "a16-xq" (the
 activation codes through every A16 cell the table has there for the same weight bits). --a8-split: W8A8's int8 kernel at M 16-256 with split-K. --a8-retime: W8A8 re-timed at every
-table M after its weight tile went straight into the dot (s18), with larger tiles at M >= 256. --a8-tma: W8A8
+table M after its weight tile went straight into the dot, with larger tiles at M >= 256. --a8-tma: W8A8
 through TMA descriptors (GemmConfig.tma) beside the table's tiles.
 
 --swap: A16 with the operands swapped (the weight tile as the dot's first operand) at M 4-1024. (A --swap-split run,
-W4A16 swapped with the split unpack, measured 0.06-0.62x: results/weights/gemm_explore_swap_split_*; that variant was
-deleted.)
+W4A16 swapped with the split unpack, measured 0.06-0.62x (git history: benchmarks/results/weights/gemm_explore_swap_split_NVIDIA_H200.json); that
+variant was deleted.)
 
-benchmarks/build_weight_table.py turns the committed JSONs (benchmarks/results/weights/gemm_explore_*) into
-the dispatch table lowbit/kernels/gemm/tables/sm90.json.
+benchmarks/build_weight_table.py turns these JSONs into the dispatch table lowbit/kernels/gemm/tables/sm90.json.
+The explorations sm90.json was built from are no longer tracked (results/ keeps only what a current claim cites):
+`git show 9c6f28e^:benchmarks/results/weights/gemm_explore_<name>_NVIDIA_H200.json` gives each back; re-running
+this script writes new ones (under ./lowbit-results/ or wherever OUT.json says).
 """
 
 from __future__ import annotations
@@ -42,12 +45,12 @@ import torch
 import torch.nn.functional as F
 
 from lowbit.kernels.gemm import triton_gemm as wg
-from lowbit.tools.bench.attention import graph_time_ms, n_buffers
-from lowbit.kernels.gemm.check import random_weight, tolerance
+from lowbit.kernels.gemm.check import tolerance
 from lowbit.kernels.gemm.cuda_gemm import CudaConfig
 from lowbit.kernels.gemm.dispatch import ViaA16, linear_via_a16
-from lowbit.kernels.gemm.triton_gemm import GemmConfig
 from lowbit.kernels.gemm.tiled import TiledConfig
+from lowbit.kernels.gemm.triton_gemm import GemmConfig, random_weight
+from lowbit.tools.bench.attention import graph_time_ms, n_buffers
 
 SHAPES = [("gate/up", 4096, 14336), ("down", 14336, 4096), ("qkv/o", 4096, 4096)]
 
@@ -361,7 +364,7 @@ def explore_a8_split(rows, log):
 
 
 def explore_a8_retime(rows, log):
-    """--a8-retime: W8A8's int8 kernel after its weight tile went straight into the dot (s18; before, it went through
+    """--a8-retime: W8A8's int8 kernel after its weight tile went straight into the dot (before, it went through
     int32 registers and was stored back for the dot): every M the table's W8A8 buckets are built from, with the tiles
     and splits a8-split explored at M <= 256 and, at M >= 256, the 128-row tiles with deeper pipelines, 256-wide tiles
     and BK 256, activation quantization as its own launch (the fused form was 4-5x slower), on the 8B and fused

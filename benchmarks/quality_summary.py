@@ -1,6 +1,6 @@
-"""Collect measured `lowbit eval` runs (PPL and --task needle JSONs) into benchmarks/results/quality/summary.json.
+"""Collect measured `lowbit eval` runs (PPL and --task needle JSONs) into results/quality/summary.json.
 
-    python benchmarks/quality_summary.py benchmarks/results/quality/*.json
+    python benchmarks/quality_summary.py results/quality/*.json
     python benchmarks/quality_summary.py --update NEW.json ...   # these runs' rows replace the same (model, recipe)
                                                                  # rows of the committed summary; others are kept
 
@@ -17,7 +17,7 @@ import json
 import sys
 from pathlib import Path
 
-OUT = Path(__file__).parent / "results" / "quality" / "summary.json"
+OUT = Path(__file__).resolve().parents[1] / "results" / "quality" / "summary.json"
 
 
 def _held(model: str, row: dict, context: int, chunk: int):

@@ -1,11 +1,11 @@
-"""Probe (issue 18, s17, a helper session): a V shift -- the calibration per-channel mean of V per KV head (stdlib,
+"""Probe: a V shift -- the calibration per-channel mean of V per KV head (stdlib,
 2 x 1024) subtracted at ingest and added back after attention (exact for attention: the weights sum to 1) -- run
 through `lowbit eval` by patching the eager cache (QuantizedKVLayer._ingest / QuantizedKVCache.attend).
 
     PYTHONPATH=src python benchmarks/quality_vshift_probe.py smollm2-135m eval --model smollm2-135m \
         --recipe smollm2-135m@2.5 --windows 4 --seq-len 2048 --chunk 128 --no-full-window --threads 2 --json OUT.json
 
-Result (benchmarks/results/quality/ppl_smollm2-135m_vshift_probe_s17.json): +4.89% against +4.07% without the shift
+Result (git history: benchmarks/results/quality/ppl_smollm2-135m_vshift_probe_s17.json): +4.89% against +4.07% without the shift
 (same recipe, protocol and bf16 PPL 24.528): the shift hurts, so it was not built into the codec."""
 import sys
 

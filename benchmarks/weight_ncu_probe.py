@@ -3,7 +3,7 @@
     ncu --clock-control none -k regex:wq_small_m --launch-skip 2 --launch-count 1 \
         python3 benchmarks/weight_ncu_probe.py SCHEME N K M CONFIG
 
-Three launches of one (scheme, N, K, M, config) on random packed weights (kernels.gemm.check.random_weight);
+Three launches of one (scheme, N, K, M, config) on random packed weights (kernels.gemm.triton_gemm.random_weight);
 skip two, profile the third, so the library build and the first-launch attribute set stay out of the profile.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 
 from lowbit.kernels.gemm import cuda_gemm as wc
 from lowbit.kernels.gemm import tiled as wt
-from lowbit.kernels.gemm.check import random_weight
+from lowbit.kernels.gemm.triton_gemm import random_weight
 
 
 def main(scheme: str, N: int, K: int, M: int, config: str) -> None:

@@ -25,5 +25,5 @@ MODEL_DIR=$("$ROOT/.venv/bin/python" -c "
 from lowbit.models import load
 from lowbit.models.load import cache_path
 load('smollm2-135m'); print(cache_path('smollm2-135m'))")
-(cd "$OUT" && "$VENV/bin/python" "$ROOT/scripts/llmcompressor_compare.py" quantize "$MODEL_DIR" "$OUT")
-"$ROOT/.venv/bin/python" "$ROOT/scripts/llmcompressor_compare.py" eval "$OUT"
+(cd "$OUT" && "$VENV/bin/python" "$ROOT/benchmarks/llmcompressor_compare.py" quantize "$MODEL_DIR" "$OUT")
+"$ROOT/.venv/bin/python" "$ROOT/benchmarks/llmcompressor_compare.py" eval "$OUT"

@@ -2,7 +2,7 @@
 """Bounded load test of `lowbit serve` (or any OpenAI-compatible server) on loopback.
 
     python scripts/loadtest.py --serve "--model smollm2-135m --kv int2" --concurrency 1,4,16 \
-        --out benchmarks/results/serve/smollm2-int2-cpu.json
+        --out results/serve/loadtest_smollm2-135m-int2_cpu.json
     python scripts/loadtest.py --url http://127.0.0.1:8000 --model smollm2-135m
 
 For each concurrency level C, C client threads take max(C, --min-requests) non-streaming

@@ -1,4 +1,4 @@
-"""Write benchmarks/results/reliability/kill_points.json: a real ArtifactWriter SIGKILLed at each point
+"""Write results/reliability/kill_points.json: a real ArtifactWriter SIGKILLed at each point
 of its write, what it left (before) and what the next write into the same parent left (after); and
 file_kill_points.json: the same for the single-file writes (`lowbit pin`, `lowbit validate --json`),
 the next run being the same command again.
@@ -13,7 +13,7 @@ from pathlib import Path
 
 from lowbit.tools.killpoints import file_kill_points, kill_points, write_results
 
-out = Path(sys.argv[1] if len(sys.argv) > 1 else "benchmarks/results/reliability")
+out = Path(sys.argv[1] if len(sys.argv) > 1 else "results/reliability")
 with tempfile.TemporaryDirectory() as d:
     rows = kill_points(Path(d) / "dirs")
     files = file_kill_points(Path(d) / "files")

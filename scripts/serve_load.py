@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Streaming load test of a running `lowbit serve` through the official `openai` client (issue 16 item 6).
+"""Streaming load test of a running `lowbit serve` through the official `openai` client.
 
     python scripts/serve_load.py --url http://127.0.0.1:8000 --concurrency 1,8,32 --prompt-tokens 4096 \
         --max-tokens 512 --bench-json decode_b32.json --out-dir OUT

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 16 item 6, one device call: `lowbit serve` of a random-weight model (random:llama3-8b, int2 KV, the
+# One device call: `lowbit serve` of a random-weight model (random:llama3-8b, int2 KV, the
 # batching engine with CUDA graphs) under 1 / 8 / 32 concurrent streams of the official openai client (long
 # prompts, fixed output length), plus the `lowbit bench decode` row at B = the largest level, in the same call.
 #   bash scripts/serve_load_gpu.sh "$OUT"                 # H200 defaults: prompt 4096, 512 tokens out, 1,8,32

@@ -2,7 +2,7 @@
 """The official `openai` client against `lowbit serve` on loopback: a long-prompt completion, a
 streamed chat completion, and 8 concurrent clients compared with the same requests sent alone.
 
-    python scripts/serve_openai_check.py "smollm2-135m --kv int2" benchmarks/results/serve/OUT.json
+    python scripts/serve_openai_check.py "smollm2-135m --kv int2" results/serve/OUT.json
 
 Starts `python -m lowbit serve ARGS --host 127.0.0.1 --port 0` (scripts/loadtest.py's spawn),
 records every answer, usage, the per-response quantized-token count, timings and /metrics.

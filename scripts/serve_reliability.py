@@ -1,6 +1,6 @@
-"""Runs the server reliability checks of issue #22 on CPU and writes what they measure.
+"""Runs the server reliability checks on CPU and writes what they measure.
 
-    .venv/bin/python scripts/serve_reliability.py [--out benchmarks/results/reliability/serve_cpu.json]
+    .venv/bin/python scripts/serve_reliability.py [--out results/reliability/serve_cpu.json]
 
 The same code as tests/serve/test_fuzz.py, test_soak.py and test_capacity.py (their fuzz(), soak() and
 exhaust()), with the same sizes: the fuzz cases and their outcome classes per engine, the soak's counts
@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=str(ROOT / "benchmarks/results/reliability/serve_cpu.json"))
+    ap.add_argument("--out", default=str(ROOT / "results/reliability/serve_cpu.json"))
     args = ap.parse_args(argv)
 
     import torch

@@ -1,6 +1,6 @@
-"""GPU serving soak (issue #22): N requests at C concurrent streams through the in-process BatchEngine.
+"""GPU serving soak: N requests at C concurrent streams through the in-process BatchEngine.
 
-    python scripts/serve_soak_gpu.py --out benchmarks/results/reliability/serve_gpu_soak.json
+    python scripts/serve_soak_gpu.py --out results/reliability/serve_gpu_soak_NVIDIA_H200.json
         defaults: --geometry llama3-8b --device cuda --kv int2 -n 1000 -c 32 --budget-s 450
     CPU smoke (tests/serve/test_soak_gpu_script.py): --geometry tiny-llama --device cpu -n 12 -c 4
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from lowbit.kernels.gemm import triton_gemm as wg
 from lowbit.tools.bench.attention import graph_time_ms, n_buffers
 from lowbit.tools.bench.read_floor import read_floor_ms
-from lowbit.kernels.gemm.check import random_weight
+from lowbit.kernels.gemm.triton_gemm import random_weight
 from lowbit.kernels.gemm.dispatch import Dispatch, run_cell
 
 SHAPES = [("llama3-8b gate/up", 4096, 14336), ("llama3-8b down", 14336, 4096), ("llama3-8b qkv/o", 4096, 4096)]

@@ -79,5 +79,5 @@ def test_a_live_writers_staged_file_is_not_swept_by_another_write(tmp_path, caps
 
 
 def test_the_committed_file_kill_points_json_is_what_the_harness_gives(tmp_path):
-    committed = Path(__file__).parents[2] / "benchmarks/results/reliability/file_kill_points.json"
+    committed = Path(__file__).parents[2] / "results/reliability/file_kill_points.json"
     assert json.loads(committed.read_text()) == {"file_kill_points": file_kill_points(tmp_path)}

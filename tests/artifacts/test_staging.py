@@ -142,5 +142,5 @@ def test_the_committed_kill_points_json_is_what_the_harness_gives(tmp_path):
 
     from lowbit.tools.killpoints import kill_points
 
-    committed = Path(__file__).parents[2] / "benchmarks/results/reliability/kill_points.json"
+    committed = Path(__file__).parents[2] / "results/reliability/kill_points.json"
     assert json.loads(committed.read_text()) == {"kill_points": kill_points(tmp_path)}

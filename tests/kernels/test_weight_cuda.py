@@ -17,10 +17,9 @@ from lowbit.core.errors import LowbitError
 from lowbit.kernels import nvcc
 from lowbit.kernels.gemm import cuda_gemm as wc
 from lowbit.kernels.gemm import triton_gemm as wg
-from lowbit.kernels.gemm.check import random_weight
 from lowbit.kernels.gemm.cuda_gemm import CudaConfig
 from lowbit.kernels.gemm.dispatch import Cell, Dispatch, config_from_name
-from lowbit.kernels.gemm.triton_gemm import GemmConfig
+from lowbit.kernels.gemm.triton_gemm import GemmConfig, random_weight
 
 
 def rel(a, b):

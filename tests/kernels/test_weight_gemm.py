@@ -11,10 +11,9 @@ import torch
 
 from lowbit.core.errors import LowbitError
 from lowbit.kernels.gemm import triton_gemm as wg
-from lowbit.kernels.gemm.check import random_weight
 from lowbit.kernels.gemm.dispatch import Cell, Dispatch, ViaA16, generic_cells
 from lowbit.kernels.gemm.prepare import pack_module
-from lowbit.kernels.gemm.triton_gemm import GemmConfig, GemvConfig
+from lowbit.kernels.gemm.triton_gemm import GemmConfig, GemvConfig, random_weight
 from lowbit.tools.audit.gemm import audit_weights
 
 interp = pytest.mark.skipif(not wg.triton or __import__("os").environ.get("TRITON_INTERPRET") != "1",

@@ -16,9 +16,9 @@ import torch
 from lowbit.kernels.gemm import cuda_gemm as wc
 from lowbit.kernels.gemm import tiled as wt
 from lowbit.kernels.gemm import triton_gemm as wg
-from lowbit.kernels.gemm.check import random_weight
 from lowbit.kernels.gemm.dispatch import Cell, Dispatch, config_from_name, last_resort
 from lowbit.kernels.gemm.tiled import TiledConfig
+from lowbit.kernels.gemm.triton_gemm import random_weight
 
 
 def rel(a, b):

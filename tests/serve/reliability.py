@@ -5,7 +5,7 @@ prompts of ~15+ tokens put tokens in the packed middle and a mix-up of caches wo
 plain-socket HTTP (http.client: a streamed request can be hung up after any event), the checks every
 answer must pass (an OpenAI body, or an OpenAI error body), and the engine's idle state.
 
-The numbers the tests measure go to benchmarks/results/reliability/serve_cpu.json through
+The numbers the tests measure go to results/reliability/serve_cpu.json through
 scripts/serve_reliability.py (the tests themselves write nothing).
 """
 

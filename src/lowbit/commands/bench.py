@@ -111,6 +111,14 @@ def add_arguments(parser) -> None:
     g.add_argument("--read-floor", action="store_true",
                    help="gemm: also time the fastest single read of each packed weight (read_ms) and report "
                         "ceiling = bf16_ms / read_ms, the best ratio any kernel reading the weight once could reach")
+    g.add_argument("--candidates", default=None, metavar="C1,C2",
+                   help="gemm: audit and time each of these per (scheme, shape, M) and pick the fastest passing one: "
+                        "table (lowbit's current cell), humming (humming-kernels, in the CUDA graph), dequant-cublas; "
+                        "or all (default shapes: llama3-8b qkv/o, gate/up, down; default M 1,16,64,256,4096)")
+    g.add_argument("--table", default=None, metavar="JSON",
+                   help="gemm --candidates: also write the dispatch table of the winners for this card (a new file)")
+    g.add_argument("--budget-s", type=float, default=None,
+                   help="gemm --candidates: start no new (scheme, shape) after this many seconds")
     parser.add_argument("--mem-cap-gb", type=float, default=60.0, help="skip shapes whose bf16 KV exceeds this")
     parser.add_argument("--out", metavar="JSON",
                         help="write results to this new file "
@@ -173,12 +181,23 @@ def run(args) -> int:
                     _ints(args.m) if args.m else None,
                     tuple(x.strip() for x in args.shapes.split(";")) if args.shapes else None)
         weight_bench.check_selection(*gemm_sel)
+        if args.candidates:
+            from lowbit.tools.bench import gemm_candidates
+
+            gemm_cands = gemm_candidates.check_candidates(
+                None if args.candidates == "all" else tuple(x.strip() for x in args.candidates.split(",")))
+        elif args.table:
+            raise LowbitError("bench gemm: --table is built from --candidates; pass --candidates all (or a list)")
     if args.what == "images":
         return _images(args)
     if not torch.cuda.is_available():
         raise LowbitError(f"bench {args.what} needs a CUDA GPU (it times GPU kernels against their bf16 baselines)")
     if args.what == "gemm":
         path = resolve_out(args.out, "gemm", torch.cuda.get_device_name(0))
+        if args.candidates:
+            table = resolve_out(args.table, "gemm_table", torch.cuda.get_device_name(0)) if args.table else None
+            return gemm_candidates.bench_cli(gemm_sel[0], gemm_sel[1], gemm_sel[2], gemm_cands, path, table,
+                                             args.budget_s, write_new)
         res = weight_bench.run(schemes=gemm_sel[0], ms=gemm_sel[1], shapes=gemm_sel[2], read_floor=args.read_floor)
         write_new(path, res)
         print(f"wrote {path}")

@@ -21,6 +21,14 @@ tuned for that one weight shape (measured there against the bucket's cell) and m
                     bits with an fp32 output, then the per-token scale and the bias: the twin's
                     (x_q * s_x) @ W^T reordered as s_x * (x_q @ W^T). It wins at small M where the int8
                     kernel's tiles are mostly empty (W4A8 everywhere on the H200)
+    humming         lowbit.kernels.gemm.humming.linear: humming-kernels (an extra: `lowbit[humming]`), the weight
+                    repacked once into its layout (the plan kept on the PackedWeight), its kernel per M bucket by
+                    its own heuristics; a weight it does not take (lowbit.kernels.gemm.humming.why_not) falls through to the next
+                    cell that covers M; humming not installed on a GPU whose table names it is an error with the
+                    install command (never a silent fallback)
+A table written by `lowbit bench gemm --candidates ... --table` for one card (tables/<card name>.json, e.g.
+NVIDIA_H100_80GB_HBM3.json: shape cells chosen by measured time among humming, lowbit's kernels and dequantize +
+cuBLAS, then the capability's cells) is preferred to the capability's table.
 The cells for a capability with a table in tables/ (sm90.json: the H200) are the winners of the
 committed explorations (benchmarks/build_weight_table.py over benchmarks/results/weights/gemm_explore_*);
 other devices get the generic cells. A kind with no cell
@@ -35,6 +43,7 @@ import torch
 
 from lowbit.core.errors import LowbitError
 from lowbit.kernels.gemm import cuda_gemm as weight_cuda
+from lowbit.kernels.gemm import humming as humming_gemm
 from lowbit.kernels.gemm import tiled as weight_tiled
 from lowbit.kernels.gemm import triton_gemm as wg
 from lowbit.kernels.gemm.cuda_gemm import CudaConfig
@@ -127,20 +136,35 @@ def config_from_name(path: str, name: str | None):
     return GemvConfig.from_name(name) if path == "gemv" else GemmConfig.from_name(name)
 
 
-def measured_cells(cap: tuple[int, int]) -> tuple[list[Cell], str] | None:
-    """The cells measured on a device of this capability: tables/sm<maj><min>.json (written by
-    benchmarks/build_weight_table.py from committed explorations), or None."""
+def card_table_name(gpu: str) -> str:
+    """The file name of one card's table: 'NVIDIA H100 80GB HBM3' -> 'NVIDIA_H100_80GB_HBM3.json'."""
+    import re
+
+    return (re.sub(r"[^A-Za-z0-9._-]+", "_", gpu.strip()) or "gpu") + ".json"
+
+
+def measured_cells(cap: tuple[int, int], gpu: str | None = None) -> tuple[list[Cell], str] | None:
+    """The cells measured on this card (tables/<card>.json, written by `lowbit bench gemm --table`) or on a
+    device of this capability (tables/sm<maj><min>.json, written by benchmarks/build_weight_table.py from
+    committed explorations), or None."""
     import json
     from pathlib import Path
 
-    f = Path(__file__).with_name("tables") / f"sm{cap[0]}{cap[1]}.json"
+    d = Path(__file__).with_name("tables")
+    f = d / card_table_name(gpu) if gpu else None
+    if f is None or not f.is_file():
+        f = d / f"sm{cap[0]}{cap[1]}.json"
     if not f.is_file():
         return None
     d = json.loads(f.read_text())
-    cells = [Cell(c["kind"], c["m_lo"], M_INF if c["m_hi"] is None else c["m_hi"], c["path"],
-                  config_from_name(c["path"], c.get("config")), tuple(c["shape"]) if c.get("shape") else None)
-             for c in d["cells"]]
-    return cells + last_resort(), f"measured sm_{cap[0]}{cap[1]} ({d.get('gpu', '?')}, {f.name})"
+    return table_cells(d) + last_resort(), f"measured sm_{cap[0]}{cap[1]} ({d.get('gpu', '?')}, {f.name})"
+
+
+def table_cells(d: dict) -> list[Cell]:
+    """The cells of a table file's JSON (without the last resort)."""
+    return [Cell(c["kind"], c["m_lo"], M_INF if c["m_hi"] is None else c["m_hi"], c["path"],
+                 config_from_name(c["path"], c.get("config")), tuple(c["shape"]) if c.get("shape") else None)
+            for c in d["cells"]]
 
 
 def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -150,6 +174,8 @@ def run_cell(cell: Cell, x: torch.Tensor, pw: PackedWeight, out_dtype: torch.dty
         return y if out_dtype is None else y.to(out_dtype)
     if cell.path == "a16-xq":
         return linear_via_a16(x, pw, cell.config, out_dtype)
+    if cell.path == "humming":
+        return humming_gemm.linear(x, pw, out_dtype)
     if cell.path == "gemv":
         return wg.gemv(x, pw, cell.config, out_dtype)
     if cell.path == "cuda":
@@ -179,6 +205,12 @@ def takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
     """Whether the cell's path runs this weight: only the CUDA kernel has conditions beyond (kind, M)."""
     if cell.path == "a16-xq":
         return takes(cell.config.cell(pw.bits), as_a16(pw), torch.bfloat16, M)
+    if cell.path == "humming":
+        if humming_gemm.why_not(pw, x_dtype) is not None:
+            return False
+        humming_gemm.require_humming(f"the weight table dispatches {pw.kind} M={M} to humming on "
+                                     f"{_card(pw.qweight.device)}")
+        return True
     if cell.path == "triton" and getattr(cell.config, "tma", False):
         return tma_why_not(pw, cell.config) is None
     if cell.path != "cuda":
@@ -187,12 +219,18 @@ def takes(cell: Cell, pw: PackedWeight, x_dtype, M: int) -> bool:
     return kernel.why_not(pw, x_dtype, M, cell.config) is None and weight_cuda.nvcc_missing() is None
 
 
+def _card(device) -> str:
+    dev = torch.device(device)
+    return torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev)
+
+
 class Dispatch:
     """The cells in force on one device; `choose(kind, M)` is the first cell that covers M."""
 
-    def __init__(self, cells: list[Cell], source: str):
+    def __init__(self, cells: list[Cell], source: str, card: str = "this device"):
         self.cells = list(cells)
         self.source = source
+        self.card = card
 
     @classmethod
     def for_device(cls, device) -> Dispatch:
@@ -200,17 +238,18 @@ class Dispatch:
         if dev.type != "cuda":
             raise LowbitError(f"the weight kernels run on CUDA; {dev} runs QuantLinear's torch forward")
         cap = torch.cuda.get_device_capability(dev)
-        got = measured_cells(cap)
+        card = torch.cuda.get_device_name(dev)
+        got = measured_cells(cap, card)
         if got is not None:
-            return cls(*got)
-        return cls(generic_cells(), f"generic (sm_{cap[0]}{cap[1]} has no measured table)")
+            return cls(*got, card=card)
+        return cls(generic_cells(), f"generic (sm_{cap[0]}{cap[1]} has no measured table)", card=card)
 
     def without(self, failed: list[tuple[str, int, str]]) -> Dispatch:
         """A copy without the cells that failed: (kind, M, kernel) is the cell of `kind` covering M that
         ran `kernel` (the audit's verdict); the next cell covering M (the last resort) takes over."""
         bad = [c for c in self.cells if any(c.kind == k and c.covers(m) and c.kernel == n for k, m, n in failed)]
         return Dispatch([c for c in self.cells if c not in bad], self.source + (f", {len(bad)} cell(s) removed by "
-                                                                                 "the audit" if bad else ""))
+                                                                                 "the audit" if bad else ""), self.card)
 
     def choose(self, kind: str, M: int, pw: PackedWeight | None = None, x_dtype=torch.bfloat16) -> Cell:
         """The first cell of `kind` covering M; with `pw`, a shape cell of pw's (N, K) first, and cells whose path
@@ -222,7 +261,7 @@ class Dispatch:
             if c.kind == kind and c.covers(M) and (pw is None or takes(c, pw, x_dtype, M)):
                 return c
         have = sorted({c.kind for c in self.cells})
-        raise LowbitError(f"no weight kernel for {kind} at M={M} on this device ({self.source}); kernels exist for "
+        raise LowbitError(f"no weight kernel for {kind} at M={M} on {self.card} ({self.source}); kernels exist for "
                           f"{', '.join(have) or 'nothing'}: run `lowbit audit kernels --weights` to see what failed")
 
     def linear(self, x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:

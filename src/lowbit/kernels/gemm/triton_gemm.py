@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lowbit.weights.act_quant import A8_DIV, A8_QMAX, A8_QMIN, act_eps, quantize_activations_per_token
+from lowbit.weights.scheme import parse_weight_scheme
 
 try:
     import triton
@@ -829,3 +830,17 @@ def linear_dequant_cublas(x: torch.Tensor, pw: PackedWeight) -> torch.Tensor:
         raise ValueError("dequantize + cuBLAS is an A16 path (A8 would skip the activation quantization)")
     w = dequantize_kernel(pw, x.dtype)
     return torch.nn.functional.linear(x, w, None if pw.bias is None else pw.bias.to(x.dtype))
+
+
+def random_weight(scheme_name: str, N: int, K: int, device, seed: int = 0):
+    """A PackedWeight of `scheme_name` with random codes, scales (and zero-points if asymmetric)."""
+    sch = parse_weight_scheme(scheme_name)
+    group = sch.group_for(K)
+    g = torch.Generator(device=device).manual_seed(seed)
+    kw = {"generator": g, "device": device}
+    codes = torch.randint(0, 2 ** sch.w_bits, (N, K), dtype=torch.uint8, **kw)
+    if sch.a_bits == 8 and sch.w_bits == 8:
+        codes = codes.clamp_(1, 255)  # symmetric int8: q in [-127, 127]
+    scale = (torch.rand(N, K // group, **kw) * 0.02 + 0.002).to(torch.bfloat16)
+    zp = None if sch.symmetric else torch.randint(-4, 4, (N, K // group), dtype=torch.int8, **kw)
+    return pack_weight(codes, scale, zp, bits=sch.w_bits, group=group, a_bits=sch.a_bits)

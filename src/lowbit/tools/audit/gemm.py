@@ -14,7 +14,9 @@ import time
 from dataclasses import asdict, dataclass
 
 from lowbit.core.errors import LowbitError
-from lowbit.kernels.gemm.check import DEQUANT_TOL, TOL, cell_passes, check_cell, random_weight
+from lowbit.kernels.gemm.check import DEQUANT_TOL, TOL, cell_passes, check_cell
+from lowbit.kernels.gemm.dispatch import Dispatch, generic_cells
+from lowbit.kernels.gemm.triton_gemm import random_weight
 from lowbit.weights.scheme import parse_weight_scheme
 
 LLM_SHAPES = [("llama3-8b qkv/o", 4096, 4096), ("llama3-8b gate/up", 4096, 14336), ("llama3-8b down", 14336, 4096),
@@ -63,8 +65,6 @@ class WeightAuditRow:
 
 def audit_weights(device: str = "cuda", *, schemes=SCHEMES, shapes=None, ms=None, dispatch=None, log=None):
     """(rows, dispatch with the failing cells removed). On CPU: small shapes through the interpreter."""
-    from lowbit.kernels.gemm.dispatch import Dispatch, generic_cells
-
     if dispatch is None:
         dispatch = Dispatch.for_device(device) if device == "cuda" else Dispatch(generic_cells(), "generic (cpu)")
     if shapes is None:

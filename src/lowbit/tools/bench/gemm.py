@@ -18,9 +18,11 @@ import time
 import torch
 
 from lowbit.core.errors import LowbitError
-from lowbit.kernels.gemm.check import random_weight
+from lowbit.kernels.gemm.dispatch import Dispatch, run_cell
+from lowbit.kernels.gemm.triton_gemm import random_weight
 from lowbit.tools.audit.gemm import DIT_MS, DIT_SHAPES, LLM_MS, LLM_SHAPES, SCHEMES
 from lowbit.tools.bench.attention import graph_time_ms, n_buffers
+from lowbit.tools.bench.read_floor import read_floor_ms
 
 BENCH_SCHEMES = ("w4a16-g128", "w8a16", "w8a8", "w4a16-g64-asym", "w4a8")
 SECONDARY_SHAPES = ("llama3-8b gate/up", "llama3-8b down")
@@ -30,13 +32,9 @@ def bench_shape(scheme, shape, K, N, ms, dispatch, *, log=print, t0=0.0, read_fl
     """Rows for every M in `ms` on one (scheme, shape); weight sets made once, inputs per M."""
     import torch.nn.functional as F
 
-    from lowbit.kernels.gemm.dispatch import run_cell
-
     pw0 = random_weight(scheme, N, K, "cuda")
     floor = {}
     if read_floor:
-        from lowbit.tools.bench.read_floor import read_floor_ms
-
         read_ms, cfg = read_floor_ms(pw0.nbytes())
         floor = {"read_ms": read_ms, "read_config": cfg, "bf16_read_ms": read_floor_ms(N * K * 2)[0]}
     n = n_buffers(pw0.nbytes(), 24e9)
@@ -88,8 +86,6 @@ def check_selection(schemes, ms, shapes) -> None:
 def run(schemes=BENCH_SCHEMES, *, dit: bool = True, log=print, ms=None, shapes=None, read_floor: bool = False) -> dict:
     """The sweep; ms / shapes (names) narrow it (default: the audit's); read_floor adds the read-floor columns."""
     import triton
-
-    from lowbit.kernels.gemm.dispatch import Dispatch
 
     dispatch = Dispatch.for_device("cuda")
     rows = []
