@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from _make import make_inputs
 
 import lowbit.kernels.attention.tiers as da
+from lowbit.kernels.attention import common
 from lowbit.kernels.attention.common import interpreted
 from lowbit.kernels.attention.tiers import KernelConfig, Launch, decode_attention
 
@@ -52,8 +53,9 @@ def test_mode_comes_from_the_kernel_objects_not_the_environment(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # lowbit must not read it: the kernels stay what triton built
     assert interpreted() and isinstance(da._stage1, InterpretedFunction)
     assert decode_attention(**kw, return_launch=True)[1].mode == "interpreter"
-    # what the check reads at call time: kernel objects that are not interpreter functions refuse CPU tensors
-    monkeypatch.setattr(da, "_stage1", object())
+    # what the check reads at call time (lowbit.kernels.attention.common.interpreted: the shared stage-2 kernel
+    # object): kernel objects that are not interpreter functions refuse CPU tensors
+    monkeypatch.setattr(common, "stage2", object())
     assert not interpreted()
     with pytest.raises(da.LowbitError, match="needs the Triton interpreter"):
         decode_attention(**kw)
