@@ -20,7 +20,7 @@ import torch
 
 def main() -> int:
     from lowbit.runtime.generate import generate
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
     from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.vllm_plugin import sidecar
 

@@ -178,7 +178,7 @@ def test_tune_measures_a_key_affine_candidate_with_its_maps_and_pins_it(tiny_dir
     from lowbit.calib import key_affine as kfit
     from lowbit.calib.corpora import load_text, token_windows
     from lowbit.kv import key_affine as kam
-    from lowbit.models import resolve
+    from lowbit.runtime.load import resolve
 
     lm = resolve(str(tiny_dir))
     windows = token_windows(lm.tokenizer, load_text(str(corpus)), 77, 2)

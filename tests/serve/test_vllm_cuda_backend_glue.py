@@ -15,7 +15,7 @@ from typing import Generic, TypeVar
 import pytest
 import torch
 
-from lowbit.kernels.attention.tiers import interpreted
+from lowbit.kernels.attention.common import interpreted
 
 cpu_only = pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
 BS, NB = 16, 40

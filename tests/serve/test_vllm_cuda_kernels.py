@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lowbit.kernels.attention.tiers import interpreted
+from lowbit.kernels.attention.common import interpreted
 from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.vllm_plugin.cuda_kernels import paged_attention, paged_attention_ref, tiles_for
 from lowbit.vllm_plugin.slot import SlotFormat
