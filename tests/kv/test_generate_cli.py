@@ -167,3 +167,14 @@ def test_sampling_flags_are_seeded_and_checked(tiny_loader, capsys):
     assert "--top-p 0.5 needs sampling: add --temperature" in capsys.readouterr().err
     assert main(["generate", "--model", "tiny", "--kv", "int2", "--prompt", "hi", "--seed", "1"]) == 2
     assert "--seed only matters when sampling" in capsys.readouterr().err
+
+
+def test_unquantized_scheme_reports_the_dtype_it_holds(tiny_loader, capsys):
+    # `--kv bf16` on an fp32 model read "32.00 bits/elt (2.000 of bf16)": the tiers keep the model dtype
+    rc = main(["generate", "--model", "tiny", "--kv", "bf16", "--sink", "4", "--recent", "8", "--page", "4",
+               "--prompt", "q" * 40, "--max-new-tokens", "3", "--device", "cpu"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    line = out.out.strip().splitlines()[-1]
+    assert "middle not quantized: K/V held in the model dtype float32 (32 / 32 bits/elt)" in line
+    assert "of bf16" not in line

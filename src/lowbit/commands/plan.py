@@ -46,7 +46,7 @@ def run(args) -> int:
     else:
         print(plan.table())
     if not scheme.quantized:
-        print("note: K and V are stored at 16 bits: nothing is quantized", file=sys.stderr)
+        print("note: nothing is quantized: K and V stay in the model dtype (16 bits/elt in bf16, 32 in fp32)", file=sys.stderr)
     return 0
 
 
