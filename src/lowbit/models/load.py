@@ -29,13 +29,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lowbit.errors import LowbitError
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.registry import BUILTINS, BuiltinModel, get_builtin
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that load weights: command parsers import lowbit.models (the
+# built-ins' names), and a mistyped flag must not wait seconds for torch
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +97,7 @@ def resolve(
     name_or_dir: str | os.PathLike,
     *,
     cache_dir: str | Path | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
 ) -> LoadedModel:
@@ -102,11 +106,15 @@ def resolve(
 
     cache_dir: root of the built-in cache (default ~/.cache/lowbit); the model lives in
                <cache_dir>/<name>. Also holds the sha256 memo for local directories.
-    dtype:     dtype of the returned model (the cache itself stays fp32; a quantized checkpoint's
+    dtype:     dtype of the returned model, default float32 (the cache itself stays fp32; a quantized checkpoint's
                non-quantized tensors).
     device:    where the model is moved after loading (None: CPU).
     Raises LowbitError (one line) for an unknown name, a file, a directory without config.json.
     """
+    import torch
+
+    if dtype is None:
+        dtype = torch.float32
     key = os.fspath(name_or_dir)
     path = model_dir(key, cache_dir)
     if key in BUILTINS:
@@ -307,6 +315,7 @@ def _convert_gguf(builtin: BuiltinModel, work: Path):
     rebuilt from the same config. With tied embeddings the rebuilt model shares one tensor for
     embed_tokens and lm_head; we check the GGUF's two tensors agree before trusting that.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = builtin.gguf_path(work)
@@ -378,6 +387,8 @@ def _load_dir(path: Path, name: str, prov: dict, dtype, attn_implementation: str
 
 def _load_quantized_dir(path: Path, name: str, prov: dict, dtype, attn_implementation: str, device) -> LoadedModel:
     """A compressed-tensors checkpoint through lowbit's loader (QuantLinear modules, manifest verified)."""
+    import torch
+
     from lowbit.weights.load import load_quantized
 
     model, tok = load_quantized(path, dtype=dtype)
