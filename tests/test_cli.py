@@ -183,7 +183,7 @@ for name in COMMANDS:
                          check=True).stdout.splitlines()
     assert len(out) == 2 * (len(lowbit.commands.COMMANDS) - len(TORCH_AT_PARSE))
     for line in out:
-        name, flag, rc, rest = line.split(" ", 3)
+        _name, flag, rc, rest = line.split(" ", 3)
         assert rest.startswith("[]"), line  # no torch / transformers module imported
         assert rc == ("0" if flag == "--help" else "2"), line
         assert flag == "--help" or rest.endswith("True"), line  # argparse said what was wrong

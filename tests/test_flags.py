@@ -51,8 +51,8 @@ def test_native_bf16_is_read_from_the_cpu_flags():
     assert cpu_native_bf16(AMX) == (True, "CPU flags avx512_bf16+amx_bf16 in /proc/cpuinfo")
     assert cpu_native_bf16(ARM)[0] is True
     # the AVX2-only CPU ran bf16 5.7x slower than fp32: auto means fp32 there
-    assert default_dtype("cpu", AVX2_ONLY) == ("fp32", "CPU without native bf16: no avx512_bf16/amx_bf16/bf16 flag "
-                                                       "in /proc/cpuinfo")
+    why = "CPU without native bf16: no avx512_bf16/amx_bf16/bf16 flag in /proc/cpuinfo"
+    assert default_dtype("cpu", AVX2_ONLY) == ("fp32", why)
     assert default_dtype("cpu", AMX)[0] == "bf16" and default_dtype("cuda", AVX2_ONLY) == ("bf16", "CUDA")
 
 
