@@ -187,3 +187,12 @@ for name in COMMANDS:
         assert rest.startswith("[]"), line  # no torch / transformers module imported
         assert rc == ("0" if flag == "--help" else "2"), line
         assert flag == "--help" or rest.endswith("True"), line  # argparse said what was wrong
+
+
+def test_readme_states_the_prerequisites():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    pre = readme.split("## Prerequisites", 1)[1].split("\n## ", 1)[0]  # the section, up to the next one
+    assert "Python 3.11" in pre and "make" in pre and "3 GB" in pre
+    assert readme.index("## Prerequisites") < readme.index("make demo")  # before the first command

@@ -292,3 +292,16 @@ def test_files_get_the_default_mode_even_from_safetensors(tmp_path):
     assert os.stat(out / "model.safetensors").st_mode & 0o777 == plain
     assert plain & 0o044  # readable by group and others under the usual umask 022
     assert os.stat(out / "run.sh").st_mode & 0o100  # an executable stays executable
+
+
+def test_readme_defines_every_artifact_class():
+    # `lowbit validate` named classes ("native-packed") that the README never defined
+    from pathlib import Path
+
+    from lowbit.artifacts.manifest import ARTIFACT_CLASSES, CLASS_MEANING
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert "### Checking any artifact" in readme
+    for cls in ARTIFACT_CLASSES:
+        assert f"\n| `{cls}` | " in readme, cls
+        assert CLASS_MEANING[cls]
