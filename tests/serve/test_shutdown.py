@@ -170,12 +170,13 @@ def test_sigterm_to_lowbit_serve_is_one_line_and_a_503(tmp_path):
         t.start()
         _wait(lambda: _active(url) >= 1, 30)
         proc.send_signal(signal.SIGTERM)
-        _out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=60)
         t.join(30)
     finally:
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 143
+    assert out.startswith("lowbit serve: tiny (float32 on cpu) | KV ")  # the banner names the dtype it runs
     assert got["r"][0] == 503 and got["r"][1]["error"]["code"] == "server_shutting_down"
     # stderr: transformers' weight-loading bar at start, then the one line of the shutdown
     lines = [x for x in err.splitlines() if x.strip() and not x.startswith("Loading weights")]

@@ -157,7 +157,9 @@ def run(args) -> int:
         sock.close()
         raise
     s = engine.scheme
-    print(f"lowbit serve: {rt.name} | KV {s.describe()} | cache {engine.cache_class} | engine {engine.path} | "
+    dtype = str(next(rt.model.parameters()).dtype).replace("torch.", "")  # every result names the dtype it ran
+    print(f"lowbit serve: {rt.name} ({dtype} on {device.type}) | KV {s.describe()} | cache {engine.cache_class} | "
+          f"engine {engine.path} | "
           f"context {rt.max_context} | weights {'quantized: ' + rt.weights['path'] if rt.weights else 'model'}",
           flush=True)
     print(f"listening on {url_of(sock)} (OpenAI base_url {url_of(sock)}/v1)", flush=True)
