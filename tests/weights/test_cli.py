@@ -117,6 +117,6 @@ def test_calib_dtype_default_follows_the_cpu_and_is_recorded(tmp_path, model_dir
                  str(calib_file), "--calib-tokens", "32", "--calib-seq-len", "16", "--device", "cpu",
                  "--out", str(out)]) == 0
     said = capsys.readouterr().out
-    assert f"calibrating in {want} (CPU with{'' if native else 'out'} native bf16: test flags) on cpu" in said
+    assert f"calibrating in {want} (CPU with{'' if native else 'out'} native bf16: test flags) on cpu: 2 x 16" in said
     assert f"calibrated in {want};" in said
     assert json.loads((out / "manifest.json").read_text())["recipe"]["calib_dtype"] == want

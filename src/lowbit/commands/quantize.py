@@ -165,13 +165,13 @@ def run(args) -> int:
             raise LowbitError(f"--calib-tokens {args.calib_tokens} is not a positive multiple of --calib-seq-len "
                               f"{args.calib_seq_len}")
         n = args.calib_tokens // args.calib_seq_len
+        # said before tokenizing and the first forward: GPTQ was silent for its first ~30 s
+        print(f"calibrating in {calib_dtype} ({calib_why}) on {device.type}: {n} x {args.calib_seq_len} tokens of "
+              f"{args.calib}", flush=True)
         calib = token_windows(lm.tokenizer, load_text(args.calib), args.calib_seq_len, n)
         calib_info = {"corpus": str(args.calib), "sequences": n, "seq_len": args.calib_seq_len,
                       "tokens": int(calib.numel())}
     lm.model.to(device)
-    if calib is not None:
-        print(f"calibrating in {calib_dtype} ({calib_why}) on {device.type}: {calib_info['sequences']} x "
-              f"{calib_info['seq_len']} tokens", flush=True)
     report = quantize_model(
         lm.model, scheme, method=args.method, calib=None if calib is None else calib.to(device), rotate=args.rotate,
         ignore=ignore, damp=args.damp, block=args.block, act_order=not args.no_act_order,
