@@ -395,6 +395,10 @@ class StaticKVCache(Cache):
         super().__init__(layers=[StaticLayer(lp, slots, max_context, device, dtype) for lp in plan.layers])
         self.plan, self.scheme, self.geometry = plan, plan.scheme, plan.geometry
         self.slots, self.max_context, self.device, self.dtype = slots, max_context, device, dtype
+        # True: the eager torch decode reads only the middle rows some slot holds (see _torch_decode). Off by
+        # default, so the eager step stays the bit-exact twin of the captured / compiled fixed-shape step; the
+        # batching engine turns it on when it serves eagerly on the CPU
+        self.read_held_rows = False
         self.lens = torch.zeros(slots, dtype=torch.int32, device=device)
         quantized = [lp for lp in plan.layers if lp.k.quantized]
         self.use_kernel = device.type == "cuda" and bool(quantized) and all(
@@ -554,10 +558,11 @@ class StaticKVCache(Cache):
         B = qg.shape[0]
         ks, vs, valid = [], [], []
         C = layer.C
-        if C and not qg.is_cuda:
-            # The CPU step is never captured, so it may read only the middle rows some slot holds: the fixed
+        if C and self.read_held_rows and not torch.compiler.is_compiling():
+            # An eager step that is never captured may read only the middle rows some slot holds: the fixed
             # shape (every row of max_context, for CUDA graphs) decoded ~7,900 int2 rows per layer and step
-            # for a 72-token request on smollm2-135m, and `--engine batch` ran ~10-20x slower than single.
+            # for a 72-token request on smollm2-135m, and `--engine batch` on CPU ran ~10-20x slower than single.
+            # (A traced step keeps the fixed shape: the row count would be data-dependent there.)
             C = min(C, int(ml.max()))
         if layer.S:
             ks.append(layer.sink_k[:B, :, :layer.S])
