@@ -15,10 +15,13 @@ import hashlib
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lowbit.errors import LowbitError
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it runs: `lowbit calibrate`'s parser reads this module's defaults
 
 DEFAULT_TOKENS = 32768
 DEFAULT_SEQ_LEN = 1024
@@ -44,7 +47,6 @@ def check_tokens_arg(tokens: int, seq_len: int) -> int:
     return tokens // seq_len
 
 
-@torch.no_grad()
 def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_weighted: bool = True, sample_per_seq: int = 16,
             progress=None, geometry=None):
     """Feed windows [N, T] (one sequence per forward, no cache) through `model` under the capture.
@@ -53,6 +55,8 @@ def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_wei
     layers it stores as an MLA latent report the latent (lowbit.calib.mla), the rest post-RoPE K/V.
     Returns the StatsCollector. Raises LowbitError unless every attention layer saw N*T tokens.
     """
+    import torch
+
     from lowbit.calib.capture import attention_layers, capture_attention
     from lowbit.calib.mla import latent_capture, latent_layers
     from lowbit.calib.stats import StatsCollector
@@ -61,7 +65,8 @@ def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_wei
     geometry = geometry if geometry is not None else ModelGeometry.from_config(model.config)
     layers = [m.layer_idx for m in attention_layers(model)]
     col = StatsCollector(skip=skip, sample_per_seq=sample_per_seq, score_weighted=score_weighted)
-    with latent_capture(model, col, latent_layers(geometry)) as observer, capture_attention(model, observer):
+    with (torch.no_grad(), latent_capture(model, col, latent_layers(geometry)) as observer,
+          capture_attention(model, observer)):
         for n, w in enumerate(windows):
             # logits_to_keep=1: the lm_head over every position is wasted work for calibration
             model(w[None], use_cache=False, logits_to_keep=1)

@@ -34,9 +34,10 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from lowbit.errors import LowbitError
+
+# torch is imported inside the functions: `lowbit train-dit`'s parser reads TrainConfig's defaults, and a
+# mistyped flag must not wait for torch
 
 ARTIFACT_KIND = "diffusers-pipeline"
 SAMPLE_SEEDS = tuple(range(8))
@@ -83,6 +84,7 @@ class TrainConfig:
 
 def build_transformer(cfg: TrainConfig):
     """A fresh DiTTransformer2DModel for cfg (adaLN-zero init), float32."""
+    import torch
     from diffusers import DiTTransformer2DModel
 
     from lowbit.diffusion.data import CHANNELS, NUM_CLASSES
@@ -134,6 +136,8 @@ def _lr_at(cfg: TrainConfig, k: int) -> float:
 
 def train_model(cfg: TrainConfig, *, progress: bool | None = None, log_every: int = 250):
     """Train; returns (EMA transformer in eval mode, sampling scheduler, stats dict)."""
+    import torch
+
     from lowbit.diffusion.data import digits_rgba
     from lowbit.progress import bar
 

@@ -11,8 +11,6 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
 from lowbit.errors import LowbitError
 from lowbit.eval.plan import plan_peers, plan_schemes
 
@@ -20,7 +18,8 @@ DEFAULT_SEQ_LEN = 2048
 DEFAULT_CHUNK = 128
 DEFAULT_WINDOWS = 4
 FULL_WINDOW_TOLERANCE_PCT = 0.5
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+# names only (torch is imported where it runs: `lowbit eval`'s parser reads this module's defaults)
+DTYPES = ("bf16", "fp32", "fp16")
 SCORED_POSITIONS = "positions 0..L-2 of each window predict tokens 1..L-1 (L-1 per window; token 0 is never a target)"
 
 
@@ -150,9 +149,10 @@ def _load_model(o: EvalOptions, lm=None):
     named after --model, so RotationSets fitted for that model apply to its quantized weights.
     """
     import lowbit.models
+    from lowbit.flags import torch_dtype
     from lowbit.models import load_tokenizer, model_name
 
-    dtype = DTYPES[o.dtype]
+    dtype = torch_dtype(o.dtype)
     if o.weights is not None:
         q = lowbit.models.resolve(o.weights, cache_dir=o.cache_dir, dtype=dtype)
         if q.provenance.get("source") != "quantized-checkpoint":
@@ -183,6 +183,8 @@ def warm_up(model, windows, entries, chunk: int) -> int:
     page is quantized (sink + recent + page, plus a chunk), so one-off costs (imports, first kernel
     launches, a peer's lazy setup, the first quantization) are not charged to one row's seconds.
     A peer that fails here is left to fail again, and be recorded, in the timed run. Returns tokens fed."""
+    import torch
+
     from lowbit.eval.harness import use_attention
     from lowbit.eval.perplexity import forward_chunk
 
@@ -239,6 +241,8 @@ def _console():
 def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
     """Run an evaluation and write the requested outputs; returns the report dict.
     loaded: a lowbit.models.LoadedModel of o.model already in memory (the demo), else it is loaded here."""
+    import torch
+
     from lowbit.calib.corpora import load_text, token_windows
     from lowbit.eval import report as rep
     from lowbit.eval.harness import evaluate

@@ -9,8 +9,18 @@
     cli_args.py   the KV flags shared by generate / eval / serve
 """
 
-from lowbit.kv.attention import install_attention, lowbit_attention
-from lowbit.kv.cache import QuantizedKVCache
-from lowbit.kv.layer import QuantizedKVLayer, TierView
+# Imported on first use (PEP 562), not with the package: `lowbit.kv.cli_args` is imported while the
+# CLI builds a command's parser, and importing torch there made a mistyped flag cost 12-18 s.
+_LAZY = {"QuantizedKVCache": "lowbit.kv.cache", "QuantizedKVLayer": "lowbit.kv.layer", "TierView": "lowbit.kv.layer",
+         "install_attention": "lowbit.kv.attention", "lowbit_attention": "lowbit.kv.attention"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'lowbit.kv' has no attribute {name!r}")
+
 
 __all__ = ["QuantizedKVCache", "QuantizedKVLayer", "TierView", "install_attention", "lowbit_attention"]
