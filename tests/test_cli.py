@@ -192,6 +192,6 @@ def test_readme_states_the_prerequisites():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
-    pre = readme.split("## Prerequisites", 1)[1].split("\n## ", 1)[0]  # the section, up to the next one
+    pre = readme.split("Prerequisites:", 1)[1].split("\n## ", 1)[0]  # the list, up to the next section
     assert "Python 3.11" in pre and "make" in pre and "3 GB" in pre
-    assert readme.index("## Prerequisites") < readme.index("make demo")  # before the first command
+    assert readme.index("Prerequisites:") < readme.index("make demo")  # before the first command
