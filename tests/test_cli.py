@@ -155,6 +155,48 @@ def test_interrupt_while_starting(monkeypatch, capsys):
     assert capsys.readouterr().err == "interrupted (Ctrl-C) while starting `lowbit`: no command ran, nothing was written\n"
 
 
+# commands allowed to import torch while parsing: none (every parser reads only torch-free modules)
+TORCH_AT_PARSE: set[str] = set()
+
+
+def test_help_and_bad_flags_import_no_torch():
+    # a mistyped flag took 12-18 s: the command's module imported torch before argparse looked at the flags
+    code = """
+import contextlib, io, sys
+from lowbit import cli
+from lowbit.commands import COMMANDS
+skip = set(sys.argv[1].split(","))
+for name in COMMANDS:
+    if name in skip:
+        continue
+    for extra in (["--help"], ["--no-such-flag"]):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()) as err:
+            try:
+                rc = cli.main([name, *extra])
+            except SystemExit as e:
+                rc = e.code
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "transformers"))
+        print(name, extra[0], rc, heavy[:3], "error:" in err.getvalue())
+"""
+    out = subprocess.run([sys.executable, "-c", code, ",".join(TORCH_AT_PARSE) or "-"], capture_output=True, text=True,
+                         check=True).stdout.splitlines()
+    assert len(out) == 2 * (len(lowbit.commands.COMMANDS) - len(TORCH_AT_PARSE))
+    for line in out:
+        _name, flag, rc, rest = line.split(" ", 3)
+        assert rest.startswith("[]"), line  # no torch / transformers module imported
+        assert rc == ("0" if flag == "--help" else "2"), line
+        assert flag == "--help" or rest.endswith("True"), line  # argparse said what was wrong
+
+
+def test_readme_states_the_prerequisites():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text(encoding="utf-8")
+    pre = readme.split("Prerequisites:", 1)[1].split("\n## ", 1)[0]  # the list, up to the next section
+    assert "Python 3.11" in pre and "make" in pre and "3 GB" in pre
+    assert readme.index("Prerequisites:") < readme.index("make demo")  # before the first command
+
+
 @pytest.mark.parametrize("flag", [["--vq", "2x16"], ["--zero", "none"], ["--residual", "sign"], ["--group", "64"]])
 def test_serve_scheme_flag_without_kv_is_one_line(flag, capsys):
     """serve and export take the one KV flag set (lowbit.commands._kv_flags): a scheme flag without --kv or

@@ -28,12 +28,15 @@ def test_gptq_shows_layers_or_logs_them(capsys, caplog):
     calib = token_ids(batch=3, seq=16, seed=1)
     quantize_model(small_model(), parse_weight_scheme("w8a16"), method="gptq", calib=calib, progress=True)
     err = capsys.readouterr().err
-    assert "GPTQ" in err and "2/2" in err
+    # one bar over the whole job: capturing the inputs is its first step (it was silent), then the 2 layers
+    assert "GPTQ" in err and "3/3" in err and "capturing the decoder's inputs" in err and "layer 2/2" in err
     with caplog.at_level(logging.INFO, logger="lowbit.weights"):
         quantize_model(small_model(), parse_weight_scheme("w8a16"), method="gptq", calib=calib, progress=False)
     assert "GPTQ" not in capsys.readouterr().err
-    assert [r.getMessage()[:17] for r in caplog.records if "quantized in" in r.getMessage()] == \
-        ["layer 1/2 quantiz", "layer 2/2 quantiz"]
+    msgs = [r.getMessage() for r in caplog.records]
+    assert msgs[0] == "GPTQ: capturing the decoder's inputs on 3 calibration sequences, then 2 layers"
+    assert [m[:17] for m in msgs if "quantized in" in m] == ["layer 1/2 quantiz", "layer 2/2 quantiz"]
+    assert all("elapsed" in m and "ETA" in m for m in msgs if "quantized in" in m)
 
 
 @pytest.fixture(scope="module")

@@ -275,3 +275,33 @@ def test_manifest_bytes_are_deterministic(tmp_path):
     write_artifact(tmp_path / "a")
     write_artifact(tmp_path / "b")
     assert (tmp_path / "a" / MANIFEST_NAME).read_bytes() == (tmp_path / "b" / MANIFEST_NAME).read_bytes()
+
+
+def test_files_get_the_default_mode_even_from_safetensors(tmp_path):
+    # safetensors' save_file wrote model.safetensors 0600 (a private temp file renamed) beside 0644 files
+    import torch
+    from safetensors.torch import save_file
+
+    out = tmp_path / "art"
+    with ArtifactWriter(out, kind="kv-eval", artifact_class="generic", inputs={"model": "m"}, recipe={}) as w:
+        save_file({"a": torch.zeros(2)}, str(w.path / "model.safetensors"))
+        (w.path / "config.json").write_text("{}")
+        (w.path / "run.sh").write_text("#!/bin/sh\n")
+        os.chmod(w.path / "run.sh", 0o700)
+    plain = os.stat(out / "config.json").st_mode & 0o777
+    assert os.stat(out / "model.safetensors").st_mode & 0o777 == plain
+    assert plain & 0o044  # readable by group and others under the usual umask 022
+    assert os.stat(out / "run.sh").st_mode & 0o100  # an executable stays executable
+
+
+def test_readme_defines_every_artifact_class():
+    # `lowbit validate` named classes ("native-packed") that the README never defined
+    from pathlib import Path
+
+    from lowbit.artifacts.manifest import ARTIFACT_CLASSES, CLASS_MEANING
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    assert "### Checking any artifact" in readme
+    for cls in ARTIFACT_CLASSES:
+        assert f"\n| `{cls}` | " in readme, cls
+        assert CLASS_MEANING[cls]

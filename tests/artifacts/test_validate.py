@@ -128,6 +128,8 @@ def test_fake_quant_eval_artifact_is_refused_where_native_packed_is_needed(arts,
     rc, text, _ = _run(capsys, fq)
     assert rc == 1
     assert "is class 'fake-quant-eval' (kind 'layer-error') but 'native-packed' is required" in text
+    # the line says what the class means and where the README defines the classes (it never did)
+    assert "(packed low-bit codes + scales, as `lowbit quantize` and `lowbit export` write; README: Checking" in text
     # an export relabelled fake-quant-eval (its files intact) is refused the same way, by class
     relabel = tmp_path / "exp"
     shutil.copytree(arts / "exp", relabel)

@@ -96,3 +96,89 @@ def test_bad_flags_fail_before_loading(tiny_loader, capsys, args, msg):
 def test_bad_group_fails_at_construction(tiny_loader, capsys):
     rc = main(["generate", "--model", "tiny", "--prompt", "hi", "--kv", "int2", "--group", "96", "--device", "cpu"])
     assert rc == 2 and "group 96 does not divide head_dim 64" in capsys.readouterr().err
+
+
+@pytest.fixture
+def short_context_loader(monkeypatch):
+    """The tiny loader with a 64-token context, and a cache class that must never be built."""
+    built = []
+
+    def fake_load(name, **kw):
+        model = make_model("smollm2-135m", num_layers=1, max_position_embeddings=64)
+        geo = ModelGeometry.from_config(model.config, name=name)
+        return LoadedModel(model=model, tokenizer=CharTokenizer(), name=name, weights_sha256="0" * 64, geometry=geo)
+
+    class NoCache:
+        def __init__(self, *a, **kw):
+            built.append(1)
+            raise AssertionError("the cache was built for a prompt over the context")
+
+    monkeypatch.setattr(lowbit.models, "resolve", fake_load)
+    monkeypatch.setattr(lowbit.runtime.load, "resolve", fake_load)
+    monkeypatch.setattr("lowbit.runtime.generate.QuantizedKVCache", NoCache)
+    return built
+
+
+def test_prompt_over_the_context_is_refused_before_any_allocation(short_context_loader, capsys):
+    # a 30,858-token prompt on an 8,192-token model died allocating 34 GB in attention
+    rc = main(["generate", "--model", "tiny", "--kv", "int2", "--prompt", "x" * 100, "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and short_context_loader == []
+    assert err.startswith("error: the prompt is 100 tokens") and "context is 64 tokens" in err
+    assert len(err.splitlines()) == 1
+
+
+def test_prompt_plus_new_tokens_over_the_context_is_refused(short_context_loader, capsys):
+    rc = main(["generate", "--model", "tiny", "--kv", "int2", "--prompt", "x" * 50, "--max-new-tokens", "20",
+               "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert rc == 2 and short_context_loader == []
+    assert "the prompt is 50 tokens and --max-new-tokens 20 makes 70" in err and "context of 64" in err
+    assert "--max-new-tokens to 14" in err
+
+
+def test_non_utf8_prompt_file_is_one_line(tiny_loader, tmp_path, capsys):
+    p = tmp_path / "latin1.txt"
+    p.write_bytes("café crème".encode("latin-1"))
+    rc = main(["generate", "--model", "tiny", "--kv", "int2", "--prompt-file", str(p), "--device", "cpu"])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and tiny_loader == []
+    assert err.startswith(f"error: prompt file {p} is not UTF-8 text (byte 0xe9 at offset 3)")
+    assert len(err.splitlines()) == 1
+
+
+def test_generate_prints_speed_and_dtype(tiny_loader, capsys):
+    rc = main(["generate", "--model", "tiny", "--kv", "int2", "--prompt", "hello there", "--max-new-tokens", "4",
+               "--device", "cpu", "--dtype", "fp32"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    line = err.strip().splitlines()[-1]
+    assert "fp32 (--dtype) on cpu, greedy: 11 prompt tokens, 4 new" in line
+    assert "time to first token" in line and "tokens/s" in line
+
+
+def test_sampling_flags_are_seeded_and_checked(tiny_loader, capsys):
+    argv = ["generate", "--model", "tiny", "--kv", "int2", "--prompt", "hello there", "--max-new-tokens", "8",
+            "--device", "cpu", "--temperature", "1.5", "--top-p", "0.9"]
+    outs = []
+    for seed in ("3", "3", "4"):
+        assert main([*argv, "--seed", seed]) == 0
+        o = capsys.readouterr()
+        assert f"sampled (temperature 1.5, top-p 0.9, seed {seed})" in o.err
+        outs.append(o.out.splitlines()[0])
+    assert outs[0] == outs[1] != outs[2]  # the same seed repeats; another seed samples other tokens
+    assert main(["generate", "--model", "tiny", "--kv", "int2", "--prompt", "hi", "--top-p", "0.5"]) == 2
+    assert "--top-p 0.5 needs sampling: add --temperature" in capsys.readouterr().err
+    assert main(["generate", "--model", "tiny", "--kv", "int2", "--prompt", "hi", "--seed", "1"]) == 2
+    assert "--seed only matters when sampling" in capsys.readouterr().err
+
+
+def test_unquantized_scheme_reports_the_dtype_it_holds(tiny_loader, capsys):
+    # `--kv bf16` on an fp32 model read "32.00 bits/elt (2.000 of bf16)": the tiers keep the model dtype
+    rc = main(["generate", "--model", "tiny", "--kv", "bf16", "--sink", "4", "--recent", "8", "--page", "4",
+               "--prompt", "q" * 40, "--max-new-tokens", "3", "--device", "cpu"])
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    line = out.out.strip().splitlines()[-1]
+    assert "middle not quantized: K/V held in the model dtype float32 (32 / 32 bits/elt)" in line
+    assert "of bf16" not in line

@@ -212,9 +212,25 @@ def test_registry_lists_every_backend_and_refuses_unknown():
 def test_plan_command_prints_the_table(capsys):
     from lowbit.cli import main
 
-    assert main(["plan", "--model", "smollm2-135m", "--kv", "int2", "--layer-bits", "7=int4"]) == 0
+    assert main(["plan", "--model", "smollm2-135m", "--kv", "int2", "--layer-bits", "7=int4", "--device", "cuda"]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0].startswith("smollm2-135m: int2") and out[2 + 7].split()[3] == "int4"
     assert all("triton-decode" in line for line in out[2:])
-    assert main(["plan", "--model", "smollm2-135m", "--kv", "kivi2", "--decode-backend", "triton"]) == 2
+    assert main(["plan", "--model", "smollm2-135m", "--kv", "kivi2", "--decode-backend", "triton", "--device", "cuda"]) == 2
     assert "per channel" in capsys.readouterr().err
+
+
+def test_plan_command_plans_for_the_device_present(capsys, monkeypatch):
+    # on a machine without a GPU `lowbit plan` planned for cuda (the fused kernel) unless told otherwise
+    import torch
+
+    from lowbit.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["plan", "--model", "smollm2-135m", "--kv", "int2"]) == 0
+    o = capsys.readouterr()
+    assert "| device cpu," in o.out.splitlines()[0] and "triton-decode" not in o.out
+    assert "note: planned for cpu (--device auto: no CUDA device here; --device cuda plans for a GPU)" in o.err
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert main(["plan", "--model", "smollm2-135m", "--kv", "int2"]) == 0
+    assert "| device cuda," in capsys.readouterr().out.splitlines()[0]

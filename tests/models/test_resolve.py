@@ -95,16 +95,29 @@ def test_quantized_checkpoint_loads_through_lowbit_weights(hf_dir, tmp_path, cap
 
 
 @pytest.mark.parametrize("kind, msg", [
-    ("missing", "unknown model '.*nowhere': built-ins are smollm2-135m, gemma3-270m"),
+    ("missing", "no such directory: .*nowhere; pass a Hugging Face model directory or a built-in name"),
     ("empty", "has no config.json: pass a Hugging Face model directory"),
     ("file", "is a file: pass a Hugging Face model directory"),
+    ("bad-json", r"config.json is not valid JSON \(Expecting property name .* at line 1 column 2\); restore it"),
+    ("truncated", r"model.safetensors is damaged \(its header describes \d+ bytes but the file has \d+ \(truncated"),
+    ("not-safetensors", r"model.safetensors is damaged \(header of \d+ bytes but the file has 12"),
 ])
 def test_bad_path_is_a_one_line_error(tmp_path, kind, msg):
-    bad = tmp_path / {"missing": "nowhere", "empty": "empty", "file": "w.gguf"}[kind]
+    bad = tmp_path / {"missing": "nowhere", "empty": "empty", "file": "w.gguf"}.get(kind, kind)
     if kind == "empty":
         bad.mkdir()
     elif kind == "file":
         bad.write_bytes(b"")
+    elif kind in ("bad-json", "truncated", "not-safetensors"):  # a plain HF dir, then damaged
+        model, _ = tiny_model("smollm2-135m", num_layers=1, vocab_size=99)
+        model.save_pretrained(bad)
+        w = bad / "model.safetensors"
+        if kind == "bad-json":
+            (bad / "config.json").write_text("{not json")
+        elif kind == "truncated":
+            w.write_bytes(w.read_bytes()[: w.stat().st_size // 2])
+        else:
+            w.write_bytes(b"not a tensor")
     before = sorted(tmp_path.iterdir())
     with pytest.raises(LowbitError, match=msg) as e:
         resolve(bad, cache_dir=tmp_path)

@@ -713,3 +713,30 @@ def test_engines_over_one_model_fold_its_value_rotation_once(monkeypatch):
     for got, text in runs[1:]:
         assert text == runs[0][1] and got.keys() == runs[0][0].keys()
         assert all(torch.equal(got[k], runs[0][0][k]) for k in got)
+
+
+def test_the_eager_cpu_step_decodes_only_the_rows_held(monkeypatch):
+    # the CPU step decoded every middle row of max_context each step (the fixed shape CUDA graphs need):
+    # `serve --engine batch` ran ~10-20x slower than --engine single on smollm2-135m int2
+    from lowbit.kv.codec import TensorCodec
+
+    big = tiny_runtime("int4", max_context=2048, **KV)
+    rows = []
+    real = TensorCodec.decode
+
+    def spy(self, fields, *a, **kw):
+        rows.append(max(x.shape[2] for x in fields.values() if x.dim() >= 3))
+        return real(self, fields, *a, **kw)
+
+    monkeypatch.setattr(TensorCodec, "decode", spy)
+    engine = _engine(big, slots=2)
+    engine.start()
+    try:
+        c, _ = _submit(engine, big, PROMPTS[1], 6)
+        c.wait()
+    finally:
+        engine.stop()
+    n = len(big.tokenizer.encode(PROMPTS[1])) + 6
+    assert rows and max(rows) <= n  # not the 2048 - 12 rows of the slot's capacity
+    _, ref = reference_greedy(big, big.tokenizer.encode(PROMPTS[1]), 6, chunk=CHUNK)
+    assert c.text == ref  # the same tokens as the eager QuantizedKVCache

@@ -23,7 +23,7 @@ def tiny_dir(tmp_path_factory):
     return d
 
 
-def test_export_writes_a_pinned_vllm_dir(tiny_dir, tmp_path):
+def test_export_writes_a_pinned_vllm_dir(tiny_dir, tmp_path, capsys):
     from lowbit.artifacts import all_ok, load_manifest, verify
     from lowbit.models.geometry import ModelGeometry
     from lowbit.vllm_plugin import sidecar
@@ -31,6 +31,9 @@ def test_export_writes_a_pinned_vllm_dir(tiny_dir, tmp_path):
     out = tmp_path / "exp"
     assert main(["export", "--for", "vllm", "--model", str(tiny_dir), "--kv", "k4v2", "--rotation", "hadamard",
                  "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    # it suggested the deprecated positional `lowbit serve DIR`
+    assert f"or: lowbit serve --model {out}" in said and f"lowbit serve {out}" not in said
     names = {p.name for p in out.iterdir()}
     assert {"config.json", "model.safetensors", "tokenizer.json", "lowbit_kv.json", "manifest.json"} <= names
     side = sidecar.read(out)

@@ -103,3 +103,20 @@ def test_new_spellings_and_a_checkpoint_as_model(tmp_path, model_dir, calib_file
     assert rc == 0 and "--weights is deprecated" in capsys.readouterr().err
     rc = main(["quantize", "--model", str(model_dir), "--out", str(tmp_path / "c3")])
     assert rc == 2 and "--scheme is required" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("native, want", [(False, "float32"), (True, "bfloat16")])
+def test_calib_dtype_default_follows_the_cpu_and_is_recorded(tmp_path, model_dir, calib_file, capsys, monkeypatch,
+                                                              native, want):
+    # bf16 autocast on a CPU without native bf16 ran GPTQ of smollm2-135m at ~2 min a layer
+    import lowbit.core.device
+
+    monkeypatch.setattr(lowbit.core.device, "cpu_native_bf16", lambda cpuinfo=None: (native, "test flags"))
+    out = tmp_path / "ckpt"
+    assert main(["quantize", "--model", str(model_dir), "--scheme", "w8a16", "--method", "gptq", "--calib",
+                 str(calib_file), "--calib-tokens", "32", "--calib-seq-len", "16", "--device", "cpu",
+                 "--out", str(out)]) == 0
+    said = capsys.readouterr().out
+    assert f"calibrating in {want} (CPU with{'' if native else 'out'} native bf16: test flags) on cpu: 2 x 16" in said
+    assert f"calibrated in {want};" in said
+    assert json.loads((out / "manifest.json").read_text())["recipe"]["calib_dtype"] == want

@@ -172,6 +172,7 @@ def test_cli_signround_writes_its_settings_and_per_layer_losses(tmp_path, model_
     out = tmp_path / "ckpt"
     rc = main(["quantize", "--model", str(model_dir), "--weights", "w4a16-g32-asym", "--method", "signround",
                "--iters", "8", "--calib", str(calib_file), "--calib-tokens", "64", "--calib-seq-len", "16",
+               "--calib-dtype", "bfloat16",  # explicit: the default follows the CPU (tests/weights/test_cli.py)
                "--out", str(out)])
     assert rc == 0 and "14 linears quantized" in capsys.readouterr().out
     man = json.loads((out / "manifest.json").read_text())

@@ -50,6 +50,12 @@ FORMAT_VERSION = 1
 # comparable (the field paid for mixing two similarly named classes), so the set is closed.
 # "generic" is for artifacts that are neither (rotation sets, calibration dumps, reports, pinned files).
 ARTIFACT_CLASSES = ("fake-quant-eval", "native-packed", "generic")
+# what each class means, in the words the README's class table uses (errors that name a class say it)
+CLASS_MEANING = {
+    "native-packed": "packed low-bit codes + scales, as `lowbit quantize` and `lowbit export` write",
+    "fake-quant-eval": "quantized-then-dequantized tensors for quality numbers only",
+    "generic": "neither: rotation sets, calibration statistics, pinned files",
+}
 
 _CHUNK = 1 << 20  # 1 MiB: keeps hashing of multi-GB weight files at constant memory
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -274,6 +280,7 @@ def require_class(manifest: Manifest, expected: str) -> Manifest:
         where = f"artifact {manifest.root}" if manifest.root is not None else "artifact"
         raise LowbitError(
             f"{where} is class {manifest.artifact_class!r} (kind {manifest.kind!r}) but {expected!r} is required; "
-            f"the classes are not interchangeable: use an artifact produced as {expected!r}"
+            f"the classes are not interchangeable: use an artifact produced as {expected!r} "
+            f"({CLASS_MEANING[expected]}; README: Checking any artifact)"
         )
     return manifest

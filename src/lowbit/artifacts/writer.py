@@ -237,6 +237,24 @@ def _check_dict(name: str, value: Any) -> dict:
     return value
 
 
+def _default_modes(root: Path) -> None:
+    """Give every file under `root` the mode a plain open() gives (0666 less the umask): safetensors'
+    save_file writes through a private temp file, so model.safetensors came out 0600 beside 0644 files
+    and another user of a shared artifact could not read the weights."""
+    umask = os.umask(0)
+    os.umask(umask)  # reading the umask means setting it; put it straight back
+    mode = 0o666 & ~umask
+    for dirpath, _, names in os.walk(root):
+        for n in names:
+            f = Path(dirpath) / n
+            if f.is_symlink():
+                continue
+            have = f.stat().st_mode & 0o777
+            want = mode | (have & 0o111 & ~umask)  # an executable stays executable
+            if have != want:
+                os.chmod(f, want)
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -351,6 +369,7 @@ class ArtifactWriter:
         if os.path.lexists(staging / MANIFEST_NAME):
             raise LowbitError(f"{MANIFEST_NAME} is written by ArtifactWriter itself; do not write a file of that name")
         self._point("files-written")
+        _default_modes(staging)
         manifest = Manifest(
             kind=self.kind,
             artifact_class=self.artifact_class,

@@ -259,10 +259,39 @@ def stream_layer(layer, qg: torch.Tensor, keep, scaling: float, softcap=None) ->
     """The torch reference over a QuantizedKVLayer: qg [B, Hkv, G, Lq, D] rotated queries of the chunk
     just stored -> [B, Hkv, G, Lq, Dv] float32 (the middle streamed chunk_tokens rows at a time)."""
     Lq = qg.shape[3]
+    if Lq > 1 and layer.n == Lq and keep is None and not softcap:
+        return first_chunk_attention(layer, qg, scaling)
     q_slots = torch.arange(layer.n - Lq, layer.n, device=qg.device)
     min_slot = layer.n - Lq - (layer.window - 1) if layer.window else 0
     return online_attention(qg, layer.blocks(min_slot), q_slots, scaling=scaling, window=layer.window, keep=keep,
                             softcap=softcap)
+
+
+def first_chunk_attention(layer, qg: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Attention of a prefill chunk that is the whole history (nothing stored before it, no padding,
+    no soft-capping): its queries read only the chunk's own exact K/V, so this is plain causal (or
+    sliding) attention and goes through torch SDPA in the model dtype, as transformers runs it. Why: the online
+    path materialises [G*Lq, block] scores, masks and exps per block; on a 3,000-token prompt it made
+    `lowbit generate`'s prefill ~3x slower than transformers' SDPA on CPU, and a 30k-token prompt
+    needed tens of GB. Returns [B, Hkv, G, Lq, Dv] float32 like stream_layer."""
+    B, Hkv, G, Lq, D = qg.shape
+    ck, cv, lo = layer.chunk
+    if lo != 0:
+        raise LowbitError(f"layer {layer.layer_idx}: first-chunk attention on a chunk at slot {lo}")
+    # in the dtype the chunk is held in (the model's), as transformers' SDPA attention runs (its kernels
+    # accumulate in float32): a bf16 prefill cast to float32 lost the CPU's bf16 units
+    dt = ck.dtype
+    k = layer.full_k(ck, cv).to(dt)
+    q = qg.to(dt).reshape(B, Hkv * G, Lq, D)  # query head h*G + g reads KV head h: SDPA's enable_gqa order
+    if layer.window is not None and layer.window < Lq:
+        q_slots = torch.arange(Lq, device=qg.device)
+        mask = block_mask(0, Lq, q_slots, layer.window, None)[:, :, 0]  # [1, 1, Lq, Lq]
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, cv.to(dt), attn_mask=mask, scale=scaling,
+                                                               enable_gqa=G > 1)
+    else:
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, cv.to(dt), is_causal=True, scale=scaling,
+                                                               enable_gqa=G > 1)
+    return out.float().reshape(B, Hkv, G, Lq, -1)
 
 
 def _stream_supports(layer, step: str, device: str) -> str | None:

@@ -15,17 +15,16 @@ import hashlib
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from lowbit.artifacts import ArtifactWriter, load_manifest
-from lowbit.calib.corpora import token_windows
-from lowbit.calib.mla import latent_capture, latent_layers
-from lowbit.calib.vq import VQ_SAMPLE_PER_SEQ, fit_codebooks, vq_tensors
 from lowbit.core.errors import LowbitError
 from lowbit.core.progress import bar
-from lowbit.kv.plan import LEVELS_FILE, load_rotations, save_levels
 from lowbit.models.geometry import ModelGeometry
+
+if TYPE_CHECKING:
+    import torch
+# torch is imported where it runs: `lowbit calibrate`'s parser reads this module's defaults
 
 DEFAULT_TOKENS = 32768
 DEFAULT_SEQ_LEN = 1024
@@ -51,7 +50,6 @@ def check_tokens_arg(tokens: int, seq_len: int) -> int:
     return tokens // seq_len
 
 
-@torch.no_grad()
 def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_weighted: bool = True, sample_per_seq: int = 16,
             progress=None, geometry=None):
     """Feed windows [N, T] (one sequence per forward, no cache) through `model` under the capture.
@@ -60,12 +58,16 @@ def collect(model, windows: torch.Tensor, *, skip: int = DEFAULT_SKIP, score_wei
     layers it stores as an MLA latent report the latent (lowbit.calib.mla), the rest post-RoPE K/V.
     Returns the StatsCollector. Raises LowbitError unless every attention layer saw N*T tokens.
     """
+    import torch
+
     from lowbit.calib.capture import attention_layers, capture_attention
+    from lowbit.calib.mla import latent_capture, latent_layers
     from lowbit.calib.stats import StatsCollector
     geometry = geometry if geometry is not None else ModelGeometry.from_config(model.config)
     layers = [m.layer_idx for m in attention_layers(model)]
     col = StatsCollector(skip=skip, sample_per_seq=sample_per_seq, score_weighted=score_weighted)
-    with latent_capture(model, col, latent_layers(geometry)) as observer, capture_attention(model, observer):
+    with (torch.no_grad(), latent_capture(model, col, latent_layers(geometry)) as observer,
+          capture_attention(model, observer)):
         for n, w in enumerate(windows):
             # logits_to_keep=1: the lm_head over every position is wasted work for calibration
             model(w[None], use_cache=False, logits_to_keep=1)
@@ -88,6 +90,7 @@ def _collect_text(loaded, data_spec: str, text: str, *, tokens: int, seq_len: in
             f"too few calibration tokens: {tokens} gives fewer than {MIN_TOKENS_PER_DIM} x head_dim ({max(dims)}) "
             f"statistics tokens per layer after skipping {skip} per sequence; use --tokens {need} or more"
         )
+    from lowbit.calib.corpora import token_windows
 
     try:
         windows = token_windows(loaded.tokenizer, text, seq_len, check_tokens_arg(tokens, seq_len))
@@ -128,6 +131,9 @@ def calibrate_vq(loaded, data_spec: str, text: str, out: Path, scheme, recipe_na
                  skip: int, progress: bool | None = None) -> dict:
     """Fit the VQ codebooks of `scheme` (lowbit.calib.vq) on `text` and write them as a levels artifact (kind
     "kv-levels", the recipe's `levels`). Returns counts with the sha256 a recipe pins."""
+    from lowbit.calib.vq import VQ_SAMPLE_PER_SEQ, fit_codebooks, vq_tensors
+    from lowbit.kv.plan import LEVELS_FILE, load_rotations, save_levels
+
     geo = loaded.geometry
     scheme.validate(geo)
     todo = vq_tensors(scheme, geo)

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from lowbit.calib.run import DEFAULT_SEQ_LEN, DEFAULT_SKIP, DEFAULT_TOKENS, calibrate
 from lowbit.core.errors import LowbitError
 
@@ -39,6 +37,8 @@ def run(args) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise LowbitError(f"--threads {args.threads}: give 1 or more")
+        import torch
+
         torch.set_num_threads(args.threads)
     from lowbit.calib.corpora import load_text
     from lowbit.runtime.load import resolve

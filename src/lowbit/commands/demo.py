@@ -12,13 +12,8 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from lowbit.core.errors import LowbitError
-from lowbit.models.load import is_cached
 from lowbit.models.registry import BUILTINS
-from lowbit.runtime.generate import PROMPT, greedy_continuation
-from lowbit.runtime.load import resolve
 
 NAME = "demo"
 HELP = "eval bf16 vs lowbit int4/int2 (Hadamard) vs HF quanto KV on smollm2-135m: table + plot in minutes"
@@ -38,19 +33,28 @@ def add_arguments(parser) -> None:
     # --threads: the global thread policy (lowbit.core.threads), added to every command by lowbit.cli
     parser.add_argument("--max-new-tokens", type=int, default=20, help="tokens of the greedy continuation (default 20)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    from lowbit.core.flags import AUTO, add_dtype
+
+    add_dtype(parser, default=AUTO, help="model dtype (the demo runs on the CPU)")
 
 
 def run(args) -> int:
+    from lowbit.core.flags import resolve_dtype, torch_dtype
     from lowbit.eval.runner import EvalOptions, check_options, run_eval
+    from lowbit.models.load import is_cached
+    from lowbit.runtime.generate import PROMPT, greedy_continuation
+    from lowbit.runtime.load import resolve
 
     if args.max_new_tokens < 1:
         raise LowbitError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    # the demo took 17 minutes in bf16 on a CPU without native bf16 (5.7x slower than fp32 there)
+    dtype, why = resolve_dtype(args.dtype, "cpu")
     out = Path(args.out)
     if out.exists() and not out.is_dir():
         raise LowbitError(f"--out {out} is a file; give a folder")
     opts = EvalOptions(
         model=args.model, kv=DEMO_KV, peers=DEMO_PEERS, data=args.data, seq_len=args.seq_len, windows=args.windows,
-        dtype="bf16", cache_dir=args.cache_dir, json_out=str(out / "demo.json"), markdown_out=str(out / "demo.md"),
+        dtype=dtype, cache_dir=args.cache_dir, json_out=str(out / "demo.json"), markdown_out=str(out / "demo.md"),
         plot_out=str(out / "demo.png"), progress=not args.no_progress, threads=args.threads,
         overwrite=True,  # --out is the demo's own folder: a rerun replaces its files and says "replaced"
         warmup=True,  # every row runs once untimed first: a one-off stall (a peer's lazy import) is nobody's time
@@ -60,14 +64,14 @@ def run(args) -> int:
     if args.model in BUILTINS and not is_cached(args.model, args.cache_dir):
         print(f"{args.model}: first load converts the GGUF into the cache (about a minute)", flush=True)
     t_start = time.perf_counter()
-    lm = resolve(args.model, cache_dir=args.cache_dir, dtype=torch.bfloat16)
-    print(f"loaded {lm.name} in {time.perf_counter() - t_start:.1f} s from {lm.path}")
+    lm = resolve(args.model, cache_dir=args.cache_dir, dtype=torch_dtype(dtype))
+    print(f"loaded {lm.name} ({dtype}: {why}) in {time.perf_counter() - t_start:.1f} s from {lm.path}")
     print(f"weights sha256 {lm.weights_sha256}")
     print(lm.geometry.summary())
     for line in lm.geometry.layer_lines():
         print(f"  {line}")
     print(f"evaluating KV caches {DEMO_KV} and peers {DEMO_PEERS} on {args.windows} windows of {args.data} "
-          "(each fed 128 tokens at a time; KL and top-1 against bf16)", flush=True)
+          f"(each fed 128 tokens at a time; KL and top-1 against the unquantized cache, {dtype})", flush=True)
     run_eval(opts, loaded=lm)
     t0 = time.perf_counter()
     text = greedy_continuation(lm, PROMPT, args.max_new_tokens)

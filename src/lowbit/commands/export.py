@@ -147,5 +147,5 @@ def run(args) -> int:
     k_bpe = side["resolved"]["k"]["bits_per_element"]
     print(f"wrote {out}: {geometry.num_layers} layers, KV {scheme.describe()}, K bits/elt {k_bpe}, "
           f"weights {'compressed-tensors ' + str(wdir) if wdir else 'unquantized'}")
-    print(f"serve with: vllm serve {out} (lowbit plugin installed), or: lowbit serve {out}")
+    print(f"serve with: vllm serve {out} (lowbit plugin installed), or: lowbit serve --model {out}")
     return 0

@@ -5,8 +5,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-import torch
-
 from lowbit.core.errors import LowbitError
 from lowbit.rotation.fit_run import check_model, fit_and_save
 
@@ -37,6 +35,8 @@ def run(args) -> int:
     if args.threads is not None:
         if args.threads < 1:
             raise LowbitError(f"--threads {args.threads}: give 1 or more")
+        import torch
+
         torch.set_num_threads(args.threads)
     from lowbit.calib.stats import load_calibration
 

@@ -17,8 +17,9 @@ def add_arguments(p) -> None:
 
     p.add_argument("--model", required=True, help="built-in name or Hugging Face model directory (only its config is read)")
     add_kv_arguments(p)
-    p.add_argument("--device", default="cuda", choices=("cpu", "cuda"),
-                   help="the device the cache will run on (decides the decode backend; default cuda)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="the device the cache will run on (decides the decode backend); default auto: this "
+                        "machine's (cuda when a GPU is present, else cpu); name cuda to plan for a GPU elsewhere")
     p.add_argument("--decode-backend", default="auto", choices=("auto", "torch", "triton"),
                    help="decode backend to plan for (default auto: the fused kernel where it takes the layer)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON instead of a table")
@@ -31,14 +32,21 @@ def run(args) -> int:
 
     scheme = scheme_from_args(args)
     geometry = geometry_of(args.model)
-    plan = resolve(scheme, geometry, device=args.device, decode_backend=args.decode_backend)
+    device = args.device
+    if device == "auto":  # the device present: planning for cuda on a CPU-only machine misled (issue 51)
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        why = "a CUDA device is present" if device == "cuda" else "no CUDA device here; --device cuda plans for a GPU"
+        print(f"note: planned for {device} (--device auto: {why})", file=sys.stderr)
+    plan = resolve(scheme, geometry, device=device, decode_backend=args.decode_backend)
     if args.json:
         json.dump(plan.to_dict(), sys.stdout, indent=2)
         print()
     else:
         print(plan.table())
     if not scheme.quantized:
-        print("note: K and V are stored at 16 bits: nothing is quantized", file=sys.stderr)
+        print("note: nothing is quantized: K and V stay in the model dtype (16 bits/elt in bf16, 32 in fp32)", file=sys.stderr)
     return 0
 
 

@@ -16,8 +16,6 @@ import logging
 import os
 import time
 
-import torch
-
 from lowbit.core.errors import LowbitError
 from lowbit.core.flags import add_dtype, deprecated, torch_dtype
 
@@ -66,9 +64,11 @@ def add_arguments(p) -> None:
     p.add_argument("--calib-tokens", type=int, default=DEFAULT_CALIB_TOKENS,
                    help=f"calibration tokens, a multiple of --calib-seq-len (default {DEFAULT_CALIB_TOKENS})")
     p.add_argument("--calib-seq-len", type=int, default=DEFAULT_SEQ_LEN, help=f"tokens per sequence (default {DEFAULT_SEQ_LEN})")
-    p.add_argument("--calib-dtype", choices=("bfloat16", "float32"), default="bfloat16",
-                   help="dtype of the calibration forwards (autocast; default bfloat16, what the published rows "
-                        "used: several times faster on CPUs with bf16 units). Hessians and weights stay float32")
+    p.add_argument("--calib-dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+                   help="dtype of the calibration forwards (autocast bfloat16, or float32). Default auto: bfloat16 "
+                        "on CUDA and on CPUs with native bf16 (avx512_bf16 / amx_bf16; what the published rows used), "
+                        "float32 on other CPUs, where bf16 autocast ran GPTQ of smollm2-135m at ~2 min a layer. "
+                        "Hessians and weights stay float32")
     p.add_argument("--damp", type=float, default=0.01, help="GPTQ dampening, fraction of mean diag(H) (default 0.01)")
     p.add_argument("--block", type=int, default=128, help="GPTQ block size (default 128)")
     p.add_argument("--no-act-order", action="store_true", help="visit columns in order instead of by diag(H)")
@@ -85,7 +85,7 @@ def add_arguments(p) -> None:
                    help="no progress bar (one log line per decoder layer instead; also when stderr is not a terminal)")
 
 
-def _device(name: str) -> torch.device:
+def _device(name: str):
     from lowbit.core.device import resolve_device
 
     return resolve_device(name)
@@ -138,8 +138,16 @@ def run(args) -> int:
         signround = SignRoundConfig(iters=200 if args.iters is None else args.iters, lr=args.lr)
     if args.component is not None or os.path.isfile(os.path.join(args.model, "model_index.json")):
         return _run_diffusers(args, scheme)
+    import torch
+
     device = _device(args.device)
     dtype = torch_dtype(args.dtype)
+    calib_dtype, calib_why = args.calib_dtype, "--calib-dtype"
+    if calib_dtype == "auto":
+        from lowbit.core.device import default_dtype
+
+        name, calib_why = default_dtype(device.type)
+        calib_dtype = {"bf16": "bfloat16", "fp32": "float32"}[name]
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
     t0 = time.perf_counter()
@@ -157,6 +165,9 @@ def run(args) -> int:
             raise LowbitError(f"--calib-tokens {args.calib_tokens} is not a positive multiple of --calib-seq-len "
                               f"{args.calib_seq_len}")
         n = args.calib_tokens // args.calib_seq_len
+        # said before tokenizing and the first forward: GPTQ was silent for its first ~30 s
+        print(f"calibrating in {calib_dtype} ({calib_why}) on {device.type}: {n} x {args.calib_seq_len} tokens of "
+              f"{args.calib}", flush=True)
         calib = token_windows(lm.tokenizer, load_text(args.calib), args.calib_seq_len, n)
         calib_info = {"corpus": str(args.calib), "sequences": n, "seq_len": args.calib_seq_len,
                       "tokens": int(calib.numel())}
@@ -165,7 +176,7 @@ def run(args) -> int:
         lm.model, scheme, method=args.method, calib=None if calib is None else calib.to(device), rotate=args.rotate,
         ignore=ignore, damp=args.damp, block=args.block, act_order=not args.no_act_order,
         clip_search=args.clip_search, sequential=not args.no_sequential, scale_dtype=dtype, smooth=args.smooth,
-        signround=signround, tune=tune, calib_dtype=torch.bfloat16 if args.calib_dtype == "bfloat16" else None,
+        signround=signround, tune=tune, calib_dtype=torch.bfloat16 if calib_dtype == "bfloat16" else None,
         progress=False if args.no_progress else None,  # None: a bar with ETA when stderr is a terminal
     )
     lm.model.to("cpu")
@@ -181,7 +192,7 @@ def run(args) -> int:
             "layers": {str(i): st for i, st in report.signround.items()},
         },
         "scale_tuning": report.scale_tuning,
-        "clip_search": args.clip_search, "dtype": args.dtype, "calib_dtype": args.calib_dtype,
+        "clip_search": args.clip_search, "dtype": args.dtype, "calib_dtype": calib_dtype,
         "format": scheme.ct_format,
     }
     inputs = {"model": lm.name, "weights_sha256": lm.weights_sha256, "calibration": calib_info}
@@ -206,13 +217,15 @@ def run(args) -> int:
     print(f"{lm.name} {scheme.name} {args.method}{' +rotate' if args.rotate else ''}"
           f"{f' +smooth {args.smooth}' if args.smooth is not None else ''}: {counts['layers']} layers, "
           f"{counts['quantized_linears']} linears quantized, {counts['ignored_linears']} ignored{kept}, "
-          f"0 skipped{raised}; "
+          f"0 skipped{raised}; {'calibrated in ' + calib_dtype + '; ' if calib is not None else ''}"
           f"quantize {report.seconds:.1f}s, total {time.perf_counter() - t0:.1f}s -> {args.out}")
     return 0
 
 
 def _linears(model, prefix: str) -> list[str]:
     """Names of the nn.Linear modules under `prefix` (a dotted module path)."""
+    import torch
+
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith(prefix + ".")]
 
 

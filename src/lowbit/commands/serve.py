@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from lowbit.core.errors import LowbitError
 from lowbit.core.flags import add_dtype, torch_dtype, warn_deprecated
@@ -72,6 +73,9 @@ def add_arguments(p) -> None:
     # --threads: the global thread policy (lowbit.core.threads), added to every command by lowbit.cli
     p.add_argument("--log-level", default="warning", choices=("debug", "info", "warning", "error"),
                    help="level of lowbit's and uvicorn's logs (default warning; debug adds uvicorn's access log)")
+    p.add_argument("--shutdown-grace", type=float, default=5.0, metavar="S",
+                   help="on SIGTERM / Ctrl-C: stop accepting, give in-flight requests S seconds to finish, then end "
+                        "the rest (503, or a final error event on a stream) (default 5)")
     p.add_argument("--no-request-log", action="store_true",
                    help="do not log one line per /v1 request on stderr (method, path, status, tokens, seconds)")
 
@@ -124,6 +128,9 @@ def run(args) -> int:
         enable_request_log()
     # bind first: a port in use fails in a second, not after loading the model
     sock = bind(args.host, args.port)
+    if args.shutdown_grace < 0:
+        sock.close()
+        raise LowbitError(f"--shutdown-grace {args.shutdown_grace}: give 0 or more seconds")
     if args.threads is not None:
         if args.threads < 1:
             sock.close()
@@ -144,9 +151,21 @@ def run(args) -> int:
         sock.close()
         raise
     s = engine.scheme
-    print(f"lowbit serve: {rt.name} | KV {s.describe()} | cache {engine.cache_class} | engine {engine.path} | "
+    dtype = str(next(rt.model.parameters()).dtype).replace("torch.", "")  # every result names the dtype it ran
+    print(f"lowbit serve: {rt.name} ({dtype} on {device.type}) | KV {s.describe()} | cache {engine.cache_class} | "
+          f"engine {engine.path} | "
           f"context {rt.max_context} | weights {'quantized: ' + rt.weights['path'] if rt.weights else 'model'}",
           flush=True)
     print(f"listening on {url_of(sock)} (OpenAI base_url {url_of(sock)}/v1)", flush=True)
-    serve_forever(engine, app, sock, log_level=args.log_level)
+    from lowbit.cli import EXIT_SIGINT, EXIT_SIGTERM, Terminated
+
+    drained: dict = {}
+    try:
+        serve_forever(engine, app, sock, log_level=args.log_level, grace=args.shutdown_grace, report=drained)
+    except KeyboardInterrupt as e:  # uvicorn re-raises the signal once it has drained and stopped
+        how = "SIGTERM" if isinstance(e, Terminated) else "Ctrl-C"
+        print(f"lowbit serve: stopped on {how}: {drained.get('finished', 0)} in-flight request(s) finished and "
+              f"{drained.get('ended', 0)} ended (503 / final stream event) within the {args.shutdown_grace:g} s grace "
+              f"({drained.get('seconds', 0.0):.1f} s)", file=sys.stderr, flush=True)
+        return EXIT_SIGTERM if how == "SIGTERM" else EXIT_SIGINT
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from lowbit.core.errors import LowbitError
+from lowbit.diffusion.gate import DEFAULTS
 
 THRESHOLD_FLAGS = {"opaque_min": "--opaque-min", "opaque_max": "--opaque-max", "std_min": "--std-min",
                    "flat_max": "--flat-max", "tile_energy_max": "--tile-energy-max", "psnr_min": "--psnr-min"}
@@ -50,7 +51,6 @@ def add_image_arguments(parser, *, eval_: bool) -> None:
         g.add_argument("--calibrate", action="store_true",
                        help="images: gate with thresholds calibrated on this run's own reference images (the rule "
                             "in lowbit.diffusion.gate) instead of the defaults; the --*-min/max flags still override")
-        from lowbit.diffusion.gate import DEFAULTS
 
         for name, flag in THRESHOLD_FLAGS.items():
             g.add_argument(flag, dest=f"th_{name}", type=float, default=None,
@@ -59,8 +59,6 @@ def add_image_arguments(parser, *, eval_: bool) -> None:
 
 def image_eval_options(args):
     from lowbit.diffusion.evaluate import ImageEvalOptions
-    from lowbit.diffusion.gate import DEFAULTS
-
     over = {n: getattr(args, f"th_{n}") for n in THRESHOLD_FLAGS}
     th = DEFAULTS.replace(**over)
     return ImageEvalOptions(

@@ -36,10 +36,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-
-import torch
+from typing import TYPE_CHECKING
 
 from lowbit.core.errors import LowbitError
+
+# torch is imported inside the functions that use it: `lowbit eval`'s parser reads DEFAULTS, and a
+# mistyped flag must not wait for torch
+if TYPE_CHECKING:
+    import torch
 
 FLAT_EPS = 0.02  # std (in [0, 1] units) under which a tile counts as constant
 PSNR_CAP = 100.0
@@ -95,6 +99,8 @@ def composite(img: torch.Tensor) -> torch.Tensor:
 
 def tile_energy(c: torch.Tensor, tile: int) -> float:
     """Fraction of the non-DC energy of c's luminance [H, W] at the tile period's harmonics (rows or columns)."""
+    import torch
+
     lum = c.mean(0).double()  # [H, W]
     h, w = lum.shape
     e = torch.fft.fft2(lum - lum.mean()).abs() ** 2  # [H, W]
@@ -121,6 +127,8 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def image_metrics(img: torch.Tensor, tile: int, ref: torch.Tensor | None = None) -> dict:
     """The metrics of one image float [4, H, W] (see module docstring); psnr only with ref."""
+    import torch
+
     img = img.float()
     finite = bool(torch.isfinite(img).all())
     out = {"finite": finite}

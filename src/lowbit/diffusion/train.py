@@ -34,13 +34,12 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from lowbit.artifacts import ArtifactWriter
 from lowbit.core.errors import LowbitError
 from lowbit.core.progress import bar
-from lowbit.diffusion.data import CHANNELS, NUM_CLASSES, digits_rgba, digits_source
-from lowbit.diffusion.grid import save_grid
+
+# torch is imported inside the functions: `lowbit train-dit`'s parser reads TrainConfig's defaults, and a
+# mistyped flag must not wait for torch
 
 ARTIFACT_KIND = "diffusers-pipeline"
 SAMPLE_SEEDS = tuple(range(8))
@@ -87,7 +86,10 @@ class TrainConfig:
 
 def build_transformer(cfg: TrainConfig):
     """A fresh DiTTransformer2DModel for cfg (adaLN-zero init), float32."""
+    import torch
     from diffusers import DiTTransformer2DModel
+
+    from lowbit.diffusion.data import CHANNELS, NUM_CLASSES
 
     m = DiTTransformer2DModel(
         num_attention_heads=cfg.heads, attention_head_dim=cfg.hidden // cfg.heads, in_channels=CHANNELS,
@@ -136,6 +138,10 @@ def _lr_at(cfg: TrainConfig, k: int) -> float:
 
 def train_model(cfg: TrainConfig, *, progress: bool | None = None, log_every: int = 250):
     """Train; returns (EMA transformer in eval mode, sampling scheduler, stats dict)."""
+    import torch
+
+    from lowbit.diffusion.data import digits_rgba
+
     cfg.check()
     images, labels = digits_rgba(cfg.size)
     x_all = images * 2 - 1  # [N, 4, S, S] in [-1, 1]
@@ -192,6 +198,8 @@ def train(cfg: TrainConfig, out, *, progress: bool | None = None) -> dict:
     """Train and write the artifact directory `out` (new; refused if it exists). Returns the manifest as a dict."""
     import os
 
+    from lowbit.diffusion.data import NUM_CLASSES, digits_source
+    from lowbit.diffusion.grid import save_grid
     from lowbit.diffusion.pipeline import DigitsDiTPipeline
 
     cfg.check()

@@ -24,9 +24,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Self
 
-import torch
-
-from lowbit.kv.plan import resolve as plan_resolve
+# torch is imported inside the functions that use it: `lowbit eval`'s parser reads PEERS, and a
+# mistyped flag must not wait for torch
 
 PEERS = ("hf-quanto-int2", "hf-quanto-int4", "hf-hqq-int2", "hf-hqq-int4", "kivi2", "kivi4")
 REFERENCE = "bf16"
@@ -94,6 +93,8 @@ class Entry:
 def tensor_bits(t: Any) -> float:
     """Bits actually held by a tensor, a quanto tensor subclass (its inner tensors, e.g. packed codes
     + scale + shift), or a tuple/list/dict of those. Non-tensors count 0."""
+    import torch
+
     if t is None:
         return 0.0
     if isinstance(t, (tuple, list)):
@@ -109,6 +110,8 @@ def tensor_bits(t: Any) -> float:
 
 
 def _dense_elts(x) -> int:
+    import torch
+
     return int(x.numel()) if isinstance(x, torch.Tensor) and x.dim() == 4 else 0
 
 
@@ -126,6 +129,8 @@ def dynamic_cache_accounting(cache) -> Accounting:
 def hf_quantized_accounting(cache) -> Accounting:
     """transformers QuantizedCache: the quantized part covers the first cumulative_length - residual
     tokens of each layer; its bits are those of the backend's stored tensors (codes, scale, zero)."""
+    import torch
+
     acc = Accounting()
     for layer in cache.layers:
         keys = getattr(layer, "keys", None)
@@ -156,6 +161,8 @@ def hf_quantized_accounting(cache) -> Accounting:
 def _geometry_of(layer, keys) -> tuple[int, int, int]:
     """(batch, kv heads, head_dim) of a QuantizedLayer, from its residual tensor or, when the residual
     was just flushed (empty 1-D tensor), from the shape its backend recorded."""
+    import torch
+
     if keys.dim() == 4:
         return int(keys.shape[0]), int(keys.shape[1]), int(keys.shape[-1])
     qk = layer._quantized_keys
@@ -240,16 +247,18 @@ def lowbit_entry(label: str, scheme, geometry, *, kind: str = "lowbit") -> Entry
     """A lowbit KVScheme as a row: QuantizedKVCache, "lowbit" attention. The scheme is validated against
     the geometry now (a LowbitError here is bad input, raised before any forward): resolved once per
     device, every window's cache is built from that plan."""
-    plans = {"cpu": plan_resolve(scheme, geometry, device="cpu")}
+    from lowbit.kv.plan import resolve
+
+    plans = {"cpu": resolve(scheme, geometry, device="cpu")}
 
     def make(model):
         from lowbit.runtime.cache import QuantizedKVCache, model_device
 
         dev = model_device(model)
         if dev not in plans:
-            plans[dev] = plan_resolve(scheme, geometry, device=dev)
+            plans[dev] = resolve(scheme, geometry, device=dev)
         return QuantizedKVCache.from_plan(model, plans[dev])
 
     return Entry(name=label, kind=kind, make_cache=make, account=lowbit_cache_accounting,
                  quantizes=bool(scheme.quantized), attention="lowbit",
-                 config={"cache": "lowbit.runtime.cache.QuantizedKVCache", "describe": scheme.describe(), **scheme.to_dict()})
+                 config={"cache": "lowbit.kv.QuantizedKVCache", "describe": scheme.describe(), **scheme.to_dict()})

@@ -11,14 +11,10 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-import torch
-
-from lowbit.calib.corpora import load_text, token_windows
 from lowbit.core.errors import LowbitError
+from lowbit.core.flags import torch_dtype
 from lowbit.eval import report as rep
-from lowbit.eval.harness import evaluate, use_attention
 from lowbit.eval.peers import hf_quantized_entry, lowbit_entry, reference_entry
-from lowbit.eval.perplexity import forward_chunk, full_window_ppl
 from lowbit.eval.plan import plan_peers, plan_schemes
 from lowbit.kv.scheme import DEFAULT_RECENT, parse_kv_scheme
 from lowbit.models import load_tokenizer, model_name
@@ -28,7 +24,8 @@ DEFAULT_SEQ_LEN = 2048
 DEFAULT_CHUNK = 128
 DEFAULT_WINDOWS = 4
 FULL_WINDOW_TOLERANCE_PCT = 0.5
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+# names only (torch is imported where it runs: `lowbit eval`'s parser reads this module's defaults)
+DTYPES = ("bf16", "fp32", "fp16")
 SCORED_POSITIONS = "positions 0..L-2 of each window predict tokens 1..L-1 (L-1 per window; token 0 is never a target)"
 
 
@@ -154,8 +151,7 @@ def _load_model(o: EvalOptions, lm=None):
     named after --model, so RotationSets fitted for that model apply to its quantized weights.
     """
     from lowbit.runtime.load import resolve
-
-    dtype = DTYPES[o.dtype]
+    dtype = torch_dtype(o.dtype)
     if o.weights is not None:
         q = resolve(o.weights, cache_dir=o.cache_dir, dtype=dtype)
         if q.provenance.get("source") != "quantized-checkpoint":
@@ -186,6 +182,11 @@ def warm_up(model, windows, entries, chunk: int) -> int:
     page is quantized (sink + recent + page, plus a chunk), so one-off costs (imports, first kernel
     launches, a peer's lazy setup, the first quantization) are not charged to one row's seconds.
     A peer that fails here is left to fail again, and be recorded, in the timed run. Returns tokens fed."""
+    import torch
+
+    from lowbit.eval.harness import use_attention
+    from lowbit.eval.perplexity import forward_chunk
+
     def first_quantized(c: dict) -> int:  # lowbit rows: sink + recent + page; HF peers: residual_length + 1
         return sum(int(c.get(k) or 0) for k in ("sink", "recent", "page")) + int(c.get("residual_length") or 0)
 
@@ -236,6 +237,11 @@ def _console():
 def run_eval(o: EvalOptions, console=None, loaded=None) -> dict:
     """Run an evaluation and write the requested outputs; returns the report dict.
     loaded: a lowbit.models.LoadedModel of o.model already in memory (the demo), else it is loaded here."""
+    import torch
+
+    from lowbit.calib.corpora import load_text, token_windows
+    from lowbit.eval.harness import evaluate
+    from lowbit.eval.perplexity import full_window_ppl
     console = console or _console()
     schemes, peers, seq_len = check_options(o)
     if o.threads is not None:

@@ -107,11 +107,16 @@ class MemoryReport:
     def _numbers(self, cache) -> str:
         bk, bv = self.middle_bits_per_element()
         n = max((layer.n for layer in cache.layers), default=0)
-        bits = (
-            f"middle K {bk:.2f} / V {bv:.2f} bits/elt ({bk / 16:.3f} / {bv / 16:.3f} of bf16)"
-            if bk is not None
-            else "middle empty"
-        )
+        quantizes = any(layer.k_codec.quantized or layer.v_codec.quantized for layer in cache.layers)
+        held = str(getattr(cache.layers[0], "dtype", "")).replace("torch.", "") or "the model dtype"
+        if bk is None:
+            bits = "middle empty"
+        elif not quantizes:
+            # `--kv bf16` means "not quantized": the tiers keep the model dtype, so an fp32 model holds 32
+            # bits/elt, which read "32.00 bits/elt (2.000 of bf16)" as if bf16 had cost 32 bits
+            bits = f"middle not quantized: K/V held in the model dtype {held} ({bk:.0f} / {bv:.0f} bits/elt)"
+        else:
+            bits = f"middle K {bk:.2f} / V {bv:.2f} bits/elt ({bk / 16:.3f} / {bv / 16:.3f} of bf16)"
         bpt, ref = self.bytes_per_token_per_layer(), self.dense_bytes_per_token_per_layer()
         ratio = f", {ref / bpt:.2f}x smaller" if bpt else ""
         dense = str(getattr(cache.layers[0], "dtype", "")).replace("torch.", "") or "dense"

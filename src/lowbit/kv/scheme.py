@@ -336,8 +336,10 @@ class KVScheme:
                 raise LowbitError(f"{what} must be a non-negative integer, got {n!r}")
             if n % self.page:
                 lo, hi = n // self.page * self.page, -(-n // self.page) * self.page
+                # below one page the multiple under n is 0 (no tokens in that tier), which is allowed
                 raise LowbitError(
-                    f"{what} {n} is not a multiple of the page ({self.page}); use {lo or hi} or {hi}, or change the page"
+                    f"{what} {n} is not a multiple of the page ({self.page}); use {lo}{' (none)' if lo == 0 else ''} "
+                    f"or {hi}, or change the page"
                 )
         for which, t in (("K", self.k), ("V", self.v)):
             if t.axis == "channel" and t.group is not None and t.group != self.page:

@@ -30,14 +30,18 @@ import time
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from lowbit.core.errors import LowbitError
 from lowbit.models.auto import causal_lm_class
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.registry import BUILTINS, BuiltinModel, get_builtin
+
+if TYPE_CHECKING:
+    import torch
+
+# torch is imported inside the functions that load weights: command parsers import lowbit.models (the
+# built-ins' names), and a mistyped flag must not wait seconds for torch
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +99,7 @@ def resolve(
     name_or_dir: str | os.PathLike,
     *,
     cache_dir: str | Path | None = None,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
     device: str | torch.device | None = None,
     attn_implementation: str = "sdpa",
     open_quantized=None,
@@ -105,7 +109,7 @@ def resolve(
 
     cache_dir: root of the built-in cache (default ~/.cache/lowbit); the model lives in
                <cache_dir>/<name>. Also holds the sha256 memo for local directories.
-    dtype:     dtype of the returned model (the cache itself stays fp32; a quantized checkpoint's
+    dtype:     dtype of the returned model, default float32 (the cache itself stays fp32; a quantized checkpoint's
                non-quantized tensors).
     device:    where the model is moved after loading (None: CPU).
     open_quantized(path, name, provenance, dtype, attn_implementation, device) -> LoadedModel opens a
@@ -114,6 +118,10 @@ def resolve(
                directory is refused with a pointer there.
     Raises LowbitError (one line) for an unknown name, a file, a directory without config.json.
     """
+    import torch
+
+    if dtype is None:
+        dtype = torch.float32
     key = os.fspath(name_or_dir)
     path = model_dir(key, cache_dir)
     if key in BUILTINS:
@@ -150,11 +158,63 @@ def model_dir(name_or_dir: str | os.PathLike, cache_dir: str | Path | None = Non
     if p.is_dir():
         if not (p / "config.json").is_file():
             raise LowbitError(f"{p} has no config.json: pass a Hugging Face model directory or a built-in name")
+        check_dir_files(p)
         return p
     if p.exists():
         raise LowbitError(f"{p} is a file: pass a Hugging Face model directory or a built-in name")
+    if looks_like_path(key):
+        raise LowbitError(f"no such directory: {key}; pass a Hugging Face model directory or a built-in name "
+                          f"({', '.join(BUILTINS)})")
     get_builtin(key)  # raises: unknown model, lists the built-ins
     raise AssertionError("unreachable")
+
+
+def looks_like_path(name: str) -> bool:
+    """True when `name` is spelled as a path (a separator, ~ or a leading dot), never a built-in's name."""
+    return os.sep in name or "/" in name or name.startswith(("~", "."))
+
+
+def check_dir_files(path: Path) -> None:
+    """Refuse, in one line, a model directory whose config.json is not JSON or whose safetensors file is
+    damaged (truncated, not safetensors): transformers raised these as tracebacks from inside
+    from_pretrained. Reads config.json and each safetensors header only (no tensor data)."""
+    cfg = path / "config.json"
+    try:
+        json.loads(cfg.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        raise LowbitError(f"{cfg} is not UTF-8 text; restore it from the model's source") from None
+    except ValueError as e:
+        raise LowbitError(f"{cfg} is not valid JSON ({e.msg} at line {e.lineno} column {e.colno}); restore it "
+                          "from the model's source") from None
+    for f in sorted(path.glob("*.safetensors")):
+        problem = safetensors_problem(f)
+        if problem:
+            raise LowbitError(f"{f} is damaged ({problem}); download or copy it again")
+
+
+def safetensors_problem(f: Path) -> str | None:
+    """Why `f` is not a complete safetensors file (the format: 8-byte little-endian header length, a JSON
+    header whose data_offsets end where the file ends), or None when it is."""
+    try:
+        size = f.stat().st_size
+        with open(f, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                return f"{size} bytes, shorter than the 8-byte header length"
+            n = int.from_bytes(head, "little")
+            if n > size - 8:
+                return f"header of {n} bytes but the file has {size} (truncated?)"
+            header = json.loads(fh.read(n))
+    except (OSError, ValueError, UnicodeDecodeError) as e:
+        return f"unreadable header: {e}"
+    if not isinstance(header, dict):
+        return "header is not a JSON object"
+    ends = [int(v["data_offsets"][1]) for k, v in header.items()
+            if k != "__metadata__" and isinstance(v, dict) and "data_offsets" in v]
+    need = 8 + n + max(ends, default=0)
+    if need != size:
+        return f"its header describes {need} bytes but the file has {size} (truncated?)"
+    return None
 
 
 def model_name(name_or_dir: str | os.PathLike) -> str:
@@ -265,6 +325,7 @@ def _convert_gguf(builtin: BuiltinModel, work: Path):
     rebuilt from the same config. With tied embeddings the rebuilt model shares one tensor for
     embed_tokens and lm_head; we check the GGUF's two tensors agree before trusting that.
     """
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf = builtin.gguf_path(work)

@@ -26,12 +26,15 @@ attention-weighted VᵀV.
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from lowbit.core.errors import LowbitError
 from lowbit.core.progress import bar
-from lowbit.rotation.hadamard import hadamard
+
+if TYPE_CHECKING:
+    import torch
+# torch (and the Hadamard module) are imported inside the functions: `lowbit fit-rotations`' parser reads
+# KINDS / OBJECTIVES / MIXES, and a mistyped flag must not wait for torch
 
 KINDS = ("hadamard", "per-layer", "per-head")
 OBJECTIVES = ("kk", "qq")
@@ -41,6 +44,8 @@ ORTHO_TOL = 1e-4
 
 def bit_reversal_permutation(n: int) -> torch.Tensor:
     """perm [n] with perm[j] = j with its log2(n) index bits reversed. n must be a power of two."""
+    import torch
+
     if n < 1 or n & (n - 1):
         raise LowbitError(f"bit reversal needs a power-of-two head_dim, got {n}: drop --bit-reversal")
     bits = n.bit_length() - 1
@@ -57,6 +62,8 @@ def eigvecs_descending(cov: torch.Tensor) -> torch.Tensor:
     Signs are fixed (largest-magnitude entry of each column positive) so the same statistics always
     give the same rotation bytes.
     """
+    import torch
+
     c = cov.to(torch.float64)
     c = 0.5 * (c + c.transpose(-1, -2))
     _, vecs = torch.linalg.eigh(c)  # ascending
@@ -69,6 +76,10 @@ def eigvecs_descending(cov: torch.Tensor) -> torch.Tensor:
 
 def rotation_from_cov(cov: torch.Tensor, *, mix: str = "hadamard", bit_reversal: bool = False) -> torch.Tensor:
     """R = E @ H @ P for cov [..., D, D] -> float64 [..., D, D] (see module docstring)."""
+    import torch
+
+    from lowbit.rotation.hadamard import hadamard
+
     if mix not in MIXES:
         raise LowbitError(f"unknown mix {mix!r}: use one of {MIXES}")
     D = cov.shape[-1]
@@ -82,6 +93,8 @@ def rotation_from_cov(cov: torch.Tensor, *, mix: str = "hadamard", bit_reversal:
 
 def check_orthogonal(R: torch.Tensor, what: str, tol: float = ORTHO_TOL) -> None:
     """Raise unless R [..., D, D] is orthogonal to within tol (max |RᵀR - I|) and finite."""
+    import torch
+
     if R.shape[-1] != R.shape[-2]:
         raise LowbitError(f"{what}: rotation must be square, got {tuple(R.shape)}")
     if not torch.isfinite(R).all():
@@ -112,6 +125,8 @@ def fit_layer(st, kind: str, objective: str = "kk", *, mix: str = "hadamard", bi
     V's rotation is the latent's (fitted); K is rebuilt from V plus its dense k_pe and takes no rotation
     of its own, so K's is the identity. One latent head: a per-head kind is refused.
     """
+    import torch
+
     try:
         if latent and kind == "per-head":
             raise LowbitError("it caches an MLA latent, one head shared by all query heads: a per-KV-head rotation "
@@ -125,6 +140,10 @@ def fit_layer(st, kind: str, objective: str = "kk", *, mix: str = "hadamard", bi
 
 
 def _fit_layer(st, kind: str, objective: str, *, mix: str, bit_reversal: bool, center: bool) -> FittedLayer:
+    import torch
+
+    from lowbit.rotation.hadamard import hadamard
+
     if kind not in KINDS:
         raise LowbitError(f"unknown rotation kind {kind!r}: use one of {KINDS}")
     if objective not in OBJECTIVES:

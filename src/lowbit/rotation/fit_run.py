@@ -15,7 +15,6 @@ import lowbit.models
 from lowbit.artifacts import sha256_file
 from lowbit.core.errors import LowbitError
 from lowbit.rotation.fit import MIXES, fit_rotations
-from lowbit.rotation.rotation_set import RotationSet
 
 
 def check_model(calib, model: str) -> None:
@@ -32,6 +31,8 @@ def fit_and_save(calib, out: Path, *, kind: str, objective: str = "kk", mix: str
                  bit_reversal: bool = False, center: bool = False, progress: bool | None = False) -> Path:
     """Fit every layer of `calib` and write a RotationSet artifact at `out` (nothing is left on error).
     progress: a bar over layers with ETA (None: when stderr is a terminal)."""
+    from lowbit.rotation.rotation_set import RotationSet
+
     mixes = [m.strip() for m in mix.split(",")]
     if len(mixes) == 1:
         mixes *= 2

@@ -1,7 +1,8 @@
-"""Generation over lowbit's caches: greedy generation (the CLI's and the demo's), and GenerateCache for `generate`.
+"""Generation over lowbit's caches: generation (greedy by default; the CLI's and the demo's), and GenerateCache.
 
     lm = lowbit.runtime.load.resolve("smollm2-135m")
     new_ids, cache = generate(lm, parse_kv_scheme("int4"), "The capital of France is", 12)   # QuantizedKVCache
+    new_ids, cache = generate(lm, scheme, prompt, 12, temperature=0.7, top_p=0.9, seed=1, timing=t)  # sampled
     print(lm.tokenizer.decode(new_ids), cache.summary())
     text = greedy_continuation(lm, "The capital of France is", 20)   # the model's own DynamicCache, text only
 
@@ -34,6 +35,9 @@ max_context (refused at prefill when the prompt alone overflows; a decode past c
 the device and raised by `check()` and by the next prefill -- a step cannot raise without a host sync).
 """
 
+import math
+import os
+import time
 from pathlib import Path
 
 import torch
@@ -233,7 +237,7 @@ class GenerateCache(StaticKVCache):
         raise LowbitError("GenerateCache does not reorder sequences (beam search); use num_beams=1")
 
 
-# ------------------------------------------------------------------ greedy generation
+# ------------------------------------------------------------------ generation (greedy by default)
 PROMPT = "The capital of France is"  # the demo's prompt: one short, checkable continuation
 
 
@@ -245,7 +249,12 @@ def read_prompt(prompt: str | None = None, prompt_file: str | Path | None = None
         p = Path(prompt_file)
         if not p.is_file():
             raise LowbitError(f"prompt file {p} not found")
-        text = p.read_text(encoding="utf-8")
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            # a traceback here told the user nothing they could act on; name the byte and the fix
+            raise LowbitError(f"prompt file {p} is not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start}); convert it, e.g. `iconv -f latin1 -t utf-8 {p}`") from None
     else:
         raise LowbitError("no prompt: pass --prompt TEXT or --prompt-file PATH")
     if not text.strip():
@@ -258,23 +267,96 @@ def _pad_id(tokenizer) -> int | None:
     return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
 
-def generate(lm, scheme, prompt: str, max_new_tokens: int, *, decode_backend: str = "auto"):
-    """Greedy-generate through a fresh QuantizedKVCache. Returns (new token ids [N], cache).
+def context_length(model) -> int | None:
+    """The model's context in tokens (config max_position_embeddings, or its text config's), else None."""
+    for cfg in (model.config, getattr(model.config, "text_config", None)):
+        n = getattr(cfg, "max_position_embeddings", None) if cfg is not None else None
+        if isinstance(n, int) and n > 0:
+            return n
+    return None
+
+
+def check_context(n_prompt: int, max_new_tokens: int, context: int | None, name: str) -> None:
+    """Refuse a prompt + continuation longer than the model's context, before any cache is built: a
+    30,858-token prompt on smollm2-135m (context 8,192) died allocating 34 GB in attention."""
+    if context is None or n_prompt + max_new_tokens <= context:
+        return
+    if n_prompt >= context:
+        raise LowbitError(f"the prompt is {n_prompt} tokens but {name}'s context is {context} tokens; shorten it to "
+                          f"at most {context - max_new_tokens} tokens (with --max-new-tokens {max_new_tokens})")
+    raise LowbitError(f"the prompt is {n_prompt} tokens and --max-new-tokens {max_new_tokens} makes "
+                      f"{n_prompt + max_new_tokens}, beyond {name}'s context of {context} tokens; lower "
+                      f"--max-new-tokens to {context - n_prompt} or shorten the prompt")
+
+
+def check_sampling(temperature: float, top_p: float) -> bool:
+    """True when these ask for sampling (temperature > 0); greedy is temperature 0. Refuses what would be
+    silently ignored (a top-p under greedy) or is out of range."""
+    if not math.isfinite(temperature) or temperature < 0:
+        raise LowbitError(f"--temperature must be 0 (greedy) or more, got {temperature}")
+    if not (0 < top_p <= 1):
+        raise LowbitError(f"--top-p must be in (0, 1], got {top_p}")
+    if temperature == 0 and top_p != 1:
+        raise LowbitError(f"--top-p {top_p} needs sampling: add --temperature T (T > 0; greedy is the default)")
+    return temperature > 0
+
+
+class _Clock:
+    """A transformers streamer that only timestamps: generate() puts the prompt first, then each new
+    token as it is chosen, so the second put marks the first token (time to first token)."""
+
+    def __init__(self):
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def generate(lm, scheme, prompt: str, max_new_tokens: int, *, decode_backend: str = "auto",
+             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None, timing: dict | None = None):
+    """Generate through a fresh QuantizedKVCache: greedy by default, sampled when temperature > 0.
+    Returns (new token ids [N], cache).
 
     lm: a lowbit.models.LoadedModel (model, tokenizer, geometry); scheme: a KVScheme valid for it.
+    seed: the sampling seed (torch.manual_seed); None with sampling draws one and reports it in `timing`.
+    timing: a dict to fill with prompt_tokens, new_tokens, ttft_s (prompt in -> first token out),
+        decode_tokens_per_s (the tokens after the first), total_s, seed (when sampling).
     """
     if lm.tokenizer is None:
         raise LowbitError(f"model {lm.name} has no tokenizer; generate needs one")
+    sample = check_sampling(temperature, top_p)
     model = lm.model
+    enc = lm.tokenizer(prompt, return_tensors="pt")
+    n_prompt = int(enc["input_ids"].shape[1])
+    check_context(n_prompt, max_new_tokens, context_length(model), lm.name)  # before the cache and any forward
     cache = QuantizedKVCache(model, scheme, geometry=lm.geometry, decode_backend=decode_backend)
     dev = next(model.parameters()).device
-    enc = lm.tokenizer(prompt, return_tensors="pt").to(dev)
+    enc = enc.to(dev)
+    kw = {"do_sample": False}
+    if sample:
+        if seed is None:
+            seed = int.from_bytes(os.urandom(4), "little")
+        torch.manual_seed(seed)
+        kw = {"do_sample": True, "temperature": temperature, "top_p": top_p, "top_k": None}
+    clock = _Clock()
+    t0 = time.perf_counter()
     with torch.no_grad():
         out = model.generate(
-            **enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=_pad_id(lm.tokenizer),
-            **cache_kwargs(model, cache),
+            **enc, max_new_tokens=max_new_tokens, pad_token_id=_pad_id(lm.tokenizer), streamer=clock,
+            **kw, **cache_kwargs(model, cache),
         )
-    return out[0, enc["input_ids"].shape[1]:], cache
+    t1 = time.perf_counter()
+    new = out[0, n_prompt:]
+    if timing is not None:
+        first = clock.times[1] if len(clock.times) > 1 else t1
+        n_after = len(new) - 1
+        timing.update(prompt_tokens=n_prompt, new_tokens=len(new), ttft_s=first - t0, total_s=t1 - t0,
+                      decode_tokens_per_s=(n_after / (t1 - first)) if n_after > 0 and t1 > first else None,
+                      seed=seed if sample else None)
+    return new, cache
 
 
 def greedy_continuation(lm, prompt: str, max_new_tokens: int) -> str:

@@ -395,6 +395,10 @@ class StaticKVCache(Cache):
         super().__init__(layers=[StaticLayer(lp, slots, max_context, device, dtype) for lp in plan.layers])
         self.plan, self.scheme, self.geometry = plan, plan.scheme, plan.geometry
         self.slots, self.max_context, self.device, self.dtype = slots, max_context, device, dtype
+        # True: the eager torch decode reads only the middle rows some slot holds (see _torch_decode). Off by
+        # default, so the eager step stays the bit-exact twin of the captured / compiled fixed-shape step; the
+        # batching engine turns it on when it serves eagerly on the CPU
+        self.read_held_rows = False
         self.lens = torch.zeros(slots, dtype=torch.int32, device=device)
         quantized = [lp for lp in plan.layers if lp.k.quantized]
         self.use_kernel = device.type == "cuda" and bool(quantized) and all(
@@ -551,16 +555,23 @@ class StaticKVCache(Cache):
         the bf16 path on CUDA, and the torch twin of the kernel path)."""
         B = qg.shape[0]
         ks, vs, valid = [], [], []
+        C = layer.C
+        if C and self.read_held_rows and not torch.compiler.is_compiling():
+            # An eager step that is never captured may read only the middle rows some slot holds: the fixed
+            # shape (every row of max_context, for CUDA graphs) decoded ~7,900 int2 rows per layer and step
+            # for a 72-token request on smollm2-135m, and `--engine batch` on CPU ran ~10-20x slower than single.
+            # (A traced step keeps the fixed shape: the row count would be data-dependent there.)
+            C = min(C, int(ml.max()))
         if layer.S:
             ks.append(layer.sink_k[:B, :, :layer.S])
             vs.append(layer.sink_v[:B, :, :layer.S])
             valid.append(torch.arange(layer.S, device=qg.device)[None] < sl[:, None])
-        if layer.C:
-            mk = {name: x[:B, :, :layer.C] for name, x in layer.mid["k"].items()}
-            mv = {name: x[:B, :, :layer.C] for name, x in layer.mid["v"].items()}
+        if C:
+            mk = {name: x[:B, :, :C] for name, x in layer.mid["k"].items()}
+            mv = {name: x[:B, :, :C] for name, x in layer.mid["v"].items()}
             ks.append(layer.k_codec.decode(mk, self.dtype) if layer.kind == "tiers" else mk["dense"])
             vs.append(layer.v_codec.decode(mv, self.dtype) if layer.kind == "tiers" else mv["dense"])
-            valid.append(torch.arange(layer.C, device=qg.device)[None] < ml[:, None])
+            valid.append(torch.arange(C, device=qg.device)[None] < ml[:, None])
         if layer.R:
             ks.append(layer.ring_k[:B, :, :layer.R])
             vs.append(layer.ring_v[:B, :, :layer.R])

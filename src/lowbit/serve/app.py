@@ -75,6 +75,59 @@ def request_line(method: str, path: str, status: int, seconds: float, *, rid: st
     return " | ".join(parts)
 
 
+SHUTTING_DOWN = "the server is shutting down; retry on another replica or after it restarts"
+
+
+class InFlight:
+    """The /v1 generation requests being answered, so that a shutdown (SIGTERM) can let them finish
+    within a grace period and end the rest cleanly -- a 503 for a plain request, a final error event
+    for a stream -- instead of uvicorn cancelling their handlers (HTTP 500 and tracebacks). Event-loop
+    side only (asyncio), like the handlers that use it."""
+
+    def __init__(self):
+        self.live: dict[str, tuple[object, asyncio.Queue]] = {}
+        self.draining = False
+
+    def add(self, handle, events: asyncio.Queue) -> None:
+        self.live[handle.id] = (handle, events)
+
+    def remove(self, handle) -> None:
+        self.live.pop(handle.id, None)
+
+    async def drain(self, grace: float) -> dict:
+        """Refuse new requests (503), wait up to `grace` seconds for the live ones to finish, then end
+        the rest: the engine drops them before its next step and their handlers answer at once.
+        Returns {"finished": n, "ended": n} (of the requests live when the drain began) and "seconds"."""
+        self.draining = True
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        start = len(self.live)
+        deadline = loop.time() + grace
+        while self.live and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        left = list(self.live.values())
+        for handle, events in left:
+            handle.cancel()
+            events.put_nowait(("shutdown", SHUTTING_DOWN))
+        # the handlers now send their 503 / final event; give them a moment to leave before connections close
+        until = loop.time() + 2.0
+        while self.live and loop.time() < until:
+            await asyncio.sleep(0.02)
+        return {"finished": start - len(left), "ended": len(left), "seconds": round(loop.time() - t0, 2)}
+
+
+async def _wait_disconnect(http: Request, handle, events: asyncio.Queue) -> None:
+    """Wait for the client of a non-streamed request to go away; then drop its work. Why: nothing else
+    reads the connection while the engine works, so a request whose client had left kept decoding to
+    the end (one logged 200 after 711 s). The engine drops a cancelled request before its next step."""
+    while True:
+        msg = await http.receive()
+        if msg["type"] == "http.disconnect":
+            handle.cancel()
+            events.put_nowait(("disconnected", None))
+            return
+
+
 # OpenAI's default for /v1/completions; chat defaults to the rest of the context, capped here.
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 512
@@ -142,6 +195,7 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
     tok = engine.tokenizer
     fingerprint = f"lowbit-{__version__}-kv-{served.scheme['name']}"
     served.created = served.created or int(time.time())
+    inflight = app.state.inflight = InFlight()  # lowbit.serve.server drains it on shutdown
 
     def err(status: int, message: str, param=None, code=None, request: Request | None = None) -> JSONResponse:
         engine.metrics.client_error()
@@ -272,10 +326,15 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
         return encode(text, "messages", add_special_tokens=False)
 
     # ---------------------------------------------------------- running
-    async def run(ids: list[int], req, max_tokens: int, kind: str, stream: bool):
+    async def run(ids: list[int], req, max_tokens: int, kind: str, stream: bool, http: Request):
         engine.metrics.request(kind)
         t0 = time.perf_counter()
         path = "/v1/completions" if kind == "completions" else "/v1/chat/completions"
+        if inflight.draining:
+            request_log.info(request_line("POST", path, 503, time.perf_counter() - t0, error=SHUTTING_DOWN))
+            r = err(503, SHUTTING_DOWN, code="server_shutting_down")
+            r.headers["Retry-After"] = "1"
+            return r
         params = eng.GenParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                                stop=req.stop_list(), seed=req.seed)
         loop = asyncio.get_running_loop()
@@ -297,6 +356,7 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
             return r
         rid = ("chatcmpl-" if kind == "chat" else "cmpl-") + handle.id
         created = int(time.time())
+        inflight.add(handle, events)
         if stream:
             return StreamingResponse(
                 _sse(events, handle, rid, created, kind, req.include_usage(), t0, path),
@@ -305,6 +365,7 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
             )
         parts = []
         done = False
+        watcher = asyncio.create_task(_wait_disconnect(http, handle, events))
         try:
             while True:
                 what, payload = await events.get()
@@ -314,11 +375,21 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
                     request_log.info(request_line("POST", path, 500, time.perf_counter() - t0, rid=rid, error=payload))
                     done = True
                     return err(500, payload)
+                elif what == "shutdown":
+                    request_log.info(request_line("POST", path, 503, time.perf_counter() - t0, rid=rid, error=payload))
+                    done = True
+                    r = err(503, payload, code="server_shutting_down")
+                    r.headers["Retry-After"] = "1"
+                    return r
+                elif what == "disconnected":  # nobody to answer; the finally logs it as 499
+                    return JSONResponse(error_body("client closed the request"), status_code=499)
                 else:
                     break
             done = True
             request_log.info(request_line("POST", path, 200, time.perf_counter() - t0, rid=rid, done=payload))
         finally:
+            watcher.cancel()
+            inflight.remove(handle)
             handle.cancel()  # no-op once done; drops the request if this handler was cancelled
             if not done:  # the client went away (or the server is stopping) before the answer
                 request_log.info(request_line("POST", path, 499, time.perf_counter() - t0, rid=rid,
@@ -363,6 +434,11 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
                     ended = {"error": payload}
                     yield f"data: {json.dumps(error_body(payload, type_='server_error'))}\n\n"
                     break
+                elif what == "shutdown":  # the final event of a stream the shutdown ended
+                    ended = {"error": payload}
+                    body = error_body(payload, type_="server_error", code="server_shutting_down")
+                    yield f"data: {json.dumps(body)}\n\n"
+                    break
                 else:
                     ended = {"done": payload}
                     yield chunk(None, finish=payload["finish_reason"])
@@ -376,26 +452,27 @@ def build_app(engine: eng.Engine, served: ServedModel) -> FastAPI:
                     break
             yield "data: [DONE]\n\n"
         finally:
+            inflight.remove(handle)
             handle.cancel()  # client gone mid-stream: the worker drops the request and its cache
             # the status line was 200 once streaming began; an error or cancel is said in the line itself
             request_log.info(request_line("POST", path, 200, time.perf_counter() - t0, rid=rid, stream=True, **ended))
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
+    async def completions(req: CompletionRequest, http: Request):
         check_common(req)
         ids = prompt_ids(req)
         max_tokens = req.max_tokens or COMPLETIONS_DEFAULT_MAX_TOKENS
         check_fit(len(ids), max_tokens)
-        return await run(ids, req, max_tokens, "completions", req.stream)
+        return await run(ids, req, max_tokens, "completions", req.stream, http)
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatCompletionRequest):
+    async def chat_completions(req: ChatCompletionRequest, http: Request):
         check_common(req)
         ids = chat_ids(req)
         max_tokens = req.max_completion_tokens or req.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, served.max_context - len(ids)))
         check_fit(len(ids), max_tokens)
-        return await run(ids, req, max_tokens, "chat", req.stream)
+        return await run(ids, req, max_tokens, "chat", req.stream, http)
 
     return app

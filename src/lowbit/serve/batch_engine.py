@@ -166,6 +166,8 @@ class BatchEngine(Worker):
                 raise
             raise LowbitError(f"the static KV cache for {slots} slots of {self.max_context} tokens does not fit in "
                               f"{device.type} memory; lower --max-active or --max-context") from None
+        # eager on the CPU: decode only the rows held, not every row of max_context (lowbit.runtime.static_cache)
+        self.cache.read_held_rows = mode == "eager" and device.type == "cpu"
         # on the captured path V's rotation is folded into v_proj / o_proj (lowbit.runtime.fold): two GEMMs fewer
         # per layer and step; for the engine's lifetime, as the fusion (once per model: a later engine over it takes that fold)
         self.folded = fold_mod.fold_value_rotation_once(model, self.cache, fold=(mode == "graphs"))

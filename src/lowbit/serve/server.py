@@ -119,33 +119,58 @@ def url_of(sock: socket.socket) -> str:
     return f"http://{host}:{port}"
 
 
-def _uvicorn_server(app, log_level: str):
+DEFAULT_SHUTDOWN_GRACE = 5.0  # seconds in-flight requests get to finish after SIGTERM / Ctrl-C
+
+
+def _uvicorn_server(app, log_level: str, grace: float = DEFAULT_SHUTDOWN_GRACE):
     import uvicorn
 
+    class _DrainingServer(uvicorn.Server):
+        """uvicorn's shutdown, after ours: stop accepting, let the live requests finish within `grace`
+        and end the rest through the app (lowbit.serve.app.InFlight: 503 / a final stream event).
+        uvicorn alone waited 5 s and then cancelled the handlers: HTTP 500 and two tracebacks."""
+
+        drained: dict | None = None
+
+        async def shutdown(self, sockets=None):
+            for server in self.servers:
+                server.close()  # stop accepting first (uvicorn does it again, harmlessly)
+            inflight = getattr(app.state, "inflight", None)
+            if inflight is not None:
+                self.drained = await inflight.drain(grace)
+            await super().shutdown(sockets=sockets)
+
+    # uvicorn's own deadline only backs ours up: by then every handler has answered
     config = uvicorn.Config(app, log_level=log_level, access_log=log_level == "debug", lifespan="off",
-                            timeout_graceful_shutdown=5)
-    return uvicorn.Server(config)
+                            timeout_graceful_shutdown=grace + 5)
+    return _DrainingServer(config)
 
 
-def serve_forever(engine: Engine, app, sock: socket.socket, *, log_level: str = "warning") -> None:
-    """Run until interrupted (Ctrl-C / SIGTERM); stops the engine on the way out."""
-    server = _uvicorn_server(app, log_level)
+def serve_forever(engine: Engine, app, sock: socket.socket, *, log_level: str = "warning",
+                  grace: float = DEFAULT_SHUTDOWN_GRACE, report: dict | None = None) -> None:
+    """Run until interrupted (Ctrl-C / SIGTERM); stops the engine on the way out. On a signal uvicorn
+    drains (see _uvicorn_server) and then re-raises it here. report: filled with the drain's counts
+    ({"finished", "ended", "seconds"}), for the caller's one line."""
+    server = _uvicorn_server(app, log_level, grace)
     engine.start()
     try:
         server.run(sockets=[sock])
     finally:
         engine.stop()
         sock.close()
+        if report is not None:
+            report.update(server.drained or {"finished": 0, "ended": 0, "seconds": 0.0})
 
 
 class BackgroundServer:
     """`lowbit serve` in a background thread on 127.0.0.1 (port 0 = free): .url, .stop(). A context manager."""
 
-    def __init__(self, engine: Engine, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning"):
+    def __init__(self, engine: Engine, app, host: str = "127.0.0.1", port: int = 0, log_level: str = "warning",
+                 grace: float = DEFAULT_SHUTDOWN_GRACE):
         self.engine = engine
         self.sock = bind(host, port)
         self.url = url_of(self.sock)
-        self._server = _uvicorn_server(app, log_level)
+        self._server = _uvicorn_server(app, log_level, grace)
         self._server.install_signal_handlers = lambda: None  # not the main thread
         self._thread = threading.Thread(target=self._run, name="lowbit-http", daemon=True)
 
@@ -162,9 +187,15 @@ class BackgroundServer:
             time.sleep(0.02)
         return self
 
+    @property
+    def drained(self) -> dict | None:
+        """What the shutdown's drain did ({"finished", "ended"}), once stop() has run."""
+        return self._server.drained
+
     def stop(self) -> None:
+        """What SIGTERM does to `lowbit serve`: stop accepting, drain (the grace period), stop."""
         self._server.should_exit = True
-        self._thread.join(10)
+        self._thread.join(10 + self._server.config.timeout_graceful_shutdown)
         self.engine.stop()
         self.sock.close()
 

@@ -51,6 +51,7 @@ from lowbit.core.device import resolve_device
 from lowbit.core.errors import LowbitError
 from lowbit.kv.scheme import parse_kv_scheme
 from lowbit.models.geometry import ModelGeometry
+from lowbit.models.load import model_dir, model_name
 from lowbit.models.registry import BUILTINS
 from lowbit.vllm_plugin import sidecar
 
@@ -250,7 +251,6 @@ def _config(d: Path) -> dict:
 
 def _model_ref(spec: str | None, flag: str, what: str) -> tuple[Path, str]:
     """(HF directory, name) of a built-in name or local dir, without loading weights."""
-    from lowbit.models.load import model_dir, model_name
     if not spec:
         raise LowbitError(f"the manifest names no {what}; pass {flag} NAME_OR_DIR")
     if spec not in BUILTINS and not Path(spec).expanduser().is_dir():

@@ -189,7 +189,7 @@ def quantize_model(
             report.damp_raised[name] = qw.damp
 
     options = {"damp": damp, "block": block, "act_order": act_order, "clip_search": clip_search,
-               "sequential": sequential, "weighted_clip": weighted_clip, "signround": signround}
+               "sequential": sequential, "weighted_clip": weighted_clip, "signround": signround, "t0": t0}
     m.run(methods.MethodJob(model, layers, targets, scheme, calib, batch_size, autocast, scale_dtype, done, report,
                             progress, options))
     # Anything left as a plain nn.Linear outside the ignore list was skipped: refuse.

@@ -32,11 +32,24 @@ def run(job: MethodJob) -> None:
     sequential = o.get("sequential", True)
     batches = calib_batches(job.calib, job.batch_size)
     job.report.calib_tokens = int(job.calib.numel())
+    t0 = o.get("t0", time.perf_counter())  # quantize_model's start: the elapsed time of the whole job
+    # one bar over the whole job, opened before the first forward: capturing the decoder's inputs
+    # (step 1) took ~30 s on a 2-core CPU with nothing on screen, then one step per layer
+    pb = progress_bar(len(layers) + 1, "GPTQ", "step", job.progress)
+    pb.set_postfix_str("capturing the decoder's inputs")
+    if not pb.enabled:
+        log.info("GPTQ: capturing the decoder's inputs on %d calibration sequences, then %d layers",
+                 int(job.calib.shape[0]), len(layers))
+    tc = time.perf_counter()
     with job.autocast():
         hidden, layer_kwargs = capture_layer_inputs(model, layers, batches)
+    pb.update(1)
+    if not pb.enabled:
+        log.info("GPTQ: inputs captured in %.1fs", time.perf_counter() - tc)
     layer_index = {id(layer): i for i, layer in enumerate(layers)}
-    pb = progress_bar(len(layers), "GPTQ", "layer", job.progress)
+    t_layers = time.perf_counter()
     for i, layer in enumerate(layers):
+        pb.set_postfix_str(f"layer {i + 1}/{len(layers)}")
         tl = time.perf_counter()
         prefix = layer_prefix(model, layer)
         mine = {n: m for n, m in targets.items() if n.startswith(prefix + ".")}
@@ -62,9 +75,11 @@ def run(job: MethodJob) -> None:
                 outs = [run_layer(layer, h, layer_kwargs[i]) for h in hidden]
         hidden = outs
         pb.update(1)
-        if not pb.enabled:  # the bar says it otherwise
-            log.info("layer %d/%d quantized in %.1fs", layer_index[id(layer)] + 1, len(layers),
-                     time.perf_counter() - tl)
+        if not pb.enabled:  # the bar says it otherwise: the same elapsed and ETA, one line a layer
+            k = layer_index[id(layer)] + 1
+            spent = time.perf_counter() - t_layers
+            log.info("layer %d/%d quantized in %.1fs (elapsed %.0fs, ETA %.0fs)", k, len(layers),
+                     time.perf_counter() - tl, time.perf_counter() - t0, spent / k * (len(layers) - k))
     pb.close()
 
 
