@@ -133,7 +133,7 @@ def test_every_peer_is_listed_and_runs(six_layer, random_windows):
     assert all(p in PEERS for p in P.VLLM_PEERS)
     entries = [reference_entry()] + [P.vllm_entry(p, geo) for p in P.VLLM_PEERS]
     res = evaluate(model, random_windows(99, 2, 60), entries, chunk=16, progress=False)
-    ref, rows = res[0], {r.name: r for r in res[1:]}
+    _ref, rows = res[0], {r.name: r for r in res[1:]}
     for name, r in rows.items():
         assert r.ok, (name, r.cannot_run)
         assert r.accounting.quantized_rows > 0
@@ -179,7 +179,7 @@ def test_read_paths(six_layer):
 
 
 def test_calibrated_fp8_scales_fixed_after_the_first_forward(six_layer):
-    model, config = six_layer
+    _model, config = six_layer
     geo = ModelGeometry.from_config(config)
     peer = P.VllmPeer("vllm-fp8-calibrated", geo)
     k, v = torch.randn(1, 3, 8, 64) * 3, torch.randn(1, 3, 8, 64)

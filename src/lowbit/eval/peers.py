@@ -28,7 +28,7 @@ from typing import Any, Self
 
 import torch
 
-from lowbit.eval.peers_vllm import VLLM_PEERS  # noqa: E402
+from lowbit.eval.peers_vllm import VLLM_PEERS
 
 PEERS = ("hf-quanto-int2", "hf-quanto-int4", "hf-hqq-int2", "hf-hqq-int4", "kivi2", "kivi4") + VLLM_PEERS
 REFERENCE = "bf16"

@@ -385,10 +385,9 @@ def cannot_run(name: str, geometry) -> str | None:
         if not quantized_layers(name, geometry):
             return (f"TurboQuant keeps the first and last {TQ_BOUNDARY_SKIP} layers in the model dtype "
                     f"(get_boundary_skip_layers); this {geometry.num_layers}-layer model has no layer left to quantize")
-    if dtype == "int4_per_token_head":
-        if not all(_pow2(d) for d in dims):
-            return (f"int4_per_token_head rotates with a Walsh-Hadamard transform that needs a power-of-two "
-                    f"head_dim (fast_hadamard_transform); this model has head_dim {dims}")
+    if dtype == "int4_per_token_head" and not all(_pow2(d) for d in dims):
+        return (f"int4_per_token_head rotates with a Walsh-Hadamard transform that needs a power-of-two "
+                f"head_dim (fast_hadamard_transform); this model has head_dim {dims}")
     return None
 
 

@@ -47,7 +47,7 @@ VT_NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. 
 CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. Memorize the "
                 "ones that appear most often.\n{context}\nQuestion: What are the 10 most common words in the above list?")
 CWE_PREFIX = " Answer: The top 10 words that appear most often in the list are:"
-DEPTHS = [int(round(x)) for x in (100 * i / 39 for i in range(40))]  # niah.py: np.linspace(0, 100, 40) rounded
+DEPTHS = [round(x) for x in (100 * i / 39 for i in range(40))]  # niah.py: np.linspace(0, 100, 40) rounded
 ADJECTIVES = ("amber", "ancient", "bitter", "brave", "bright", "calm", "clever", "cold", "crimson", "curious",
               "dusty", "eager", "faint", "fierce", "gentle", "golden", "hidden", "hollow", "humble", "icy",
               "jolly", "kind", "lazy", "little", "lively", "lonely", "lucky", "mellow", "misty", "noble",
