@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from lowbit.eval.peers_vllm import held_bits as vllm_held
     from lowbit.models.geometry import ModelGeometry
 
-    reports = [json.loads(Path(p).read_text()) for p in a.ppl]
+    reports = [json.loads(Path(p).read_text()) | {"_file": p} for p in a.ppl]
     cfg_path = Path(reports[0]["model"]["path"]) / "config.json"
     geometry = ModelGeometry.from_config(json.loads(cfg_path.read_text()), name=lowbit.models.model_name(a.model))
     ref_ppls = {r["results"][0]["ppl"] for r in reports}
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
                          "kl": r["kl"], "top1": r["top1"], "needle_rel_bf16": None,
                          "tasks_rel_bf16": None if ru is None else ru["rel"],
                          "tasks_mean": None if ru is None else ru["mean"],
-                         "from": rep["_file"] if "_file" in rep else None})
+                         "from": rep["_file"]})
     env = {"model": reports[0]["model"]["name"], "dtype": reports[0]["model"]["dtype"],
            "data": reports[0]["data"], "windows": windows, "seq_len": seq_len, "chunk": chunk,
            "bits_held_context": a.context, "versions": reports[0]["versions"],
@@ -102,12 +102,12 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"env": env, "rows": rows}, indent=2) + "\n")
     md = [f"# KV recipes vs vLLM 0.26's KV dtypes: {env['model']} ({env['dtype']})", "",
-          f"WikiText-2, {windows} x {seq_len} tokens fed {chunk} at a time; ΔPPL / KL / top-1 against bf16 on the "
+          (f"WikiText-2, {windows} x {seq_len} tokens fed {chunk} at a time; ΔPPL / KL / top-1 against bf16 on the "
           f"same windows. Held bits: the quantized tier at {a.context} tokens (lowbit.kv.held; vLLM: its storage "
           "per element, scales and norms counted, the same at every length); `all` adds the model-dtype tiers "
           "(lowbit's sink + recent, TurboQuant's 4 boundary layers) at 16 bits. A ΔPPL within two standard "
           "errors of another is a tie. vLLM rows are fake-quant ports of vLLM 0.26.0's kernels (bit-exact "
-          "against them where they run on a CPU; see lowbit.eval.peers_vllm).", "",
+          "against them where they run on a CPU; see lowbit.eval.peers_vllm)."), "",
           "| recipe | held b/elt @32k | @eval ctx | all tiers | ΔPPL % | ± SE | KL | top-1 % | tasks rel. bf16 |",
           "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
