@@ -217,3 +217,23 @@ def test_unknown_peer_lists_the_peers():
     with pytest.raises(LowbitError, match="vllm-tq-3bit-nc"):
         plan_peers("vllm-int2")
     assert plan_peers("vllm-fp8,vllm-tq-k8v4") == ["vllm-fp8", "vllm-tq-k8v4"]
+
+
+def test_needle_task_runs_a_vllm_peer_with_its_storage_bits(tiny_dir, tmp_path, capsys):
+    """`lowbit eval --task needle --peers vllm-...`: the peer's cache quantizes the prompt, its held bits
+    come from vLLM's storage; a TurboQuant peer on a 2-layer model (both boundary layers) is refused, named."""
+    import json
+
+    from lowbit.cli import main
+
+    hay = tmp_path / "hay.txt"
+    hay.write_text(" ".join(["The cat sat on the mat.", "A dog ran to the cat."] * 60), encoding="utf-8")
+    out = tmp_path / "n.json"
+    argv = ["eval", "--task", "needle", "--model", str(tiny_dir), "--dtype", "fp32", "--lengths", "200",
+            "--depths", "50", "--chunk", "64", "--haystack", str(hay), "--no-progress"]
+    assert main([*argv, "--peers", "vllm-int8-pth", "--json", str(out)]) == 0, capsys.readouterr().err
+    res = {r["scheme"]: r for r in json.loads(out.read_text())["results"]}
+    assert res["vllm-int8-pth"]["kind"] == "vllm-peer" and res["vllm-int8-pth"]["quantized_rows"] > 0
+    assert res["vllm-int8-pth"]["bits_held"]["200"] == 8.5
+    assert main([*argv, "--peers", "vllm-tq-4bit-nc"]) != 0
+    assert "no layer left to quantize" in capsys.readouterr().err
