@@ -64,7 +64,9 @@ def main(argv=None) -> int:
     for p in a.ruler:
         rr = json.loads(Path(p).read_text())
         for row in rr["results"]:
-            ruler.setdefault(row["scheme"], {"rel": row["tasks_rel_bf16"], "mean": row["mean"], "file": p,
+            ses = [c["se"] for t in row["cells"].values() for c in t.values()]
+            se = None if any(x is None for x in ses) else sum(x * x for x in ses) ** 0.5 / len(ses)
+            ruler.setdefault(row["scheme"], {"rel": row["tasks_rel_bf16"], "mean": row["mean"], "se": se, "file": p,
                                              "cells": row["cells"]})
     rows, seen = [], set()
     for rep in reports:
@@ -89,6 +91,8 @@ def main(argv=None) -> int:
                          "kl": r["kl"], "top1": r["top1"], "needle_rel_bf16": None,
                          "tasks_rel_bf16": None if ru is None else ru["rel"],
                          "tasks_mean": None if ru is None else ru["mean"],
+                         "tasks_mean_se": None if ru is None else ru["se"],
+                         "tasks_cells": None if ru is None else ru["cells"],
                          "from": rep["_file"]})
     env = {"model": reports[0]["model"]["name"], "dtype": reports[0]["model"]["dtype"],
            "data": reports[0]["data"], "windows": windows, "seq_len": seq_len, "chunk": chunk,
@@ -108,8 +112,9 @@ def main(argv=None) -> int:
           "(lowbit's sink + recent, TurboQuant's 4 boundary layers) at 16 bits. A ΔPPL within two standard "
           "errors of another is a tie. vLLM rows are fake-quant ports of vLLM 0.26.0's kernels (bit-exact "
           "against them where they run on a CPU; see lowbit.eval.peers_vllm)."), "",
-          "| recipe | held b/elt @32k | @eval ctx | all tiers | ΔPPL % | ± SE | KL | top-1 % | tasks rel. bf16 |",
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          "| recipe | held b/elt @32k | @eval ctx | all tiers | ΔPPL % | ± SE | KL | top-1 % | tasks mean ± SE "
+          "| tasks rel. bf16 |",
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
@@ -118,7 +123,7 @@ def main(argv=None) -> int:
         md.append(f"| {r['recipe']} | {f(r['bits_held'], '.2f')} | {f(r['bits_held_eval_ctx'], '.2f')} | "
                   f"{f(r['bits_held_all'], '.2f')} | {f(r['delta_ppl_pct'], '+.2f')} | {f(r['delta_ppl_se'], '.2f')} | "
                   f"{f(r['kl'], '.4f')} | {f(r['top1'], '.1f')} | "
-                  f"{f(r['tasks_rel_bf16'], '.2f')} |")
+                  f"{f(r['tasks_mean'], '.1f')} ± {f(r['tasks_mean_se'], '.1f')} | {f(r['tasks_rel_bf16'], '.2f')} |")
     md += ["", "Commands:", ""] + [f"    {c}" for c in a.command] + [""]
     md.append(f"Versions: {json.dumps(env['versions'])}")
     out.with_suffix(".md").write_text("\n".join(md) + "\n")

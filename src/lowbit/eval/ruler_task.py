@@ -236,7 +236,7 @@ def _held_bits(entries, schemes, peers, geometry, samples, chunk: int) -> dict:
         if kinds[p] == "vllm-peer":
             from lowbit.eval.peers_vllm import held_bits as vllm_held
 
-            held[p] = {str(L): vllm_held(p, geometry)["bits_held"] for L in at}
+            held[p] = {str(L): vllm_held(p, geometry)["bits_quantized"] for L in at}
             continue
         held[p] = {str(L): held_bits(parse_kv_scheme(p), n, geometry=geometry, chunk=chunk).bits for L, n in at.items()}
     return held
