@@ -44,6 +44,7 @@ def main(argv=None) -> int:
     ap.add_argument("--command", action="append", default=[], help="the commands that made the inputs (recorded)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--note", action="append", default=[], help="a caveat printed under the table (recorded)")
     a = ap.parse_args(argv)
 
     import lowbit.models
@@ -98,7 +99,7 @@ def main(argv=None) -> int:
            "data": reports[0]["data"], "windows": windows, "seq_len": seq_len, "chunk": chunk,
            "bits_held_context": a.context, "versions": reports[0]["versions"],
            "git_commits": sorted({json.dumps(r["versions"].get("lowbit_git")) for r in reports}),
-           "commands": a.command, "inputs": a.ppl + a.ruler,
+           "commands": a.command, "inputs": a.ppl + a.ruler, "notes": a.note,
            "vllm_peers": "fake-quant with vLLM 0.26.0's store/read arithmetic (lowbit.eval.peers_vllm); "
                          "bits from vLLM's storage layout",
            "ruler": {p: json.loads(Path(p).read_text())["protocol"] for p in a.ruler}}
@@ -124,6 +125,7 @@ def main(argv=None) -> int:
                   f"{f(r['bits_held_all'], '.2f')} | {f(r['delta_ppl_pct'], '+.2f')} | {f(r['delta_ppl_se'], '.2f')} | "
                   f"{f(r['kl'], '.4f')} | {f(r['top1'], '.1f')} | "
                   f"{f(r['tasks_mean'], '.1f')} ± {f(r['tasks_mean_se'], '.1f')} | {f(r['tasks_rel_bf16'], '.2f')} |")
+    md += [""] + [f"Note: {n}" for n in a.note]
     md += ["", "Commands:", ""] + [f"    {c}" for c in a.command] + [""]
     md.append(f"Versions: {json.dumps(env['versions'])}")
     out.with_suffix(".md").write_text("\n".join(md) + "\n")
