@@ -92,7 +92,8 @@ def check_ruler(o: RulerOptions):
     tasks = parse_tasks(o.tasks)
     ctx = model_context(o.model)
     lengths = parse_ruler_lengths(o.lengths, ctx, o.model)
-    check_quantizes(schemes, peers, lengths[0] - max(NEW_TOKENS[t] for t in tasks), ctx, o.model)
+    budget = o.new_tokens if o.new_tokens is not None else max(NEW_TOKENS[t] for t in tasks)
+    check_quantizes(schemes, peers, lengths[0] - budget, ctx, o.model)  # the shortest prompt must quantize
     if o.haystack is not None and not Path(o.haystack).expanduser().is_file():
         raise LowbitError(f"--haystack {o.haystack}: no such file; give a UTF-8 text (or JSON {{\"text\": ...}}) file")
     for what, p in (("--json", o.json_out), ("--markdown", o.markdown_out)):
