@@ -41,6 +41,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", required=True)
     ap.add_argument("--ppl", nargs="+", required=True)
     ap.add_argument("--ruler", nargs="*", default=[])
+    ap.add_argument("--needle", nargs="*", default=[], help="`lowbit eval --task needle` reports (needle_rel_bf16)")
     ap.add_argument("--command", action="append", default=[], help="the commands that made the inputs (recorded)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--context", type=int, default=32768)
@@ -69,6 +70,10 @@ def main(argv=None) -> int:
             se = None if any(x is None for x in ses) else sum(x * x for x in ses) ** 0.5 / len(ses)
             ruler.setdefault(row["scheme"], {"rel": row["tasks_rel_bf16"], "mean": row["mean"], "se": se, "file": p,
                                              "cells": row["cells"]})
+    needle = {}
+    for p in a.needle:
+        for row in json.loads(Path(p).read_text())["results"]:
+            needle.setdefault(row["scheme"], {"rel": row["needle_rel_bf16"], "accuracy": row["accuracy"]})
     rows, seen = [], set()
     for rep in reports:
         for r in rep["results"]:
@@ -89,7 +94,9 @@ def main(argv=None) -> int:
                          "bits_held": round(b32, 3), "bits_held_eval_ctx": round(bctx, 3),
                          "bits_held_all": round(ball, 3),
                          "delta_ppl_pct": r["delta_ppl_pct"], "delta_ppl_se": r.get("delta_ppl_se_pct"),
-                         "kl": r["kl"], "top1": r["top1"], "needle_rel_bf16": None,
+                         "kl": r["kl"], "top1": r["top1"],
+                         "needle_rel_bf16": needle[r["scheme"]]["rel"] if r["scheme"] in needle else None,
+                         "needle_accuracy": needle[r["scheme"]]["accuracy"] if r["scheme"] in needle else None,
                          "tasks_rel_bf16": None if ru is None else ru["rel"],
                          "tasks_mean": None if ru is None else ru["mean"],
                          "tasks_mean_se": None if ru is None else ru["se"],
@@ -99,7 +106,7 @@ def main(argv=None) -> int:
            "data": reports[0]["data"], "windows": windows, "seq_len": seq_len, "chunk": chunk,
            "bits_held_context": a.context, "versions": reports[0]["versions"],
            "git_commits": sorted({json.dumps(r["versions"].get("lowbit_git")) for r in reports}),
-           "commands": a.command, "inputs": a.ppl + a.ruler, "notes": a.note,
+           "commands": a.command, "inputs": a.ppl + a.ruler + a.needle, "notes": a.note,
            "vllm_peers": "fake-quant with vLLM 0.26.0's store/read arithmetic (lowbit.eval.peers_vllm); "
                          "bits from vLLM's storage layout",
            "ruler": {p: json.loads(Path(p).read_text())["protocol"] for p in a.ruler}}
@@ -123,7 +130,7 @@ def main(argv=None) -> int:
     for r in rows:
         md.append(f"| {r['recipe']} | {f(r['bits_held'], '.2f')} | {f(r['bits_held_eval_ctx'], '.2f')} | "
                   f"{f(r['bits_held_all'], '.2f')} | {f(r['delta_ppl_pct'], '+.2f')} | {f(r['delta_ppl_se'], '.2f')} | "
-                  f"{f(r['kl'], '.4f')} | {f(r['top1'], '.1f')} | "
+                  f"{f(r['kl'], '.4f')} | {f(r['top1'], '.1f')} | {f(r['needle_rel_bf16'], '.2f')} | "
                   f"{f(r['tasks_mean'], '.1f')} ± {f(r['tasks_mean_se'], '.1f')} | {f(r['tasks_rel_bf16'], '.2f')} |")
     md += [""] + [f"Note: {n}" for n in a.note]
     md += ["", "Commands:", ""] + [f"    {c}" for c in a.command] + [""]
