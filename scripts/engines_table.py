@@ -120,9 +120,9 @@ def main(argv=None) -> int:
           "(lowbit's sink + recent, TurboQuant's 4 boundary layers) at 16 bits. A ΔPPL within two standard "
           "errors of another is a tie. vLLM rows are fake-quant ports of vLLM 0.26.0's kernels (bit-exact "
           "against them where they run on a CPU; see lowbit.eval.peers_vllm)."), "",
-          ("| recipe | held b/elt @32k | @eval ctx | all tiers | ΔPPL % | ± SE | KL | top-1 % | tasks mean ± SE "
-          "| tasks rel. bf16 |"),
-          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+          ("| recipe | held b/elt @32k | @eval ctx | all tiers | ΔPPL % | ± SE | KL | top-1 % | needle rel. bf16 "
+           "| tasks mean ± SE | tasks rel. bf16 |"),
+          "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 
     def f(x, fmt):
         return "-" if x is None else format(x, fmt)
