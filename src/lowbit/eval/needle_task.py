@@ -275,6 +275,11 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
     for p in peers:
         if kinds[p] == "hf-quantized":  # transformers' QuantizedCache: no lowbit scheme to count (its PPL row has its bits)
             continue
+        if kinds[p] == "vllm-peer":  # vLLM storage of its quantized layers, like lowbit rows (dense tiers beside)
+            from lowbit.eval.peers_vllm import held_bits as vllm_held_bits
+
+            held[p] = {str(L): vllm_held_bits(p, geometry)["bits_quantized"] for L in lengths}
+            continue
         from lowbit.recipe import parse_kv_scheme
 
         held[p] = {str(L): held_bits(parse_kv_scheme(p), L, geometry=geometry, chunk=o.chunk).bits for L in lengths}
