@@ -3,7 +3,7 @@
     python -m pip download --no-deps vllm==0.26.0 --only-binary=:all: --python-version 3.12 \
         --platform manylinux_2_28_x86_64 -d /tmp/vllm026
     (cd /tmp/vllm026 && mkdir -p src && unzip -q -o vllm-0.26.0-*.whl 'vllm/*.py' -d src)
-    TRITON_INTERPRET=1 python benchmarks/vllm_reference.py /tmp/vllm026/src tests/eval/fixtures/vllm026_reference.pt
+    TRITON_INTERPRET=1 python benchmarks/vllm_reference.py /tmp/vllm026/src tests/eval/fixtures/vllm026_reference.pt.gz
 
 vLLM is not installed (its package import pulls CUDA extensions); instead the functions named below
 are taken from the unzipped source files with `ast` and executed as written: the Triton store and
@@ -221,7 +221,12 @@ def main(src_root: str, out: str) -> None:
         print(f"d={d} int8 / int4 / fp8: ok", flush=True)
         ref[f"d{d}"] = case
     Path(out).parent.mkdir(parents=True, exist_ok=True)
-    torch.save(ref, out)
+    import gzip
+    import io
+
+    buf = io.BytesIO()
+    torch.save(ref, buf)
+    Path(out).write_bytes(gzip.compress(buf.getvalue(), 9, mtime=0))  # torch.save pads every tensor
     print(f"wrote {out}")
 
 

@@ -1,6 +1,6 @@
 """vLLM 0.26 KV-dtype peers: the ports against vLLM's own code, the cache's read paths, the rows.
 
-tests/eval/fixtures/vllm026_reference.pt holds vLLM 0.26.0's outputs on fixed bf16 K/V
+tests/eval/fixtures/vllm026_reference.pt.gz holds vLLM 0.26.0's outputs on fixed bf16 K/V
 ([40 tokens, 3 heads, D] for D = 64 and 128), made by benchmarks/vllm_reference.py: vLLM's Triton store
 kernels (triton_turboquant_store, _reshape_cache_per_token_head, _reshape_cache_int4_kernel via
 reshape_and_cache_int4) and its dequant kernel (_tq_full_dequant_kv) run as written in Triton's CPU
@@ -8,6 +8,8 @@ interpreter; its Python helpers (get_centroids, _build_hadamard, single_rht's CP
 get_boundary_skip_layers) run as they are.
 """
 
+import gzip
+import io
 from pathlib import Path
 
 import pytest
@@ -19,12 +21,12 @@ from lowbit.eval.peers import PEERS, reference_entry
 from lowbit.models.geometry import ModelGeometry
 from lowbit.models.tiny import tiny_model
 
-REF = Path(__file__).parent / "fixtures" / "vllm026_reference.pt"
+REF = Path(__file__).parent / "fixtures" / "vllm026_reference.pt.gz"  # gzipped: torch.save pads every tensor
 
 
 @pytest.fixture(scope="module")
 def ref():
-    return torch.load(REF)
+    return torch.load(io.BytesIO(gzip.decompress(REF.read_bytes())))
 
 
 def test_centroids_hadamard_and_skip_layers_equal_vllms(ref):

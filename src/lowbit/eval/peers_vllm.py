@@ -7,7 +7,7 @@ vLLM's read kernel dequantizes it, so the model's own attention sees the K/V tha
 would see. Every function below names the vLLM 0.26.0 file and function it mirrors; the ports are
 checked against vLLM's own code (its Triton kernels run in Triton's CPU interpreter, its Python
 helpers run as they are) by tests/eval/test_peers_vllm.py on the values in
-tests/eval/fixtures/vllm026_reference.pt (made by scripts/vllm_reference.py from the vLLM wheel).
+tests/eval/fixtures/vllm026_reference.pt (made by benchmarks/vllm_reference.py from the vLLM wheel).
 
   peer                  --kv-cache-dtype        storage per (token, KV head)
   vllm-fp8              fp8                     K, V in fp8 e4m3, one per-tensor scale per layer = 1.0
