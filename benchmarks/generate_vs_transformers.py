@@ -6,7 +6,7 @@
 Both sides get the same token ids (the first --prompt-tokens tokens of --data, default the stdlib
 corpus) and greedy-decode --max-new-tokens tokens:
   transformers  model.generate with its own DynamicCache and SDPA attention (a freshly loaded model)
-  lowbit        lowbit.runtime.greedy.generate (what `lowbit generate` runs): a QuantizedKVCache, the
+  lowbit        lowbit.runtime.generate.generate (what `lowbit generate` runs): a QuantizedKVCache, the
                 "lowbit" attention (a second, freshly loaded model: the cache switches the model's
                 attention, so the two never share one)
 Prints each side's wall seconds (best of --repeats), time to first token and the ratio lowbit /
@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from lowbit.calib.corpora import load_text
     from lowbit.core.flags import torch_dtype
-    from lowbit.runtime.greedy import generate
+    from lowbit.runtime.generate import generate
     from lowbit.models import resolve
     from lowbit.kv.scheme import parse_kv_scheme
 

@@ -301,7 +301,7 @@ def test_readme_defines_every_artifact_class():
     from lowbit.artifacts.manifest import ARTIFACT_CLASSES, CLASS_MEANING
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
-    assert "### Checking any artifact" in readme
+    concepts = readme.split("**Artifacts.**", 1)[1].split("\n## ", 1)[0]  # the Concepts paragraph and its list
     for cls in ARTIFACT_CLASSES:
-        assert f"\n| `{cls}` | " in readme, cls
+        assert f"`{cls}`)" in concepts or f"- `{cls}`:" in concepts, cls  # each class named in the list
         assert CLASS_MEANING[cls]

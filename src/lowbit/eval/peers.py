@@ -11,6 +11,8 @@ token quantized in K and V on every layer counts 2 * layers * kv_heads rows.
   kivi2, kivi4     lowbit recipes: K per channel, V per token, group 32, recent 128, no sink
   hf-quanto-int2/4 transformers QuantizedCache, backend quanto (optimum-quanto)
   hf-hqq-int2/4    transformers QuantizedCache, backend hqq
+  vllm-*           vLLM 0.26's --kv-cache-dtype choices, fake-quant with vLLM's arithmetic
+                   (lowbit.eval.peers_vllm)
 HF QuantizedCache runs with residual_length = our recent window and transformers' other defaults
 (axis 0, i.e. groups of q_group_size consecutive elements along head_dim), q_group_size =
 min(64, head_dim). It supports full-attention layers only: on a model with sliding-window layers
@@ -26,8 +28,11 @@ from typing import Any, Self
 
 # torch is imported inside the functions that use it: `lowbit eval`'s parser reads PEERS, and a
 # mistyped flag must not wait for torch
+# vLLM's KV dtypes as fake-quant rows (lowbit.eval.peers_vllm builds them; named here so the parser needs no torch)
+VLLM_PEERS = ("vllm-fp8", "vllm-fp8-calibrated", "vllm-int8-pth", "vllm-int4-pth", "vllm-tq-k8v4",
+              "vllm-tq-4bit-nc", "vllm-tq-k3v4-nc", "vllm-tq-3bit-nc")
 
-PEERS = ("hf-quanto-int2", "hf-quanto-int4", "hf-hqq-int2", "hf-hqq-int4", "kivi2", "kivi4")
+PEERS = ("hf-quanto-int2", "hf-quanto-int4", "hf-hqq-int2", "hf-hqq-int4", "kivi2", "kivi4") + VLLM_PEERS
 REFERENCE = "bf16"
 
 
@@ -70,7 +75,7 @@ class Entry:
     """One row of the evaluation.
 
     name:       the row label (scheme or peer name)
-    kind:       "reference" | "lowbit" | "hf-quantized"
+    kind:       "reference" | "lowbit" | "lowbit-peer" | "hf-quantized" | "vllm-peer"
     make_cache: model -> a fresh transformers Cache (one per window)
     account:    cache -> Accounting after a window
     quantizes:  True when the entry must quantize rows (zero quantized rows is a dead hook: abort)

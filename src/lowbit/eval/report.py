@@ -243,9 +243,10 @@ def write_markdown(report: dict, path) -> Path:
     return _atomic_write_text(Path(path), to_markdown(report))
 
 
-_KIND_COLORS = {"reference": "black", "lowbit": "tab:blue", "lowbit-peer": "tab:green", "hf-quantized": "tab:orange"}
+_KIND_COLORS = {"reference": "black", "lowbit": "tab:blue", "lowbit-peer": "tab:green", "hf-quantized": "tab:orange",
+                "vllm-peer": "tab:purple"}
 _KIND_LABELS = {"reference": "bf16 reference", "lowbit": "lowbit", "lowbit-peer": "KIVI-style (lowbit)",
-                "hf-quantized": "HF QuantizedCache"}
+                "hf-quantized": "HF QuantizedCache", "vllm-peer": "vLLM 0.26 KV dtype (fake-quant)"}
 
 
 NOISE_SE = 2.0  # a |ΔPPL| under this many standard errors is called within noise

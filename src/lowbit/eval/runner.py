@@ -114,7 +114,7 @@ def check_quantizes(schemes, peers, seq_len: int, ctx: int | None, model: str) -
     """Refuse, before loading anything, a window too short for a quantizing row to quantize any token:
     its sink + recent tiers (model dtype) would hold the whole window and the row would measure bf16."""
     rows = [(s.label, s.scheme, False) for s in schemes if s.scheme is not None]
-    rows += [(p, parse_kv_scheme(p), True) for p in peers if not p.startswith("hf-")]
+    rows += [(p, parse_kv_scheme(p), True) for p in peers if not p.startswith(("hf-", "vllm-"))]
     for label, sch, fixed in rows:
         # tokens leave the recent ring for the quantized middle a page at a time, once it holds recent + page
         need = sch.sink + sch.recent + sch.page
@@ -221,6 +221,10 @@ def build_entries(schemes, peers, geometry, recent: int):
     for p in peers:
         if p.startswith("hf-"):
             entries.append(hf_quantized_entry(p, geometry, recent))
+        elif p.startswith("vllm-"):  # vLLM 0.26's KV dtypes, fake-quant (lowbit.eval.peers_vllm)
+            from lowbit.eval.peers_vllm import vllm_entry
+
+            entries.append(vllm_entry(p, geometry))
         else:  # kivi2 / kivi4: fixed lowbit recipes, the shared flags do not apply
             entries.append(lowbit_entry(p, parse_kv_scheme(p), geometry, kind="lowbit-peer"))
     return entries
