@@ -251,9 +251,8 @@ def check_tokens(args) -> bool:
     got = json.loads(m.group(1))
     from transformers import AutoModelForCausalLM
 
-    from lowbit.kv import QuantizedKVCache
-    from lowbit.runtime.cache import cache_kwargs
     from lowbit.models.geometry import ModelGeometry
+    from lowbit.runtime.cache import QuantizedKVCache, cache_kwargs
     from lowbit.vllm_plugin import sidecar
 
     model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float16).cuda().eval()
