@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# lowbit's packed KV cache inside GPU vLLM 0.26 (issue 46), on the lent device. Run from the repository root.
+# lowbit's packed KV cache inside GPU vLLM 0.26, on the lent device (`lowbit bench vllm`). Run from the repository root.
 #
 #   bash scripts/vllm_gpu.sh check                     # ~3-5 min: kernels vs twins on the GPU, vLLM greedy tokens
-#   bash scripts/vllm_gpu.sh bench [bench args...]     # rows of benchmarks/vllm_gpu_bench.py (its --kvs, --batches, ...)
+#   bash scripts/vllm_gpu.sh bench [bench args...]     # rows of `lowbit bench vllm` (--kv-dtypes, --batch, ...)
 #   bash scripts/vllm_gpu.sh all                       # check, then the default bench
 #
 # vLLM must be importable from /tmp/site (the bundle of ../shared/tools/vllm-gpu-bundle.sh, installed by
@@ -11,14 +11,14 @@
 # entry point is written into /tmp/site (no pip). Every step has a timeout; each kv config of the bench runs in its
 # own process with its own timeout; rows accumulate in lowbit-results/vllm_gpu_<gpu>.json across calls
 # (copied to $OUT when set). A device call is at most 10 minutes: split the bench over calls, e.g.
-#   bash scripts/vllm_gpu.sh bench --kvs auto,fp8 --timeout 270 --total-budget 540
-#   bash scripts/vllm_gpu.sh bench --kvs lowbit-int2,lowbit-int4 --timeout 270 --total-budget 540
-#   bash scripts/vllm_gpu.sh bench --kvs int4_per_token_head,turboquant_3bit_nc --timeout 270 --total-budget 540
+#   bash scripts/vllm_gpu.sh bench --kv-dtypes lowbit-int2 --batch 1,16 --per-row-timeout 530 --budget-s 540
+#   bash scripts/vllm_gpu.sh bench --kv-dtypes auto,fp8,int4_per_token_head --batch 1,16 --per-row-timeout 175
+#   bash scripts/vllm_gpu.sh bench --kv-dtypes lowbit-int2 --batch 16 --profile      # where the step's time goes
 set -uo pipefail
 cd "$(dirname "$0")/.."
 mode=${1:-all}
 shift || true
-SITE=${LOWBIT_VLLM_SITE:-/tmp/site}
+SITE=/tmp/site  # where /root/vparts/install.sh puts the bundle
 export PYTHONUNBUFFERED=1 VLLM_USE_FLASHINFER_SAMPLER=0 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD/src:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 PY=${PYTHON:-python3}
@@ -44,12 +44,12 @@ mkdir -p "$SITE" 2>/dev/null
 rc=0
 if [ "$mode" = check ] || [ "$mode" = all ]; then
   say "check"
-  timeout 540 "$PY" benchmarks/vllm_gpu_bench.py --check --site "$SITE" "$@"; r=$?
+  timeout 540 "$PY" -m lowbit bench vllm --check --site "$SITE" "$@"; r=$?
   say "check rc $r"; [ $r -ne 0 ] && rc=$r
 fi
 if [ "$mode" = bench ] || [ "$mode" = all ]; then
   say "bench $*"
-  timeout 590 "$PY" benchmarks/vllm_gpu_bench.py --site "$SITE" "$@"; r=$?
+  timeout 590 "$PY" -m lowbit bench vllm --length 32k --site "$SITE" "$@"; r=$?
   say "bench rc $r"; [ $r -ne 0 ] && rc=$r
 fi
 if [ -n "${OUT:-}" ]; then

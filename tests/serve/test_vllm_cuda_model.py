@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from lowbit.core.errors import LowbitError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128, "intermediate_size": 256,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
@@ -78,7 +75,7 @@ def test_decide_cuda_series():
 
 
 def test_bench_export_dir(tmp_path):
-    import vllm_gpu_bench as b
+    from lowbit.tools.bench import vllm_gpu as b
 
     d = b.make_export(tmp_path / "x", b.LLAMA3_8B, "lowbit-int2")
     assert (d / "lowbit_kv.json").is_file() and (d / "config.json").is_file()

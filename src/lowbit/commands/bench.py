@@ -50,13 +50,25 @@ def _ints(s: str) -> tuple[int, ...]:
 
 
 def add_arguments(parser) -> None:
-    parser.add_argument("what", choices=["decode-attention", "decode", "serve-engine", "gemm", "images"],
+    parser.add_argument("what", choices=["decode-attention", "decode", "serve-engine", "gemm", "images", "vllm"],
                         help="decode-attention: the kernel vs SDPA flash; decode: end-to-end decode steps "
                              "(transformers eager / compiled bf16, lowbit runtime bf16 / int4 / int2); serve-engine: "
                              "the continuous-batching engine in-process at --concurrency levels; gemm: the weight "
                              "GEMMs (W4A16/W8A16/W8A8/W4A8) vs cuBLAS bf16 over the audit's M sweep; images: the "
                              "diffusion capacity matrix (--batch x --resolution x checkpoint, each cell gated; CPU "
-                             "or --device cuda)")
+                             "or --device cuda); vllm: lowbit's KV backend inside vLLM vs vLLM's own --kv-cache-dtype "
+                             "paths on one GPU (capacity, decode ms/step, TTFT; each dtype in its own process)")
+    v = parser.add_argument_group("vllm (lowbit bench vllm; GPU vLLM 0.26.x)")
+    v.add_argument("--kv-dtypes", default=None, metavar="A,B,...",
+                   help="vllm: vLLM dtypes (auto, fp8, int4_per_token_head, turboquant_3bit_nc, ...) and lowbit-<scheme> "
+                        "rows (lowbit-int2, lowbit-int4) (default: all of them)")
+    v.add_argument("--gpu-mem", type=float, default=0.9, help="vllm: gpu_memory_utilization of every row (default 0.9)")
+    v.add_argument("--site", default=None, metavar="DIR",
+                   help="vllm: a --target directory vLLM was installed into; lowbit's vLLM entry point is written there")
+    v.add_argument("--per-row-timeout", type=int, default=540, help="vllm: seconds per dtype's process (default 540)")
+    v.add_argument("--check", action="store_true",
+                   help="vllm: correctness only (kernels vs their twins on the GPU, vLLM greedy tokens vs lowbit's runtime)")
+    v.add_argument("--profile", action="store_true", help="vllm: print the top CUDA kernels of one timed decode run")
     g = parser.add_argument_group("images (lowbit bench images)")
     g.add_argument("--model", default=None, help="images: the unquantized diffusers pipeline directory")
     g.add_argument("--checkpoints", default=None, metavar="DIR1,DIR2", help="images: quantized pipeline directories")
@@ -172,7 +184,7 @@ def write_new(path: Path, res: dict) -> None:
 def run(args) -> int:
     import torch
 
-    if args.out:
+    if args.out and args.what != "vllm":  # bench vllm adds its rows to --out across device calls
         resolve_out(args.out, args.what, "")  # refuse an existing file before anything else
     if args.what == "gemm":
         from lowbit.tools.bench import gemm as weight_bench
@@ -192,6 +204,10 @@ def run(args) -> int:
         return _images(args)
     if not torch.cuda.is_available():
         raise LowbitError(f"bench {args.what} needs a CUDA GPU (it times GPU kernels against their bf16 baselines)")
+    if args.what == "vllm":
+        from lowbit.tools.bench import vllm_gpu
+
+        return vllm_gpu.main(_vllm_argv(args))
     if args.what == "gemm":
         path = resolve_out(args.out, "gemm", torch.cuda.get_device_name(0))
         if args.candidates:
@@ -273,3 +289,18 @@ def _images(args) -> int:
     write_new(path, res)
     print(f"wrote {path}")
     return 0
+
+
+def _vllm_argv(args) -> list[str]:
+    """`lowbit bench vllm` flags -> the arguments of lowbit.tools.bench.vllm_gpu (one length; batches as given)."""
+    lengths = _ints(args.length)
+    if len(lengths) != 1:
+        raise LowbitError(f"bench vllm takes one --length (e.g. --length 32k), got {args.length!r}")
+    argv = ["--L", str(lengths[0]), "--batches", ",".join(map(str, _ints(args.batch))),
+            "--gpu-mem", str(args.gpu_mem), "--timeout", str(args.per_row_timeout)]
+    for flag, val in (("--kvs", args.kv_dtypes), ("--site", args.site), ("--out", args.out)):
+        if val:
+            argv += [flag, str(val)]
+    if args.budget_s:
+        argv += ["--total-budget", str(int(args.budget_s))]
+    return argv + (["--check"] if args.check else []) + (["--profile"] if args.profile else [])

@@ -1,7 +1,7 @@
 """lowbit's packed KV cache inside GPU vLLM 0.26 against vLLM's own KV dtypes, on one card (issue 46).
 
-    python benchmarks/vllm_gpu_bench.py [--L 32768] [--batches 1,16,64] [--kvs auto,fp8,...] [--gpu-mem 0.9]
-    python benchmarks/vllm_gpu_bench.py --check          # quick GPU correctness: kernels vs twins, vLLM tokens
+    lowbit bench vllm [--length 32k] [--batch 1,16,64] [--kv-dtypes auto,fp8,...] [--gpu-mem 0.9] [--site DIR]
+    lowbit bench vllm --check          # quick GPU correctness: kernels vs twins, vLLM greedy tokens
 
 Every kv config runs in its own subprocess with a timeout (one failure or hang costs one row, never the run):
 a random-weight Llama-3-8B geometry (load_format="dummy", an export directory holding config.json and, for
@@ -10,7 +10,7 @@ Per batch B: B distinct random prompts of L tokens are prefilled once (one token
 decode is timed as (time of B requests x (1 + N) tokens - time of B x 1 token) / (N - 1 ... ) steps over the
 cached prompts, so prefill is out of the difference. KV capacity is vLLM's own num_gpu_blocks x block_size.
 A batch that does not fit (B x (L + N + 16) > capacity) is a row with fits=false. TTFT: the B=1 cold prefill.
-Writes lowbit-results/vllm_gpu_<gpu>.json (curated copies go to results/vllm/) and prints a table with ratios vs fp8 and bf16 (auto).
+Writes ./lowbit-results/vllm_gpu_<gpu>.json (or --out; curated copies go to results/vllm/) and prints a table with ratios vs fp8 and bf16 (auto).
 """
 
 from __future__ import annotations
@@ -24,7 +24,12 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from lowbit.kv.scheme import load_recipe, parse_kv_scheme
+from lowbit.models.geometry import ModelGeometry
+from lowbit.vllm_plugin import sidecar
+
+# the directory holding the lowbit package: the children vLLM starts import lowbit from there
+PKG_PARENT = Path(__file__).resolve().parents[3]
 LLAMA3_8B = {
     "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
     "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
@@ -55,10 +60,6 @@ def make_export(directory: Path, config: dict, kv: str, name: str = "llama3-8b-g
     if kv.startswith("lowbit-"):
         from transformers import AutoConfig
 
-        from lowbit.models.geometry import ModelGeometry
-        from lowbit.kv.scheme import load_recipe, parse_kv_scheme
-        from lowbit.vllm_plugin import sidecar
-
         spec, *opts = kv[len("lowbit-"):].split(":")  # e.g. lowbit-int4:sink=4:recent=16
         kw = {k: int(v) for k, v in (o.split("=") for o in opts)}
         scheme = load_recipe(spec) if spec.endswith(".toml") else parse_kv_scheme(spec, page=1, **kw)
@@ -85,10 +86,6 @@ def run_one(cfg: dict) -> dict:
     """Runs in its own process: one kv dtype, the batches in turn. Prints RESULT <json> per row."""
     import random
 
-    if os.environ.get("LOWBIT_BENCH_SELFTEST") == "hang":  # the parent's timeout path, tested without a GPU
-        print("RESULT " + json.dumps({"kv": cfg["kv"], "B": cfg["batches"][0], "fits": False, "note": "selftest"}))
-        print("a line without its end", end="", flush=True)
-        time.sleep(3600)
     from vllm import LLM, SamplingParams
 
     kv = cfg["kv"]
@@ -162,7 +159,6 @@ def check(args) -> int:
     lowbit's own runtime (HF model + QuantizedKVCache) on a tiny random model saved to disk."""
     import torch
 
-    from lowbit.kv.scheme import parse_kv_scheme
     from lowbit.vllm_plugin.cuda_kernels import paged_attention, paged_attention_ref, tiles_for
     from lowbit.vllm_plugin.cuda_write import write
     from lowbit.vllm_plugin.slot import SlotFormat
@@ -251,9 +247,7 @@ def check_tokens(args) -> bool:
     got = json.loads(m.group(1))
     from transformers import AutoModelForCausalLM
 
-    from lowbit.models.geometry import ModelGeometry
     from lowbit.runtime.cache import QuantizedKVCache, cache_kwargs
-    from lowbit.vllm_plugin import sidecar
 
     model = AutoModelForCausalLM.from_pretrained(base, torch_dtype=torch.float16).cuda().eval()
     geometry = ModelGeometry.from_config(model.config, name="tiny-llama")
@@ -277,7 +271,7 @@ def child_env(args) -> dict:
     env.setdefault("PYTHONUNBUFFERED", "1")
     env.setdefault("VLLM_USE_FLASHINFER_SAMPLER", "0")
     env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine in-process: its cache config is readable
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src")] + ([args.site] if args.site else [])
+    env["PYTHONPATH"] = os.pathsep.join([str(PKG_PARENT)] + ([args.site] if args.site else [])
                                         + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
     return env
 
@@ -319,7 +313,7 @@ def card() -> str:
 
 def git(*a) -> str:
     try:
-        return subprocess.run(["git", *a], check=False, capture_output=True, text=True, cwd=ROOT, timeout=30).stdout.strip()
+        return subprocess.run(["git", *a], check=False, capture_output=True, text=True, timeout=30).stdout.strip()
     except Exception:  # noqa: BLE001
         return ""
 
@@ -352,7 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--chunk", type=int, default=8192, help="max_num_batched_tokens (prefill chunk)")
     ap.add_argument("--timeout", type=int, default=540, help="seconds per kv config (its own process)")
     ap.add_argument("--total-budget", type=int, default=1080, help="stop starting configs after this many seconds")
-    ap.add_argument("--site", default=os.environ.get("LOWBIT_VLLM_SITE", "/tmp/site"),
+    ap.add_argument("--site", default=None,
                     help="site dir where vLLM is installed: lowbit's entry point is written there")
     ap.add_argument("--export-root", default="/tmp/lowbit_vllm_exports")
     ap.add_argument("--out", default=None)
@@ -365,14 +359,13 @@ def main(argv=None) -> int:
     if args.one:
         run_one(json.loads(args.one))
         return 0
-    sys.path.insert(0, str(ROOT / "src"))
     log(ensure_entry_point(args.site if args.site and Path(args.site).is_dir() else None))
     if args.check:
         return check(args)
     batches = [int(b) for b in args.batches.split(",")]
     kvs = [k.strip() for k in args.kvs.split(",") if k.strip()]
     gpu = card()
-    env = {"command": " ".join([Path(sys.argv[0]).name, *(argv if argv is not None else sys.argv[1:])]),
+    env = {"command": " ".join(["lowbit bench vllm", *(argv if argv is not None else sys.argv[1:])]),
            "git_commit": git("rev-parse", "HEAD"), "dirty": bool(git("status", "--porcelain")),
            "versions": versions(), "card": gpu, "gpu_memory_utilization": args.gpu_mem, "L": args.L,
            "steps": args.steps, "prefill_chunk": args.chunk, "kvs": kvs, "batches": batches}
@@ -473,7 +466,7 @@ def main(argv=None) -> int:
 def write_results(args, env, rows, gpu) -> Path:
     """The results file; rows of kv configs this run did not touch are kept (one table over several calls)."""
     slug = re.sub(r"[^a-z0-9]+", "_", gpu.split(",")[0].lower()).strip("_") or "gpu"
-    out = Path(args.out) if args.out else ROOT / "lowbit-results" / f"vllm_gpu_{slug}.json"
+    out = Path(args.out) if args.out else Path.cwd() / "lowbit-results" / f"vllm_gpu_{slug}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     mine = {r["kv"] for r in rows}
     kept, runs = [], []
