@@ -15,6 +15,7 @@ from typing import Generic, TypeVar
 import pytest
 import torch
 
+from lowbit.core.errors import LowbitError
 from lowbit.kernels.attention.common import interpreted
 
 cpu_only = pytest.mark.skipif(not interpreted(), reason="kernels imported without TRITON_INTERPRET=1")
@@ -25,7 +26,8 @@ TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_si
 M = TypeVar("M")
 
 
-def _fake_vllm(monkeypatch, config):
+def _fake_vllm(monkeypatch, config, tp=None):
+    """Stand-ins for the vLLM 0.26 names the backend imports; tp: (world size, rank) of a tensor-parallel group."""
     class AttentionCGSupport(Enum):
         ALWAYS = 3
         UNIFORM_BATCH = 2
@@ -53,9 +55,14 @@ def _fake_vllm(monkeypatch, config):
         m = types.ModuleType(name)
         m.__dict__.update(kw)
         monkeypatch.setitem(sys.modules, name, m)
+        return m
 
     mod("vllm")
     mod("vllm.config", get_current_vllm_config=lambda: config)
+    mod("vllm.distributed")
+    ps = mod("vllm.distributed.parallel_state", model_parallel_is_initialized=lambda: tp is not None,
+             get_tensor_model_parallel_world_size=lambda: tp[0], get_tensor_model_parallel_rank=lambda: tp[1])
+    sys.modules["vllm.distributed"].parallel_state = ps
     mod("vllm.v1")
     mod("vllm.v1.attention")
     mod("vllm.v1.attention.backend", AttentionBackend=AttentionBackend, AttentionCGSupport=AttentionCGSupport,
@@ -148,3 +155,23 @@ def test_builder_and_impl_match_exact_attention(tmp_path, monkeypatch):
             want = _exact(q.view(T, Hq, D)[a:b], hist_k[r], hist_v[r], G, D ** -0.5)
             err = (out[a:b].float() - want).abs().max().item()
             assert err < 3e-2, f"step {step} request {r}: max abs err {err}"
+
+
+@cpu_only
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_tensor_parallel_rank_takes_its_share_of_kv_heads(tmp_path, monkeypatch, rank):
+    d = _export(tmp_path)
+    cfg = types.SimpleNamespace(
+        model_config=types.SimpleNamespace(model=str(d), dtype=torch.float16),
+        cache_config=types.SimpleNamespace(block_size=BS, num_gpu_blocks=NB, enable_prefix_caching=False),
+        scheduler_config=types.SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=256))
+    _fake_vllm(monkeypatch, cfg, tp=(2, rank))
+    from lowbit.vllm_plugin import cuda_backend as cb
+
+    cb.load.cache_clear()
+    layer = types.SimpleNamespace(layer_name="model.layers.1.self_attn.attn")
+    D = 32
+    fmt, rk, _, _ = cb.LowbitCudaImpl(3, D, D ** -0.5, 1)._layer_state(layer, torch.device("cpu"))  # 6 q, 2 KV, TP 2
+    assert rk.shape[-1] == D and fmt is not None
+    with pytest.raises(LowbitError, match=f"rank {rank} of 2"):  # the whole model's heads on one rank: refused
+        cb.LowbitCudaImpl(6, D, D ** -0.5, 2)._layer_state(layer, torch.device("cpu"))

@@ -64,6 +64,7 @@ from lowbit.core.errors import LowbitError
 from lowbit.vllm_plugin import cuda_kernels, cuda_write, sidecar
 from lowbit.vllm_plugin.cuda_model import CudaModel, load
 from lowbit.vllm_plugin.cuda_tiers import TierSlots, tier_blocks
+from lowbit.vllm_plugin.tp import kv_heads_for_rank, slice_heads
 
 log = logging.getLogger("lowbit.vllm_plugin")
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
@@ -230,12 +231,18 @@ class LowbitCudaImpl(AttentionImpl[LowbitCudaMetadata]):
                 raise LowbitError(f"cannot tell the layer index of {getattr(layer, 'layer_name', '')!r}")
             i = int(m.group(1))
             g = self.model.geometry.layers[i]
-            if (g.head_dim_k, g.num_kv_heads) != (self.head_size, self.num_kv_heads):
-                raise LowbitError(f"layer {i}: vLLM has {self.num_kv_heads} KV heads x {self.head_size} but the "
-                                  f"sidecar says {g.num_kv_heads} x {g.head_dim_k}; export again for this model")
+            tp_size, tp_rank = _tensor_parallel()
+            heads = kv_heads_for_rank(g.num_kv_heads, tp_size, tp_rank)  # this rank's KV heads, as vLLM splits them
+            if (g.head_dim_k, len(heads)) != (self.head_size, self.num_kv_heads):
+                raise LowbitError(f"layer {i}: vLLM has {self.num_kv_heads} KV heads x {self.head_size} on rank "
+                                  f"{tp_rank} of {tp_size} but the sidecar's {g.num_kv_heads} x {g.head_dim_k} give "
+                                  f"{len(heads)}; export again for this model")
             self._layer = i
             self.fmt = self.model.layer_formats[i]
-            rk, rv = self.model.rotations[i]
+            # per-KV-head rotations [H, D, D] are sliced to the rank's heads (one export serves every rank);
+            # a per-layer [D, D] rotation is the same on every rank
+            rk, rv = (r if r is None or r.dim() == 2 else slice_heads(r, g.num_kv_heads, tp_size, tp_rank)
+                      for r in self.model.rotations[i])
             prep = (lambda r: None if r is None else r.to(device=device, dtype=torch.float32).contiguous())
             self._dev = {"rk": prep(rk), "rv": prep(rv),
                          "rvT": None if rv is None else prep(rv.transpose(-1, -2))}
@@ -418,3 +425,12 @@ def install() -> None:
 
         get_kv_cache_spec.lowbit_wrapped = True
         cls.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _tensor_parallel() -> tuple[int, int]:
+    """(world size, rank) of vLLM's tensor-parallel group; (1, 0) before vLLM set one up (a single process)."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 1, 0
+    return ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
