@@ -2,7 +2,7 @@
 
 Results go to `--out`, by default `lowbit-results/<benchmark>_<gpu>.json` under the current working
 directory (never beside the package's source), and are never overwritten: a path that exists is refused
-before any GPU time is spent. Curated results are copied into benchmarks/results/ by hand.
+before any GPU time is spent. Curated results are copied into results/ by hand (RESULTS.md cites them).
 """
 
 from __future__ import annotations

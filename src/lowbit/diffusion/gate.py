@@ -29,7 +29,7 @@ the run's own reference images). From the unquantized model's images over the ev
              by classes whose samples barely depend on the seed (near-identical images, 30+ dB apart), which
              says nothing about where broken images land.
 The DEFAULTS below are that rule applied to artifacts/dit-digits32 (classes 0-7 x seeds 0-3, 25 DDIM steps,
-guidance 2; see benchmarks/results/images/eval.json "calibration"), rounded outward.
+guidance 2; see results/images/eval.json "calibration"), rounded outward.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ Tier lengths at N come from `tier_tokens`, the integer twin of lowbit.kv.layer.Q
 update / flush / evict arithmetic (sink fills first, the ring flushes whole pages to the middle once
 it holds recent + page, sliding layers evict whole pages from the front); tests check it against a
 real cache fed the same chunks. This module is the one place held bits are computed: `lowbit tune`'s
-budget, `lowbit eval`'s bits_held and benchmarks/results/quality/summary.json all call it.
+budget, `lowbit eval`'s bits_held and results/quality/summary.json all call it.
 """
 
 from __future__ import annotations

@@ -31,7 +31,7 @@ Base rotation R_k / R_v: "hadamard", "none", or "fitted": per layer, the covaria
 calibration windows, summed over the layer's KV heads (one [D, D] per layer, so V's rotation still folds into
 the weights). Fitting K's rotation after the map matters: the map removes the offset and equalises the pairs,
 which changes the key's principal directions. (qwen2.5-coder-0.5b int2, stdlib 2 x 1024 fake-quant PPL: +0.89%
-with Hadamard, +0.13% fitted; benchmarks/results/quality/COMMANDS.md.)
+with Hadamard, +0.13% fitted; docs/DESIGN_NOTES.md.)
 
 On disk (lowbit.artifacts, class "generic", kind "kv-key-affine"):
     key_affine.safetensors    layers.{i}.scale, layers.{i}.shift  float32 [H_kv, D]  (mapped layers)

@@ -509,7 +509,7 @@ def _with_bits(t: TensorQuant, bits: int) -> TensorQuant:
     """`t` at other bits for a per-layer override: the grid that width gets by default (std at
     2 bits per token, min/max otherwise), keeping the axis and group. Lloyd-Max levels and clip
     ratios are not carried to another width: measured on the built-in models, both help at 2 bits
-    and hurt at 4 (benchmarks/results/rotations)."""
+    and hurt at 4 (results/rotations/TABLES.md)."""
     if bits == t.bits:
         return t
     if bits == 16:

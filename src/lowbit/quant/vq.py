@@ -14,7 +14,7 @@ element of codes: "2x16" and "4x256" are 2 bits, like int2, plus 8 or 16 scale b
 
 Why: at 2 bits a scalar grid spends its 4 levels per dimension; a 2-D or 4-D codebook places its cells
 where the rotated rows actually fall (CommVQ / residual-VQ family; s21 / s24 / s25 probes in
-benchmarks/results/quality). Codebooks are fitted by k-means on calibration rows (lowbit.calib.vq).
+RESULTS.md). Codebooks are fitted by k-means on calibration rows (lowbit.calib.vq).
 
 Index packing: 16 entries -> 4-bit indices in lowbit.quant.packing's "strided" layout (what the fused
 kernels read for 4-bit codes); 256 entries -> one byte per index.

@@ -40,7 +40,7 @@ _ROW_ALIGN = 64  # rows per (slot, head) rounded up so every head starts 64 rows
 # rows (all heads and batch slots together) up to which a traced rotation is a fused product-sum, not a GEMM
 # (_rot). Inductor makes the product-sum one reduction kernel with RoPE inlined, which saves a kernel at B = 1
 # (32 query rows of a Llama-3-8B layer), but it re-reads R per output element: at B = 16 (512 rows) that
-# kernel took 17 us a layer on the H200 (results/runtime/decode_e2e_B16_s15_NVIDIA_H200.log), where a GEMM
+# kernel took 17 us a layer on the H200 (git history: benchmarks/results/runtime/decode_e2e_B16_s15_NVIDIA_H200.log), where a GEMM
 # of [512, 128] x [128, 128] is a few us.
 _ROT_SUM_ROWS = 64
 
@@ -580,7 +580,7 @@ class StaticKVCache(Cache):
         keep = valid[0] if len(valid) == 1 else torch.cat(valid, 1)  # [B, N]
         if layer.kind == "dense" and not softcap and qg.is_cuda:
             # SDPA with a length mask (cudnn): 21 ms of the 28.7 ms step at B1 L32k but the faster of the two
-            # tried at B16 (batched GEMVs in bf16: 20.0 ms at B1, 50.0 ms at B16; benchmarks/NOTES.md)
+            # tried at B16 (batched GEMVs in bf16: 20.0 ms at B1, 50.0 ms at B16; docs/DESIGN_NOTES.md)
             o = torch.nn.functional.scaled_dot_product_attention(qg.to(K.dtype), K, V, attn_mask=keep[:, None, None, :],
                                                                  scale=scaling)
             return o.float()

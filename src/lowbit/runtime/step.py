@@ -155,7 +155,7 @@ def resolve_inductor_pdl(requested: bool | None, backend) -> bool:
     """Whether a compiled decode body uses Inductor's PDL codegen: `requested` True / False as asked (True without
     it is an error), None (the default) -> on exactly when the backend is Inductor and this torch has the option.
     Its GPU correctness test (tests/runtime/test_gpu_compiled.py) passed on the H200 (s15), and it shortened the
-    captured step there (W4A16 + int2 B=1 4.03 -> 3.60 ms, int2 B=16 10.22 -> 9.93 ms; benchmarks/NOTES.md)."""
+    captured step there (W4A16 + int2 B=1 4.03 -> 3.60 ms, int2 B=16 10.22 -> 9.93 ms; docs/DESIGN_NOTES.md)."""
     if requested is None:
         return backend == "inductor" and inductor_pdl_missing() is None
     if requested:
@@ -177,7 +177,7 @@ class CompiledDecode:
     (decode_in), one decoder layer (ModelStep.layer_forward, one compiled function for every layer) and the
     epilogue (decode_out); dynamo traces each layer (its index picks its cache tensors), but the layers' graphs
     are the same graph, so Inductor compiles one and its FX graph cache serves the rest: 22-84 s a bucket, 5.76-6.03
-    ms/step (benchmarks/results/runtime/decode_e2e_*_s19_*).
+    ms/step (results/runtime/decode_e2e_*_one_graph_NVIDIA_H200.json).
 
     Inductor fuses what the eager step runs as ~30 small kernels per layer (RMSNorm, RoPE, SiLU*mul,
     residual adds, casts, the cache writes); the fused decode kernel and packed-weight linears are

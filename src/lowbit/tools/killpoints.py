@@ -1,7 +1,7 @@
 """SIGKILL a real artifact writer at each point of its write and record what it leaves (issue #22).
 
     rows = kill_points(tmp_dir)   # [{"point", "before": [...], "after": [...], ...}] one per point
-    write_results(rows, "benchmarks/results/reliability/kill_points.json")
+    write_results(rows, "results/reliability/kill_points.json")
 
 The writer is a child `python -c` process running ArtifactWriter with its `on_point` hook: at each
 point it prints the point's name and blocks reading a line from its stdin (a pipe). The parent

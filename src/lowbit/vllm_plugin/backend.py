@@ -31,7 +31,7 @@ For a directory with the sidecar:
     once no future query can see them (paged.py). Sink tokens of a sliding layer are exact
     while inside the window and not attended after, as in lowbit's runtime (kv/layer.py); the
     recent tier is exact inside the window. Tested against lowbit's runtime on gemma3-270m
-    (benchmarks/results/serve/README.md).
+    (RESULTS.md, Serving).
 
 Per-layer bits (layer_bits): each layer encodes with its own bits, in a cell padded to the widest
 layer's (vLLM sizes one cell per KV cache group); the padding is logged and counted by vLLM.

@@ -537,7 +537,7 @@ class GeoConfig:
         if self.impl not in (None, "triton", "cuda"):
             raise LowbitError(f"GeoConfig.impl must be 'triton' or 'cuda', got {self.impl!r}")
         if self.impl == "cuda":
-            # the CUDA latent middle (H200, L32k, `results/geometry/decode_attention_latent_s22_call6_*`): 8 warps,
+            # the CUDA latent middle (H200, L32k, git history: `benchmarks/results/geometry/decode_attention_latent_s22_call6_*`): 8 warps,
             # one whole wave of 2 blocks a SM (tp8 B16 0.114 ms, B1 0.030; 128 heads B1 0.069); with many 128-head
             # blocks the 3-blocks-a-SM instance (4 warps, 2 stages; 128 heads B16 0.649 vs 0.664 for 4 warps at 2
             # a SM and 0.704 for 8). The dense tiers' Triton split resolves as below
@@ -570,7 +570,7 @@ class GeoConfig:
 
 def few_pairs(G: int, DV: int, shared: bool, pairs: int | None, dense_mid: bool) -> dict:
     """Launch fields for the MLA latent (shared, DV >= 512) with few (sequence, KV head) pairs, measured on an H200
-    at L32k (`results/geometry/geo_sweep_latent_by_batch_s17_NVIDIA_H200.json`, eight configs per cell; ms, the
+    at L32k (git history: `benchmarks/results/geometry/geo_sweep_latent_by_batch_s17_NVIDIA_H200.json`, eight configs per cell; ms, the
     choice vs the shape default): tp8 (16 heads) B1 int2 64-token tiles, 8 heads a program, q in registers 0.031 vs
     0.033, bf16 128 x 8 heads x 8 warps 0.042 vs 0.108; 128 heads B1 int2 128 x 16 x 8 warps 0.130 vs 0.135, B4
     int2 64 x 16 x 4 warps 0.347 vs 0.529. At B4 (tp8) and B16 the shape defaults were best. B2-B3 (128 heads) take
@@ -663,7 +663,7 @@ def default_impl(q, qp, vmid, mid_pe, bits, shared, dense_mid) -> str:
     """The middle's kernel when the caller names none: "cuda" for a packed MLA latent the CUDA kernel takes
     (lowbit.kernels.attention.latent_cuda.why_not is None: int2 512 + 64, bf16, 16-head blocks, nvcc and sm_80+), else
     "triton". On the H200 it was faster in every measured cell (tp8 B16 L32k 0.115 vs 0.204 ms, 128 heads B16
-    0.712 vs 1.183, B1 0.069 vs 0.132; tp8 B1 0.030 vs 0.031: `results/geometry/decode_attention_latent_cuda_s22_*`).
+    0.712 vs 1.183, B1 0.069 vs 0.132; tp8 B1 0.030 vs 0.031: git history: `benchmarks/results/geometry/decode_attention_latent_cuda_s22_*`).
     The choice is the launch's (GeoLaunch.config.impl)."""
     if not shared or dense_mid or vmid is None or q.device.type != "cuda":
         return "triton"

@@ -17,7 +17,7 @@ Structure (flash-decoding):
   stage 2  grid (B, Hq): merges the splits by log-sum-exp. Empty splits (no valid token) carry
            lse = -inf and weight 0; a sequence with no token at all gets zeros, never NaN.
 
-Why it is fast (the arithmetic is in benchmarks/NOTES.md):
+Why it is fast (the arithmetic is in docs/DESIGN_NOTES.md):
 - KV tokens are the M dimension of the QK dot ([BT tokens, D] x [D, HP heads]), so the G heads of a
   KV head are padded only to HP = max(8, pow2(G)) (the n8 of mma.m16n8k16), not to 16 rows.
 - Dequant is one AND per two codes: a 32-bit word of packed codes ANDed with a mask that keeps one
@@ -31,7 +31,7 @@ Why it is fast (the arithmetic is in benchmarks/NOTES.md):
   and cancel against the zero term (that cancellation cost 1.7e-3 of accuracy at 128k tokens).
 - Each warp keeps its own softmax state over its own tokens (a batched tl.dot whose batch is the
   warp), so the loop has no cross-warp reduction; warps merge once at the end of the program.
-Measured on an H200 (benchmarks/NOTES.md, run 7): int2 4.1x / int4 3.5x SDPA flash at B16 L32k,
+Measured on an H200 (docs/DESIGN_NOTES.md): int2 4.1x / int4 3.5x SDPA flash at B16 L32k,
 int2 3.3x at B1 L128k; latency-bound on each warp's dependency chains at 8-12 resident warps per SM
 (ncu: "wait" stalls lead, DRAM at ~50%), not bandwidth-bound. Capture decode in a CUDA graph: a Python call of the
 wrapper costs ~0.1 ms of host time.
@@ -460,7 +460,7 @@ def _stage1(
 # ----------------------------------------------------------------------------------------------
 # Python wrapper
 # ----------------------------------------------------------------------------------------------
-# Launch defaults per regime, measured on an H200 (benchmarks/NOTES.md, results/*.json).
+# Launch defaults per regime, measured on an H200 (docs/DESIGN_NOTES.md, results/kernels/).
 DEFAULTS = {
     # many pairs (>= 64, B8+ at 8 KV heads), head_dim <= 128, codes of <= 4 bits: two-warp programs of 32
     # tokens per warp, registers capped at 168, the split count picked with the dense-tier programs counted
@@ -485,7 +485,7 @@ class KernelConfig:
     warp_tokens: middle-tier tokens each warp takes per loop step (a step is num_warps *
     warp_tokens tokens); num_splits: middle-tier splits per (sequence, KV head); num_warps /
     num_stages / maxnreg: Triton's; dense_block: tokens per step on the dense tiers.
-    Precision of the PV product (benchmarks/NOTES.md): v_center subtracts the mid code so the MMA
+    Precision of the PV product (docs/DESIGN_NOTES.md): v_center subtracts the mid code so the MMA
     does not accumulate a large positive sum that later cancels against the zero term (needed for
     1e-3 at 128k tokens); p_hilo splits the operand p * v_scale into two fp16 parts."""
 
@@ -522,7 +522,7 @@ class KernelConfig:
         return (self.warp_tokens or 32) * (self.num_warps or 4)
 
 
-_PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 5, 8: 3}  # fallback when occupancy is unknown (run 2, benchmarks/NOTES.md)
+_PROGRAMS_PER_SM = {1: 8, 2: 6, 4: 5, 8: 3}  # fallback when occupancy is unknown (docs/DESIGN_NOTES.md)
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ A table written by `lowbit bench gemm --candidates ... --table` for one card (ta
 NVIDIA_H100_80GB_HBM3.json: shape cells chosen by measured time among humming, lowbit's kernels and dequantize +
 cuBLAS, then the capability's cells) is preferred to the capability's table.
 The cells for a capability with a table in tables/ (sm90.json: the H200) are the winners of the
-committed explorations (benchmarks/build_weight_table.py over benchmarks/results/weights/gemm_explore_*);
+committed explorations (benchmarks/build_weight_table.py over the explorations in git history, benchmarks/results/weights/gemm_explore_*);
 other devices get the generic cells. A kind with no cell
 left on a device is an error naming what exists, never a silent run on the twin.
 """

@@ -444,7 +444,7 @@ if triton is not None:
         """A16 with the operands swapped: acc^T [BN weight rows, BM activation rows] = W_tile @ x_tile^T.
         Grid (N / BN * M / BM, SPLIT_K), the row blocks of one weight tile adjacent (its second read is
         an L2 hit). UNPACK 2 pairs, else reshape/gather through _load_wtile (no split: measured 0.06-0.62x bf16 on the
-        H200, `benchmarks/results/weights/gemm_explore_swap_split_NVIDIA_H200.log`)."""
+        H200, git history: `benchmarks/results/weights/gemm_explore_swap_split_NVIDIA_H200.log`)."""
         pid = tl.program_id(0)
         pid_k = tl.program_id(1)
         num_m = tl.cdiv(M, BM)
