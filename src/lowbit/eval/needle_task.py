@@ -181,9 +181,10 @@ def heatmap_path(directory, label: str) -> Path:
 
 
 @torch.no_grad()
-def chunked_greedy(model, tokenizer, cache, prompt: str, max_new_tokens: int, chunk: int) -> tuple[str, int, list]:
+def chunked_greedy(model, tokenizer, cache, prompt: str, max_new_tokens: int, chunk: int,
+                   first_word: bool = True) -> tuple[str, int, list]:
     """Feed `prompt` through `cache` `chunk` tokens at a time, then greedy-decode one token per step
-    until the first answer word is complete (a space or newline after it), EOS, or max_new_tokens.
+    until EOS, max_new_tokens, or (first_word) the first answer word is complete (a space or newline after it).
     Returns (answer text, prompt tokens, new token ids)."""
     ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]  # [1, L]
     kw = {cache_kwarg(model): cache}
@@ -199,9 +200,10 @@ def chunked_greedy(model, tokenizer, cache, prompt: str, max_new_tokens: int, ch
         if nxt in eos:
             break
         out.append(nxt)
-        text = tokenizer.decode(out, skip_special_tokens=True)
-        if text.strip() and (len(text.split()) > 1 or text.rstrip() != text):
-            break
+        if first_word:
+            text = tokenizer.decode(out, skip_special_tokens=True)
+            if text.strip() and (len(text.split()) > 1 or text.rstrip() != text):
+                break
         if len(out) == max_new_tokens:
             break
         logits = model(input_ids=torch.tensor([[nxt]]), use_cache=True, logits_to_keep=1, **kw).logits

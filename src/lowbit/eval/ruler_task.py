@@ -28,9 +28,8 @@ from lowbit.core.errors import LowbitError
 from lowbit.eval import report as rep
 from lowbit.eval.harness import use_attention
 from lowbit.eval.needle import load_haystack
-from lowbit.eval.needle_task import parse_lengths
+from lowbit.eval.needle_task import chunked_greedy, parse_lengths
 from lowbit.eval.peers_vllm import held_bits as vllm_held
-from lowbit.eval.perplexity import cache_kwarg
 from lowbit.eval.plan import plan_peers, plan_schemes
 from lowbit.eval.report import versions
 from lowbit.eval.ruler import NEW_TOKENS, TASKS, Generator, mean_se, string_match_all
@@ -118,29 +117,6 @@ def check_ruler(o: RulerOptions):
     return schemes, peers, tasks, lengths
 
 
-@torch.no_grad()
-def chunked_generate(model, tokenizer, cache, prompt: str, max_new_tokens: int, chunk: int) -> tuple[str, int]:
-    """Prefill `prompt` through `cache` `chunk` tokens at a time, then greedy-decode one token per step
-    until EOS or max_new_tokens. Returns (generated text, prompt tokens)."""
-    ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=True)["input_ids"]
-    kw = {cache_kwarg(model): cache}
-    L = int(ids.shape[1])
-    logits = None
-    for s in range(0, L, chunk):
-        logits = model(input_ids=ids[:, s:s + chunk], use_cache=True, logits_to_keep=1, **kw).logits
-    eos = tokenizer.eos_token_id
-    eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) - {None}
-    out: list[int] = []
-    for i in range(max_new_tokens):
-        nxt = int(logits[0, -1].argmax())
-        if nxt in eos:
-            break
-        out.append(nxt)
-        if i + 1 < max_new_tokens:
-            logits = model(input_ids=torch.tensor([[nxt]]), use_cache=True, logits_to_keep=1, **kw).logits
-    return tokenizer.decode(out, skip_special_tokens=True), L
-
-
 def build_samples(tokenizer, haystack: str, tasks, lengths, trials: int, seed: int, new_tokens: int | None):
     gen = Generator(tokenizer, haystack, seed=seed)
     return [gen.sample(t, L, i, new_tokens) for t in tasks for L in lengths for i in range(trials)]
@@ -194,7 +170,7 @@ def run_ruler_eval(o: RulerOptions, console=None) -> dict:
             for s in samples:
                 cache = e.make_cache(model)
                 t = time.perf_counter()
-                text, _ = chunked_generate(model, tokenizer, cache, s.prompt, s.new_tokens, o.chunk)
+                text = chunked_greedy(model, tokenizer, cache, s.prompt, s.new_tokens, o.chunk, first_word=False)[0]
                 seconds[e.name] = seconds.get(e.name, 0.0) + time.perf_counter() - t
                 rows[e.name] = rows.get(e.name, 0) + e.account(cache).quantized_rows
                 preds.append(text)
